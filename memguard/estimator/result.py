@@ -1,0 +1,119 @@
+"""The :class:`Estimate` result and the byte formatting shared by every report."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+__all__ = ["Estimate", "format_bytes", "CATEGORIES"]
+
+#: Categories of a breakdown, in display order. The first six are live tensor bytes; the last two
+#: exist only for the CUDA target: bytes the caching allocator holds beyond live tensors at the
+#: peak, and cuBLAS/cuBLASLt workspaces.
+CATEGORIES = (
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "temporaries",
+    "inputs",
+    "allocator_overhead",
+    "workspace",
+)
+
+_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def format_bytes(n: int) -> str:
+    """Render a byte count with a binary unit, e.g. ``format_bytes(3 << 30) == '3.00 GiB'``."""
+    sign = "-" if n < 0 else ""
+    n = abs(int(n))
+    for unit, size in _UNITS:
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{n} B"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted memory of one steady-state training step.
+
+    Attributes:
+        peak_bytes: peak of one step on the target. CPU: live tensor bytes. CUDA: bytes reserved
+            by the caching allocator plus workspaces, CUDA context excluded.
+        breakdown: bytes per category at the moment of the peak; the values sum to
+            ``peak_bytes``. Keys: see :data:`CATEGORIES`.
+        context_bytes: CUDA context and library handles (0 on ``"cpu"``).
+        peak_phase: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"zero_grad"``.
+        allocated_peak_bytes: peak of live tensor bytes (``torch.cuda.max_memory_allocated``'s
+            counterpart); equals ``peak_bytes`` on CPU.
+        device, precision, zero_stage, world_size, gpu: the target that was estimated.
+        micro_batch_size: size of dim 0 of the batch that was traced.
+        activation_checkpointing: number of blocks memguard wrapped in checkpointing (0 = none
+            added by memguard; checkpointing the model already had is always honoured).
+        offload_optimizer: optimizer states counted on the host, not the device.
+        num_params, num_trainable_params: parameter counts (tied weights counted once).
+        model_state_bytes: params + grads + optimizer bytes per rank, the quantity DeepSpeed's
+            estimators report.
+        phase_peaks: the peak of live tensor bytes inside each phase.
+    """
+
+    peak_bytes: int
+    breakdown: Mapping[str, int]
+    context_bytes: int
+    peak_phase: str
+    allocated_peak_bytes: int
+    device: str
+    precision: str
+    zero_stage: int
+    world_size: int
+    gpu: str | None
+    micro_batch_size: int
+    activation_checkpointing: int = 0
+    offload_optimizer: bool = False
+    num_params: int = 0
+    num_trainable_params: int = 0
+    model_state_bytes: int = 0
+    phase_peaks: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "breakdown", MappingProxyType(dict(self.breakdown)))
+        object.__setattr__(self, "phase_peaks", MappingProxyType(dict(self.phase_peaks)))
+
+    @property
+    def total_bytes(self) -> int:
+        """``peak_bytes + context_bytes``: what ``nvidia-smi`` would show for the process."""
+        return self.peak_bytes + self.context_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; :meth:`from_dict` inverts it."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["breakdown"] = dict(self.breakdown)
+        d["phase_peaks"] = dict(self.phase_peaks)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Estimate":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def table(self) -> str:
+        """The breakdown as a small aligned table."""
+        rows = [(k, v) for k in CATEGORIES if (v := self.breakdown.get(k, 0))]
+        rows += [(k, v) for k, v in self.breakdown.items() if k not in CATEGORIES and v]
+        width = max([len(k) for k, _ in rows] + [len("peak")])
+        lines = [f"  {k:<{width}}  {format_bytes(v):>11}  {100 * v / max(self.peak_bytes, 1):5.1f}%" for k, v in rows]
+        lines.append(f"  {'peak':<{width}}  {format_bytes(self.peak_bytes):>11}  (during {self.peak_phase})")
+        if self.context_bytes:
+            lines.append(f"  {'+ context':<{width}}  {format_bytes(self.context_bytes):>11}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        target = self.gpu or self.device
+        head = (
+            f"Estimate: {format_bytes(self.peak_bytes)} peak on {target}, micro-batch {self.micro_batch_size}, "
+            f"{self.precision}, ZeRO-{self.zero_stage} x {self.world_size}"
+        )
+        return head + "\n" + self.table()
