@@ -1,0 +1,235 @@
+"""``memguard.estimate``: the peak memory of one training step, without a GPU."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, get_args
+
+import torch
+from torch import nn
+
+from memguard.errors import ConfigError
+from memguard.estimator.analysis import scaled_events, scan
+from memguard.estimator.result import Estimate
+from memguard.estimator.sharding import model_state_factors
+from memguard.estimator.trace import trace_step
+
+__all__ = ["estimate", "Precision", "Device", "PRECISIONS", "check_common"]
+
+Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
+Device = Literal["cuda", "cpu"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+#: precision -> (parameter dtype, autocast dtype, loss scaling); Lightning's precision names.
+_PRECISION = {
+    "32-true": (None, None, False),
+    "16-mixed": (None, torch.float16, True),
+    "bf16-mixed": (None, torch.bfloat16, False),
+    "16-true": (torch.float16, None, False),
+    "bf16-true": (torch.bfloat16, None, False),
+}
+
+
+def check_common(
+    *, precision: Any = "32-true", zero_stage: Any = 0, world_size: Any = 1, device: Any = "cuda", problems: list[str]
+) -> None:
+    """Append a sentence to ``problems`` for each invalid target argument."""
+    if precision not in _PRECISION:
+        problems.append(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    if not (isinstance(zero_stage, int) and 0 <= zero_stage <= 3):
+        problems.append(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+    if not (isinstance(world_size, int) and world_size >= 1):
+        problems.append(f"world_size={world_size!r} must be an integer >= 1 (the number of data-parallel ranks)")
+    if device not in ("cuda", "cpu"):
+        problems.append(f"device={device!r} must be 'cuda' or 'cpu'")
+
+
+def _unwrap(model: Any) -> Any:
+    # DistributedDataParallel, DataParallel and similar keep the real model in .module
+    while isinstance(model, nn.Module) and hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """Dim 0 of the first tensor in ``batch`` (a tensor or a tuple/list/dict of them)."""
+    from torch.utils._pytree import tree_flatten
+
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
+
+
+def estimate(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    device: Device = "cuda",
+    precision: Precision = "32-true",
+    zero_stage: int = 0,
+    world_size: int = 1,
+    gpu: str | None = None,
+    activation_checkpointing: int | bool = 0,
+    grad_accum_steps: int = 1,
+    offload_optimizer: bool = False,
+) -> Estimate:
+    """Predict the peak memory of one steady-state training step.
+
+    The step is forward, loss, backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``,
+    traced on fake tensors: the model is never moved, mutated or really allocated, and the global
+    RNG state is left as it was. Build large models on the ``meta`` device.
+
+    Args:
+        model: the model, on any device (``meta`` included). A DDP wrapper is unwrapped.
+        batch: one example micro-batch: a tensor or a tuple/list/dict of tensors, batch dim 0.
+        optimizer: an optimizer instance (its class and hyperparameters are reused), a callable
+            ``params -> Optimizer``, or None for ``torch.optim.AdamW``.
+        loss_fn: ``loss_fn(model, batch) -> scalar``; None calls the model with the batch and uses
+            ``output.loss`` or a scalar output.
+        device: the target, ``"cuda"`` or ``"cpu"``.
+        precision: Lightning's names: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
+            ``"16-true"``, ``"bf16-true"``.
+        zero_stage: DeepSpeed ZeRO stage 0-3; model states per rank follow DeepSpeed's estimators.
+        world_size: data-parallel ranks (DDP gradient buckets are added when > 1 without ZeRO).
+        gpu: a catalog name (see ``memguard.estimator.gpus``) for the CUDA target's constants;
+            None uses the current device if there is one, else generic constants.
+        activation_checkpointing: checkpoint this many of the model's repeated blocks (True: all).
+        grad_accum_steps: > 1 means gradients are already allocated when a micro-batch starts.
+        offload_optimizer: ZeRO-Offload: optimizer state lives in host memory.
+
+    Returns:
+        An :class:`~memguard.Estimate`.
+
+    Raises:
+        ConfigError: invalid arguments (all listed at once), or a model/batch/loss that cannot be
+            traced (the message says which call failed and how to pass ``loss_fn``).
+
+    Known limitations:
+        On a machine without a GPU the CUDA target is traced on CPU fake tensors: autocast
+        follows CUDA's op lists through memguard's emulation, attention follows the CPU's fused
+        kernels (the same O(sequence) memory as CUDA's flash/memory-efficient kernels), and
+        kernel-internal workspaces other than cuBLAS's are not counted.
+    """
+    problems: list[str] = []
+    check_common(precision=precision, zero_stage=zero_stage, world_size=world_size, device=device, problems=problems)
+    if not isinstance(model, nn.Module):
+        problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    model = _unwrap(model)
+    micro = batch_size_of(batch)
+    if micro is None:
+        problems.append(
+            "batch must be a tensor or a tuple/list/dict holding at least one tensor with a batch "
+            f"dimension, got {type(batch).__name__}"
+        )
+    if isinstance(model, nn.Module) and not any(p.requires_grad for p in model.parameters()):
+        problems.append("the model has no trainable parameters (every parameter has requires_grad=False)")
+    if not (isinstance(grad_accum_steps, int) and grad_accum_steps >= 1):
+        problems.append(f"grad_accum_steps={grad_accum_steps!r} must be an integer >= 1")
+    if offload_optimizer and zero_stage == 0:
+        problems.append("offload_optimizer=True needs zero_stage >= 1 (ZeRO-Offload)")
+    spec = None
+    if device == "cuda":
+        from memguard.estimator.gpus import GENERIC, current_gpu, get_gpu
+
+        try:
+            spec = get_gpu(gpu) if gpu is not None else (current_gpu() or GENERIC)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    elif gpu is not None:
+        problems.append(f"gpu={gpu!r} only applies to device='cuda'; drop it or set device='cuda'")
+    if problems:
+        raise ConfigError(problems)
+
+    blocks = activation_checkpointing
+    if blocks is True:
+        blocks = 1 << 30
+    param_dtype, autocast_dtype, loss_scale = _PRECISION[precision]
+    trace = trace_step(
+        model,
+        batch,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        param_dtype=param_dtype,
+        autocast_dtype=autocast_dtype,
+        loss_scale=loss_scale,
+        foreach=True if device == "cuda" else None,  # torch.optim defaults to foreach on CUDA tensors
+        checkpoint_blocks=int(blocks or 0),
+        grads_present=grad_accum_steps > 1,
+        cuda_autocast=device == "cuda",
+    )
+    from memguard.estimator.blocks import find_blocks
+
+    checkpointed = min(int(blocks or 0), len(find_blocks(model)))
+
+    # Model-state sharding: factors from the bytes each category holds in the trace.
+    totals = _category_totals(trace)
+    factors = model_state_factors(
+        zero_stage=zero_stage,
+        world_size=world_size,
+        traced_params=totals.get("params", 0),
+        traced_grads=totals.get("grads", 0),
+        traced_optimizer=totals.get("optimizer", 0),
+        num_params=trace.num_params,
+        num_trainable=trace.num_trainable_params,
+        largest_layer=trace.largest_block_params,
+        sixteen_bit=precision != "32-true",
+        offload_optimizer=offload_optimizer,
+    )
+    extra = {"grads": factors.extra_grads, "params": factors.extra_params}
+    timeline = scan(trace, factors.as_dict(), extra)
+    breakdown = dict(timeline.breakdown)
+    peak_phase = trace.phase_of(timeline.peak_index)
+    allocated_peak = timeline.peak_bytes
+    context = 0
+    peak = timeline.peak_bytes
+    if device == "cuda":
+        from memguard.estimator.cuda import cublas_workspace_bytes, simulate
+
+        events = [(h, n) for h, n in scaled_events(trace, factors.as_dict()) if n]
+        constant = sum(extra.values())
+        sim = simulate(events)
+        workspace = cublas_workspace_bytes(spec.compute_capability)
+        reserved = sim.peak_reserved + _round_up(constant, 2 << 20)  # constant buffers: own 2 MiB-rounded segments
+        breakdown["allocator_overhead"] = max(0, reserved - timeline.peak_bytes)
+        breakdown["workspace"] = workspace
+        peak = sum(breakdown.values())
+        allocated_peak = sim.peak_allocated + constant
+        context = spec.context_bytes
+    model_state = sum(breakdown.get(c, 0) for c in ("params", "grads", "optimizer"))
+    return Estimate(
+        peak_bytes=int(peak),
+        breakdown={k: int(v) for k, v in breakdown.items() if k},
+        context_bytes=int(context),
+        peak_phase=peak_phase,
+        allocated_peak_bytes=int(allocated_peak),
+        device=device,
+        precision=precision,
+        zero_stage=zero_stage,
+        world_size=world_size,
+        gpu=spec.name if spec is not None else None,
+        micro_batch_size=int(micro or 0),
+        activation_checkpointing=checkpointed,
+        offload_optimizer=offload_optimizer,
+        num_params=trace.num_params,
+        num_trainable_params=trace.num_trainable_params,
+        model_state_bytes=int(model_state),
+        phase_peaks=timeline.phase_peaks,
+    )
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to if n else 0
+
+
+def _category_totals(trace) -> dict[str, int]:
+    """Largest live bytes each category reaches (params/optimizer at rest, grads after backward)."""
+    live: dict[str, int] = {}
+    best: dict[str, int] = {}
+    for handle, nbytes in trace.events:
+        c = trace.category[handle]
+        live[c] = live.get(c, 0) + nbytes
+        if live[c] > best.get(c, 0):
+            best[c] = live[c]
+    return best

@@ -1,0 +1,90 @@
+"""Finding a model's repeated blocks and wrapping them in activation checkpointing.
+
+One mechanism serves the estimator (on its private copy of the model) and the guard (on the
+user's model): :func:`apply_activation_checkpointing` overrides ``forward`` on the first
+``num_blocks`` blocks with a non-reentrant :func:`torch.utils.checkpoint.checkpoint` call and
+returns a function that undoes it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["find_blocks", "apply_activation_checkpointing", "hidden_size"]
+
+_MARK = "_memguard_checkpointed"
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the longest ``nn.ModuleList``/``nn.Sequential`` of ≥ 2 children
+    of one class (transformer layers, ResNet stages' blocks), preferring more parameters on ties.
+
+    Returns an empty list when the model has no repeated structure.
+    """
+    best: list[nn.Module] = []
+    best_key = (0, 0)
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(container.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        if not any(True for _ in children[0].parameters()):
+            continue
+        key = (len(children), sum(p.numel() for p in children[0].parameters()))
+        if key > best_key:
+            best, best_key = children, key
+    return best
+
+
+def apply_activation_checkpointing(model: nn.Module, num_blocks: int) -> Callable[[], None]:
+    """Checkpoint the first ``num_blocks`` repeated blocks of ``model`` (see :func:`find_blocks`).
+
+    Non-reentrant checkpointing keeps only each block's inputs and recomputes the rest in
+    backward. Blocks already wrapped by memguard are left alone.
+
+    Returns:
+        A function that restores the original ``forward`` of every block wrapped here.
+    """
+    wrapped: list[nn.Module] = []
+    for block in find_blocks(model)[: max(0, num_blocks)]:
+        if getattr(block, _MARK, False):
+            continue
+        original = block.forward
+
+        @functools.wraps(original)
+        def forward(*args, __original=original, **kwargs):
+            if not torch.is_grad_enabled():
+                return __original(*args, **kwargs)
+            return checkpoint(__original, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        setattr(block, _MARK, True)
+        wrapped.append(block)
+
+    def undo() -> None:
+        for block in wrapped:
+            block.__dict__.pop("forward", None)
+            block.__dict__.pop(_MARK, None)
+
+    return undo
+
+
+def hidden_size(model: nn.Module) -> int | None:
+    """The model's hidden size: ``config.hidden_size`` (or ``d_model``/``n_embd``) when the model
+    has an HF-style config, else the most common ``in_features`` of its Linear layers."""
+    config = getattr(model, "config", None)
+    for name in ("hidden_size", "d_model", "n_embd", "dim"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    counts: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            counts[m.in_features] = counts.get(m.in_features, 0) + 1
+    return max(counts, key=lambda k: (counts[k], k)) if counts else None

@@ -1,0 +1,396 @@
+"""Trace one training step on fake tensors and record every storage allocation and free.
+
+How it works: the model is deep-copied with every parameter and buffer replaced by a fake
+tensor of the same shape and dtype (``FakeTensorMode``: shapes and dtypes are real, memory is
+not), so the user's model is never moved, mutated or really allocated. A fresh optimizer of the
+user's class runs one warm-up step on zero gradients to create its lazily built state. Then one
+real step (forward, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``) runs under a
+``TorchDispatchMode`` that sees every ATen op's outputs below autograd; each new storage is an
+allocation, and a weak reference on it records the free when the last tensor using it dies.
+The result is an exact, ordered list of allocations and frees of tensor storages, which the
+analysis (``memguard.estimator.analysis``) turns into a peak and a breakdown.
+
+Known limitations:
+    Memory that kernels allocate internally without creating a tensor (oneDNN scratchpads,
+    cuDNN/cuBLAS workspaces) is invisible here; CUDA workspaces are added by the device model.
+    Data-dependent ops (``nonzero``, boolean masking) get symbolic sizes from fake tensors; the
+    trace then assumes the upper bound where PyTorch gives one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from memguard.errors import ConfigError
+
+__all__ = ["Trace", "trace_step", "default_loss", "PHASES"]
+
+PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
+
+
+@dataclass
+class Trace:
+    """What one traced step allocated, in order.
+
+    Attributes:
+        events: ``(handle, signed_bytes)`` in time order: ``+n`` allocates storage ``handle`` of
+            ``n`` bytes, ``-n`` frees it.
+        sizes: bytes of each handle (its last size).
+        category: the category of each handle (see ``memguard.estimator.result.CATEGORIES``).
+        phase_starts: index into ``events`` where each phase of :data:`PHASES` begins.
+        num_params, num_trainable_params, largest_block_params: parameter counts.
+        param_bytes_by_dtype: bytes of unique parameters per dtype itemsize (for sharding).
+    """
+
+    events: list[tuple[int, int]] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    category: list[str] = field(default_factory=list)
+    phase_starts: dict[str, int] = field(default_factory=dict)
+    num_params: int = 0
+    num_trainable_params: int = 0
+    largest_block_params: int = 0
+    trainable_param_bytes: int = 0
+
+    def phase_of(self, index: int) -> str:
+        """The phase that event ``index`` belongs to."""
+        current = PHASES[0]
+        for name in PHASES:
+            start = self.phase_starts.get(name)
+            if start is not None and start <= index:
+                current = name
+        return current
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the birth (first sight as an op output) and death (weakref) of storages."""
+
+    def __init__(self, trace: Trace) -> None:
+        super().__init__()
+        self.trace = trace
+        self._by_key: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.phase = "setup"
+        self.alloc_phase: list[str] = []
+
+    def register(self, tensor: torch.Tensor, category: str | None) -> int | None:
+        """Start tracking ``tensor``'s storage (if new); return its handle."""
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        st = tensor.untyped_storage()
+        key = st._cdata
+        nbytes = st.nbytes()
+        handle = self._by_key.get(key)
+        trace = self.trace
+        if handle is None:
+            handle = len(trace.sizes)
+            trace.sizes.append(nbytes)
+            trace.category.append(category or "")
+            self.alloc_phase.append(self.phase)
+            self._by_key[key] = handle
+            trace.events.append((handle, nbytes))
+            self._refs[handle] = weakref.ref(st, lambda _r, h=handle, k=key: self._free(h, k))
+        elif nbytes != trace.sizes[handle]:  # storage resized in place (resize_, out= ops)
+            trace.events.append((handle, -trace.sizes[handle]))
+            trace.events.append((handle, nbytes))
+            trace.sizes[handle] = nbytes
+        if category and not trace.category[handle]:
+            trace.category[handle] = category
+        return handle
+
+    def _free(self, handle: int, key: int) -> None:
+        if self._by_key.get(key) == handle:
+            del self._by_key[key]
+        self._refs.pop(handle, None)
+        self.trace.events.append((handle, -self.trace.sizes[handle]))
+
+    def handle_of(self, tensor: torch.Tensor) -> int | None:
+        return self._by_key.get(tensor.untyped_storage()._cdata)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves, _ = tree_flatten(out)
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                self.register(leaf, None)
+        return out
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Call ``model`` with ``batch`` (dict -> ``**batch``, tuple/list -> ``*batch``, else the
+    batch itself) and return ``output.loss`` if present, else the output if it is a scalar.
+
+    Raises:
+        ConfigError: the output has no loss and is not a scalar.
+    """
+    if isinstance(batch, dict):
+        out = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+        loss = out
+    if loss is None:
+        raise ConfigError(
+            f"the model returned {type(out).__name__}, which has no .loss and is not a scalar; "
+            "pass loss_fn=lambda model, batch: <scalar loss> (for example "
+            "lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))"
+        )
+    return loss
+
+
+def _fake_like(t: torch.Tensor, mode, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    with mode:
+        out = torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device=device)
+    return out
+
+
+def _cast_dtype(t: torch.Tensor, param_dtype: torch.dtype | None) -> torch.dtype | None:
+    return param_dtype if (param_dtype is not None and t.is_floating_point()) else None
+
+
+def _fake_model(model: nn.Module, mode, param_dtype, device) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+    """Deep-copy ``model`` with every parameter and buffer replaced by a fake tensor."""
+    memo: dict[int, Any] = {}
+    originals: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        if id(p) in memo:
+            continue
+        fake = _fake_like(p, mode, _cast_dtype(p, param_dtype), device)
+        memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+        originals[id(memo[id(p)])] = p
+    for b in model.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = _fake_like(b, mode, None, device)
+    try:
+        clone = copy.deepcopy(model, memo)
+    except Exception as exc:  # noqa: BLE001 - any deepcopy failure is the same user-facing problem
+        raise ConfigError(
+            f"memguard could not copy the model to trace it ({type(exc).__name__}: {exc}); build "
+            "the model on the meta device (with torch.device('meta'): model = ...) and pass that"
+        ) from exc
+    return clone, originals
+
+
+def _fake_batch(batch: Any, mode, dtype, device) -> Any:
+    def convert(x):
+        if isinstance(x, torch.Tensor):
+            target = dtype if (dtype is not None and x.is_floating_point()) else x.dtype
+            with mode:
+                return torch.empty_strided(x.shape, x.stride(), dtype=target, device=device)
+        return x
+
+    return tree_map(convert, batch)
+
+
+def _make_optimizer(optimizer, params: list[nn.Parameter], originals, foreach: bool | None):
+    """A new optimizer of the user's kind over the fake parameters."""
+    if optimizer is None:
+        kwargs = {"foreach": foreach} if foreach is not None else {}
+        return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-3, **kwargs)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        fake_of = {id(originals[id(fake)]): fake for fake in params if id(fake) in originals}
+        groups = []
+        for group in optimizer.param_groups:
+            new = {k: v for k, v in group.items() if k != "params"}
+            new["params"] = [fake_of[id(p)] for p in group["params"] if id(p) in fake_of]
+            if foreach is not None and new.get("foreach", "absent") is None:
+                new["foreach"] = foreach
+            groups.append(new)
+        defaults = dict(optimizer.defaults)
+        try:
+            return type(optimizer)(groups, **defaults)
+        except TypeError as exc:
+            raise ConfigError(
+                f"memguard could not rebuild {type(optimizer).__name__} from its defaults ({exc}); pass "
+                "optimizer=lambda params: YourOptimizer(params, ...) instead of an instance"
+            ) from exc
+    if callable(optimizer):
+        return optimizer([p for p in params])
+    raise ConfigError(
+        f"optimizer must be a torch.optim.Optimizer, a callable(params) -> Optimizer, or None; got "
+        f"{type(optimizer).__name__}"
+    )
+
+
+def _tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
+    leaves, _ = tree_flatten(obj)
+    return (x for x in leaves if isinstance(x, torch.Tensor))
+
+
+def _optimizer_state_tensors(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in opt.state.values():
+        yield from _tensor_leaves(state)
+
+
+@contextlib.contextmanager
+def _preserved_rng() -> Iterator[None]:
+    state = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+
+
+def _engine_backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` straight into the autograd engine, so that a TorchFunctionMode stays
+    active for code that runs inside backward (checkpoint recomputation); ``Tensor.backward``
+    would hand the call to the mode, which is switched off while it handles a call."""
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.run_backward(
+        (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def trace_step(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer=None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    param_dtype: torch.dtype | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    loss_scale: bool = False,
+    foreach: bool | None = None,
+    checkpoint_blocks: int = 0,
+    grads_present: bool = False,
+    cuda_autocast: bool = False,
+) -> Trace:
+    """Trace one steady-state training step of ``model`` on ``batch``; see the module docstring.
+
+    Args:
+        param_dtype: cast floating parameters and inputs to this dtype (``*-true`` precisions).
+        autocast_dtype: run forward and loss under ``torch.autocast("cpu", autocast_dtype)``.
+        loss_scale: multiply the loss by a scale before backward (GradScaler's extra op).
+        foreach: force the optimizer's ``foreach`` flag where the user left it at None.
+        checkpoint_blocks: wrap this many repeated blocks in activation checkpointing.
+        grads_present: start the step with every gradient already allocated (a micro-batch
+            after the first under gradient accumulation).
+        cuda_autocast: apply CUDA's autocast op lists (emulated) instead of the CPU's.
+
+    Raises:
+        ConfigError: the model cannot be copied, called with the batch, or gives no usable loss.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memguard.estimator.blocks import apply_activation_checkpointing, find_blocks
+
+    device = torch.device("cpu")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    trace = Trace()
+    with _preserved_rng():
+        fmodel, originals = _fake_model(model, mode, param_dtype, device)
+        fmodel.train()
+        if checkpoint_blocks:
+            apply_activation_checkpointing(fmodel, checkpoint_blocks)
+        blocks = find_blocks(fmodel)
+        params = list(fmodel.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        trace.num_params = sum(p.numel() for p in params)
+        trace.num_trainable_params = sum(p.numel() for p in trainable)
+        trace.trainable_param_bytes = sum(p.numel() * p.element_size() for p in trainable)
+        trace.largest_block_params = max(
+            [sum(p.numel() for p in b.parameters()) for b in blocks] + [max((p.numel() for p in params), default=0)]
+        )
+        fbatch = _fake_batch(batch, mode, param_dtype, device)
+        opt = _make_optimizer(optimizer, params, originals, foreach)
+        call = loss_fn or default_loss
+
+        with mode:
+            # Warm-up: create the optimizer's lazily built state on zero gradients.
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=not grads_present)
+
+            recorder = _Recorder(trace)
+            with recorder:
+                for p in params:
+                    recorder.register(p, "params")
+                for b in fmodel.buffers():
+                    recorder.register(b, "params")
+                for t in _optimizer_state_tensors(opt):
+                    recorder.register(t, "optimizer")
+                for p in trainable:
+                    if p.grad is not None:
+                        recorder.register(p.grad, "grads")
+                for t in _tensor_leaves(fbatch):
+                    recorder.register(t, "inputs")
+                trace.phase_starts["forward"] = len(trace.events)
+                recorder.phase = "forward"
+                emulation = None
+                if autocast_dtype and cuda_autocast:
+                    from memguard.estimator.autocast import CudaAutocastEmulation
+
+                    emulation = CudaAutocastEmulation(autocast_dtype)
+                    ctx = emulation
+                elif autocast_dtype:
+                    ctx = torch.autocast("cpu", dtype=autocast_dtype)
+                else:
+                    ctx = contextlib.nullcontext()
+                try:
+                    with ctx:
+                        loss = call(fmodel, fbatch)
+                        if emulation is not None:
+                            emulation.clear_cache()  # autocast empties its cast cache on exit
+                except ConfigError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - report any failure of the user's call
+                    how = "loss_fn(model, batch)" if loss_fn else "the model with the batch (dict -> model(**batch), tuple -> model(*batch), tensor -> model(batch))"
+                    raise ConfigError(
+                        f"calling {how} failed while tracing: {type(exc).__name__}: {exc}. Check that the "
+                        "batch is what the model takes, or pass loss_fn=lambda model, batch: <scalar loss>"
+                    ) from exc
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                    raise ConfigError(
+                        f"the loss must be a scalar tensor, got {shape}; make loss_fn return the mean "
+                        "loss over the micro-batch (e.g. loss.mean())"
+                    )
+                if not loss.requires_grad:
+                    raise ConfigError(
+                        "the loss does not require grad: the model has no trainable parameters that "
+                        "the loss depends on; unfreeze some parameters or check loss_fn"
+                    )
+                if loss_scale:
+                    loss = loss * 65536.0  # GradScaler's default init_scale (torch.amp.GradScaler)
+                trace.phase_starts["backward"] = len(trace.events)
+                recorder.phase = "backward"
+                if emulation is not None:
+                    emulation.caching = False
+                    with emulation:  # checkpointed blocks recompute under the same policy
+                        _engine_backward(loss)
+                else:
+                    loss.backward()
+                del loss
+                grad_handles = {recorder.handle_of(p.grad) for p in trainable if p.grad is not None}
+                for h in grad_handles:
+                    if h is not None:
+                        trace.category[h] = "grads"
+                trace.phase_starts["optimizer"] = len(trace.events)
+                recorder.phase = "optimizer"
+                opt.step()
+                for t in _optimizer_state_tensors(opt):
+                    h = recorder.handle_of(t)
+                    if h is not None and not trace.category[h]:
+                        trace.category[h] = "optimizer"
+                trace.phase_starts["zero_grad"] = len(trace.events)
+                recorder.phase = "zero_grad"
+                opt.zero_grad(set_to_none=True)
+                for h, cat in enumerate(trace.category):
+                    if not cat:
+                        trace.category[h] = "activations" if recorder.alloc_phase[h] == "forward" else "temporaries"
+    return trace
