@@ -24,12 +24,14 @@ class Timeline:
         peak_index: event index at which it is reached.
         breakdown: scaled live bytes per category at the peak.
         phase_peaks: the peak inside each phase.
+        phase_breakdowns: the breakdown at each phase's own peak.
     """
 
     peak_bytes: int
     peak_index: int
     breakdown: Mapping[str, int]
     phase_peaks: Mapping[str, int]
+    phase_breakdowns: Mapping[str, Mapping[str, int]] = None  # type: ignore[assignment]
 
 
 def scan(
@@ -53,6 +55,7 @@ def scan(
     peak_live = list(live)
     bounds = sorted((start, name) for name, start in trace.phase_starts.items())
     phase_peaks: dict[str, int] = {}
+    phase_live: dict[str, list[float]] = {}
     b = 0
     phase = "setup"
     for i, (handle, nbytes) in enumerate(trace.events):
@@ -65,6 +68,7 @@ def scan(
         total += delta
         if total > phase_peaks.get(phase, -1):
             phase_peaks[phase] = int(round(total))
+            phase_live[phase] = list(live)
         if total > peak:
             peak, peak_at = total, i
             peak_live = list(live)
@@ -72,11 +76,19 @@ def scan(
     for c, v in extra.items():
         breakdown[c] = breakdown.get(c, 0) + v
     added = sum(extra.values())
+
+    def snapshot(values: list[float]) -> dict[str, int]:
+        out = {c: int(round(values[index_of[c]])) for c in cats}
+        for c, v in extra.items():
+            out[c] = out.get(c, 0) + v
+        return out
+
     return Timeline(
         peak_bytes=sum(breakdown.values()),
         peak_index=peak_at,
         breakdown=breakdown,
         phase_peaks={k: v + added for k, v in phase_peaks.items() if k != "setup"},
+        phase_breakdowns={k: snapshot(v) for k, v in phase_live.items() if k != "setup"},
     )
 
 

@@ -185,17 +185,13 @@ def estimate(
     context = 0
     peak = timeline.peak_bytes
     if device == "cuda":
-        from memguard.estimator.cuda import cublas_workspace_bytes, simulate
-
-        events = [(h, n) for h, n in scaled_events(trace, factors.as_dict()) if n]
+        reserved, allocated_peak, workspace = _cuda_reserved(trace, factors.as_dict(), spec)
         constant = sum(extra.values())
-        sim = simulate(events)
-        workspace = cublas_workspace_bytes(spec.compute_capability)
-        reserved = sim.peak_reserved + _round_up(constant, 2 << 20)  # constant buffers: own 2 MiB-rounded segments
-        breakdown["allocator_overhead"] = max(0, reserved - timeline.peak_bytes)
+        reserved += _round_up(constant, 2 << 20)  # constant buffers: their own 2 MiB-rounded segments
+        allocated_peak += constant
         breakdown["workspace"] = workspace
+        breakdown["allocator_overhead"] = max(0, reserved - timeline.peak_bytes - workspace)
         peak = sum(breakdown.values())
-        allocated_peak = sim.peak_allocated + constant
         context = spec.context_bytes
     model_state = sum(breakdown.get(c, 0) for c in ("params", "grads", "optimizer"))
     return Estimate(
@@ -217,6 +213,27 @@ def estimate(
         model_state_bytes=int(model_state),
         phase_peaks=timeline.phase_peaks,
     )
+
+
+def _cuda_reserved(trace, factors, spec) -> tuple[int, int, int]:
+    """Replay the (scaled) trace through the caching-allocator model.
+
+    The BLAS workspaces (one per handle: the forward's thread and the autograd thread) already
+    exist in a steady-state step; they are fed in as never-freed allocations where the forward
+    starts. Returns (peak reserved, peak allocated, workspace bytes).
+    """
+    from memguard.estimator.cuda import BLAS_HANDLES_PER_TRAINING_STEP, blas_workspace_allocations, simulate
+
+    sizes = [n for _ in range(BLAS_HANDLES_PER_TRAINING_STEP)
+             for n in blas_workspace_allocations(spec.compute_capability, torch.__version__, vendor=spec.vendor)]
+    scaled = scaled_events(trace, factors)
+    forward = trace.phase_starts.get("forward", 0)
+    at = sum(1 for _, n in scaled[:forward] if n)  # the forward's start once zero-size events are dropped
+    events = [(h, n) for h, n in scaled if n]
+    first = len(trace.sizes)
+    events[at:at] = [(first + i, n) for i, n in enumerate(sizes)]
+    sim = simulate(events)
+    return sim.peak_reserved, sim.peak_allocated, sum(sizes)
 
 
 def _round_up(n: int, to: int) -> int:

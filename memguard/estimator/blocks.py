@@ -20,14 +20,8 @@ __all__ = ["find_blocks", "apply_activation_checkpointing", "hidden_size"]
 _MARK = "_memguard_checkpointed"
 
 
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: the longest ``nn.ModuleList``/``nn.Sequential`` of ≥ 2 children
-    of one class (transformer layers, ResNet stages' blocks), preferring more parameters on ties.
-
-    Returns an empty list when the model has no repeated structure.
-    """
-    best: list[nn.Module] = []
-    best_key = (0, 0)
+def _find_container(model: nn.Module) -> nn.Module | None:
+    best, best_key = None, (0, 0)
     for container in model.modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
@@ -38,8 +32,18 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             continue
         key = (len(children), sum(p.numel() for p in children[0].parameters()))
         if key > best_key:
-            best, best_key = children, key
+            best, best_key = container, key
     return best
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the longest ``nn.ModuleList``/``nn.Sequential`` of ≥ 2 children
+    of one class (transformer layers, ResNet stages' blocks), preferring more parameters on ties.
+
+    Returns an empty list when the model has no repeated structure.
+    """
+    container = _find_container(model)
+    return list(container.children()) if container is not None else []
 
 
 def apply_activation_checkpointing(model: nn.Module, num_blocks: int) -> Callable[[], None]:

@@ -71,9 +71,9 @@ MIN_BLOCK_SIZE = 512
 SMALL_SIZE = 1 * _MiB
 # c10/cuda/CUDACachingAllocator.cpp, kSmallBuffer: "small" allocations are packed in 2 MiB blocks.
 SMALL_BUFFER = 2 * _MiB
-# c10/cuda/CUDACachingAllocator.cpp, kLargeBuffer: "large" allocations may be packed in 20 MiB blocks.
+# CUDACachingAllocator.cpp, kLargeBuffer: "large" allocations may be packed in 20 MiB blocks.
 LARGE_BUFFER = 20 * _MiB
-# c10/cuda/CUDACachingAllocator.cpp, kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer.
+# CUDACachingAllocator.cpp, kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer.
 MIN_LARGE_ALLOC = 10 * _MiB
 # c10/cuda/CUDACachingAllocator.cpp, kRoundLarge: round up large allocations to 2 MiB.
 ROUND_LARGE = 2 * _MiB
@@ -268,7 +268,7 @@ class CachingAllocatorModel:
                 "allocation event needs a handle that is not live"
             )
         # CUDACachingAllocator.cpp round_size: multiple of kMinBlockSize, at least kMinBlockSize.
-        size = MIN_BLOCK_SIZE if nbytes < MIN_BLOCK_SIZE else -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+        size = -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE  # >= MIN_BLOCK_SIZE as nbytes > 0
         small = size <= SMALL_SIZE  # CUDACachingAllocator.cpp get_pool: size <= kSmallSize
         free_list = self._free_small if small else self._free_large
         blocks = self._blocks
@@ -308,7 +308,7 @@ class CachingAllocatorModel:
                 self._alloc_at_peak_reserved = -1
 
         remaining = bsize - size
-        # CUDACachingAllocator.cpp should_split: small pool >= kMinBlockSize, large pool > kSmallSize.
+        # CUDACachingAllocator.cpp should_split: small pool >= kMinBlockSize, large > kSmallSize.
         if (remaining >= MIN_BLOCK_SIZE) if small else (remaining > SMALL_SIZE):
             rest = addr + size
             nxt = blk[_NEXT]
@@ -485,7 +485,7 @@ DEFAULT_CONTEXT_BYTES = 512 * _MiB
 _CUBLAS_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
 # CublasHandlePool.cpp parseChosenWorkspaceSize: 4096 KiB x 8 = 32 MiB on Hopper (and Blackwell).
 _CUBLAS_32MB = 4096 * 8 * 1024
-# CublasHandlePool.cpp parseCUDABlasLtWorkspaceSize: 1024 KiB default when not unified (pytorch#73328).
+# CublasHandlePool.cpp parseCUDABlasLtWorkspaceSize: 1024 KiB when not unified (pytorch#73328).
 _CUBLASLT_DEFAULT = 1024 * 1024
 # CublasHandlePool.cpp (ROCm): hipBLAS 32 MiB default, 128 MiB for gfx94x/gfx95x.
 _HIPBLAS_DEFAULT = 32 * _MiB
@@ -573,7 +573,9 @@ def blas_workspace_allocations(
     if (
         not isinstance(compute_capability, tuple)
         or len(compute_capability) != 2
-        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in compute_capability)
+        or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in compute_capability
+        )
     ):
         problems.append(
             f"compute_capability must be a (major, minor) tuple of ints, got {compute_capability!r}"
@@ -653,7 +655,8 @@ def allocator_conf_warnings(conf: str | None = None) -> list[str]:
     if conf is None:
         import os
 
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+        env = os.environ
+        conf = env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
     warnings = []
     for item in conf.split(","):
         key, _, value = item.partition(":")
@@ -666,7 +669,9 @@ def allocator_conf_warnings(conf: str | None = None) -> list[str]:
                 "fixed segments; memguard's CUDA prediction models the default and overestimates "
                 "fragmentation under this setting"
             )
-        elif key in ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold"):
+        elif key in (
+            "max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold"
+        ):
             warnings.append(
                 f"{key} is set; memguard's allocator model ignores it, so reserved bytes may "
                 "differ from the prediction"

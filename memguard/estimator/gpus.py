@@ -19,9 +19,10 @@ usual server form, PCIe otherwise.
 Aliases accepted by :func:`get_gpu` (case, spaces, dashes and vendor words such as "NVIDIA",
 "GeForce", "Tesla", "AMD Instinct" are ignored): each catalog name; ``"h100"`` ->
 ``H100-80GB``; ``"4090"`` / ``"rtx4090"`` -> ``RTX-4090`` (same for 3090); ``"mi300"`` ->
-``MI300X``; the names ``torch.cuda.get_device_name()`` returns, such as
-``"NVIDIA A100-SXM4-80GB"`` or ``"Tesla V100-SXM2-16GB"``. ``"a100"`` and ``"v100"`` are
-ambiguous (two memory sizes) and raise :class:`~memguard.errors.ConfigError` naming both,
+``MI300X``; ``"a10"`` -> ``A10G`` (same memory and compute capability; the entry's
+throughput figures are the A10 datasheet's); the names ``torch.cuda.get_device_name()``
+returns, such as ``"NVIDIA A100-SXM4-80GB"`` or ``"Tesla V100-SXM2-16GB"``. ``"a100"`` and
+``"v100"`` are ambiguous (two memory sizes) and raise :class:`~memguard.errors.ConfigError` naming both,
 because silently picking one would halve or double the memory budget.
 """
 
@@ -43,7 +44,7 @@ logger = logging.getLogger("memguard")
 
 
 def _gib(x: float) -> int:
-    """Bytes of a figure printed with two decimals in GiB, truncated to whole MiB."""
+    """Bytes of a figure printed with two decimals in GiB, rounded to whole MiB."""
     return int(round(x * 1024)) << 20
 
 
@@ -87,7 +88,7 @@ class GPUSpec:
 
 # Per-direction link bandwidths in GB/s (half of the bidirectional figures vendors quote).
 _PCIE3 = 16.0  # PCIe 3.0 x16: 32 GB/s bidirectional (PCI-SIG PCIe 3.0 specification).
-_PCIE4 = 32.0  # PCIe 4.0 x16: 64 GB/s bidirectional (PCI-SIG PCIe 4.0; NVIDIA L4/L40S/A10 datasheets).
+_PCIE4 = 32.0  # PCIe 4.0 x16: 64 GB/s bidirectional (PCI-SIG PCIe 4.0; L4/L40S/A10 datasheets).
 
 # Context bytes: no per-model measurement is published; every entry uses the default, which
 # memguard.estimator.gpus.measure_context_bytes replaces on a real device.
@@ -98,8 +99,8 @@ _SPECS = (
         name="V100-16GB", memory_bytes=_gib(15.75), compute_capability=(7, 0), bf16=False,
         tensor_cores=True, fp16_tflops=125.0, bf16_tflops=0.0, tf32_tflops=0.0, fp32_tflops=15.7,
         memory_bandwidth_gbps=900.0, interconnect_gbps=150.0, context_bytes=_CTX, vendor="nvidia",
-        source="NVIDIA V100 Tensor Core GPU datasheet (SXM2: 125 TFLOPS tensor, 15.7 FP32, 900 GB/s, "
-        "NVLink 300 GB/s); total_memory 15.75-15.78 GiB in PyTorch OOM reports "
+        source="NVIDIA V100 Tensor Core GPU datasheet (SXM2: 125 TFLOPS tensor, 15.7 FP32, "
+        "900 GB/s, NVLink 300 GB/s); total_memory 15.75-15.78 GiB in PyTorch OOM reports "
         "(e.g. Morizeyao/GPT2-Chinese#215)",
     ),
     GPUSpec(
@@ -159,7 +160,8 @@ _SPECS = (
     ),
     GPUSpec(
         name="A100-40GB", memory_bytes=_gib(39.50), compute_capability=(8, 0), bf16=True,
-        tensor_cores=True, fp16_tflops=312.0, bf16_tflops=312.0, tf32_tflops=156.0, fp32_tflops=19.5,
+        tensor_cores=True, fp16_tflops=312.0, bf16_tflops=312.0, tf32_tflops=156.0,
+        fp32_tflops=19.5,
         memory_bandwidth_gbps=1555.0, interconnect_gbps=300.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB: 312 TFLOPS FP16/BF16, 156 TF32, "
         "19.5 FP32, 1555 GB/s, NVLink 600 GB/s); total_memory 39.50-39.59 GiB in PyTorch OOM "
@@ -167,7 +169,8 @@ _SPECS = (
     ),
     GPUSpec(
         name="A100-80GB", memory_bytes=_gib(79.14), compute_capability=(8, 0), bf16=True,
-        tensor_cores=True, fp16_tflops=312.0, bf16_tflops=312.0, tf32_tflops=156.0, fp32_tflops=19.5,
+        tensor_cores=True, fp16_tflops=312.0, bf16_tflops=312.0, tf32_tflops=156.0,
+        fp32_tflops=19.5,
         memory_bandwidth_gbps=2039.0, interconnect_gbps=300.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: 312 TFLOPS FP16/BF16, 156 TF32, "
         "19.5 FP32, 2039 GB/s, NVLink 600 GB/s); total_memory 79.14-79.25 GiB in PyTorch OOM "
@@ -175,7 +178,8 @@ _SPECS = (
     ),
     GPUSpec(
         name="H100-80GB", memory_bytes=_gib(79.11), compute_capability=(9, 0), bf16=True,
-        tensor_cores=True, fp16_tflops=989.5, bf16_tflops=989.5, tf32_tflops=494.5, fp32_tflops=67.0,
+        tensor_cores=True, fp16_tflops=989.5, bf16_tflops=989.5, tf32_tflops=494.5,
+        fp32_tflops=67.0,
         memory_bandwidth_gbps=3350.0, interconnect_gbps=450.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 1979 TFLOPS FP16/BF16 and 989 TF32 "
         "with sparsity, halved here; 67 FP32; 3.35 TB/s; NVLink 900 GB/s); total_memory 79.11 GiB "
@@ -183,10 +187,11 @@ _SPECS = (
     ),
     GPUSpec(
         name="H200", memory_bytes=_gib(139.72), compute_capability=(9, 0), bf16=True,
-        tensor_cores=True, fp16_tflops=989.5, bf16_tflops=989.5, tf32_tflops=494.5, fp32_tflops=67.0,
+        tensor_cores=True, fp16_tflops=989.5, bf16_tflops=989.5, tf32_tflops=494.5,
+        fp32_tflops=67.0,
         memory_bandwidth_gbps=4800.0, interconnect_gbps=450.0, context_bytes=_CTX, vendor="nvidia",
-        source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s, "
-        "compute as H100 SXM); total_memory 139.72-139.81 GiB in PyTorch OOM reports",
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, NVLink "
+        "900 GB/s, compute as H100 SXM); total_memory 139.72-139.81 GiB in PyTorch OOM reports",
     ),
     GPUSpec(
         name="MI300X", memory_bytes=_gib(191.69), compute_capability=(9, 4), bf16=True,
@@ -280,9 +285,14 @@ def get_gpu(name: str) -> GPUSpec:
         raise ConfigError(
             f"gpu {name!r} is ambiguous: it comes with different memory sizes; pass {options}"
         )
-    by_lower = {n.lower(): n for n in GPUS}
-    close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
-    hint = f"did you mean {', '.join(repr(by_lower[c]) for c in close)}? " if close else ""
+    # Suggest against every alias (normalized) and map back to catalog names.
+    candidates = {**_ALIASES, **{n.lower(): n for n in GPUS}}
+    close = []
+    for c in difflib.get_close_matches(key or name.lower(), list(candidates), n=6, cutoff=0.6):
+        if candidates[c] not in close:
+            close.append(candidates[c])
+    close = close[:3]
+    hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
     raise ConfigError(
         f"unknown gpu {name!r}; {hint}known GPUs: {', '.join(GPUS)}; for another GPU pass "
         "gpu=None with budget_bytes="

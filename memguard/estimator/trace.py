@@ -48,7 +48,10 @@ class Trace:
         category: the category of each handle (see ``memguard.estimator.result.CATEGORIES``).
         phase_starts: index into ``events`` where each phase of :data:`PHASES` begins.
         num_params, num_trainable_params, largest_block_params: parameter counts.
-        param_bytes_by_dtype: bytes of unique parameters per dtype itemsize (for sharding).
+        trainable_param_bytes: bytes of the trainable parameters.
+        num_blocks: repeated blocks in the traced model (after any truncation).
+        num_ops: ATen ops run by forward and backward (the launch-overhead term of the cost model).
+        flops: FLOPs of forward and backward, when counted (``count_flops=True``).
     """
 
     events: list[tuple[int, int]] = field(default_factory=list)
@@ -59,6 +62,9 @@ class Trace:
     num_trainable_params: int = 0
     largest_block_params: int = 0
     trainable_param_bytes: int = 0
+    num_blocks: int = 0
+    num_ops: int = 0
+    flops: int = 0
 
     def phase_of(self, index: int) -> str:
         """The phase that event ``index`` belongs to."""
@@ -116,6 +122,8 @@ class _Recorder(TorchDispatchMode):
         return self._by_key.get(tensor.untyped_storage()._cdata)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.phase in ("forward", "backward"):
+            self.trace.num_ops += 1
         out = func(*args, **(kwargs or {}))
         leaves, _ = tree_flatten(out)
         for leaf in leaves:
@@ -161,19 +169,47 @@ def _cast_dtype(t: torch.Tensor, param_dtype: torch.dtype | None) -> torch.dtype
     return param_dtype if (param_dtype is not None and t.is_floating_point()) else None
 
 
-def _fake_model(model: nn.Module, mode, param_dtype, device) -> tuple[nn.Module, dict[int, torch.Tensor]]:
-    """Deep-copy ``model`` with every parameter and buffer replaced by a fake tensor."""
+def _kept_modules(model: nn.Module, dropped: set[int]) -> Iterator[nn.Module]:
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in dropped:
+            continue
+        yield m
+        stack.extend(m.children())
+
+
+def _fake_model(
+    model: nn.Module, mode, param_dtype, device, keep_blocks: int | None = None
+) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+    """Deep-copy ``model`` with every parameter and buffer replaced by a fake tensor.
+
+    With ``keep_blocks``, repeated blocks past the first ``keep_blocks`` are neither copied nor
+    faked, and the copy's block container holds only the kept ones.
+    """
+    from memguard.estimator.blocks import _find_container
+
     memo: dict[int, Any] = {}
     originals: dict[int, torch.Tensor] = {}
-    for p in model.parameters():
-        if id(p) in memo:
-            continue
-        fake = _fake_like(p, mode, _cast_dtype(p, param_dtype), device)
-        memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
-        originals[id(memo[id(p)])] = p
-    for b in model.buffers():
-        if id(b) not in memo:
-            memo[id(b)] = _fake_like(b, mode, None, device)
+    dropped: list[str] = []
+    if keep_blocks is not None:
+        container = _find_container(model)
+        if container is not None:
+            placeholder = nn.Module()
+            for name, block in list(container._modules.items())[keep_blocks:]:
+                memo[id(block)] = placeholder
+                dropped.append(name)
+    kept = list(_kept_modules(model, set(memo)))
+    for module in kept:
+        for p in module.parameters(recurse=False):
+            if id(p) in memo:
+                continue
+            fake = _fake_like(p, mode, _cast_dtype(p, param_dtype), device)
+            memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+            originals[id(memo[id(p)])] = p
+        for b in module.buffers(recurse=False):
+            if id(b) not in memo:
+                memo[id(b)] = _fake_like(b, mode, None, device)
     try:
         clone = copy.deepcopy(model, memo)
     except Exception as exc:  # noqa: BLE001 - any deepcopy failure is the same user-facing problem
@@ -181,7 +217,19 @@ def _fake_model(model: nn.Module, mode, param_dtype, device) -> tuple[nn.Module,
             f"memguard could not copy the model to trace it ({type(exc).__name__}: {exc}); build "
             "the model on the meta device (with torch.device('meta'): model = ...) and pass that"
         ) from exc
+    if dropped:
+        container = _find_container_like(clone, dropped)
+        for name in dropped:
+            del container._modules[name]
     return clone, originals
+
+
+def _find_container_like(clone: nn.Module, dropped: list[str]) -> nn.Module:
+    for m in clone.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and all(n in m._modules for n in dropped):
+            if all(type(m._modules[n]) is nn.Module for n in dropped):
+                return m
+    raise RuntimeError("memguard lost track of the block container while truncating")
 
 
 def _fake_batch(batch: Any, mode, dtype, device) -> Any:
@@ -268,6 +316,8 @@ def trace_step(
     checkpoint_blocks: int = 0,
     grads_present: bool = False,
     cuda_autocast: bool = False,
+    keep_blocks: int | None = None,
+    count_flops: bool = False,
 ) -> Trace:
     """Trace one steady-state training step of ``model`` on ``batch``; see the module docstring.
 
@@ -280,6 +330,9 @@ def trace_step(
         grads_present: start the step with every gradient already allocated (a micro-batch
             after the first under gradient accumulation).
         cuda_autocast: apply CUDA's autocast op lists (emulated) instead of the CPU's.
+        keep_blocks: trace a shortened model that keeps only this many of its repeated blocks
+            (the planner's cheap probes; memory is affine in the number of identical blocks).
+        count_flops: count forward and backward FLOPs with ``torch.utils.flop_counter``.
 
     Raises:
         ConfigError: the model cannot be copied, called with the batch, or gives no usable loss.
@@ -292,11 +345,12 @@ def trace_step(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     trace = Trace()
     with _preserved_rng():
-        fmodel, originals = _fake_model(model, mode, param_dtype, device)
+        fmodel, originals = _fake_model(model, mode, param_dtype, device, keep_blocks)
         fmodel.train()
         if checkpoint_blocks:
             apply_activation_checkpointing(fmodel, checkpoint_blocks)
         blocks = find_blocks(fmodel)
+        trace.num_blocks = len(blocks)
         params = list(fmodel.parameters())
         trainable = [p for p in params if p.requires_grad]
         trace.num_params = sum(p.numel() for p in params)
@@ -317,6 +371,11 @@ def trace_step(
             opt.zero_grad(set_to_none=not grads_present)
 
             recorder = _Recorder(trace)
+            flop_counter = contextlib.nullcontext()
+            if count_flops:
+                from torch.utils.flop_counter import FlopCounterMode
+
+                flop_counter = FlopCounterMode(display=False)
             with recorder:
                 for p in params:
                     recorder.register(p, "params")
@@ -342,7 +401,7 @@ def trace_step(
                 else:
                     ctx = contextlib.nullcontext()
                 try:
-                    with ctx:
+                    with flop_counter, ctx:
                         loss = call(fmodel, fbatch)
                         if emulation is not None:
                             emulation.clear_cache()  # autocast empties its cast cache on exit
@@ -369,13 +428,16 @@ def trace_step(
                     loss = loss * 65536.0  # GradScaler's default init_scale (torch.amp.GradScaler)
                 trace.phase_starts["backward"] = len(trace.events)
                 recorder.phase = "backward"
-                if emulation is not None:
-                    emulation.caching = False
-                    with emulation:  # checkpointed blocks recompute under the same policy
-                        _engine_backward(loss)
-                else:
-                    loss.backward()
+                with flop_counter:
+                    if emulation is not None:
+                        emulation.caching = False
+                        with emulation:  # checkpointed blocks recompute under the same policy
+                            _engine_backward(loss)
+                    else:
+                        loss.backward()
                 del loss
+                if count_flops:
+                    trace.flops = int(flop_counter.get_total_flops())
                 grad_handles = {recorder.handle_of(p.grad) for p in trainable if p.grad is not None}
                 for h in grad_handles:
                     if h is not None:

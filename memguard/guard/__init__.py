@@ -1,0 +1,20 @@
+"""The guard: run a plan in plain PyTorch and recover from out-of-memory errors without losing a sample.
+
+``prepare(model, optimizer, ...)`` applies a plan (micro-batch, precision, activation
+checkpointing); ``step(model, optimizer, batch)`` runs one optimizer step on a batch split into
+micro-batches and, on an OOM, halves the micro-batch and runs the same batch again, on every
+DistributedDataParallel rank together. The pieces are reusable by the framework integrations:
+
+* :mod:`memguard.guard.oom` recognises OOMs and frees their memory;
+* :mod:`memguard.guard.split` splits a batch along dim 0;
+* :mod:`memguard.guard.precision` applies a precision by Lightning's name;
+* :mod:`memguard.guard.distributed` makes ranks agree before any collective that could hang;
+* :mod:`memguard.guard.runner` is ``prepare`` and ``step``.
+"""
+
+from __future__ import annotations
+
+from memguard.guard.oom import is_oom_error
+from memguard.guard.runner import GuardStatus, compute_loss, guard_status, prepare, step
+
+__all__ = ["prepare", "step", "is_oom_error", "guard_status", "GuardStatus", "compute_loss"]

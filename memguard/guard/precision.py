@@ -81,7 +81,7 @@ def setup_precision(
         optimizer: the optimizer over its parameters; it must hold no state yet if a cast is needed.
         wrapped: whether ``module`` sits inside DistributedDataParallel (which cannot be cast after
             wrapping).
-        scaler: a GradScaler to keep (when the precision is set again), else a new one is made.
+        scaler: the GradScaler to use for ``16-mixed`` (ignored otherwise); None makes a new one.
 
     Raises:
         ConfigError: unknown precision; a cast is needed but the optimizer already holds state or the
