@@ -15,6 +15,7 @@ from memguard.errors import (
     MissingDependencyError,
     OOMRecoveryError,
 )
+from memguard.estimator.api import estimate
 from memguard.estimator.result import Estimate
 from memguard.planner.plan import Plan
 
@@ -29,4 +30,5 @@ __all__ = [
     "OOMRecoveryError",
     "Plan",
     "__version__",
+    "estimate",
 ]
