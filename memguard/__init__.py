@@ -18,6 +18,7 @@ from memguard.errors import (
 from memguard.estimator.api import estimate
 from memguard.estimator.result import Estimate
 from memguard.planner.plan import Plan
+from memguard.planner.search import plan
 
 __version__ = "0.1.0.dev0"
 
@@ -31,4 +32,5 @@ __all__ = [
     "Plan",
     "__version__",
     "estimate",
+    "plan",
 ]

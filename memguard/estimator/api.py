@@ -13,7 +13,7 @@ from memguard.estimator.result import Estimate
 from memguard.estimator.sharding import model_state_factors
 from memguard.estimator.trace import trace_step
 
-__all__ = ["estimate", "Precision", "Device", "PRECISIONS", "check_common"]
+__all__ = ["estimate", "evaluate", "run_trace", "Precision", "Device", "PRECISIONS", "check_common", "batch_size_of"]
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 Device = Literal["cuda", "cpu"]
@@ -145,8 +145,25 @@ def estimate(
     blocks = activation_checkpointing
     if blocks is True:
         blocks = 1 << 30
+    trace = run_trace(
+        model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device, precision=precision,
+        checkpoint_blocks=int(blocks or 0), grads_present=grad_accum_steps > 1,
+    )
+    from memguard.estimator.blocks import find_blocks
+
+    checkpointed = min(int(blocks or 0), len(find_blocks(model)))
+    est, _ = evaluate(
+        trace, device=device, precision=precision, zero_stage=zero_stage, world_size=world_size, spec=spec,
+        offload_optimizer=offload_optimizer, micro_batch_size=int(micro or 0), checkpointed=checkpointed,
+    )
+    return est
+
+
+def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint_blocks=0, grads_present=False,
+              keep_blocks=None, count_flops=False):
+    """Trace one step for ``device`` and ``precision`` (arguments already validated)."""
     param_dtype, autocast_dtype, loss_scale = _PRECISION[precision]
-    trace = trace_step(
+    return trace_step(
         model,
         batch,
         optimizer=optimizer,
@@ -155,15 +172,25 @@ def estimate(
         autocast_dtype=autocast_dtype,
         loss_scale=loss_scale,
         foreach=True if device == "cuda" else None,  # torch.optim defaults to foreach on CUDA tensors
-        checkpoint_blocks=int(blocks or 0),
-        grads_present=grad_accum_steps > 1,
+        checkpoint_blocks=checkpoint_blocks,
+        grads_present=grads_present,
         cuda_autocast=device == "cuda",
+        keep_blocks=keep_blocks,
+        count_flops=count_flops,
     )
-    from memguard.estimator.blocks import find_blocks
 
-    checkpointed = min(int(blocks or 0), len(find_blocks(model)))
 
-    # Model-state sharding: factors from the bytes each category holds in the trace.
+def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_optimizer=False,
+             micro_batch_size=0, checkpointed=0, limit_bytes=None):
+    """Turn a trace into an :class:`Estimate` for one target (sharding, allocator, workspaces).
+
+    With ``limit_bytes`` (CUDA only) the allocator model runs under that cap: like the real
+    allocator it releases cached segments before failing, so ``peak_bytes`` is what
+    ``max_memory_reserved`` would show on a device of that size, and an allocation that cannot
+    be served even then makes ``peak_bytes`` exceed the limit.
+
+    Returns the estimate and the scaled :class:`~memguard.estimator.analysis.Timeline`.
+    """
     totals = _category_totals(trace)
     factors = model_state_factors(
         zero_stage=zero_stage,
@@ -180,13 +207,13 @@ def estimate(
     extra = {"grads": factors.extra_grads, "params": factors.extra_params}
     timeline = scan(trace, factors.as_dict(), extra)
     breakdown = dict(timeline.breakdown)
-    peak_phase = trace.phase_of(timeline.peak_index)
     allocated_peak = timeline.peak_bytes
     context = 0
     peak = timeline.peak_bytes
     if device == "cuda":
-        reserved, allocated_peak, workspace = _cuda_reserved(trace, factors.as_dict(), spec)
         constant = sum(extra.values())
+        cap = None if limit_bytes is None else max(0, limit_bytes - _round_up(constant, 2 << 20))
+        reserved, allocated_peak, workspace = _cuda_reserved(trace, factors.as_dict(), spec, cap)
         reserved += _round_up(constant, 2 << 20)  # constant buffers: their own 2 MiB-rounded segments
         allocated_peak += constant
         breakdown["workspace"] = workspace
@@ -194,18 +221,18 @@ def estimate(
         peak = sum(breakdown.values())
         context = spec.context_bytes
     model_state = sum(breakdown.get(c, 0) for c in ("params", "grads", "optimizer"))
-    return Estimate(
+    est = Estimate(
         peak_bytes=int(peak),
         breakdown={k: int(v) for k, v in breakdown.items() if k},
         context_bytes=int(context),
-        peak_phase=peak_phase,
+        peak_phase=trace.phase_of(timeline.peak_index),
         allocated_peak_bytes=int(allocated_peak),
         device=device,
         precision=precision,
         zero_stage=zero_stage,
         world_size=world_size,
         gpu=spec.name if spec is not None else None,
-        micro_batch_size=int(micro or 0),
+        micro_batch_size=int(micro_batch_size),
         activation_checkpointing=checkpointed,
         offload_optimizer=offload_optimizer,
         num_params=trace.num_params,
@@ -213,14 +240,16 @@ def estimate(
         model_state_bytes=int(model_state),
         phase_peaks=timeline.phase_peaks,
     )
+    return est, timeline
 
 
-def _cuda_reserved(trace, factors, spec) -> tuple[int, int, int]:
+def _cuda_reserved(trace, factors, spec, limit_bytes=None) -> tuple[int, int, int]:
     """Replay the (scaled) trace through the caching-allocator model.
 
     The BLAS workspaces (one per handle: the forward's thread and the autograd thread) already
     exist in a steady-state step; they are fed in as never-freed allocations where the forward
-    starts. Returns (peak reserved, peak allocated, workspace bytes).
+    starts. Returns (peak reserved, peak allocated, workspace bytes); under ``limit_bytes``, a
+    request that cannot be served reports a reserved peak just over the limit.
     """
     from memguard.estimator.cuda import BLAS_HANDLES_PER_TRAINING_STEP, blas_workspace_allocations, simulate
 
@@ -232,8 +261,11 @@ def _cuda_reserved(trace, factors, spec) -> tuple[int, int, int]:
     events = [(h, n) for h, n in scaled if n]
     first = len(trace.sizes)
     events[at:at] = [(first + i, n) for i, n in enumerate(sizes)]
-    sim = simulate(events)
-    return sim.peak_reserved, sim.peak_allocated, sum(sizes)
+    sim = simulate(events, limit_bytes=limit_bytes)
+    reserved = sim.peak_reserved
+    if sim.oom:
+        reserved = max(reserved, limit_bytes + sim.oom_request)
+    return reserved, sim.peak_allocated, sum(sizes)
 
 
 def _round_up(n: int, to: int) -> int:

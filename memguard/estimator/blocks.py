@@ -46,17 +46,22 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return list(container.children()) if container is not None else []
 
 
-def apply_activation_checkpointing(model: nn.Module, num_blocks: int) -> Callable[[], None]:
+def apply_activation_checkpointing(
+    model: nn.Module, num_blocks: int, blocks: list[nn.Module] | None = None
+) -> Callable[[], None]:
     """Checkpoint the first ``num_blocks`` repeated blocks of ``model`` (see :func:`find_blocks`).
 
     Non-reentrant checkpointing keeps only each block's inputs and recomputes the rest in
     backward. Blocks already wrapped by memguard are left alone.
 
+    Args:
+        blocks: the blocks to choose from (default: :func:`find_blocks`).
+
     Returns:
         A function that restores the original ``forward`` of every block wrapped here.
     """
     wrapped: list[nn.Module] = []
-    for block in find_blocks(model)[: max(0, num_blocks)]:
+    for block in (find_blocks(model) if blocks is None else blocks)[: max(0, num_blocks)]:
         if getattr(block, _MARK, False):
             continue
         original = block.forward

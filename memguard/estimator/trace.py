@@ -50,7 +50,7 @@ class Trace:
         num_params, num_trainable_params, largest_block_params: parameter counts.
         trainable_param_bytes: bytes of the trainable parameters.
         num_blocks: repeated blocks in the traced model (after any truncation).
-        num_ops: ATen ops run by forward and backward (the launch-overhead term of the cost model).
+        num_ops: non-view ATen ops run by forward and backward (the cost model's host-side term).
         flops: FLOPs of forward and backward, when counted (``count_flops=True``).
     """
 
@@ -122,8 +122,8 @@ class _Recorder(TorchDispatchMode):
         return self._by_key.get(tensor.untyped_storage()._cdata)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.phase in ("forward", "backward"):
-            self.trace.num_ops += 1
+        if self.phase in ("forward", "backward") and not getattr(func, "is_view", False):
+            self.trace.num_ops += 1  # views launch no kernel
         out = func(*args, **(kwargs or {}))
         leaves, _ = tree_flatten(out)
         for leaf in leaves:
@@ -181,13 +181,16 @@ def _kept_modules(model: nn.Module, dropped: set[int]) -> Iterator[nn.Module]:
 
 def _fake_model(
     model: nn.Module, mode, param_dtype, device, keep_blocks: int | None = None
-) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+) -> tuple[nn.Module, dict[int, torch.Tensor], list[nn.Module]]:
     """Deep-copy ``model`` with every parameter and buffer replaced by a fake tensor.
 
     With ``keep_blocks``, repeated blocks past the first ``keep_blocks`` are neither copied nor
     faked, and the copy's block container holds only the kept ones.
+
+    Returns:
+        The copy, a map from fake parameter id to the user's parameter, and the copy's blocks.
     """
-    from memguard.estimator.blocks import _find_container
+    from memguard.estimator.blocks import _find_container, find_blocks
 
     memo: dict[int, Any] = {}
     originals: dict[int, torch.Tensor] = {}
@@ -221,7 +224,10 @@ def _fake_model(
         container = _find_container_like(clone, dropped)
         for name in dropped:
             del container._modules[name]
-    return clone, originals
+        blocks = list(container.children())
+    else:
+        blocks = find_blocks(clone)
+    return clone, originals, blocks
 
 
 def _find_container_like(clone: nn.Module, dropped: list[str]) -> nn.Module:
@@ -339,17 +345,16 @@ def trace_step(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memguard.estimator.blocks import apply_activation_checkpointing, find_blocks
+    from memguard.estimator.blocks import apply_activation_checkpointing
 
     device = torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     trace = Trace()
     with _preserved_rng():
-        fmodel, originals = _fake_model(model, mode, param_dtype, device, keep_blocks)
+        fmodel, originals, blocks = _fake_model(model, mode, param_dtype, device, keep_blocks)
         fmodel.train()
         if checkpoint_blocks:
-            apply_activation_checkpointing(fmodel, checkpoint_blocks)
-        blocks = find_blocks(fmodel)
+            apply_activation_checkpointing(fmodel, checkpoint_blocks, blocks)
         trace.num_blocks = len(blocks)
         params = list(fmodel.parameters())
         trainable = [p for p in params if p.requires_grad]

@@ -1,0 +1,601 @@
+"""``memguard.plan``: the fastest configuration that fits a memory budget.
+
+How the search works (and why it traces so little):
+
+1. **Probes.** For a precision and a checkpointing mode, the model is traced with only 1 and 2 of
+   its repeated blocks kept (``keep_blocks``), at the example micro-batch. Every quantity of a
+   stack of identical blocks is affine in the number of blocks, so two points give the whole
+   model; every activation and temporary of the forward/backward is proportional to the batch
+   (dim 0), while parameters, gradients and optimizer state are not. So one probe pair predicts
+   the peak at any micro-batch, any number of checkpointed blocks (interpolating between the
+   "none" and "all" probes) and any ZeRO stage (a re-scan of the same traces with other factors).
+2. **Search.** Every divisor of the per-rank batch is a micro-batch candidate; for each
+   precision x ZeRO stage x offload, the fewest checkpointed blocks that fit are solved for, and
+   the cost model (``memguard.planner.cost``) ranks the candidates by predicted samples/s. Ties
+   go to the simpler plan (no checkpointing, lower ZeRO stage, no offload, then larger
+   micro-batch). Probes of a precision or checkpointing mode whose best conceivable throughput
+   cannot beat the best plan found are never traced.
+3. **Verification.** The winner is estimated with one full trace; if it does not fit after all,
+   the next candidate is verified, and so on.
+
+The budget is per rank: the GPU's memory less its CUDA context (or ``budget_bytes``), and the
+plan keeps ``headroom`` of it free (default 10%: the estimator is within ~1% of the real CPU
+allocator; the rest covers CUDA kernels' own workspaces, fragmentation from other work and the
+allocator model's simplifications).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from memguard.errors import ConfigError, InfeasiblePlanError
+from memguard.estimator.analysis import Timeline
+from memguard.estimator.api import (
+    PRECISIONS,
+    _unwrap,
+    batch_size_of,
+    check_common,
+    evaluate,
+    run_trace,
+)
+from memguard.estimator.blocks import find_blocks, hidden_size
+from memguard.estimator.result import Estimate, format_bytes
+from memguard.planner.cost import CPU_TFLOPS, CostInputs, step_seconds
+from memguard.planner.plan import Plan
+
+__all__ = ["plan", "DEFAULT_HEADROOM", "Planner"]
+
+log = logging.getLogger("memguard")
+
+DEFAULT_HEADROOM = 0.10
+_MAX_VERIFY = 6
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def resize_batch(batch: Any, m0: int, n: int) -> Any:
+    """A batch of ``n`` samples shaped like ``batch`` (``m0`` samples): every tensor whose dim 0 is
+    ``m0`` gets dim 0 ``n``. Only shapes and dtypes matter to the tracer, so the new tensors are on
+    the meta device and cost nothing."""
+    if n == m0:
+        return batch
+
+    def resize(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == m0:
+            return torch.empty((n, *x.shape[1:]), dtype=x.dtype, device="meta")
+        return x
+
+    return tree_map(resize, batch)
+
+
+def _as_choices(name: str, value: Any, default: Sequence[Any], allowed: Iterable[Any], problems: list[str]) -> tuple:
+    if value is None:
+        return tuple(default)
+    values = tuple(value) if isinstance(value, (list, tuple, set, frozenset)) else (value,)
+    allowed = tuple(allowed)
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        problems.append(f"{name}={value!r}: each value must be one of {', '.join(map(repr, allowed))}")
+    return values
+
+
+@dataclass
+class _Features:
+    """One probe's quantities for one target, in bytes at the example micro-batch."""
+
+    states: float  # params + optimizer at the forward/backward peak
+    grads_at_peak: float
+    grads_total: float
+    act: float  # activations + temporaries + inputs at the forward/backward peak (∝ batch)
+    opt_peak: float  # peak of the optimizer step and zero_grad (batch-independent)
+    ratio: float  # reserved / allocated (CUDA allocator); 1 on CPU
+    workspace: float
+
+    @staticmethod
+    def of(est: Estimate, tl: Timeline) -> "_Features":
+        pb = tl.phase_breakdowns or {}
+        fb_phase = max(("forward", "backward"), key=lambda p: tl.phase_peaks.get(p, -1))
+        bd = pb.get(fb_phase, tl.breakdown)
+        opt_phases = [p for p in ("optimizer", "zero_grad") if p in tl.phase_peaks]
+        grads_total = max([pb.get(p, {}).get("grads", 0) for p in opt_phases] + [bd.get("grads", 0)])
+        workspace = est.breakdown.get("workspace", 0)
+        ratio = (est.peak_bytes - workspace) / tl.peak_bytes if tl.peak_bytes else 1.0
+        return _Features(
+            states=bd.get("params", 0) + bd.get("optimizer", 0),
+            grads_at_peak=bd.get("grads", 0),
+            grads_total=grads_total,
+            act=bd.get("activations", 0) + bd.get("temporaries", 0) + bd.get("inputs", 0),
+            opt_peak=max([tl.phase_peaks.get(p, 0) for p in opt_phases] + [0]),
+            ratio=max(1.0, ratio),
+            workspace=workspace,
+        )
+
+    def extrapolate(self, other: "_Features", j1: int, j2: int, n: int) -> "_Features":
+        """Affine extrapolation from ``j1`` blocks (self) and ``j2`` blocks (other) to ``n``."""
+        t = (n - j1) / (j2 - j1)
+
+        def lin(a: float, b: float) -> float:
+            return a + t * (b - a)
+
+        return _Features(
+            states=lin(self.states, other.states),
+            grads_at_peak=lin(self.grads_at_peak, other.grads_at_peak),
+            grads_total=lin(self.grads_total, other.grads_total),
+            act=lin(self.act, other.act),
+            opt_peak=lin(self.opt_peak, other.opt_peak),
+            ratio=other.ratio,
+            workspace=other.workspace,
+        )
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    precision: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    checkpoint_blocks: int
+    zero_stage: int
+    offload_optimizer: bool
+    predicted_bytes: int
+    step_seconds: float
+    throughput: float
+
+    def key(self, precision_rank: dict[str, int]) -> tuple:
+        return (
+            -float(f"{self.throughput:.3g}"),  # throughput first, to 3 significant digits
+            self.checkpoint_blocks,
+            self.zero_stage,
+            self.offload_optimizer,
+            precision_rank[self.precision],
+            -self.micro_batch_size,
+        )
+
+
+@dataclass
+class Planner:
+    """Traces shared by every question asked about one model and example batch.
+
+    ``plan`` makes one per call; :func:`memguard.planner.sizing.fit_gpus` shares one across
+    GPUs and world sizes, since a trace does not depend on either.
+    """
+
+    model: nn.Module
+    batch: Any
+    optimizer: Any = None
+    loss_fn: Callable | None = None
+    device: str = "cuda"
+    make_batch: Callable[[int], Any] | None = None
+    _traces: dict = field(default_factory=dict)
+    _cost: CostInputs | None = None
+
+    def __post_init__(self) -> None:
+        self.model = _unwrap(self.model)
+        self.m0 = batch_size_of(self.batch) or 1
+        self.num_blocks = len(find_blocks(self.model))
+
+    def batch_of(self, n: int) -> Any:
+        return self.make_batch(n) if self.make_batch is not None else resize_batch(self.batch, self.m0, n)
+
+    def trace(self, precision: str, *, ckpt: int = 0, keep: int | None = None, m: int | None = None,
+              grads_present: bool = False, flops: bool = False):
+        key = (precision, ckpt, keep, m, grads_present, flops)
+        if key not in self._traces:
+            batch = self.batch if m is None else self.batch_of(m)
+            self._traces[key] = run_trace(
+                self.model, batch, optimizer=self.optimizer, loss_fn=self.loss_fn, device=self.device,
+                precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present, keep_blocks=keep,
+                count_flops=flops,
+            )
+            log.debug("memguard traced %s", key)
+        return self._traces[key]
+
+    def probe_points(self) -> list[int | None]:
+        return [1, 2] if self.num_blocks >= 2 else [None]
+
+    def features(self, precision: str, ckpt_all: bool, *, zero_stage: int, world_size: int, spec,
+                 offload: bool) -> _Features:
+        """Features of the full model at the example micro-batch, from the 1- and 2-block probes."""
+        points = self.probe_points()
+        feats = []
+        for j in points:
+            ck = (j or 0) if ckpt_all else 0
+            tr = self.trace(precision, ckpt=ck, keep=j, flops=not ckpt_all)
+            est, tl = evaluate(tr, device=self.device, precision=precision, zero_stage=zero_stage,
+                               world_size=world_size, spec=spec, offload_optimizer=offload,
+                               micro_batch_size=self.m0)
+            feats.append(_Features.of(est, tl))
+        if len(feats) == 1:
+            return feats[0]
+        return feats[0].extrapolate(feats[1], 1, 2, self.num_blocks)
+
+    def cost_inputs(self, spec, precision: str) -> CostInputs:
+        """FLOPs and op counts (the same for every precision) from ``precision``'s probes."""
+        if self._cost is None:
+            pts = self.probe_points()
+            trs = [self.trace(precision, keep=j, flops=True) for j in pts]
+            if len(trs) == 2:
+                def lin(a, b):
+                    return a + (self.num_blocks - 1) * (b - a)
+                flops = lin(trs[0].flops, trs[1].flops)
+                ops = lin(trs[0].num_ops, trs[1].num_ops)
+                params = lin(trs[0].num_trainable_params, trs[1].num_trainable_params)
+            else:
+                flops, ops, params = trs[0].flops, trs[0].num_ops, trs[0].num_trainable_params
+            self._cost = CostInputs(
+                flops_per_sample=max(flops, 1) / self.m0, ops_per_micro_batch=ops, num_params=int(params),
+                num_blocks=self.num_blocks, device=self.device, tflops={}, interconnect_gbps=0.0,
+            )
+        c = self._cost
+        if self.device == "cpu" or spec is None:
+            tflops = {p: CPU_TFLOPS for p in PRECISIONS}
+            link = 0.0
+        else:
+            half = {"bf16": spec.bf16_tflops, "16": spec.fp16_tflops}
+            tflops = {
+                "32-true": spec.fp32_tflops,
+                "16-mixed": half["16"], "16-true": half["16"],
+                "bf16-mixed": half["bf16"], "bf16-true": half["bf16"],
+            }
+            link = spec.interconnect_gbps
+        return CostInputs(c.flops_per_sample, c.ops_per_micro_batch, c.num_params, c.num_blocks, c.device,
+                          tflops, link)
+
+
+def _predict(f_off: _Features, f_on: _Features | None, *, m: int, m0: int, k: int, n_blocks: int,
+             accum: int) -> int:
+    """Predicted peak bytes at micro-batch ``m`` with ``k`` of ``n_blocks`` blocks checkpointed."""
+    w = (k / n_blocks) if (f_on is not None and n_blocks) else 0.0
+    f = f_off if w == 0 else f_on  # states and the optimizer peak do not depend on checkpointing
+
+    def mix(a: float, b: float) -> float:
+        return a * (1 - w) + b * w
+
+    act = mix(f_off.act, f_on.act) if w else f_off.act
+    grads = f.grads_total if accum > 1 else (mix(f_off.grads_at_peak, f_on.grads_at_peak) if w else f_off.grads_at_peak)
+    fb = f.states + grads + act * m / m0
+    ratio = mix(f_off.ratio, f_on.ratio) if w else f_off.ratio
+    return int(max(fb, f.opt_peak) * ratio + f.workspace)
+
+
+def plan(
+    model: nn.Module,
+    batch: Any,
+    *,
+    global_batch_size: int,
+    gpu: str | None = None,
+    budget_bytes: int | None = None,
+    world_size: int = 1,
+    device: str = "cuda",
+    optimizer: Any = None,
+    loss_fn: Callable | None = None,
+    precision: str | Sequence[str] | None = None,
+    activation_checkpointing: bool | None = None,
+    zero_stage: int | Sequence[int] | None = None,
+    offload_optimizer: bool | None = False,
+    headroom: float = DEFAULT_HEADROOM,
+    make_batch: Callable[[int], Any] | None = None,
+    cache: bool | Any = False,
+    _planner: Planner | None = None,
+) -> Plan:
+    """Choose micro-batch, accumulation, precision, checkpointing and ZeRO stage for a budget.
+
+    Knobs ``precision``, ``activation_checkpointing``, ``zero_stage`` and ``offload_optimizer``:
+    None lets memguard choose, a value fixes it, a sequence restricts it. With ``precision=None``
+    memguard considers ``"32-true"`` and the fastest mixed precision the GPU supports
+    (``bf16-mixed`` where bf16 exists, else ``16-mixed``); ``*-true`` precisions are used only
+    when you list them. ZeRO stages are considered only when ``world_size > 1``, unless fixed.
+
+    Args:
+        model, batch, optimizer, loss_fn: as for :func:`memguard.estimate`; ``batch`` is one
+            example micro-batch; other sizes are made along dim 0 (or by ``make_batch(n)``).
+        global_batch_size: samples per optimizer step over all ranks.
+        gpu: catalog name; None = the current CUDA device.
+        budget_bytes: bytes per rank (overrides the GPU's memory less its context).
+        world_size: data-parallel ranks.
+        device: ``"cuda"`` or ``"cpu"`` (the CPU needs ``budget_bytes`` or reads MemAvailable).
+        headroom: fraction of the budget kept free (default 0.10, see the module docstring).
+        make_batch: ``make_batch(n)`` returns an example batch of ``n`` samples.
+        cache: True (or a :class:`memguard.planner.cache.PlanCache`) to reuse and store plans on
+            disk, keyed by model structure, batch shapes, target and options.
+
+    Returns:
+        The :class:`~memguard.Plan`, verified with one full trace.
+
+    Raises:
+        ConfigError: bad arguments, all listed at once.
+        InfeasiblePlanError: nothing fits; ``.closest`` is the nearest plan, with suggestions.
+    """
+    problems: list[str] = []
+    spec = None
+    if not (isinstance(global_batch_size, int) and global_batch_size >= 1):
+        problems.append(f"global_batch_size={global_batch_size!r} must be an integer >= 1")
+    check_common(device=device, world_size=world_size, problems=problems)
+    if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
+        problems.append(f"headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.1 for 10%")
+    if isinstance(global_batch_size, int) and isinstance(world_size, int) and world_size >= 1 and global_batch_size >= 1:
+        if global_batch_size % world_size:
+            problems.append(
+                f"global_batch_size {global_batch_size} cannot be split evenly over world_size {world_size}; "
+                f"use a multiple of {world_size} (e.g. {global_batch_size - global_batch_size % world_size or world_size})"
+            )
+    if batch_size_of(batch) is None:
+        problems.append("batch must hold at least one tensor with a batch dimension (dim 0)")
+    if device == "cuda":
+        from memguard.estimator.gpus import current_gpu, get_gpu
+
+        try:
+            spec = get_gpu(gpu) if gpu is not None else current_gpu()
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+        if spec is None and gpu is None and budget_bytes is None:
+            problems.append("no CUDA device is visible: pass gpu='A100-80GB' (see `memguard gpus`) or budget_bytes=")
+        if spec is None and gpu is None and budget_bytes is not None:
+            from memguard.estimator.gpus import GENERIC
+
+            spec = GENERIC
+    elif gpu is not None:
+        problems.append(f"gpu={gpu!r} only applies to device='cuda'")
+    if budget_bytes is not None and not (isinstance(budget_bytes, int) and budget_bytes > 0):
+        problems.append(f"budget_bytes={budget_bytes!r} must be a positive integer")
+
+    if device == "cuda" and spec is not None:
+        default_prec = ("bf16-mixed", "32-true") if spec.bf16 else (("16-mixed", "32-true") if spec.tensor_cores else ("32-true",))
+    else:
+        default_prec = ("32-true", "bf16-mixed")
+    precisions = _as_choices("precision", precision, default_prec, PRECISIONS, problems)
+    if device == "cuda" and spec is not None and not spec.bf16:
+        bad = [p for p in precisions if p.startswith("bf16")]
+        if bad and precision is not None:
+            problems.append(f"{spec.name} has no native bf16: use precision='16-mixed' or '32-true', not {bad}")
+    ckpts = _as_choices("activation_checkpointing", activation_checkpointing, (False, True), (False, True), problems)
+    zeros = _as_choices("zero_stage", zero_stage, (0, 1, 2, 3) if (isinstance(world_size, int) and world_size > 1) else (0,),
+                        (0, 1, 2, 3), problems)
+    offloads = _as_choices("offload_optimizer", offload_optimizer, (False, True), (False, True), problems)
+    if offloads == (True,) and zeros == (0,):
+        problems.append("offload_optimizer=True needs a ZeRO stage >= 1: pass zero_stage=1, 2 or 3")
+    if problems:
+        raise ConfigError(problems)
+
+    if budget_bytes is None:
+        budget_bytes = _default_budget(device, spec)
+    usable = int(budget_bytes * (1 - headroom))
+
+    planner = _planner or Planner(model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device, make_batch=make_batch)
+    store = None
+    if cache:
+        from memguard.planner.cache import PlanCache, plan_key
+
+        store = cache if isinstance(cache, PlanCache) else PlanCache()
+        key = plan_key(planner.model, batch, optimizer, loss_fn, dict(
+            global_batch_size=global_batch_size, gpu=spec.name if spec else None, budget_bytes=budget_bytes,
+            world_size=world_size, device=device, precision=precisions, ckpt=ckpts, zero=zeros, offload=offloads,
+            headroom=headroom))
+        hit = store.get(key)
+        if hit is not None:
+            log.info("memguard: plan read from cache %s", store.path_for(key))
+            return hit
+
+    result = _search(planner, spec, global_batch_size=global_batch_size, world_size=world_size, budget=budget_bytes,
+                     usable=usable, headroom=headroom, precisions=precisions, ckpts=ckpts, zeros=zeros,
+                     offloads=offloads, explicit_precision=precision is not None)
+    if store is not None:
+        store.put(key, result)
+    return result
+
+
+def _default_budget(device: str, spec) -> int:
+    if device == "cuda":
+        if not spec.memory_bytes:
+            raise ConfigError("the GPU's memory is unknown: pass budget_bytes= or a catalog gpu= name")
+        return spec.memory_bytes - spec.context_bytes
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise ConfigError("cannot read the available host memory: pass budget_bytes= for device='cpu'")
+
+
+def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, usable, headroom, precisions, ckpts,
+            zeros, offloads, explicit_precision) -> Plan:
+    local = global_batch_size // world_size
+    divisors = _divisors(local)[::-1]
+    n_blocks = planner.num_blocks
+    if n_blocks < 1:
+        ckpts = tuple(c for c in ckpts if not c) or (False,)
+    cost = planner.cost_inputs(spec, precisions[0])
+    rank = {p: i for i, p in enumerate(sorted(precisions, key=lambda p: (p != "32-true", p)))}
+    configs = [(z, o) for z in zeros for o in offloads if not (o and z == 0)]
+
+    def seconds(p, m, k, z, o):
+        return step_seconds(cost, micro_batch_size=m, grad_accum_steps=local // m, world_size=world_size,
+                            precision=p, checkpoint_blocks=k, zero_stage=z, offload_optimizer=o)
+
+    # Best conceivable throughput of each (precision, checkpointing) pair, ignoring memory.
+    pairs = []
+    for p in precisions:
+        for ck in ckpts:
+            k = 1 if ck else 0
+            best = min(seconds(p, m, k, z, o) for m in divisors[:1] for z, o in configs)
+            pairs.append((global_batch_size / best, p, ck))
+    pairs.sort(key=lambda t: -t[0])
+
+    candidates: list[_Candidate] = []
+    closest: _Candidate | None = None
+    feats_off: dict = {}
+    for bound, p, ck in pairs:
+        if candidates and bound < max(c.throughput for c in candidates):
+            continue  # cannot beat what is already found: do not trace it
+        for z, o in configs:
+            if (p, z, o) not in feats_off:
+                feats_off[(p, z, o)] = planner.features(p, False, zero_stage=z, world_size=world_size, spec=spec, offload=o)
+            f_off = feats_off[(p, z, o)]
+            f_on = planner.features(p, True, zero_stage=z, world_size=world_size, spec=spec, offload=o) if ck else None
+            for m in divisors:
+                accum = local // m
+                ks = [0] if not ck else _fewest_blocks(f_off, f_on, m, planner.m0, n_blocks, accum, usable)
+                for k in ks:
+                    pred = _predict(f_off, f_on, m=m, m0=planner.m0, k=k, n_blocks=n_blocks, accum=accum)
+                    s = seconds(p, m, k, z, o)
+                    cand = _Candidate(p, m, accum, k, z, o, pred, s, global_batch_size / s)
+                    if closest is None or pred < closest.predicted_bytes:
+                        closest = cand
+                    if pred <= usable:
+                        candidates.append(cand)
+                        break
+    if not candidates:
+        raise _infeasible(planner, spec, closest, budget=budget, usable=usable, world_size=world_size,
+                          global_batch_size=global_batch_size, headroom=headroom, zeros=zeros, offloads=offloads)
+    candidates.sort(key=lambda c: c.key(rank))
+    tried: list[tuple[_Candidate, Estimate]] = []
+    for cand in candidates[:_MAX_VERIFY]:
+        est = _verify(planner, spec, cand, world_size, usable)
+        tried.append((cand, est))
+        if est.peak_bytes <= usable:
+            return _make_plan(planner, spec, cand, est, world_size=world_size, global_batch_size=global_batch_size,
+                              budget=budget, headroom=headroom, candidates=candidates, precisions=precisions,
+                              explicit_precision=explicit_precision)
+        log.info("memguard: candidate %s predicted %s but verified at %s; trying the next",
+                 cand, format_bytes(cand.predicted_bytes), format_bytes(est.peak_bytes))
+    cand, est = min(tried, key=lambda t: t[1].peak_bytes)
+    raise _infeasible(planner, spec, cand, budget=budget, usable=usable, world_size=world_size,
+                      global_batch_size=global_batch_size, headroom=headroom, zeros=zeros, offloads=offloads,
+                      verified=est)
+
+
+def _fewest_blocks(f_off, f_on, m, m0, n_blocks, accum, usable) -> list[int]:
+    """The fewest checkpointed blocks (>= 1) predicted to fit, or [n_blocks] if none does."""
+    lo, hi = 1, n_blocks
+    if _predict(f_off, f_on, m=m, m0=m0, k=hi, n_blocks=n_blocks, accum=accum) > usable:
+        return [n_blocks]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _predict(f_off, f_on, m=m, m0=m0, k=mid, n_blocks=n_blocks, accum=accum) <= usable:
+            hi = mid
+        else:
+            lo = mid + 1
+    return [lo]
+
+
+def _verify(planner: Planner, spec, cand: _Candidate, world_size: int, usable: int | None = None) -> Estimate:
+    tr = planner.trace(cand.precision, ckpt=cand.checkpoint_blocks, m=cand.micro_batch_size,
+                       grads_present=cand.grad_accum_steps > 1)
+    est, _ = evaluate(tr, device=planner.device, precision=cand.precision, zero_stage=cand.zero_stage,
+                      world_size=world_size, spec=spec, offload_optimizer=cand.offload_optimizer,
+                      micro_batch_size=cand.micro_batch_size, checkpointed=cand.checkpoint_blocks,
+                      limit_bytes=usable)
+    return est
+
+
+def _make_plan(planner, spec, cand: _Candidate, est: Estimate, *, world_size, global_batch_size, budget, headroom,
+               candidates, precisions, explicit_precision) -> Plan:
+    n = planner.num_blocks
+    reasons = {
+        "micro_batch_size": (
+            f"{cand.micro_batch_size} x {cand.grad_accum_steps} accumulation x {world_size} ranks = {global_batch_size}; "
+            f"the fastest split predicted to fit ({cand.throughput:.3g} samples/s by the cost model)"
+        ),
+        "precision": (
+            f"{cand.precision}: fixed by you" if len(precisions) == 1 and explicit_precision else
+            f"{cand.precision}: fastest of {', '.join(precisions)} that fits"
+            + (f" ({_rate(spec, cand.precision):g} TFLOP/s on {spec.name})" if spec is not None and planner.device == "cuda" and _rate(spec, cand.precision) else "")
+        ),
+        "activation_checkpointing": (
+            "off: fits without recomputation" if cand.checkpoint_blocks == 0 else
+            f"{cand.checkpoint_blocks} of {n} blocks: the fewest that let micro-batch {cand.micro_batch_size} fit "
+            f"(+{100 * cand.checkpoint_blocks / (3 * n):.0f}% compute)"
+        ),
+        "zero_stage": (
+            "0: one device" if world_size == 1 and cand.zero_stage == 0 else
+            f"{cand.zero_stage}: the least sharding (and communication) that fits and is fastest"
+        ),
+    }
+    if cand.offload_optimizer:
+        reasons["offload_optimizer"] = "optimizer state in host memory: nothing fits on the device otherwise"
+    blocks = find_blocks(planner.model)
+    return Plan(
+        micro_batch_size=cand.micro_batch_size,
+        grad_accum_steps=cand.grad_accum_steps,
+        world_size=world_size,
+        global_batch_size=global_batch_size,
+        precision=cand.precision,
+        activation_checkpointing=cand.checkpoint_blocks > 0,
+        checkpoint_blocks=cand.checkpoint_blocks,
+        zero_stage=cand.zero_stage,
+        offload_optimizer=cand.offload_optimizer,
+        budget_bytes=int(budget),
+        estimate=est,
+        device=planner.device,
+        gpu=spec.name if (spec is not None and planner.device == "cuda" and spec.memory_bytes) else None,
+        headroom=float(headroom),
+        throughput=float(cand.throughput),
+        reasons=reasons,
+        block_class=type(blocks[0]).__name__ if blocks else None,
+        hidden_size=hidden_size(planner.model),
+    )
+
+
+def _rate(spec, precision: str) -> float:
+    if precision == "32-true":
+        return spec.fp32_tflops
+    return spec.bf16_tflops if precision.startswith("bf16") else spec.fp16_tflops
+
+
+def _infeasible(planner, spec, cand, *, budget, usable, world_size, global_batch_size, headroom, zeros, offloads,
+                verified: Estimate | None = None) -> InfeasiblePlanError:
+    closest_plan = None
+    est = verified
+    if cand is not None:
+        if est is None:
+            est = _verify(planner, spec, cand, world_size)
+        closest_plan = Plan(
+            micro_batch_size=cand.micro_batch_size, grad_accum_steps=cand.grad_accum_steps, world_size=world_size,
+            global_batch_size=global_batch_size, precision=cand.precision,
+            activation_checkpointing=cand.checkpoint_blocks > 0, checkpoint_blocks=cand.checkpoint_blocks,
+            zero_stage=cand.zero_stage, offload_optimizer=cand.offload_optimizer, budget_bytes=int(budget),
+            estimate=est, device=planner.device, gpu=spec.name if spec is not None and spec.memory_bytes else None,
+            headroom=float(headroom), throughput=float(cand.throughput),
+            reasons={"closest": "the configuration with the smallest predicted peak"},
+        )
+    need = est.peak_bytes if est is not None else 0
+    suggestions: list[str] = []
+    if est is not None:
+        states = est.model_state_bytes
+        act = need - states
+        if 3 not in zeros or world_size == 1:
+            suggestions.append(
+                "shard model states with ZeRO-3 over more GPUs (world_size > 1, zero_stage=3): "
+                f"model states are {format_bytes(states)} per rank now"
+            )
+        if True not in offloads:
+            suggestions.append("offload optimizer state to host memory (offload_optimizer=True with ZeRO >= 1)")
+        if act > 0 and usable > states:
+            frac = (usable - states) / act
+            if frac < 1:
+                suggestions.append(f"a shorter sequence or smaller inputs: activations must shrink to about {frac:.0%} of now")
+        try:
+            from memguard.estimator.gpus import GPUS
+
+            bigger = sorted((g for g in GPUS.values() if g.memory_bytes - g.context_bytes > need / (1 - headroom)),
+                            key=lambda g: g.memory_bytes)
+            if bigger and planner.device == "cuda":
+                suggestions.append(f"a GPU with more memory, e.g. {bigger[0].name} ({format_bytes(bigger[0].memory_bytes)})")
+        except ImportError:  # pragma: no cover - the catalog ships with memguard
+            pass
+    msg = (
+        f"no configuration fits {format_bytes(usable)} usable per rank ({format_bytes(budget)} budget, "
+        f"{headroom:.0%} headroom); the closest needs {format_bytes(need)}"
+    )
+    return InfeasiblePlanError(msg, closest=closest_plan, suggestions=suggestions)
