@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -343,6 +344,18 @@ def trace_step(
     Raises:
         ConfigError: the model cannot be copied, called with the batch, or gives no usable loss.
     """
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # frees happen at deterministic points (reference counting only)
+    try:
+        return _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, loss_scale, foreach,
+                           checkpoint_blocks, grads_present, cuda_autocast, keep_blocks, count_flops)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, loss_scale, foreach,
+                checkpoint_blocks, grads_present, cuda_autocast, keep_blocks, count_flops) -> Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memguard.estimator.blocks import apply_activation_checkpointing
@@ -440,7 +453,6 @@ def trace_step(
                             _engine_backward(loss)
                     else:
                         loss.backward()
-                del loss
                 if count_flops:
                     trace.flops = int(flop_counter.get_total_flops())
                 grad_handles = {recorder.handle_of(p.grad) for p in trainable if p.grad is not None}
@@ -457,6 +469,7 @@ def trace_step(
                 trace.phase_starts["zero_grad"] = len(trace.events)
                 recorder.phase = "zero_grad"
                 opt.zero_grad(set_to_none=True)
+                del loss  # a training loop keeps its loss until the next step replaces it
                 for h, cat in enumerate(trace.category):
                     if not cat:
                         trace.category[h] = "activations" if recorder.alloc_phase[h] == "forward" else "temporaries"

@@ -1,0 +1,1 @@
+"""Benchmarks for memguard: the model zoo, the CPU ground truth and the accuracy report."""
