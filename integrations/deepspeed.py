@@ -1,0 +1,415 @@
+"""DeepSpeed: turn a :class:`memguard.Plan` into a DeepSpeed config, or fill an existing one.
+
+``to_config(plan)`` writes a complete config for the plan; ``fill_auto(user_config, plan)``
+keeps a user's config and replaces its ``"auto"`` values with what the plan determines, the way
+the Hugging Face Trainer fills ``"auto"`` from its ``TrainingArguments``. Neither imports
+DeepSpeed: a config is plain JSON-ready data (validate it with
+``deepspeed.runtime.config.DeepSpeedConfig(config)``, which works without a GPU).
+
+What the plan determines, and what a config must therefore agree with:
+
+=============================================  ==================================================
+key                                            value
+=============================================  ==================================================
+``train_micro_batch_size_per_gpu``             ``plan.micro_batch_size``
+``gradient_accumulation_steps``                ``plan.grad_accum_steps``
+``train_batch_size``                           ``plan.global_batch_size`` (= micro x accumulation
+                                               x world, DeepSpeed's own batch rule)
+``zero_optimization.stage``                    ``plan.zero_stage``
+``zero_optimization.offload_optimizer.device`` ``"cpu"`` if ``plan.offload_optimizer`` else none
+``fp16.enabled``                               ``plan.precision == "16-mixed"``
+``bf16.enabled``                               ``plan.precision in ("bf16-mixed", "bf16-true")``
+``bf16.bf16_master_weights_and_grads``,        True for ``"bf16-true"`` (no fp32 master copy),
+``bf16.bf16_optimizer_states``                 else absent / False
+=============================================  ==================================================
+
+Tuning values the plan suggests but a user may change: the ZeRO bucket sizes (from the hidden
+size, the rule of the Hugging Face DeepSpeed integration), the fp16 dynamic loss-scaling
+settings (DeepSpeed's defaults), ``offload_optimizer.pin_memory`` and the
+``activation_checkpointing`` block.
+
+Precision mapping. ``"32-true"`` writes no fp16/bf16 block (DeepSpeed trains in fp32).
+``"16-mixed"`` and ``"bf16-mixed"`` map to DeepSpeed's ``fp16`` / ``bf16`` modes, which keep
+16-bit weights and gradients and an fp32 master copy in the optimizer: the ZeRO paper's mixed
+precision model states (arXiv 1910.02054, 2+2+12 bytes per parameter), as memguard estimates them.
+``"bf16-true"`` maps to ``bf16`` with ``bf16_master_weights_and_grads`` and
+``bf16_optimizer_states`` (no fp32 copies), which DeepSpeed supports with ZeRO stages 1-3 only.
+``"16-true"`` has no DeepSpeed equivalent (DeepSpeed's fp16 always scales the loss and keeps fp32
+optimizer states; ``fp16_master_weights_and_grads`` needs ZeRO-Offload and still keeps fp32
+moments), so it is refused with a :class:`memguard.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Mapping
+
+from memguard.errors import ConfigError
+from memguard.planner.plan import Plan
+
+__all__ = ["to_config", "fill_auto", "AUTO"]
+
+logger = logging.getLogger("memguard")
+
+#: The placeholder value that :func:`fill_auto` replaces (the Hugging Face convention).
+AUTO = "auto"
+
+_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+
+# DeepSpeed's dynamic loss-scaling defaults: DeepSpeedFP16Config in
+# deepspeed/runtime/precision_config.py (loss_scale 0 = dynamic, initial scale 2**16).
+_FP16_DEFAULTS: dict[str, Any] = {
+    "loss_scale": 0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
+
+# DeepSpeed's defaults for the activation_checkpointing block: ACT_CHKPT_DEFAULT in
+# deepspeed/runtime/activation_checkpointing/config.py.
+_ACT_CKPT_DEFAULTS: dict[str, Any] = {
+    "partition_activations": False,
+    "cpu_checkpointing": False,
+    "contiguous_memory_optimization": False,
+    "synchronize_checkpoint_boundary": False,
+    "profile": False,
+}
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+Path = tuple[str, ...]
+
+
+def _dotted(path: Path) -> str:
+    return ".".join(path)
+
+
+def _plan_problems(plan: Any) -> list[str]:
+    """Why ``plan`` cannot be expressed as a DeepSpeed config (empty when it can)."""
+    if not isinstance(plan, Plan):
+        return [f"expected a memguard.Plan, got {type(plan).__name__}; build one with memguard.plan()"]
+    problems = []
+    if plan.precision not in _PRECISIONS:
+        problems.append(f"plan.precision {plan.precision!r} is not one of {', '.join(_PRECISIONS)}")
+    if plan.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"plan.zero_stage {plan.zero_stage!r} is not a DeepSpeed ZeRO stage (0-3)")
+    if plan.precision == "16-true":
+        problems.append(
+            "precision '16-true' has no DeepSpeed equivalent: DeepSpeed's fp16 mode always keeps fp32 "
+            "optimizer states and a loss scaler; plan with precision='16-mixed' or 'bf16-true' instead"
+        )
+    if plan.precision == "bf16-true" and plan.zero_stage == 0:
+        problems.append(
+            "precision 'bf16-true' needs ZeRO stage 1-3 under DeepSpeed (bf16_master_weights_and_grads is "
+            "only supported there; without ZeRO DeepSpeed keeps an fp32 master copy the plan did not count); "
+            "plan with zero_stage>=1 or precision='bf16-mixed'"
+        )
+    if plan.offload_optimizer and plan.zero_stage == 0:
+        problems.append(
+            "plan.offload_optimizer needs ZeRO stage 1-3 (DeepSpeed's offload_optimizer is part of ZeRO); "
+            "plan with zero_stage>=1 or without offload"
+        )
+    return problems
+
+
+def _required(plan: Plan) -> dict[Path, tuple[Any, Any]]:
+    """Plan-determined keys: path -> (plan value, DeepSpeed's value when the key is absent).
+
+    The absent value of a batch key is None: DeepSpeed derives a missing one from the other two.
+    """
+    bf16 = plan.precision in ("bf16-mixed", "bf16-true")
+    req: dict[Path, tuple[Any, Any]] = {
+        ("train_batch_size",): (plan.global_batch_size, None),
+        ("train_micro_batch_size_per_gpu",): (plan.micro_batch_size, None),
+        ("gradient_accumulation_steps",): (plan.grad_accum_steps, None),
+        # DeepSpeedZeroConfig.stage defaults to 0 (deepspeed/runtime/zero/config.py)
+        ("zero_optimization", "stage"): (plan.zero_stage, 0),
+        # DeepSpeedZeroOffloadOptimizerConfig.device defaults to "none" (deepspeed/runtime/zero/offload_config.py)
+        ("zero_optimization", "offload_optimizer", "device"): ("cpu" if plan.offload_optimizer else "none", "none"),
+        # fp16 and bf16 are off unless enabled (deepspeed/runtime/precision_config.py)
+        ("fp16", "enabled"): (plan.precision == "16-mixed", False),
+        ("bf16", "enabled"): (bf16, False),
+        ("bf16", "bf16_master_weights_and_grads"): (plan.precision == "bf16-true", False),
+        ("bf16", "bf16_optimizer_states"): (plan.precision == "bf16-true", False),
+    }
+    return req
+
+
+def _bucket_sizes(hidden: int) -> dict[Path, int]:
+    """ZeRO bucket sizes from the hidden size.
+
+    The rule of the Hugging Face DeepSpeed integration for "auto" values:
+    huggingface/transformers src/transformers/integrations/deepspeed.py,
+    HfTrainerDeepSpeedConfig.trainer_config_finalize.
+    """
+    return {
+        ("zero_optimization", "reduce_bucket_size"): hidden * hidden,  # HF: hidden_size * hidden_size
+        ("zero_optimization", "stage3_prefetch_bucket_size"): int(0.9 * hidden * hidden),  # HF: 0.9 * hidden^2
+        ("zero_optimization", "stage3_param_persistence_threshold"): 10 * hidden,  # HF: 10 * hidden_size
+    }
+
+
+def _tuning(plan: Plan) -> dict[Path, Any]:
+    """Values the plan suggests for "auto" entries that a user may otherwise set freely."""
+    tun: dict[Path, Any] = {}
+    if plan.hidden_size:
+        tun.update(_bucket_sizes(int(plan.hidden_size)))
+    tun[("zero_optimization", "offload_optimizer", "pin_memory")] = True  # DeepSpeed's default
+    for k, v in _FP16_DEFAULTS.items():
+        tun[("fp16", k)] = v
+    for k, v in _ACT_CKPT_DEFAULTS.items():
+        tun[("activation_checkpointing", k)] = v
+    if plan.activation_checkpointing and plan.checkpoint_blocks:
+        tun[("activation_checkpointing", "number_checkpoints")] = int(plan.checkpoint_blocks)
+    return tun
+
+
+def _get(cfg: Mapping[str, Any], path: Path) -> tuple[bool, Any]:
+    """(found, value) of a nested key; a non-mapping on the way counts as absent."""
+    node: Any = cfg
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def _set(cfg: dict[str, Any], path: Path, value: Any) -> None:
+    node = cfg
+    for key in path[:-1]:
+        nxt = node.get(key)
+        if not isinstance(nxt, dict):
+            nxt = {} if nxt is None or nxt == AUTO else nxt
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{_dotted(path[:-1])} must be a mapping, got {nxt!r}")
+            node[key] = nxt
+        node = nxt
+    node[path[-1]] = value
+
+
+def _autos(cfg: Any, prefix: Path = ()) -> list[Path]:
+    """Paths of every value equal to "auto" left in ``cfg``."""
+    found: list[Path] = []
+    if isinstance(cfg, Mapping):
+        for k, v in cfg.items():
+            found += _autos(v, prefix + (str(k),))
+    elif isinstance(cfg, list):
+        for i, v in enumerate(cfg):
+            found += _autos(v, prefix + (str(i),))
+    elif isinstance(cfg, str) and cfg == AUTO:
+        found.append(prefix)
+    return found
+
+
+def _same(value: Any, want: Any) -> bool:
+    if isinstance(want, bool):
+        return isinstance(value, bool) and value is want
+    if isinstance(want, str):
+        return isinstance(value, str) and value.lower() == want
+    if isinstance(want, int):
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and value == want
+    return value == want
+
+
+def _bf16_alias(cfg: dict[str, Any]) -> None:
+    """DeepSpeed also reads the old name "bfloat16" when "bf16" is absent; normalise to "bf16"."""
+    if "bf16" not in cfg and "bfloat16" in cfg:
+        cfg["bf16"] = cfg.pop("bfloat16")
+
+
+def _resolve(cfg: dict[str, Any], plan: Plan, *, source: str) -> tuple[list[str], list[Path]]:
+    """Fill ``cfg`` in place from the plan; return (conflicts, filled paths)."""
+    _bf16_alias(cfg)
+    conflicts: list[str] = []
+    filled: list[Path] = []
+    for path, (want, absent) in _required(plan).items():
+        # a missing key, or a null parent such as "offload_optimizer": null, counts as absent
+        found, value = _get(cfg, path)
+        if not found:
+            if absent is None or not _same(absent, want):
+                _set(cfg, path, want)
+                filled.append(path)
+            continue
+        if isinstance(value, str) and value == AUTO:
+            _set(cfg, path, want)
+            filled.append(path)
+            continue
+        if not _same(value, want):
+            hint = f"set it to {want!r} or {AUTO!r}"
+            if path[0] in _BATCH_KEYS:
+                hint += (
+                    f" (the plan's batch is micro-batch {plan.micro_batch_size} x accumulation "
+                    f"{plan.grad_accum_steps} x world {plan.world_size} = {plan.global_batch_size}; "
+                    "to change it, plan again with other options)"
+                )
+            else:
+                hint += ", or plan again with that setting fixed"
+            conflicts.append(f"{source} {_dotted(path)} is {value!r} but the plan needs {want!r}: {hint}")
+    for path, value in _tuning(plan).items():
+        found, current = _get(cfg, path)
+        if found and isinstance(current, str) and current == AUTO:
+            _set(cfg, path, value)
+            filled.append(path)
+    return conflicts, filled
+
+
+def to_config(plan: Plan, **overrides: Any) -> dict[str, Any]:
+    """A complete DeepSpeed config for ``plan``.
+
+    The config holds the batch triple (``train_batch_size == train_micro_batch_size_per_gpu *
+    gradient_accumulation_steps * world_size``), ``zero_optimization`` (stage; ``offload_optimizer``
+    ``{"device": "cpu", "pin_memory": true}`` when the plan offloads; for stages 1-3
+    ``reduce_bucket_size`` and for stage 3 ``stage3_prefetch_bucket_size`` and
+    ``stage3_param_persistence_threshold`` from ``plan.hidden_size`` by the Hugging Face rule, or
+    DeepSpeed's defaults when the hidden size is unknown), the ``fp16`` / ``bf16`` block of the
+    precision (see the module docstring) and, when the plan checkpoints activations, an
+    ``activation_checkpointing`` block. Nothing else (no optimizer, scheduler or clipping) unless
+    given in ``overrides``.
+
+    Args:
+        plan: the plan to express.
+        **overrides: top-level config keys, deep-merged into the result (a nested mapping updates
+            the nested mapping key by key; any other value replaces), e.g.
+            ``to_config(plan, gradient_clipping=1.0, zero_optimization={"overlap_comm": True})``.
+            A plan-determined value (see the module docstring) may be repeated or given as
+            ``"auto"`` but not changed.
+
+    Returns:
+        A new JSON-ready dict.
+
+    Raises:
+        ConfigError: the plan has no DeepSpeed equivalent (``"16-true"``; ``"bf16-true"`` or
+            optimizer offload without ZeRO), or ``overrides`` contradict the plan (a different
+            micro-batch, accumulation, global batch, stage, offload or precision); every problem
+            is listed.
+
+    Known limitations:
+        DeepSpeed's ``activation_checkpointing`` block only configures
+        ``deepspeed.checkpointing.checkpoint``; it does not checkpoint anything by itself. The
+        plan's checkpointing must still be applied to the model (memguard does it in
+        ``prepare``; with the HF Trainer use ``gradient_checkpointing``). The ``"bf16-true"``
+        mapping with optimizer offload needs DeepSpeed's CPU Adam with bf16 states, which
+        DeepSpeed builds itself only when the config has an ``optimizer`` section.
+    """
+    problems = _plan_problems(plan)
+    if problems:
+        raise ConfigError(problems)
+
+    cfg: dict[str, Any] = {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+    }
+    zero: dict[str, Any] = {"stage": plan.zero_stage}
+    if plan.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if plan.hidden_size and plan.zero_stage >= 1:
+        buckets = _bucket_sizes(int(plan.hidden_size))
+        zero["reduce_bucket_size"] = buckets[("zero_optimization", "reduce_bucket_size")]
+        if plan.zero_stage == 3:
+            for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+                zero[key] = buckets[("zero_optimization", key)]
+    cfg["zero_optimization"] = zero
+    if plan.precision == "16-mixed":
+        cfg["fp16"] = {"enabled": True, **_FP16_DEFAULTS}
+    elif plan.precision == "bf16-mixed":
+        cfg["bf16"] = {"enabled": True}
+    elif plan.precision == "bf16-true":
+        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    if plan.activation_checkpointing:
+        cfg["activation_checkpointing"] = dict(_ACT_CKPT_DEFAULTS)
+        if plan.checkpoint_blocks:
+            cfg["activation_checkpointing"]["number_checkpoints"] = int(plan.checkpoint_blocks)
+
+    _deep_merge(cfg, overrides)
+    conflicts, _ = _resolve(cfg, plan, source="override")
+    if conflicts:
+        raise ConfigError(conflicts)
+    leftover = _autos(cfg)
+    if leftover:
+        logger.info("memguard: DeepSpeed config keeps 'auto' at %s", ", ".join(map(_dotted, leftover)))
+    return cfg
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every nested mapping turned into a dict (a JSON-ready copy)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    """Merge ``extra`` into ``base``: nested mappings key by key, anything else replaces."""
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)
+        else:
+            base[key] = _plain(value)
+
+
+def fill_auto(user_config: Mapping[str, Any], plan: Plan, *, strict: bool = False) -> dict[str, Any]:
+    """A copy of ``user_config`` with every ``"auto"`` value the plan determines filled in.
+
+    Rules:
+
+    * A plan-determined key (see the module docstring) that is ``"auto"`` gets the plan's value;
+      one that is absent is added when DeepSpeed's default for it would differ from the plan (an
+      absent batch key is always added, so the result holds the whole triple); one set explicitly
+      must equal the plan's value, otherwise it is a conflict.
+    * A tuning key that is ``"auto"`` (ZeRO bucket sizes when ``plan.hidden_size`` is known, fp16
+      loss-scaling settings, ``offload_optimizer.pin_memory``, the ``activation_checkpointing``
+      settings) gets the plan's suggestion; explicit tuning values are kept as they are.
+    * ``"auto"`` values memguard cannot determine (optimizer and scheduler parameters,
+      ``gradient_clipping``, bucket sizes without a hidden size, ...) are left as ``"auto"`` and
+      logged at warning level: the Hugging Face Trainer fills those from its
+      ``TrainingArguments``. DeepSpeed itself does not understand ``"auto"``: inside its
+      validated sections (``zero_optimization``, ``fp16``, ``bf16``, ...) it silently drops the
+      value and uses its default (deepspeed/runtime/config_utils.py, DeepSpeedConfigModel), and
+      elsewhere it fails or keeps the string (``gradient_clipping``). Pass ``strict=True`` when
+      the config goes to ``deepspeed.initialize`` directly: leftovers are then an error.
+
+    Args:
+        user_config: a DeepSpeed config dict; not modified. The old name ``"bfloat16"`` for the
+            ``"bf16"`` block is accepted and renamed to ``"bf16"``.
+        plan: the plan that decides the values.
+        strict: raise instead of keeping ``"auto"`` values memguard cannot fill.
+
+    Returns:
+        A new dict.
+
+    Raises:
+        ConfigError: ``user_config`` is not a mapping; the plan has no DeepSpeed equivalent; user
+            values contradict the plan; or, with ``strict=True``, ``"auto"`` values are left.
+            Every problem is listed in one error.
+    """
+    if not isinstance(user_config, Mapping):
+        raise ConfigError(
+            f"fill_auto needs the DeepSpeed config as a dict, got {type(user_config).__name__}; "
+            "load a JSON file with json.load first"
+        )
+    problems = _plan_problems(plan)
+    if problems:
+        raise ConfigError(problems)
+    cfg = _plain(user_config)
+    conflicts, filled = _resolve(cfg, plan, source="user config")
+    leftover = _autos(cfg)
+    if strict and leftover:
+        conflicts.append(
+            f"'auto' left at {', '.join(map(_dotted, leftover))}: memguard's plan does not determine "
+            "these; set them explicitly (or let the Hugging Face Trainer fill them)"
+        )
+    if conflicts:
+        raise ConfigError(conflicts)
+    if filled:
+        logger.info("memguard: filled DeepSpeed config keys %s from the plan", ", ".join(map(_dotted, filled)))
+    if leftover:
+        logger.warning(
+            "memguard: DeepSpeed config keeps 'auto' at %s (not determined by the plan; the HF Trainer "
+            "fills these, plain deepspeed.initialize does not)",
+            ", ".join(map(_dotted, leftover)),
+        )
+    return cfg
