@@ -13,8 +13,10 @@ analysis (``memguard.estimator.analysis``) turns into a peak and a breakdown.
 Known limitations:
     Memory that kernels allocate internally without creating a tensor (oneDNN scratchpads,
     cuDNN/cuBLAS workspaces) is invisible here; CUDA workspaces are added by the device model.
-    Data-dependent ops (``nonzero``, boolean masking) get symbolic sizes from fake tensors; the
-    trace then assumes the upper bound where PyTorch gives one.
+    Fake tensors hold no values: ``Tensor.item()`` answers 1.0 for floats, 1 for integers and
+    False for booleans, so code whose control flow depends on tensor values may take another
+    branch than it would for real. Ops whose output size depends on values (``nonzero``,
+    boolean masking) cannot be traced.
 """
 
 from __future__ import annotations
@@ -77,6 +79,27 @@ class Trace:
         return current
 
 
+def _stub_scalar(func, args):
+    """A stand-in for ``Tensor.item()`` on a fake tensor, which has no data.
+
+    Floats give 1.0 and integers 1 (safe divisors: Adafactor's parameter norm, a token count),
+    booleans False (``if torch.isnan(x).any(): raise ...`` takes the ordinary path).
+    """
+    t = args[0]
+    if t.dtype == torch.bool:
+        return False
+    return 1.0 if (t.is_floating_point() or t.is_complex()) else 1
+
+
+class _ScalarStub(TorchDispatchMode):
+    """Answers ``aten._local_scalar_dense`` (``.item()``) with :func:`_stub_scalar`."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return _stub_scalar(func, args)
+        return func(*args, **(kwargs or {}))
+
+
 class _Recorder(TorchDispatchMode):
     """Records the birth (first sight as an op output) and death (weakref) of storages."""
 
@@ -123,6 +146,8 @@ class _Recorder(TorchDispatchMode):
         return self._by_key.get(tensor.untyped_storage()._cdata)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return _stub_scalar(func, args)  # data-dependent Python values: see Known limitations
         if self.phase in ("forward", "backward") and not getattr(func, "is_view", False):
             self.trace.num_ops += 1  # views launch no kernel
         out = func(*args, **(kwargs or {}))
@@ -250,6 +275,20 @@ def _fake_batch(batch: Any, mode, dtype, device) -> Any:
     return tree_map(convert, batch)
 
 
+def _rebuild(cls, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
+    """``cls(groups, **defaults)`` with only the defaults its constructor accepts (an AdamW's
+    defaults hold ``decoupled_weight_decay``, which only Adam's constructor takes)."""
+    import inspect
+
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return cls(groups, **defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return cls(groups, **defaults)
+    return cls(groups, **{k: v for k, v in defaults.items() if k in params})
+
+
 def _make_optimizer(optimizer, params: list[nn.Parameter], originals, foreach: bool | None):
     """A new optimizer of the user's kind over the fake parameters."""
     if optimizer is None:
@@ -264,9 +303,8 @@ def _make_optimizer(optimizer, params: list[nn.Parameter], originals, foreach: b
             if foreach is not None and new.get("foreach", "absent") is None:
                 new["foreach"] = foreach
             groups.append(new)
-        defaults = dict(optimizer.defaults)
         try:
-            return type(optimizer)(groups, **defaults)
+            return _rebuild(type(optimizer), groups, optimizer.defaults)
         except TypeError as exc:
             raise ConfigError(
                 f"memguard could not rebuild {type(optimizer).__name__} from its defaults ({exc}); pass "
@@ -297,6 +335,67 @@ def _preserved_rng() -> Iterator[None]:
         yield
     finally:
         torch.set_rng_state(state)
+
+
+def _warm_up(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], mode) -> None:
+    """Create the optimizer's lazily built state, as after a first step.
+
+    Fast path: step a twin optimizer over meta-device twins of the parameters (meta kernels
+    cost a fraction of fake-tensor dispatch; the optimizer step of a large model dominated the
+    trace otherwise), then give the real optimizer fake tensors of the same shapes and dtypes.
+    Falls back to one step on fake zero gradients when the twin cannot be built or stepped.
+    """
+    try:
+        twins = {
+            id(p): torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta").requires_grad_()
+            for p in trainable
+        }
+        groups = []
+        for group in opt.param_groups:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g["params"] = [twins[id(p)] for p in group["params"] if id(p) in twins]
+            for flag in ("foreach", "fused"):  # the per-tensor path runs on meta; state is the same
+                if flag in g:
+                    g[flag] = False if flag == "foreach" else None
+            groups.append(g)
+        twin_opt = _rebuild(type(opt), groups, opt.defaults)
+        for t in twins.values():
+            t.grad = torch.zeros_like(t)
+        with _ScalarStub():
+            twin_opt.step()
+        by_id = {id(p): p for p in trainable}
+        for pid, twin in twins.items():
+            state = twin_opt.state.get(twin)
+            if state is None:
+                continue
+            with mode:
+                opt.state[by_id[pid]] = {
+                    k: (torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
+                        if isinstance(v, torch.Tensor) else v)
+                    for k, v in state.items()
+                }
+        return
+    except Exception:  # noqa: BLE001 - any failure of the fast path: take the exact slow one
+        opt.state.clear()
+    with mode, _ScalarStub():
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        with _uncached(mode):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _uncached(mode) -> Iterator[None]:
+    """Switch off the fake-tensor op cache: hashing the long tensor lists of foreach optimizer
+    ops costs far more than the cache saves (measured: the optimizer step of a 291-tensor model
+    spent most of its time building cache keys)."""
+    old = mode.cache_enabled
+    mode.cache_enabled = False
+    try:
+        yield
+    finally:
+        mode.cache_enabled = old
 
 
 def _engine_backward(loss: torch.Tensor) -> None:
@@ -380,13 +479,12 @@ def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, l
         fbatch = _fake_batch(batch, mode, param_dtype, device)
         opt = _make_optimizer(optimizer, params, originals, foreach)
         call = loss_fn or default_loss
+        _warm_up(opt, trainable, mode)  # outside the fake mode: its fast path runs on meta
 
         with mode:
-            # Warm-up: create the optimizer's lazily built state on zero gradients.
-            for p in trainable:
-                p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=not grads_present)
+            if grads_present:
+                for p in trainable:
+                    p.grad = torch.zeros_like(p)
 
             recorder = _Recorder(trace)
             flop_counter = contextlib.nullcontext()
@@ -461,7 +559,8 @@ def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, l
                         trace.category[h] = "grads"
                 trace.phase_starts["optimizer"] = len(trace.events)
                 recorder.phase = "optimizer"
-                opt.step()
+                with _uncached(mode):
+                    opt.step()
                 for t in _optimizer_state_tensors(opt):
                     h = recorder.handle_of(t)
                     if h is not None and not trace.category[h]:

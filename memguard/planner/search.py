@@ -177,6 +177,8 @@ class Planner:
     make_batch: Callable[[int], Any] | None = None
     _traces: dict = field(default_factory=dict)
     _cost: CostInputs | None = None
+    _whole: bool = False
+    _first_precision: str | None = None
 
     def __post_init__(self) -> None:
         self.model = _unwrap(self.model)
@@ -200,7 +202,17 @@ class Planner:
         return self._traces[key]
 
     def probe_points(self) -> list[int | None]:
-        return [1, 2] if self.num_blocks >= 2 else [None]
+        """[1, 2] (blocks kept in the probes), or [None] (trace the whole model) when the model
+        has no repeated blocks or cannot run with fewer of them."""
+        if self.num_blocks < 2 or self._whole:
+            return [None]
+        try:
+            self.trace(self._first_precision or "32-true", keep=1, flops=True)
+        except ConfigError as exc:
+            log.info("memguard: the model does not run with fewer blocks (%s); probing it whole", exc)
+            self._whole = True
+            return [None]
+        return [1, 2]
 
     def features(self, precision: str, ckpt_all: bool, *, zero_stage: int, world_size: int, spec,
                  offload: bool) -> _Features:
@@ -209,7 +221,8 @@ class Planner:
         feats = []
         for j in points:
             ck = (j or 0) if ckpt_all else 0
-            tr = self.trace(precision, ckpt=ck, keep=j, flops=not ckpt_all)
+            flops = not ckpt_all and precision == (self._first_precision or "32-true")  # FLOPs: once
+            tr = self.trace(precision, ckpt=ck, keep=j, flops=flops)
             est, tl = evaluate(tr, device=self.device, precision=precision, zero_stage=zero_stage,
                                world_size=world_size, spec=spec, offload_optimizer=offload,
                                micro_batch_size=self.m0)
@@ -415,6 +428,7 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
     n_blocks = planner.num_blocks
     if n_blocks < 1:
         ckpts = tuple(c for c in ckpts if not c) or (False,)
+    planner._first_precision = planner._first_precision or precisions[0]
     cost = planner.cost_inputs(spec, precisions[0])
     rank = {p: i for i, p in enumerate(sorted(precisions, key=lambda p: (p != "32-true", p)))}
     configs = [(z, o) for z in zeros for o in offloads if not (o and z == 0)]

@@ -1,0 +1,947 @@
+"""The ``memguard`` command line: ``estimate``, ``plan``, ``deepspeed-config`` and ``gpus``.
+
+Run ``memguard --help`` or ``memguard plan --help``. Also ``python -m memguard``.
+
+A model comes from one of:
+
+* ``--hf MODEL_TYPE [--hf-config KEY=VALUE ...]``: a transformers model built from
+  ``AutoConfig.for_model(MODEL_TYPE, **overrides)`` on the meta device (nothing is downloaded;
+  see :mod:`memguard.hf`), with a batch of ``--micro-batch-size`` x ``--seq-len`` token ids
+  and labels;
+* ``--model pkg.module:factory`` (or ``path/to/file.py:factory``): a callable, looked up in a
+  module importable from the current folder. It may take keyword arguments ``batch_size`` (the
+  ``--micro-batch-size``) and ``seq_len`` (``--seq-len``, passed only when given) and returns
+  one of:
+
+  - ``(model, batch)`` or ``(model, batch, loss_fn)``;
+  - a dict with keys ``model`` and ``batch`` and optionally ``loss_fn``, ``optimizer`` (an
+    optimizer or a callable ``params -> Optimizer``) and ``make_batch`` (``n -> batch of n``);
+  - a model alone, when it has an ``example_input_array`` (Lightning's convention) to use as
+    the batch.
+
+  ``model``, ``batch``, ``loss_fn`` and ``optimizer`` mean what they mean for
+  :func:`memguard.plan`; build large models on ``torch.device("meta")``.
+
+Output is a readable report on stdout; ``--json`` prints exactly ``Plan.to_dict()`` (or
+``Estimate.to_dict()``) instead, and nothing else goes to stdout. Progress and errors go to
+stderr. Exit status: 0 done; 1 no configuration fits (the closest plan and what would make it
+fit are printed) or another memguard error such as a missing optional package; 2 bad usage
+(unknown option, bad value, a model or batch that cannot be built or traced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from memguard.errors import ConfigError, InfeasiblePlanError, MemguardError, MissingDependencyError
+
+__all__ = ["main", "build_parser", "parse_bytes", "load_model", "LoadedModel"]
+
+log = logging.getLogger("memguard")
+
+EXIT_OK = 0
+EXIT_INFEASIBLE = 1
+EXIT_USAGE = 2
+
+_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+# Lightning's short precision names ("bf16" is "bf16-mixed", "16" is "16-mixed", "32" is
+# "32-true"; lightning.fabric.connector's precision aliases).
+_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+# Decimal (SI) and binary (IEC) units; a bare K/M/G/T is binary, as in `free -g` and docker.
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+# ------------------------------------------------------------------------------------------
+# Argument types
+# ------------------------------------------------------------------------------------------
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a memory size: ``"40GiB"``, ``"80GB"``, ``"1.5TiB"``, ``"512M"``, ``"1000000"``.
+
+    ``KB``/``MB``/``GB``/``TB`` are powers of 1000, ``KiB``/``MiB``/``GiB``/``TiB`` and the bare
+    ``K``/``M``/``G``/``T`` powers of 1024; case is ignored; a plain number is bytes.
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a memory size; write e.g. 40GiB, 80GB, 1.5TiB or a number of bytes")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"{text!r} must be more than 0 bytes")
+    return value
+
+
+def _bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _precision_list(text: str) -> list[str]:
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        name = _PRECISION_ALIASES.get(part, part)
+        if name not in _PRECISIONS:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a precision; use {', '.join(_PRECISIONS)} (or a comma list of them)"
+            )
+        out.append(name)
+    return out
+
+
+def _one_precision(text: str) -> str:
+    names = _precision_list(text)
+    if len(names) != 1:
+        raise argparse.ArgumentTypeError("estimate takes one precision; use `memguard plan` to compare several")
+    return names[0]
+
+
+def _stage_list(text: str) -> list[int]:
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if part not in ("0", "1", "2", "3"):
+            raise argparse.ArgumentTypeError(f"{part!r} is not a ZeRO stage; use 0, 1, 2, 3 or a comma list")
+        out.append(int(part))
+    return out
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _fraction(text: str) -> float:
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction; write e.g. 0.1 or 10%") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1) (or [0%, 100%))")
+    return value
+
+
+def _ckpt_estimate(text: str) -> int | bool:
+    low = text.strip().lower()
+    if low in ("on", "all", "true"):
+        return True
+    if low in ("off", "none", "false", "0"):
+        return 0
+    try:
+        value = int(low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use on, off or a number of blocks") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the number of blocks must be >= 0")
+    return value
+
+
+_TRISTATE = {"auto": None, "on": True, "off": False}
+
+
+# ------------------------------------------------------------------------------------------
+# The parser
+# ------------------------------------------------------------------------------------------
+
+_EPILOG_MAIN = """\
+examples:
+  # the fastest plan for GPT-2 124M (sequence 1024) on one A100-40GB, global batch 256;
+  # no GPU and no download needed
+  memguard plan --hf gpt2 --seq-len 1024 --gpu A100-40GB --global-batch-size 256
+
+  # peak memory of one step at micro-batch 8 in bf16 mixed precision, with a breakdown
+  memguard estimate --hf gpt2 --seq-len 1024 --gpu A100-40GB --micro-batch-size 8 --precision bf16-mixed
+
+  # a 7B Llama on 8 x A100-80GB: let memguard choose micro-batch, precision, checkpointing, ZeRO
+  memguard plan --hf llama --seq-len 2048 --gpu A100-80GB --world-size 8 --global-batch-size 512
+
+  # your own model: a factory in my_model.py returning (model, batch) or (model, batch, loss_fn)
+  memguard plan --model my_model:build --gpu H100 --global-batch-size 64 --plot plan.png
+
+  # a DeepSpeed config for the plan, and which GPUs (how many of each) fit the job
+  memguard deepspeed-config --hf gpt2 --gpu A100-40GB --world-size 4 --global-batch-size 256 --out ds.json
+  memguard gpus --hf gpt2 --seq-len 1024 --global-batch-size 256
+
+exit status: 0 done; 1 nothing fits (the closest plan is printed) or another memguard error;
+2 bad usage. Progress goes to stderr; --json keeps stdout machine-readable.
+"""
+
+_MODEL_HELP = """\
+model factory protocol (--model pkg.module:factory or path/to/file.py:factory):
+  the callable may take keyword arguments batch_size (--micro-batch-size) and seq_len
+  (--seq-len, passed when given) and returns (model, batch), (model, batch, loss_fn), a dict
+  with keys model, batch and optionally loss_fn, optimizer, make_batch, or a model with an
+  example_input_array. loss_fn(model, batch) returns the mean loss; without it the model is
+  called with the batch and output.loss (or a scalar output) is used. The optimizer defaults
+  to torch.optim.AdamW. Build big models on torch.device("meta").
+"""
+
+
+def _model_options(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    g = parser.add_argument_group("model" + ("" if required else " (optional: size the job on each GPU)"))
+    src = g.add_mutually_exclusive_group(required=required)
+    src.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+                     help="a callable returning the model and an example batch (see the protocol below)")
+    src.add_argument("--hf", metavar="MODEL_TYPE",
+                     help="a transformers model type (gpt2, llama, mistral, qwen2, bert, t5, ...) built from its "
+                          "default config on the meta device; nothing is downloaded")
+    g.add_argument("--hf-config", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
+                   help="config overrides for --hf, e.g. n_layer=2 n_embd=64 (JSON values; strings as is)")
+    g.add_argument("--hf-task", choices=("auto", "causal-lm", "masked-lm", "seq2seq-lm"), default="auto",
+                   help="the head for --hf (default auto: seq2seq for encoder-decoders such as t5/bart, masked LM "
+                        "for encoders such as bert, causal LM otherwise)")
+    g.add_argument("--seq-len", type=_positive_int, metavar="N",
+                   help="tokens per sample (--hf default: 1024, or the model's maximum positions if smaller)")
+    g.add_argument("--target-len", type=_positive_int, metavar="N",
+                   help="decoder tokens per sample for encoder-decoder --hf models (default: --seq-len)")
+
+
+def _micro_batch_option(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--micro-batch-size", type=_positive_int, default=1, metavar="N", help=help_text)
+
+
+def _target_options(parser: argparse.ArgumentParser, *, budget_help: str) -> argparse._ArgumentGroup:
+    g = parser.add_argument_group("target")
+    g.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the training device (default cuda)")
+    g.add_argument("--gpu", metavar="NAME",
+                   help="a GPU of the catalog, e.g. A100-40GB, H100, RTX-4090 (see `memguard gpus`); default: "
+                        "the GPU of this machine, if any")
+    g.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
+                   help="data-parallel ranks (default 1)")
+    g.add_argument("--budget", type=_bytes_arg, metavar="SIZE", help=budget_help)
+    return g
+
+
+def _knob_options(parser: argparse.ArgumentParser, *, headroom: bool = True) -> None:
+    g = parser.add_argument_group("plan constraints (default: memguard chooses)")
+    g.add_argument("--precision", type=_precision_list, action="extend", metavar="P[,P...]",
+                   help="restrict the precision: " + ", ".join(_PRECISIONS) + " (repeatable or a comma list; "
+                        "bf16, 16 and 32 are Lightning's short names)")
+    g.add_argument("--activation-checkpointing", choices=tuple(_TRISTATE), default="auto",
+                   help="checkpoint repeated blocks: auto (the fewest that fit, if any), on (required), off")
+    g.add_argument("--zero-stage", type=_stage_list, action="extend", metavar="S[,S...]",
+                   help="restrict the DeepSpeed ZeRO stage (0-3; repeatable or a comma list); default: 0 on one rank, "
+                        "0-3 on several")
+    g.add_argument("--offload-optimizer", nargs="?", const="on", default="off", choices=tuple(_TRISTATE),
+                   help="optimizer state in host memory (ZeRO-Offload, needs ZeRO >= 1): the flag alone means on; "
+                        "auto lets memguard decide; default off")
+    if headroom:
+        g.add_argument("--headroom", type=_fraction, metavar="FRACTION",
+                       help="share of the budget kept free as a safety margin (default 0.1, i.e. 10%%)")
+
+
+def _output_options(parser: argparse.ArgumentParser, *, json_help: str | None, plot: bool) -> None:
+    g = parser.add_argument_group("output")
+    if json_help:
+        g.add_argument("--json", action="store_true", help=json_help)
+    if plot:
+        g.add_argument("--plot", metavar="FILE.png",
+                       help="draw the report with matplotlib (pip install 'memguard[plot]'); .png, .svg or .pdf")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    g.add_argument("-v", "--verbose", action="count", default=0, help="log memguard's decisions (-vv: every trace)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``memguard`` argument parser (sub-commands set ``func``)."""
+    from memguard import __version__
+
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="memguard",
+        description="Predict the peak memory of a PyTorch training step without a GPU, and plan micro-batch, "
+                    "accumulation, precision, activation checkpointing and ZeRO stage for a memory budget.",
+        epilog=_EPILOG_MAIN, formatter_class=fmt,
+    )
+    parser.add_argument("--version", action="version", version=f"memguard {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "plan", help="the fastest configuration that fits (micro-batch, accumulation, precision, checkpointing, ZeRO)",
+        description="Choose micro-batch, gradient accumulation, precision, activation checkpointing and ZeRO stage "
+                    "for a memory budget, verified with one full trace.",
+        formatter_class=fmt, epilog=_MODEL_HELP + "\n" + _EPILOG_MAIN,
+    )
+    _model_options(p, required=True)
+    _micro_batch_option(p, "samples in the example batch traced for the probes (default 1; activations are scaled "
+                           "to other micro-batches)")
+    p.add_argument("--global-batch-size", type=_positive_int, required=True, metavar="N",
+                   help="samples per optimizer step over all ranks")
+    _target_options(p, budget_help="memory per rank (default: the GPU's memory less its CUDA context; required for "
+                                   "--device cpu or an unknown GPU), e.g. 40GiB, 80GB")
+    _knob_options(p)
+    p.add_argument("--cache", action="store_true", help="reuse and store plans on disk (memguard's plan cache)")
+    _output_options(p, json_help="print Plan.to_dict() as JSON on stdout, nothing else", plot=True)
+    p.set_defaults(func=_cmd_plan)
+
+    e = sub.add_parser(
+        "estimate", help="the peak memory of one training step, with a breakdown by category",
+        description="Predict the peak memory of one training step (forward, backward, optimizer step) for a fixed "
+                    "configuration.",
+        formatter_class=fmt, epilog=_MODEL_HELP + "\n" + _EPILOG_MAIN,
+    )
+    _model_options(e, required=True)
+    _micro_batch_option(e, "the micro-batch to estimate (default 1)")
+    g = _target_options(e, budget_help="say whether the estimate fits this much memory per rank, e.g. 40GiB "
+                                       "(default with --gpu: the GPU's memory less its CUDA context)")
+    g.add_argument("--headroom", type=_fraction, metavar="FRACTION",
+                   help="share of the budget kept free when judging the fit (default 0.1)")
+    c = e.add_argument_group("configuration")
+    c.add_argument("--precision", type=_one_precision, default="32-true", metavar="P",
+                   help="one of " + ", ".join(_PRECISIONS) + " (default 32-true)")
+    c.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="DeepSpeed ZeRO stage (default 0)")
+    c.add_argument("--activation-checkpointing", type=_ckpt_estimate, default=0, metavar="on|off|N",
+                   help="checkpoint all repeated blocks (on), none (off, default) or the first N")
+    c.add_argument("--offload-optimizer", action="store_true", help="optimizer state in host memory (ZeRO >= 1)")
+    c.add_argument("--grad-accum-steps", type=_positive_int, default=1, metavar="N",
+                   help="> 1: gradients already exist when a micro-batch starts (default 1)")
+    _output_options(e, json_help="print Estimate.to_dict() as JSON on stdout, nothing else", plot=True)
+    e.set_defaults(func=_cmd_estimate)
+
+    d = sub.add_parser(
+        "deepspeed-config", help="plan, then write the DeepSpeed JSON config of the plan",
+        description="Plan as `memguard plan` does and print (or write) the DeepSpeed config that runs the plan: "
+                    "batch sizes, ZeRO stage and offload, fp16/bf16, activation checkpointing.",
+        formatter_class=fmt, epilog=_MODEL_HELP + "\n" + _EPILOG_MAIN,
+    )
+    _model_options(d, required=True)
+    _micro_batch_option(d, "samples in the example batch traced for the probes (default 1)")
+    d.add_argument("--global-batch-size", type=_positive_int, required=True, metavar="N",
+                   help="samples per optimizer step over all ranks")
+    _target_options(d, budget_help="memory per rank (default: the GPU's memory less its CUDA context)")
+    _knob_options(d)
+    d.add_argument("--cache", action="store_true", help="reuse and store plans on disk (memguard's plan cache)")
+    o = d.add_argument_group("DeepSpeed config")
+    o.add_argument("--out", metavar="FILE", help="write the config here (default: print it on stdout)")
+    o.add_argument("--set", metavar="KEY=VALUE", nargs="+", action="extend", default=[], dest="ds_set",
+                   help="extra config entries, dotted for nested keys, e.g. gradient_clipping=1.0 "
+                        "zero_optimization.overlap_comm=true (JSON values)")
+    _output_options(d, json_help=None, plot=False)
+    d.set_defaults(func=_cmd_deepspeed)
+
+    gp = sub.add_parser(
+        "gpus", help="list the GPU catalog; with a model, which GPUs (and how many of each) fit the job",
+        description="List the GPUs memguard knows. With a model and --global-batch-size, find for each GPU the "
+                    "fewest (a power of two up to --max-gpus) that fit the job, and the plan for them.",
+        formatter_class=fmt, epilog=_MODEL_HELP + "\n" + _EPILOG_MAIN,
+    )
+    _model_options(gp, required=False)
+    _micro_batch_option(gp, "samples in the example batch traced for the probes (default 1)")
+    gp.add_argument("--global-batch-size", type=_positive_int, metavar="N",
+                    help="samples per optimizer step over all GPUs (needed with a model)")
+    gp.add_argument("--gpus", metavar="NAME[,NAME...]", action="extend", type=lambda s: [x for x in s.split(",") if x],
+                    help="only these GPUs (default: the whole catalog)")
+    gp.add_argument("--max-gpus", type=_positive_int, default=64, metavar="N", help="the most GPUs tried (default 64)")
+    _knob_options(gp)
+    _output_options(gp, json_help="print the catalog (and the fits) as JSON on stdout", plot=False)
+    gp.set_defaults(func=_cmd_gpus)
+    return parser
+
+
+# ------------------------------------------------------------------------------------------
+# Progress and errors
+# ------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """Progress lines on stderr (silent with --quiet)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.traces = 0
+
+    def say(self, message: str) -> None:
+        if self.enabled:
+            print(f"memguard: {message}", file=sys.stderr, flush=True)
+
+    def restart(self) -> None:
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> str:
+        return f"{time.perf_counter() - self.start:.1f} s"
+
+
+def _progress_planner(progress: _Progress, model, batch, *, optimizer, loss_fn, device, make_batch):
+    """A :class:`memguard.planner.search.Planner` that reports each new trace on stderr."""
+    from memguard.planner.search import Planner
+
+    class _ReportingPlanner(Planner):
+        def trace(self, precision, **kw):  # noqa: D401 - same contract as Planner.trace
+            before = len(self._traces)
+            t0 = time.perf_counter()
+            result = super().trace(precision, **kw)
+            if len(self._traces) > before:
+                progress.traces += 1
+                keep = kw.get("keep")
+                what = "whole model" if keep is None else f"{keep}-block probe"
+                ckpt = kw.get("ckpt") or 0
+                bits = [precision, what]
+                if ckpt:
+                    bits.append(f"{ckpt} block{'s' if ckpt > 1 else ''} checkpointed")
+                if kw.get("m") is not None:
+                    bits.append(f"micro-batch {kw['m']}")
+                progress.say(f"  trace {progress.traces}: {', '.join(bits)} ({time.perf_counter() - t0:.1f} s)")
+            return result
+
+    return _ReportingPlanner(model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device, make_batch=make_batch)
+
+
+def _configure_logging(verbose: int) -> Callable[[], None]:
+    """Send the memguard logger to stderr at the -v level; returns what restores it."""
+    saved = (log.level, log.propagate)
+    level = logging.WARNING if verbose <= 0 else (logging.INFO if verbose == 1 else logging.DEBUG)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
+
+    def restore() -> None:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+    return restore
+
+
+def _fail(message: str, *, hint: str | None = None) -> None:
+    sys.stdout.flush()
+    print(f"memguard: error: {message}", file=sys.stderr)
+    if hint:
+        print(f"memguard: {hint}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------
+# Loading the model
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    """What a command needs of the model: the objects :func:`memguard.plan` takes, and a name."""
+
+    model: Any
+    batch: Any
+    loss_fn: Callable | None = None
+    optimizer: Any = None
+    make_batch: Callable[[int], Any] | None = None
+    description: str = ""
+
+
+def _resolve_factory(spec: str) -> Callable:
+    module_part, sep, attr = spec.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise ConfigError(f"--model {spec!r} is not 'pkg.module:factory' (or 'path/to/file.py:factory')")
+    if module_part.endswith(".py") or os.sep in module_part or "/" in module_part:
+        path = os.path.abspath(module_part)
+        if not os.path.isfile(path):
+            raise ConfigError(f"--model {spec!r}: no file {module_part!r}; give an existing .py file or pkg.module")
+        name = "_memguard_user_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"--model {spec!r}: importing {module_part} failed: {exc}") from exc
+    else:
+        cwd = os.getcwd()
+        if cwd not in sys.path and "" not in sys.path:
+            sys.path.insert(0, cwd)  # like `python -m`, find modules in the current folder
+        try:
+            module = importlib.import_module(module_part)
+        except ImportError as exc:
+            raise ConfigError(
+                f"--model {spec!r}: cannot import {module_part!r} ({exc}); run memguard from the folder that holds it "
+                "or add that folder to PYTHONPATH"
+            ) from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"--model {spec!r}: {module_part} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"--model {spec!r}: {attr} is a {type(obj).__name__}, not a callable returning the model")
+    return obj
+
+
+def _accepts(func: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _from_factory(spec: str, *, batch_size: int, seq_len: int | None) -> LoadedModel:
+    from torch import nn
+
+    factory = _resolve_factory(spec)
+    kwargs: dict[str, Any] = {}
+    if _accepts(factory, "batch_size"):
+        kwargs["batch_size"] = batch_size
+    elif batch_size != 1:
+        raise ConfigError(f"--micro-batch-size {batch_size}: the factory {spec} takes no batch_size argument")
+    if seq_len is not None:
+        if not _accepts(factory, "seq_len"):
+            raise ConfigError(f"--seq-len {seq_len}: the factory {spec} takes no seq_len argument; drop --seq-len "
+                              "or add a seq_len keyword argument to it")
+        kwargs["seq_len"] = seq_len
+    result = factory(**kwargs)
+    out: dict[str, Any] = {}
+    if isinstance(result, nn.Module):
+        out["model"] = result
+    elif isinstance(result, (tuple, list)) and len(result) in (2, 3):
+        out = dict(zip(("model", "batch", "loss_fn"), result))
+    elif isinstance(result, dict):
+        unknown = sorted(set(result) - {"model", "batch", "loss_fn", "optimizer", "make_batch"})
+        if unknown:
+            raise ConfigError(f"--model {spec}: the returned dict has unknown keys {unknown}; use model, batch, "
+                              "loss_fn, optimizer, make_batch")
+        out = dict(result)
+    else:
+        raise ConfigError(f"--model {spec} returned a {type(result).__name__}; return (model, batch), "
+                          "(model, batch, loss_fn), a dict with model and batch, or a model")
+    model = out.get("model")
+    problems = []
+    if not isinstance(model, nn.Module):
+        problems.append(f"--model {spec}: the model is a {type(model).__name__}, not a torch.nn.Module")
+    if out.get("batch") is None:
+        example = getattr(model, "example_input_array", None)
+        if example is None:
+            problems.append(f"--model {spec} gave no example batch; return (model, batch) or set "
+                            "model.example_input_array")
+        out["batch"] = example
+    if problems:
+        raise ConfigError(problems)
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return LoadedModel(model=model, batch=out["batch"], loss_fn=out.get("loss_fn"), optimizer=out.get("optimizer"),
+                       make_batch=out.get("make_batch"),
+                       description=f"{spec} ({type(model).__name__}, {n / 1e6:.1f}M parameters)")
+
+
+def load_model(args: argparse.Namespace, progress: _Progress | None = None) -> LoadedModel:
+    """Build the model and example batch the command line asks for.
+
+    Raises:
+        ConfigError: a bad model specification or options that do not go with it.
+        MissingDependencyError: ``--hf`` without transformers installed.
+    """
+    progress = progress or _Progress(False)
+    problems = []
+    if not args.hf:
+        for flag, value in (("--hf-config", args.hf_config), ("--target-len", args.target_len),
+                            ("--hf-task", args.hf_task != "auto")):
+            if value:
+                problems.append(f"{flag} applies to --hf models only")
+    if problems:
+        raise ConfigError(problems)
+    if args.hf:
+        from memguard import hf
+
+        overrides = hf.parse_overrides(args.hf_config)
+        try:
+            import transformers
+
+            if args.verbose < 2:
+                transformers.logging.set_verbosity_error()  # config notes and deprecations are noise here
+        except ImportError as exc:
+            raise MissingDependencyError("transformers", "transformers") from exc
+        progress.say(f"building {args.hf} from its config on the meta device (no download)")
+        built = hf.build(args.hf, overrides, batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                         target_len=args.target_len, task=args.hf_task)
+        return LoadedModel(model=built.model, batch=built.batch, description=built.describe())
+    progress.say(f"building the model with {args.model}")
+    return _from_factory(args.model, batch_size=args.micro_batch_size, seq_len=args.seq_len)
+
+
+# ------------------------------------------------------------------------------------------
+# Commands
+# ------------------------------------------------------------------------------------------
+
+
+def _knobs(args: argparse.Namespace) -> dict[str, Any]:
+    def restrict(values):
+        if not values:
+            return None
+        unique = list(dict.fromkeys(values))
+        return unique[0] if len(unique) == 1 else unique
+
+    return dict(
+        precision=restrict(args.precision),
+        activation_checkpointing=_TRISTATE[args.activation_checkpointing],
+        zero_stage=restrict(args.zero_stage),
+        offload_optimizer=_TRISTATE[args.offload_optimizer],
+    )
+
+
+def _check_target(args: argparse.Namespace) -> None:
+    """The command-line wording of the target problems ``memguard.plan`` would report."""
+    problems = []
+    if args.device == "cpu" and args.gpu:
+        problems.append("--gpu applies to --device cuda only; drop it")
+    if args.gpu:
+        from memguard.estimator.gpus import get_gpu
+
+        try:
+            get_gpu(args.gpu)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if args.device == "cuda" and not args.gpu and args.budget is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("no CUDA device here: name the target with --gpu (e.g. --gpu A100-80GB; `memguard gpus` "
+                            "lists them) or give --budget, or plan for --device cpu")
+    if args.device == "cpu" and args.budget is None and getattr(args, "command", "") != "estimate":
+        log.info("memguard: --device cpu without --budget: using the host's available memory")
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_output_path(option: str, path: str | None) -> None:
+    if path:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise ConfigError(f"{option} {path}: the folder {parent} does not exist; create it first")
+
+
+def _plan_with_progress(args, loaded: LoadedModel, progress: _Progress):
+    """Run :func:`memguard.plan`; return (plan or None, InfeasiblePlanError or None, planner)."""
+    import memguard
+    from memguard.planner.search import DEFAULT_HEADROOM
+
+    planner = _progress_planner(progress, loaded.model, loaded.batch, optimizer=loaded.optimizer,
+                                loss_fn=loaded.loss_fn, device=args.device, make_batch=loaded.make_batch)
+    progress.say(f"planning {loaded.description}: tracing probes on fake tensors (no memory is allocated)")
+    progress.restart()
+    try:
+        plan = memguard.plan(
+            loaded.model, loaded.batch, global_batch_size=args.global_batch_size, gpu=args.gpu,
+            budget_bytes=args.budget, world_size=args.world_size, device=args.device, optimizer=loaded.optimizer,
+            loss_fn=loaded.loss_fn, headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
+            make_batch=loaded.make_batch, cache=args.cache, _planner=planner, **_knobs(args),
+        )
+    except InfeasiblePlanError as exc:
+        progress.say(f"no plan fits ({progress.traces} traces, {progress.elapsed()})")
+        return None, exc, planner
+    progress.say(f"planned in {progress.elapsed()} ({progress.traces} traces)")
+    return plan, None, planner
+
+
+def _draw_plan(args, loaded: LoadedModel, plan, planner, progress: _Progress, *, fits: bool) -> None:
+    from memguard import plot
+
+    progress.say("drawing memory against micro-batch size (probe predictions; more probes may be traced)")
+    curves = plot.memory_curves(loaded.model, loaded.batch, plan, optimizer=loaded.optimizer, loss_fn=loaded.loss_fn,
+                                precisions=list(dict.fromkeys(args.precision)) if args.precision else None,
+                                make_batch=loaded.make_batch, planner=planner)
+    plot.plot_plan(plan, args.plot, curves=curves, title=loaded.description, fits=fits)
+    progress.say(f"plot written to {args.plot}")
+
+
+def _report_infeasible(args, exc: InfeasiblePlanError) -> int:
+    closest = exc.closest
+    if args_json(args):
+        payload = {"error": "infeasible", "message": str(exc).splitlines()[0], "suggestions": exc.suggestions,
+                   "closest": closest.to_dict() if closest is not None else None}
+        print(json.dumps(payload, indent=2))
+    elif closest is not None:
+        print("No configuration fits. The closest plan (it does NOT fit):\n")
+        print(closest.explain())
+    _fail(str(exc))
+    return EXIT_INFEASIBLE
+
+
+def args_json(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "json", False))
+
+
+def _cmd_plan(args: argparse.Namespace, progress: _Progress) -> int:
+    if args.plot:
+        from memguard.plot import require_matplotlib
+
+        require_matplotlib()
+    _check_output_path("--plot", args.plot)
+    _check_target(args)
+    loaded = load_model(args, progress)
+    plan, infeasible, planner = _plan_with_progress(args, loaded, progress)
+    if args.plot:
+        target = plan if plan is not None else infeasible.closest
+        if target is not None:
+            _draw_plan(args, loaded, target, planner, progress, fits=plan is not None)
+    if infeasible is not None:
+        return _report_infeasible(args, infeasible)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return EXIT_OK
+    print(f"Model: {loaded.description}\n")
+    print(plan.explain())
+    e = plan.estimate
+    print(f"\nPredicted throughput: {plan.throughput:.3g} samples/s (cost model); "
+          f"{e.num_params / 1e6:.1f}M parameters, peak during {e.peak_phase}.")
+    return EXIT_OK
+
+
+def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
+    import memguard
+    from memguard.estimator.result import format_bytes
+    from memguard.planner.search import DEFAULT_HEADROOM
+
+    if args.plot:
+        from memguard.plot import require_matplotlib
+
+        require_matplotlib()
+    _check_output_path("--plot", args.plot)
+    problems = []
+    if args.device == "cpu" and args.gpu:
+        problems.append("--gpu applies to --device cuda only; drop it")
+    if args.offload_optimizer and args.zero_stage == 0:
+        problems.append("--offload-optimizer needs --zero-stage 1, 2 or 3 (ZeRO-Offload)")
+    if problems:
+        raise ConfigError(problems)
+    loaded = load_model(args, progress)
+    progress.say(f"estimating {loaded.description}: tracing one step on fake tensors")
+    progress.restart()
+    est = memguard.estimate(
+        loaded.model, loaded.batch, optimizer=loaded.optimizer, loss_fn=loaded.loss_fn, device=args.device,
+        precision=args.precision, zero_stage=args.zero_stage, world_size=args.world_size, gpu=args.gpu,
+        activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
+        offload_optimizer=args.offload_optimizer,
+    )
+    progress.say(f"estimated in {progress.elapsed()}")
+    budget = args.budget
+    if budget is None and args.device == "cuda" and args.gpu:
+        from memguard.estimator.gpus import get_gpu
+
+        spec = get_gpu(args.gpu)
+        budget = spec.memory_bytes - spec.context_bytes
+    headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
+    usable = int(budget * (1 - headroom)) if budget else None
+    if args.plot:
+        from memguard import plot
+
+        plot.plot_estimate(est, args.plot, budget_bytes=budget, usable_bytes=usable, title=loaded.description)
+        progress.say(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+        return EXIT_OK
+    print(f"Model: {loaded.description}\n")
+    print(str(est))
+    if usable:
+        verdict = "fits" if est.peak_bytes <= usable else "does NOT fit"
+        print(f"\n{verdict}: {format_bytes(est.peak_bytes)} of {format_bytes(usable)} usable "
+              f"({format_bytes(budget)} budget, {headroom:.0%} headroom)")
+        if est.peak_bytes > usable:
+            print("run `memguard plan` with the same model for a configuration that fits")
+    return EXIT_OK
+
+
+def _set_dotted(items: Sequence[str]) -> dict[str, Any]:
+    from memguard.hf import parse_overrides
+
+    flat = parse_overrides(items)
+    out: dict[str, Any] = {}
+    problems = []
+    for key, value in flat.items():
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                problems.append(f"--set {key}: {part} is already set to a value, not a section")
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def _cmd_deepspeed(args: argparse.Namespace, progress: _Progress) -> int:
+    _check_output_path("--out", args.out)
+    overrides = _set_dotted(args.ds_set)
+    _check_target(args)
+    try:
+        from memguard.integrations.deepspeed import to_config
+    except ImportError as exc:
+        if isinstance(exc, MissingDependencyError):
+            raise
+        raise MissingDependencyError("memguard.integrations.deepspeed", "deepspeed") from exc
+    loaded = load_model(args, progress)
+    plan, infeasible, _ = _plan_with_progress(args, loaded, progress)
+    if infeasible is not None:
+        return _report_infeasible(args, infeasible)
+    config = to_config(plan, **overrides)
+    text = json.dumps(config, indent=2)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+        print(f"Model: {loaded.description}\n")
+        print(plan.explain())
+        print(f"\nDeepSpeed config written to {args.out}")
+    else:
+        print(text)
+        progress.say(f"plan: micro-batch {plan.micro_batch_size} x accumulation {plan.grad_accum_steps} x world "
+                     f"{plan.world_size}, {plan.precision}, ZeRO-{plan.zero_stage}"
+                     + (f", {plan.checkpoint_blocks} blocks checkpointed" if plan.activation_checkpointing else ""))
+    return EXIT_OK
+
+
+def _catalog_rows() -> list[list[str]]:
+    from memguard.estimator.result import format_bytes
+    from memguard.estimator.gpus import GPUS
+
+    rows = []
+    for s in GPUS.values():
+        half = s.bf16_tflops if s.bf16 else s.fp16_tflops
+        rows.append([s.name, format_bytes(s.memory_bytes), f"{s.compute_capability[0]}.{s.compute_capability[1]}",
+                     "yes" if s.bf16 else "no", f"{half:g}", f"{s.fp32_tflops:g}", f"{s.memory_bandwidth_gbps:g}",
+                     f"{s.interconnect_gbps:g}"])
+    return rows
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _cmd_gpus(args: argparse.Namespace, progress: _Progress) -> int:
+    from memguard.estimator.gpus import GPUS, get_gpu
+    from memguard.estimator.result import format_bytes
+
+    has_model = bool(args.model or args.hf)
+    problems = []
+    if has_model and args.global_batch_size is None:
+        problems.append("--global-batch-size is needed to size a job: the samples per optimizer step over all GPUs")
+    if not has_model and args.global_batch_size is not None:
+        problems.append("--global-batch-size needs a model (--hf or --model)")
+    names = None
+    if args.gpus:
+        names = []
+        for n in args.gpus:
+            try:
+                names.append(get_gpu(n).name)
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(problems)
+
+    catalog = [dataclasses.asdict(s) for s in GPUS.values() if names is None or s.name in names]
+    if not has_model:
+        if args.json:
+            print(json.dumps({"catalog": catalog}, indent=2))
+            return EXIT_OK
+        rows = [r for r in _catalog_rows() if names is None or r[0] in names]
+        print(_table(["GPU", "memory", "CC", "bf16", "16-bit TFLOP/s", "fp32 TFLOP/s", "memory GB/s", "link GB/s"],
+                      rows))
+        print("\nmemory: what torch reports as total_memory; TFLOP/s: dense tensor-core peaks from the datasheets.")
+        print("Sources:")
+        for s in GPUS.values():
+            if names is None or s.name in names:
+                print(f"  {s.name}: {s.source}")
+        return EXIT_OK
+
+    from memguard.planner.search import DEFAULT_HEADROOM
+    from memguard.planner.sizing import fit_gpus
+
+    loaded = load_model(args, progress)
+    count = len(names) if names else sum(1 for s in GPUS.values() if s.memory_bytes)
+    progress.say(f"sizing {loaded.description} on {count} GPU kinds (world sizes 1, 2, 4, ... up to "
+                 f"{args.max_gpus}; traces are shared)")
+    progress.restart()
+    fits = fit_gpus(loaded.model, loaded.batch, global_batch_size=args.global_batch_size, gpus=names,
+                    max_gpus=args.max_gpus, optimizer=loaded.optimizer, loss_fn=loaded.loss_fn,
+                    make_batch=loaded.make_batch,
+                    headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom, **_knobs(args))
+    progress.say(f"sized in {progress.elapsed()}")
+    any_fit = any(f.count for f in fits)
+    if args.json:
+        print(json.dumps({"catalog": catalog, "fits": [f.to_dict() for f in fits]}, indent=2))
+        return EXIT_OK if any_fit else EXIT_INFEASIBLE
+    rows = []
+    for f in fits:
+        p = f.plan
+        if p is None:
+            rows.append([f.gpu, "-", f"does not fit on {args.max_gpus} or fewer", "", "", "", "", ""])
+            continue
+        ckpt = f"{p.checkpoint_blocks} blocks" if p.activation_checkpointing else "off"
+        rows.append([f.gpu, str(f.count), f"{p.micro_batch_size} x {p.grad_accum_steps}", p.precision, ckpt,
+                     str(p.zero_stage) + (" +offload" if p.offload_optimizer else ""),
+                     f"{format_bytes(p.estimate.peak_bytes)} / {format_bytes(p.usable_bytes)}", f"{p.throughput:.3g}"])
+    print(f"Model: {loaded.description}; global batch {args.global_batch_size}\n")
+    print(_table(["GPU", "count", "micro x accum", "precision", "checkpointing", "ZeRO", "peak / usable per GPU",
+                  "samples/s"], rows))
+    misses = [f for f in fits if f.plan is None and f.reason]
+    if misses:
+        print("\nWhy not:")
+        for f in misses:
+            print(f"  {f.gpu}: {f.reason}")
+    print("\nsamples/s: the cost model's relative prediction for the whole job. "
+          "`memguard plan --gpu NAME --world-size N` explains one row.")
+    return EXIT_OK if any_fit else EXIT_INFEASIBLE
+
+
+# ------------------------------------------------------------------------------------------
+# Entry point
+# ------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 done, 1 nothing fits, 2 bad usage)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    restore_logging = _configure_logging(args.verbose)
+    progress = _Progress(enabled=not args.quiet)
+    hint = f"run `memguard {args.command} --help` for the options"
+    try:
+        return args.func(args, progress)
+    except InfeasiblePlanError as exc:  # raised by a path that did not catch it (e.g. a cached plan)
+        return _report_infeasible(args, exc)
+    except ConfigError as exc:
+        _fail(str(exc), hint=hint)
+        return EXIT_USAGE
+    except MemguardError as exc:
+        _fail(str(exc))
+        return EXIT_INFEASIBLE
+    except KeyboardInterrupt:
+        _fail("interrupted")
+        return 130  # 128 + SIGINT, the shell's convention
+    finally:
+        restore_logging()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""Build a Hugging Face transformers model from its config on the meta device, with a batch.
+
+``build("gpt2", {"n_layer": 2}, seq_len=128)`` makes the model of ``model_type`` from
+``transformers.AutoConfig.for_model(model_type, **overrides)`` on ``torch.device("meta")``: no
+weights are downloaded or allocated, so it works offline and is nearly free even for a model
+of billions of parameters. The result holds an example batch of token ids with labels, shaped
+for the model's task, ready for :func:`memguard.estimate` and :func:`memguard.plan`.
+
+The task, and so the auto class, follows the model type (``task="auto"``):
+
+* encoder-decoder types (``t5``, ``bart``, ``mbart``, ``pegasus``, ...): ``"seq2seq-lm"``,
+  ``AutoModelForSeq2SeqLM``; the batch is ``input_ids`` and ``attention_mask`` of ``seq_len``
+  tokens and ``labels`` of ``target_len`` tokens (default ``seq_len``);
+* types with a masked-LM head (``bert``, ``roberta``, ``electra``, ``deberta``, ...):
+  ``"masked-lm"``, ``AutoModelForMaskedLM``; the batch is ``input_ids``, ``attention_mask``
+  and ``labels`` of ``seq_len`` tokens;
+* other types with a causal-LM head (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ...):
+  ``"causal-lm"``, ``AutoModelForCausalLM``; the batch is ``input_ids`` and ``labels``.
+
+Labels are the input ids themselves (every position carries a loss): the logits and the
+cross-entropy of every position exist whatever the labels hold, so the memory is the same as
+with ``-100`` on padding or unmasked positions.
+
+Known limitations:
+    A config's defaults are those of the architecture's original checkpoint (``gpt2``: 124M,
+    ``llama``: 7B, ``bert``: base, ``t5``: small); change sizes with ``overrides``. The
+    attention implementation is transformers' default for a model built without a device
+    (usually ``"sdpa"``); pass ``attn_implementation="eager"`` to model the eager one.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Mapping
+
+import torch
+from torch import nn
+
+from memguard.errors import ConfigError, MissingDependencyError
+
+__all__ = ["HFModel", "TASKS", "build", "make_batch", "parse_overrides", "infer_task", "config_for"]
+
+Task = Literal["causal-lm", "masked-lm", "seq2seq-lm"]
+TASKS: tuple[str, ...] = ("causal-lm", "masked-lm", "seq2seq-lm")
+
+#: The sequence length used when none is given, capped by the model's maximum positions.
+DEFAULT_SEQ_LEN = 1024
+
+# Config keys that hold the largest sequence an absolute-position model accepts, by preference.
+_MAX_POSITION_KEYS = ("n_positions", "max_position_embeddings", "n_ctx")
+
+# Keyword arguments transformers' configs accept that are not stored under their own name.
+_EXTRA_KEYS = frozenset({"attn_implementation", "dtype"})
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """A transformers model built on the meta device, with an example batch.
+
+    Attributes:
+        model: the model, in training mode, every parameter on ``meta``.
+        batch: the example micro-batch (dict of CPU tensors of token ids, batch dim 0).
+        config: the transformers config the model was built from.
+        model_type: the ``model_type`` asked for.
+        task: ``"causal-lm"``, ``"masked-lm"`` or ``"seq2seq-lm"``.
+        seq_len: tokens per sample (the encoder's for ``"seq2seq-lm"``).
+        target_len: decoder tokens per sample (``"seq2seq-lm"`` only, else None).
+        overrides: the config values given.
+    """
+
+    model: nn.Module
+    batch: dict[str, torch.Tensor]
+    config: Any
+    model_type: str
+    task: str
+    seq_len: int
+    target_len: int | None = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the model (tied weights counted once)."""
+        return sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
+
+    def describe(self) -> str:
+        """One line: type, class, parameter count, sequence length."""
+        seq = f"sequence {self.seq_len}" + (f" -> {self.target_len}" if self.target_len is not None else "")
+        return f"{self.model_type} ({type(self.model).__name__}, {self.num_params / 1e6:.1f}M parameters), {seq}"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise MissingDependencyError("transformers", "transformers") from exc
+    return transformers
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """Parse ``key=value`` strings into config overrides.
+
+    A value is read as JSON (``2``, ``0.1``, ``true``, ``null``, ``[1, 2]``), else as a Python
+    literal (``True``, ``None``), else kept as a string (``attn_implementation=eager``).
+
+    Raises:
+        ConfigError: an item without ``=`` or with an empty key (every bad item listed).
+    """
+    out: dict[str, Any] = {}
+    problems: list[str] = []
+    for item in items:
+        key, sep, raw = str(item).partition("=")
+        key = key.strip()
+        if not sep or not key:
+            problems.append(f"config override {item!r} is not key=value; write e.g. n_layer=2")
+            continue
+        out[key] = _parse_value(raw.strip())
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def config_for(model_type: str, overrides: Mapping[str, Any] | None = None) -> Any:
+    """``transformers.AutoConfig.for_model(model_type, **overrides)``, with checked names.
+
+    Raises:
+        ConfigError: unknown model type, or override keys the config does not have (a typo such
+            as ``n_layers`` for GPT-2 would otherwise be stored and silently ignored); close
+            matches are named.
+        MissingDependencyError: transformers is not installed.
+    """
+    transformers = _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    overrides = dict(overrides or {})
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+        raise ConfigError(
+            f"unknown transformers model type {model_type!r}; {hint}use a config's model_type such as "
+            "'gpt2', 'llama', 'mistral', 'qwen2', 'bert' or 't5'"
+        )
+    default = transformers.AutoConfig.for_model(model_type)
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}) or {}) | _EXTRA_KEYS
+    unknown = sorted(k for k in overrides if k not in known)
+    if unknown:
+        problems = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            problems.append(f"{type(default).__name__} has no setting {key!r}{hint}")
+        raise ConfigError(problems)
+    try:
+        return transformers.AutoConfig.for_model(model_type, **overrides)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{type(default).__name__} refused the overrides {overrides}: {exc}") from exc
+
+
+def _mapping_names() -> dict[str, Any]:
+    from transformers.models.auto import modeling_auto
+
+    return {
+        "causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "masked-lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        "seq2seq-lm": modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    }
+
+
+def infer_task(config: Any) -> str:
+    """The training task of a config's model type: see the module docstring for the order.
+
+    Raises:
+        ConfigError: the model type has no language-modelling head in transformers.
+    """
+    names = _mapping_names()
+    model_type = config.model_type
+    if getattr(config, "is_encoder_decoder", False) and model_type in names["seq2seq-lm"]:
+        return "seq2seq-lm"
+    # Encoder models (bert, roberta, ...) also register a causal-LM head for use as decoders;
+    # their pre-training head is the masked-LM one.
+    if model_type in names["masked-lm"]:
+        return "masked-lm"
+    if model_type in names["causal-lm"]:
+        return "causal-lm"
+    if model_type in names["seq2seq-lm"]:
+        return "seq2seq-lm"
+    raise ConfigError(
+        f"transformers has no language-modelling head for model type {model_type!r}; build the model "
+        "yourself and pass it with its batch (memguard.plan(model, batch, ...); on the command line "
+        "--model pkg.module:factory)"
+    )
+
+
+def _auto_class(task: str):
+    transformers = _transformers()
+    return {
+        "causal-lm": transformers.AutoModelForCausalLM,
+        "masked-lm": transformers.AutoModelForMaskedLM,
+        "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
+    }[task]
+
+
+def max_positions(config: Any) -> tuple[str, int] | None:
+    """The config key and value bounding the sequence length, or None when there is none."""
+    for key in _MAX_POSITION_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return key, value
+    return None
+
+
+def make_batch(config: Any, task: str, *, batch_size: int, seq_len: int, target_len: int | None = None,
+               device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """An example batch of token ids with labels for ``task``.
+
+    Token ids cycle through the vocabulary from 0 (``arange(seq_len) % vocab_size``); their
+    values do not change the memory of a step.
+
+    Raises:
+        ConfigError: a size is not a positive integer.
+    """
+    problems = []
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            problems.append(f"{name}={value!r} must be an integer >= 1")
+    if target_len is not None and not (isinstance(target_len, int) and target_len >= 1):
+        problems.append(f"target_len={target_len!r} must be an integer >= 1")
+    if task not in TASKS:
+        problems.append(f"task={task!r} must be one of {', '.join(TASKS)}")
+    if problems:
+        raise ConfigError(problems)
+    vocab = int(getattr(config, "vocab_size", 0) or 0) or 2
+
+    def ids(n: int) -> torch.Tensor:
+        return (torch.arange(n, dtype=torch.long, device=device) % vocab).expand(batch_size, n).contiguous()
+
+    tokens = ids(seq_len)
+    if task == "causal-lm":
+        return {"input_ids": tokens, "labels": tokens.clone()}
+    mask = torch.ones(batch_size, seq_len, dtype=torch.long, device=device)
+    if task == "masked-lm":
+        return {"input_ids": tokens, "attention_mask": mask, "labels": tokens.clone()}
+    return {"input_ids": tokens, "attention_mask": mask, "labels": ids(target_len or seq_len)}
+
+
+def _ensure_decoder_start(config: Any, overrides: Mapping[str, Any]) -> None:
+    """Give a seq2seq config the token ids its labels-to-decoder-inputs shift needs.
+
+    Some configs built without a checkpoint (T5's, in recent transformers) lack them; T5's
+    checkpoints start the decoder with the pad token, id 0 (the t5-small config.json).
+    """
+    for key in ("pad_token_id", "decoder_start_token_id"):
+        if key in overrides:
+            continue
+        if getattr(config, key, None) is None:
+            fallback = getattr(config, "pad_token_id", None)
+            setattr(config, key, 0 if fallback is None else fallback)
+
+
+def build(
+    model_type: str,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    target_len: int | None = None,
+    task: Literal["auto", "causal-lm", "masked-lm", "seq2seq-lm"] = "auto",
+) -> HFModel:
+    """Build ``model_type`` on the meta device with an example batch; nothing is downloaded.
+
+    Args:
+        model_type: a transformers ``model_type`` (``"gpt2"``, ``"llama"``, ``"bert"``, ...).
+        overrides: config values, e.g. ``{"n_layer": 2, "vocab_size": 1000}``. ``use_cache`` is
+            False unless given (training keeps no key/value cache).
+        batch_size: samples in the example batch.
+        seq_len: tokens per sample; default :data:`DEFAULT_SEQ_LEN`, or the model's maximum
+            positions when smaller.
+        target_len: decoder tokens per sample for ``"seq2seq-lm"`` (default ``seq_len``).
+        task: ``"auto"`` (see the module docstring) or a task name to force an auto class.
+
+    Returns:
+        An :class:`HFModel`.
+
+    Raises:
+        ConfigError: unknown model type or config keys, a model type without such a head, a
+            sequence longer than the model's positions (the message names the key to raise),
+            or bad sizes; all listed at once where they can be.
+        MissingDependencyError: transformers is not installed.
+    """
+    overrides = dict(overrides or {})
+    if task != "auto" and task not in TASKS:
+        raise ConfigError(f"task={task!r} must be 'auto' or one of {', '.join(TASKS)}")
+    config = config_for(model_type, overrides)
+    if "use_cache" not in overrides and hasattr(config, "use_cache"):
+        config.use_cache = False  # training keeps no key/value cache (HF Trainer scripts do the same)
+    chosen = infer_task(config) if task == "auto" else task
+    if chosen == "seq2seq-lm":
+        _ensure_decoder_start(config, overrides)
+    problems: list[str] = []
+    bound = max_positions(config)
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ_LEN, bound[1]) if bound else DEFAULT_SEQ_LEN
+    if bound is not None and isinstance(seq_len, int) and seq_len > bound[1]:
+        problems.append(
+            f"seq_len {seq_len} exceeds {type(config).__name__}.{bound[0]}={bound[1]}; "
+            f"raise it ({bound[0]}={seq_len} in the overrides; --hf-config on the command line) or use a "
+            "shorter sequence"
+        )
+    if target_len is not None and chosen != "seq2seq-lm":
+        problems.append(f"target_len applies to encoder-decoder models only; {model_type} is {chosen}")
+    if problems:
+        raise ConfigError(problems)
+    batch = make_batch(config, chosen, batch_size=batch_size, seq_len=seq_len,
+                       target_len=target_len if chosen == "seq2seq-lm" else None)
+    auto = _auto_class(chosen)
+    try:
+        with torch.device("meta"):
+            model = auto.from_config(config)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{auto.__name__} cannot build {model_type!r} ({exc}); choose another task (--hf-task) or "
+            "build the model yourself (--model pkg.module:factory)"
+        ) from exc
+    model.train()
+    return HFModel(
+        model=model, batch=batch, config=config, model_type=model_type, task=chosen, seq_len=seq_len,
+        target_len=(target_len or seq_len) if chosen == "seq2seq-lm" else None, overrides=overrides,
+    )
