@@ -41,6 +41,7 @@ import logging
 import os
 import re
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -270,6 +271,10 @@ def _output_options(parser: argparse.ArgumentParser, *, json_help: str | None, p
     g.add_argument("-v", "--verbose", action="count", default=0, help="log memguard's decisions (-vv: every trace)")
 
 
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, width=88)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``memguard`` argument parser (sub-commands set ``func``)."""
     from memguard import __version__
@@ -277,8 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="memguard",
-        description="Predict the peak memory of a PyTorch training step without a GPU, and plan micro-batch, "
-                    "accumulation, precision, activation checkpointing and ZeRO stage for a memory budget.",
+        description=_wrap("Predict the peak memory of a PyTorch training step without a GPU, and plan micro-batch, "
+                          "accumulation, precision, activation checkpointing and ZeRO stage for a memory budget."),
         epilog=_EPILOG_MAIN, formatter_class=fmt,
     )
     parser.add_argument("--version", action="version", version=f"memguard {__version__}")
@@ -286,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "plan", help="the fastest configuration that fits (micro-batch, accumulation, precision, checkpointing, ZeRO)",
-        description="Choose micro-batch, gradient accumulation, precision, activation checkpointing and ZeRO stage "
-                    "for a memory budget, verified with one full trace.",
+        description=_wrap("Choose micro-batch, gradient accumulation, precision, activation checkpointing and "
+                          "ZeRO stage for a memory budget, verified with one full trace."),
         formatter_class=fmt, epilog=_MODEL_HELP + "\n" + _EPILOG_MAIN,
     )
     _model_options(p, required=True)
@@ -304,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "estimate", help="the peak memory of one training step, with a breakdown by category",
-        description="Predict the peak memory of one training step (forward, backward, optimizer step) for a fixed "
-                    "configuration.",
+        description=_wrap("Predict the peak memory of one training step (forward, backward, optimizer step) "
+                          "for a fixed configuration."),
         formatter_class=fmt, epilog=_MODEL_HELP + "\n" + _EPILOG_MAIN,
     )
     _model_options(e, required=True)
@@ -328,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "deepspeed-config", help="plan, then write the DeepSpeed JSON config of the plan",
-        description="Plan as `memguard plan` does and print (or write) the DeepSpeed config that runs the plan: "
-                    "batch sizes, ZeRO stage and offload, fp16/bf16, activation checkpointing.",
+        description=_wrap("Plan as `memguard plan` does and print (or write) the DeepSpeed config that runs the plan: "
+                          "batch sizes, ZeRO stage and offload, fp16/bf16, activation checkpointing."),
         formatter_class=fmt, epilog=_MODEL_HELP + "\n" + _EPILOG_MAIN,
     )
     _model_options(d, required=True)
@@ -349,8 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gp = sub.add_parser(
         "gpus", help="list the GPU catalog; with a model, which GPUs (and how many of each) fit the job",
-        description="List the GPUs memguard knows. With a model and --global-batch-size, find for each GPU the "
-                    "fewest (a power of two up to --max-gpus) that fit the job, and the plan for them.",
+        description=_wrap("List the GPUs memguard knows. With a model and --global-batch-size, find for each GPU the "
+                          "fewest (a power of two up to --max-gpus) that fit the job, and the plan for them."),
         formatter_class=fmt, epilog=_MODEL_HELP + "\n" + _EPILOG_MAIN,
     )
     _model_options(gp, required=False)

@@ -35,7 +35,15 @@ FIGSIZE = (12.0, 5.0)
 FIGSIZE_SINGLE = (6.0, 5.0)
 DPI = 100
 
-_GIB = float(1 << 30)
+_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+
+
+def _unit(reference: float) -> tuple[str, float]:
+    """The largest binary unit in which ``reference`` bytes is at least 1 (axes read 1-1023)."""
+    for name, size in _UNITS:
+        if reference >= size:
+            return name, float(size)
+    return "B", 1.0
 
 # One colour per breakdown category (matplotlib's "tab10" palette, in CATEGORIES order).
 _CATEGORY_COLORS = dict(zip(CATEGORIES, (
@@ -185,12 +193,13 @@ def _check_path(path: str | os.PathLike) -> str:
 
 
 def _draw_breakdown(ax, est: Estimate, *, budget_bytes: int | None, usable_bytes: int | None, title: str) -> None:
+    unit, scale = _unit(max(est.peak_bytes, budget_bytes or 0))
     bottom = 0.0
     total = max(est.peak_bytes, 1)
     rows = [(k, est.breakdown.get(k, 0)) for k in CATEGORIES if est.breakdown.get(k, 0) > 0]
     rows += [(k, v) for k, v in est.breakdown.items() if k not in CATEGORIES and v > 0]
     for name, value in rows:
-        height = value / _GIB
+        height = value / scale
         ax.bar([0], [height], bottom=[bottom], width=0.7, color=_CATEGORY_COLORS.get(name, "#17becf"),
                label=f"{name}: {format_bytes(value)}")
         if value / total > 0.05:  # label only segments tall enough to hold the text
@@ -200,12 +209,12 @@ def _draw_breakdown(ax, est: Estimate, *, budget_bytes: int | None, usable_bytes
         bottom += height
     top = bottom
     if usable_bytes:
-        ax.axhline(usable_bytes / _GIB, color="#d62728", linewidth=1.5, label=f"usable: {format_bytes(usable_bytes)}")
-        top = max(top, usable_bytes / _GIB)
+        ax.axhline(usable_bytes / scale, color="#d62728", linewidth=1.5, label=f"usable: {format_bytes(usable_bytes)}")
+        top = max(top, usable_bytes / scale)
     if budget_bytes and budget_bytes != usable_bytes:
-        ax.axhline(budget_bytes / _GIB, color="#d62728", linestyle="--", linewidth=1,
+        ax.axhline(budget_bytes / scale, color="#d62728", linestyle="--", linewidth=1,
                    label=f"budget: {format_bytes(budget_bytes)}")
-        top = max(top, budget_bytes / _GIB)
+        top = max(top, budget_bytes / scale)
     ax.set_ylim(0, top * 1.08 if top > 0 else 1)
     ax.set_xlim(-0.6, 1.6)
     ax.set_xticks([0])
@@ -213,7 +222,7 @@ def _draw_breakdown(ax, est: Estimate, *, budget_bytes: int | None, usable_bytes
     if est.context_bytes:
         label += f"\n+ {format_bytes(est.context_bytes)} CUDA context, outside the budget"
     ax.set_xticklabels([label], fontsize=8)
-    ax.set_ylabel("GiB per rank")
+    ax.set_ylabel(f"{unit} per rank")
     ax.set_title(title, fontsize=10)
     ax.legend(loc="upper right", fontsize=7, framealpha=0.9)
 
@@ -242,18 +251,19 @@ def plot_plan(plan: Plan, path: str | os.PathLike, *, curves: Sequence[MemoryCur
     path = _check_path(path)
     fig = _new_figure(FIGSIZE)
     ax, bar = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.2, 1]})
-    usable = plan.usable_bytes / _GIB
-    budget = plan.budget_bytes / _GIB
+    unit, scale = _unit(max(plan.budget_bytes, plan.estimate.peak_bytes))
+    usable = plan.usable_bytes / scale
+    budget = plan.budget_bytes / scale
     ymax = 0.0
     for c in curves:
         style = "-" if c.checkpoint_blocks == 0 else ("--" if c.checkpoint_blocks >= c.num_blocks else ":")
-        ys = [b / _GIB for b in c.peak_bytes]
+        ys = [b / scale for b in c.peak_bytes]
         ymax = max([ymax] + ys)
         ax.plot(c.micro_batch_sizes, ys, linestyle=style, marker="o", markersize=3, linewidth=1.5,
                 color=_PRECISION_COLORS.get(c.precision, "#17becf"), label=c.label)
     ax.axhline(usable, color="#d62728", linewidth=1.5, label=f"usable ({plan.headroom:.0%} headroom kept)")
     ax.axhline(budget, color="#d62728", linestyle="--", linewidth=1, label="budget")
-    peak = plan.estimate.peak_bytes / _GIB
+    peak = plan.estimate.peak_bytes / scale
     marker_label = ("plan" if fits else "closest (does not fit)") + f": micro-batch {plan.micro_batch_size}"
     ax.plot([plan.micro_batch_size], [peak], marker="*", markersize=16, color="black", linestyle="none",
             label=marker_label, zorder=5)
@@ -266,7 +276,7 @@ def plot_plan(plan: Plan, path: str | os.PathLike, *, curves: Sequence[MemoryCur
     ax.set_xticks(xs)
     ax.set_xticklabels([str(x) for x in xs], fontsize=8)
     ax.set_xlabel("micro-batch size (samples per rank per forward/backward)")
-    ax.set_ylabel("predicted peak, GiB per rank")
+    ax.set_ylabel(f"predicted peak, {unit} per rank")
     target = f"{plan.world_size} x {plan.gpu or plan.device}, ZeRO-{plan.zero_stage}" + (
         ", optimizer offloaded" if plan.offload_optimizer else "")
     ax.set_title(f"Peak memory against micro-batch ({target}, global batch {plan.global_batch_size})", fontsize=10)

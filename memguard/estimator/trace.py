@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memguard.errors import ConfigError
+from memguard.estimator.kernels import CORRECTIONS
 
 __all__ = ["Trace", "trace_step", "default_loss", "PHASES"]
 
@@ -151,6 +152,9 @@ class _Recorder(TorchDispatchMode):
         if self.phase in ("forward", "backward") and not getattr(func, "is_view", False):
             self.trace.num_ops += 1  # views launch no kernel
         out = func(*args, **(kwargs or {}))
+        fix = CORRECTIONS.get(func)
+        if fix is not None:
+            out = fix(args, out)
         leaves, _ = tree_flatten(out)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
