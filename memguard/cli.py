@@ -23,8 +23,9 @@ A model comes from one of:
   :func:`memguard.plan`; build large models on ``torch.device("meta")``.
 
 Output is a readable report on stdout; ``--json`` prints exactly ``Plan.to_dict()`` (or
-``Estimate.to_dict()``) instead, and nothing else goes to stdout. Progress and errors go to
-stderr. Exit status: 0 done; 1 no configuration fits (the closest plan and what would make it
+``Estimate.to_dict()``) instead, and nothing else goes to stdout; when nothing fits, ``--json``
+prints ``{"error": "infeasible", "message": ..., "suggestions": [...], "closest":
+Plan.to_dict() or null}``. Progress and errors go to stderr. Exit status: 0 done; 1 no configuration fits (the closest plan and what would make it
 fit are printed) or another memguard error such as a missing optional package; 2 bad usage
 (unknown option, bad value, a model or batch that cannot be built or traced).
 """
@@ -268,7 +269,7 @@ def _output_options(parser: argparse.ArgumentParser, *, json_help: str | None, p
         g.add_argument("--plot", metavar="FILE.png",
                        help="draw the report with matplotlib (pip install 'memguard[plot]'); .png, .svg or .pdf")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-    g.add_argument("-v", "--verbose", action="count", default=0, help="log memguard's decisions (-vv: every trace)")
+    g.add_argument("-v", "--verbose", action="count", default=0, help="log memguard's decisions on stderr (-vv: debug details)")
 
 
 def _wrap(text: str) -> str:
@@ -450,7 +451,7 @@ def _fail(message: str, *, hint: str | None = None) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadedModel:
     """What a command needs of the model: the objects :func:`memguard.plan` takes, and a name."""
 

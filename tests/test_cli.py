@@ -1,0 +1,342 @@
+"""Tests of the ``memguard`` command line, driven as a user drives it.
+
+The first tests run ``python -m memguard`` (and the console script) in a subprocess; the rest call
+``memguard.cli.main(argv)`` in this process, which runs the same code without paying torch's and
+transformers' import time again. Models are tiny so that each call takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import memguard  # noqa: E402
+from memguard import hf  # noqa: E402
+from memguard.cli import main, parse_bytes  # noqa: E402
+
+TINY_OVERRIDES = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 128}
+SEQ = 64
+TINY = ["--hf", "gpt2", "--hf-config", "n_layer=2", "n_embd=64", "n_head=2", "vocab_size=128", "--seq-len", str(SEQ)]
+# Only one precision and no checkpointing: 3 traces instead of 9, for tests that need no choice.
+FIXED = ["--precision", "32-true", "--activation-checkpointing", "off"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "memguard", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO, env=env, timeout=300)
+
+
+def tiny_model(batch_size: int = 1):
+    built = hf.build("gpt2", TINY_OVERRIDES, batch_size=batch_size, seq_len=SEQ)
+    return built.model, built.batch
+
+
+def as_json(obj):
+    return json.loads(json.dumps(obj))
+
+
+FACTORY = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    class Net(nn.Module):
+        def __init__(self, d=128, n=3):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+            self.head = nn.Linear(d, 10)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    def loss(model, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y)
+
+    def make(batch_size=1):
+        with torch.device("meta"):
+            model = Net()
+        batch = (torch.zeros(batch_size, 128), torch.zeros(batch_size, dtype=torch.long))
+        return {"model": model, "batch": batch, "loss_fn": loss}
+
+    def as_tuple(batch_size=1, seq_len=None):
+        out = make(batch_size)
+        return out["model"], out["batch"], out["loss_fn"]
+
+    def model_only():
+        return Net()
+""")
+
+
+# ------------------------------------------------------------------------------------------
+# Subprocess: what a user types
+# ------------------------------------------------------------------------------------------
+
+
+def test_plan_json_matches_the_python_api_and_plot_is_a_png(tmp_path):
+    png = tmp_path / "plan.png"
+    # one precision (checkpointing still chosen) keeps the traces few
+    proc = run_cli("plan", *TINY, "--gpu", "A100-40GB", "--global-batch-size", "16", "--precision", "32-true",
+                   "--json", "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)  # stdout holds the JSON and nothing else
+    model, batch = tiny_model()
+    want = memguard.plan(model, batch, global_batch_size=16, gpu="A100-40GB", precision="32-true")
+    assert got == as_json(want.to_dict())
+    assert memguard.Plan.from_dict(got) == want
+    assert "trace 1:" in proc.stderr and "plot written to" in proc.stderr  # progress on stderr
+
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(png))
+    assert img.shape[:2] == (500, 1200)  # memguard.plot.FIGSIZE (12 x 5 in) at DPI 100
+    assert img[:, :, :3].std() > 0.05  # a drawing, not a blank canvas
+
+
+def test_bad_precision_is_usage_error_exit_2():
+    proc = run_cli("plan", *TINY, "--gpu", "A100-40GB", "--global-batch-size", "8", "--precision", "fp8")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "'fp8' is not a precision" in proc.stderr and "bf16-mixed" in proc.stderr
+
+
+def test_tiny_budget_is_infeasible_exit_1_with_closest_plan(tmp_path):
+    # a plain torch model from a factory file: no transformers import, so the subprocess is quick
+    (tmp_path / "factory.py").write_text(FACTORY)
+    proc = run_cli("plan", "--model", "factory.py:make", "--device", "cpu", "--budget", "64KiB",
+                   "--global-batch-size", "8", "--json", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    payload = json.loads(proc.stdout)
+    assert payload["error"] == "infeasible"
+    closest = memguard.Plan.from_dict(payload["closest"])
+    # the closest plan is a real split of the batch, and it does not fit 64 KiB
+    assert closest.micro_batch_size * closest.grad_accum_steps == 8 and closest.estimate.peak_bytes > (64 << 10)
+    assert payload["suggestions"]
+    assert "memguard: error: no configuration fits" in proc.stderr and "What would make it fit" in proc.stderr
+
+
+def test_console_script_help_has_examples():
+    script = Path(sys.executable).with_name("memguard")
+    if not script.exists():
+        pytest.skip("the memguard console script is not installed in this environment")
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    for text in ("estimate", "plan", "deepspeed-config", "gpus", "examples:",
+                 "memguard plan --hf gpt2 --seq-len 1024 --gpu A100-40GB --global-batch-size 256"):
+        assert text in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# In process: the same entry point
+# ------------------------------------------------------------------------------------------
+
+
+def test_plan_readable_report(capsys):
+    assert main(["plan", *TINY, *FIXED, "--gpu", "A100-40GB", "--global-batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    for text in ("Model: gpt2 (GPT2LMHeadModel", "memguard plan for 1 x A100-40GB: global batch 8",
+                 "Breakdown at the peak:", "activations", "Why:", "precision: 32-true: fixed by you"):
+        assert text in out
+
+
+def test_infeasible_readable_prints_closest_then_error(capsys):
+    rc = main(["plan", *TINY, *FIXED, "--gpu", "A100-40GB", "--global-batch-size", "8", "--budget", "1MiB"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "The closest plan (it does NOT fit)" in captured.out and "Breakdown at the peak" in captured.out
+    assert "no configuration fits" in captured.err and "What would make it fit" in captured.err
+
+
+def test_estimate_json_matches_the_python_api(capsys):
+    rc = main(["estimate", *TINY, "--gpu", "A100-40GB", "--micro-batch-size", "4", "--precision", "bf16",
+               "--activation-checkpointing", "on", "--json", "-q"])
+    captured = capsys.readouterr()
+    assert rc == 0 and captured.err == ""  # -q: no progress
+    model, batch = tiny_model(batch_size=4)
+    # "bf16" is Lightning's short name of "bf16-mixed"; "on" checkpoints every block
+    want = memguard.estimate(model, batch, gpu="A100-40GB", precision="bf16-mixed", activation_checkpointing=True)
+    assert json.loads(captured.out) == as_json(want.to_dict())
+
+
+def test_estimate_readable_says_whether_it_fits(capsys):
+    assert main(["estimate", *TINY, "--device", "cpu", "--budget", "2MiB", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "Estimate:" in out and "does NOT fit" in out and "memguard plan" in out
+
+
+def test_deepspeed_config_matches_the_adapter(tmp_path, capsys):
+    pytest.importorskip("memguard.integrations.deepspeed")
+    from memguard.integrations.deepspeed import to_config
+
+    out = tmp_path / "ds.json"
+    args = ["deepspeed-config", *TINY, "--gpu", "A100-40GB", "--global-batch-size", "16", "--world-size", "2",
+            "--zero-stage", "2", "--precision", "bf16-mixed", "--activation-checkpointing", "off"]
+    assert main([*args, "--set", "gradient_clipping=1.0", "--out", str(out), "-q"]) == 0
+    written = json.loads(out.read_text())
+    assert "DeepSpeed config written to" in capsys.readouterr().out
+    model, batch = tiny_model()
+    plan = memguard.plan(model, batch, global_batch_size=16, gpu="A100-40GB", world_size=2, zero_stage=2,
+                         precision="bf16-mixed", activation_checkpointing=False)
+    assert written == as_json(to_config(plan, gradient_clipping=1.0))
+    # DeepSpeed's batch invariant: train_batch_size = micro-batch x accumulation x world size
+    assert written["train_batch_size"] == 16 == (
+        written["train_micro_batch_size_per_gpu"] * written["gradient_accumulation_steps"] * 2)
+    # without --out the config is all of stdout
+    assert main([*args, "-q"]) == 0
+    assert json.loads(capsys.readouterr().out) == as_json(to_config(plan))
+
+
+def test_gpus_lists_the_catalog(capsys):
+    from memguard.estimator.gpus import GPUS
+
+    assert main(["gpus"]) == 0
+    out = capsys.readouterr().out
+    for name, spec in GPUS.items():
+        assert name in out and spec.source in out
+    assert main(["gpus", "--json"]) == 0
+    catalog = json.loads(capsys.readouterr().out)["catalog"]
+    assert [g["name"] for g in catalog] == list(GPUS)
+    assert catalog[0]["memory_bytes"] == next(iter(GPUS.values())).memory_bytes
+
+
+def test_gpus_with_a_model_sizes_each_gpu(capsys):
+    rc = main(["gpus", *TINY, *FIXED, "--global-batch-size", "8", "--gpus", "T4,a100-40gb", "--json", "-q"])
+    assert rc == 0
+    fits = json.loads(capsys.readouterr().out)["fits"]
+    # a 0.1M-parameter model fits one of either GPU
+    assert {f["gpu"] for f in fits} == {"T4", "A100-40GB"}
+    assert all(f["count"] == 1 and f["plan"]["world_size"] == 1 for f in fits)
+    assert main(["gpus", *TINY, *FIXED, "--global-batch-size", "8", "--gpus", "T4", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "T4" in out and "micro x accum" in out
+
+
+
+
+def test_model_factory_from_a_file_matches_the_api(tmp_path, capsys):
+    path = tmp_path / "my_factory.py"
+    path.write_text(FACTORY)
+    rc = main(["plan", "--model", f"{path}:make", "--device", "cpu", "--budget", "64MiB", "--global-batch-size", "8",
+               "--json", "-q"])
+    assert rc == 0
+    got = json.loads(capsys.readouterr().out)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("my_factory_copy", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    made = mod.make()
+    want = memguard.plan(made["model"], made["batch"], loss_fn=made["loss_fn"], global_batch_size=8, device="cpu",
+                         budget_bytes=64 << 20)
+    assert got == as_json(want.to_dict())
+
+
+def test_model_factory_by_module_name(tmp_path, monkeypatch, capsys):
+    (tmp_path / "user_models_for_cli_test.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI adds the current folder; undone after
+    rc = main(["plan", "--model", "user_models_for_cli_test:as_tuple", "--device", "cpu", "--budget", "64MiB",
+               "--global-batch-size", "4", "--seq-len", "7", "-q"])
+    assert rc == 0
+    assert "Model: user_models_for_cli_test:as_tuple (Net" in capsys.readouterr().out
+    # a model without a batch cannot be traced: usage error naming the protocol
+    rc = main(["plan", "--model", "user_models_for_cli_test:model_only", "--device", "cpu", "--budget", "64MiB",
+               "--global-batch-size", "4", "-q"])
+    assert rc == 2
+    assert "gave no example batch; return (model, batch)" in capsys.readouterr().err
+    # make() takes no seq_len: --seq-len is refused rather than silently ignored
+    rc = main(["plan", "--model", "user_models_for_cli_test:make", "--device", "cpu", "--budget", "64MiB",
+               "--global-batch-size", "4", "--seq-len", "7", "-q"])
+    assert rc == 2 and "takes no seq_len" in capsys.readouterr().err
+    rc = main(["plan", "--model", "no_such_module_xyz:make", "--device", "cpu", "--budget", "64MiB",
+               "--global-batch-size", "4", "-q"])
+    assert rc == 2 and "cannot import 'no_such_module_xyz'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # --hf-config only means something with --hf
+        (["plan", "--model", "x:y", "--hf-config", "n_layer=2", "--global-batch-size", "8", "--gpu", "T4"],
+         "--hf-config applies to --hf models only"),
+        # an unknown GPU: the catalog error names close matches
+        (["plan", *TINY, "--global-batch-size", "8", "--gpu", "B300"], "unknown gpu 'B300'"),
+        # a typo in a config key would otherwise be silently ignored by transformers
+        (["plan", "--hf", "gpt2", "--hf-config", "n_layers=2", "--global-batch-size", "8", "--gpu", "T4"],
+         "did you mean n_layer"),
+        # the global batch must split evenly over the ranks
+        (["plan", *TINY, "--global-batch-size", "6", "--world-size", "4", "--gpu", "T4"],
+         "cannot be split evenly over world_size 4"),
+    ],
+)
+def test_config_errors_exit_2_with_the_fix(argv, message, capsys):
+    assert main([*argv, "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memguard: error: ") and message in err
+    assert "--help" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a visible GPU is a valid default target")
+def test_no_gpu_and_no_target_says_what_to_pass(capsys):
+    assert main(["plan", *TINY, "--global-batch-size", "8", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device here" in err and "--gpu" in err and "--budget" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", *TINY, "--global-batch-size", "8", "--zero-stage", "5"],  # ZeRO has stages 0-3
+        ["plan", *TINY, "--global-batch-size", "8", "--budget", "lots"],  # not a size
+        ["plan", *TINY, "--global-batch-size", "0"],  # a batch has at least one sample
+        ["plan", *TINY, "--global-batch-size", "8", "--headroom", "1.5"],  # a fraction below 1
+        ["estimate", *TINY, "--precision", "bf16-mixed,32-true"],  # estimate takes one precision
+        ["plan", "--global-batch-size", "8"],  # no model
+    ],
+)
+def test_argparse_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("40GiB", 40 << 30),  # IEC binary unit
+        ("80GB", 80 * 10**9),  # SI decimal unit, as GPU vendors count
+        ("1.5TiB", 3 << 39),  # fractions of a unit: 1.5 x 2^40
+        ("512M", 512 << 20),  # a bare letter is binary, as in `free -m`
+        ("1000000", 10**6),  # plain bytes
+        (" 2 gib ", 2 << 30),  # case and spaces are ignored
+    ],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "40 GiBs", "-1GiB", "0", "1e3"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
