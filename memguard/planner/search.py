@@ -55,6 +55,7 @@ __all__ = ["plan", "DEFAULT_HEADROOM", "Planner"]
 log = logging.getLogger("memguard")
 
 DEFAULT_HEADROOM = 0.10
+PROBE_MICRO_BATCH = 8
 _MAX_VERIFY = 6
 
 
@@ -100,6 +101,7 @@ class _Features:
     opt_peak: float  # peak of the optimizer step and zero_grad (batch-independent)
     ratio: float  # reserved / allocated (CUDA allocator); 1 on CPU
     workspace: float
+    act_slope: float = 0.0  # activations added by one more block (0 when not probed by blocks)
 
     @staticmethod
     def of(est: Estimate, tl: Timeline) -> "_Features":
@@ -135,6 +137,7 @@ class _Features:
             opt_peak=lin(self.opt_peak, other.opt_peak),
             ratio=other.ratio,
             workspace=other.workspace,
+            act_slope=(other.act - self.act) / (j2 - j1),
         )
 
 
@@ -182,11 +185,15 @@ class Planner:
 
     def __post_init__(self) -> None:
         self.model = _unwrap(self.model)
-        self.m0 = batch_size_of(self.batch) or 1
+        self.example_m = batch_size_of(self.batch) or 1
+        # The probes' micro-batch. Activations are affine, not proportional, in the micro-batch (a
+        # few buffers do not grow with it); probing at a moderate size keeps that intercept's share
+        # small, and costs nothing: fake tensors make a trace's cost independent of sizes.
+        self.m0 = max(self.example_m, PROBE_MICRO_BATCH)
         self.num_blocks = len(find_blocks(self.model))
 
     def batch_of(self, n: int) -> Any:
-        return self.make_batch(n) if self.make_batch is not None else resize_batch(self.batch, self.m0, n)
+        return self.make_batch(n) if self.make_batch is not None else resize_batch(self.batch, self.example_m, n)
 
     def trace(self, precision: str, *, ckpt: int = 0, keep: int | None = None, m: int | None = None,
               grads_present: bool = False, flops: bool = False):
@@ -207,7 +214,7 @@ class Planner:
         if self.num_blocks < 2 or self._whole:
             return [None]
         try:
-            self.trace(self._first_precision or "32-true", keep=1, flops=True)
+            self.trace(self._first_precision or "32-true", keep=1, m=self.m0, flops=True)
         except ConfigError as exc:
             log.info("memguard: the model does not run with fewer blocks (%s); probing it whole", exc)
             self._whole = True
@@ -222,7 +229,7 @@ class Planner:
         for j in points:
             ck = (j or 0) if ckpt_all else 0
             flops = not ckpt_all and precision == (self._first_precision or "32-true")  # FLOPs: once
-            tr = self.trace(precision, ckpt=ck, keep=j, flops=flops)
+            tr = self.trace(precision, ckpt=ck, keep=j, m=self.m0, flops=flops)
             est, tl = evaluate(tr, device=self.device, precision=precision, zero_stage=zero_stage,
                                world_size=world_size, spec=spec, offload_optimizer=offload,
                                micro_batch_size=self.m0)
@@ -235,7 +242,7 @@ class Planner:
         """FLOPs and op counts (the same for every precision) from ``precision``'s probes."""
         if self._cost is None:
             pts = self.probe_points()
-            trs = [self.trace(precision, keep=j, flops=True) for j in pts]
+            trs = [self.trace(precision, keep=j, m=self.m0, flops=True) for j in pts]
             if len(trs) == 2:
                 def lin(a, b):
                     return a + (self.num_blocks - 1) * (b - a)
@@ -266,18 +273,29 @@ class Planner:
 
 def _predict(f_off: _Features, f_on: _Features | None, *, m: int, m0: int, k: int, n_blocks: int,
              accum: int) -> int:
-    """Predicted peak bytes at micro-batch ``m`` with ``k`` of ``n_blocks`` blocks checkpointed."""
-    w = (k / n_blocks) if (f_on is not None and n_blocks) else 0.0
-    f = f_off if w == 0 else f_on  # states and the optimizer peak do not depend on checkpointing
+    """Predicted peak bytes at micro-batch ``m`` with the first ``k`` of ``n_blocks`` blocks checkpointed.
 
-    def mix(a: float, b: float) -> float:
-        return a * (1 - w) + b * w
-
-    act = mix(f_off.act, f_on.act) if w else f_off.act
-    grads = f.grads_total if accum > 1 else (mix(f_off.grads_at_peak, f_on.grads_at_peak) if w else f_off.grads_at_peak)
-    fb = f.states + grads + act * m / m0
-    ratio = mix(f_off.ratio, f_on.ratio) if w else f_off.ratio
-    return int(max(fb, f.opt_peak) * ratio + f.workspace)
+    With checkpointing the peak is the larger of two moments. At the start of backward, the
+    ``n_blocks - k`` plain blocks hold all their activations and the ``k`` checkpointed ones only
+    their inputs: the "none" probe's activations with ``k`` blocks' worth swapped for the "all"
+    probe's per-block cost. Later, while the checkpointed blocks are recomputed (they come first
+    in the model, so last in backward), the plain blocks' activations are gone: the "all" probe
+    cut down to ``k`` blocks, recomputation transient included.
+    """
+    states = f_off.states
+    if f_on is None or k <= 0 or not n_blocks:
+        act = f_off.act
+        grads = f_off.grads_total if accum > 1 else f_off.grads_at_peak
+        fb = states + grads + act * m / m0
+        return int(max(fb, f_off.opt_peak) * f_off.ratio + f_off.workspace)
+    k = min(k, n_blocks)
+    act_start = f_off.act + k * (f_on.act_slope - f_off.act_slope)
+    act_recompute = f_on.act - (n_blocks - k) * f_on.act_slope
+    grads_start = f_off.grads_total if accum > 1 else f_off.grads_at_peak
+    grads_recompute = f_on.grads_total if accum > 1 else f_on.grads_at_peak
+    start = max(states + grads_start + act_start * m / m0, f_off.opt_peak) * f_off.ratio
+    recompute = (states + grads_recompute + act_recompute * m / m0) * f_on.ratio
+    return int(max(start, recompute) + f_off.workspace)
 
 
 def plan(
