@@ -17,6 +17,7 @@ from memguard.errors import (
 )
 from memguard.estimator.api import estimate
 from memguard.estimator.result import Estimate
+from memguard.guard import prepare, step
 from memguard.planner.plan import Plan
 from memguard.planner.search import plan
 
@@ -33,4 +34,6 @@ __all__ = [
     "__version__",
     "estimate",
     "plan",
+    "prepare",
+    "step",
 ]

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["RankGroup", "rank_group_of", "agree", "all_reduce_gradients", "broadcast_buffers", "OK", "OOM", "ERROR"]
+__all__ = ["RankGroup", "rank_group_of", "agree", "reserve_buckets", "all_reduce_gradients", "broadcast_buffers",
+           "OK", "OOM", "ERROR"]
 
 #: Outcome codes one rank reports to :func:`agree`; MAX picks the worst.
 OK, OOM, ERROR = 0, 1, 2

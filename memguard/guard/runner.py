@@ -22,7 +22,9 @@ One step, and what happens on an out-of-memory error:
 
 Each retry is logged at WARNING on the ``memguard`` logger. The new micro-batch is kept for the
 following steps; with ``probe_up_after=N`` it is doubled again (up to the planned size) after N
-steps without an OOM. At micro-batch 1 an OOM raises :class:`memguard.OOMRecoveryError`.
+steps without an OOM. When memguard planned with ``cache=True`` (or a ``PlanCache``), the reduced
+micro-batch is also written to the plan cache, and the next run of the same job starts from it.
+At micro-batch 1 an OOM raises :class:`memguard.OOMRecoveryError`.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from memguard.guard.precision import PRECISIONS, PrecisionSetup, setup_precision
 from memguard.guard.split import batch_size, map_tensors, split_batch
 from memguard.planner.plan import Plan
 
-__all__ = ["prepare", "step", "guard_status", "GuardStatus"]
+__all__ = ["prepare", "step", "guard_status", "GuardStatus", "compute_loss"]
 
 logger = logging.getLogger("memguard")
 
@@ -65,6 +67,12 @@ _UNSUPPORTED_WRAPPERS = {
     "DeepSpeedEngine": "DeepSpeed runs its own step; turn the plan into a DeepSpeed config with "
     "memguard.integrations.deepspeed.to_config instead",
 }
+
+
+# The fields that identify a planned configuration, for the plan-cache key of its reduced form.
+_PLAN_IDENTITY = ("micro_batch_size", "grad_accum_steps", "world_size", "global_batch_size", "precision",
+                  "activation_checkpointing", "checkpoint_blocks", "zero_stage", "offload_optimizer", "device", "gpu",
+                  "budget_bytes", "headroom")
 
 
 @dataclass(eq=False)
@@ -85,6 +93,7 @@ class _GuardState:
     ceiling: int | None = None
     plan_request: dict | None = None
     undo_checkpointing: Callable[[], None] | None = None
+    oom_cache: tuple[Any, str] | None = None
     clean_steps: int = 0
     oom_retries: int = 0
     steps: int = 0
@@ -244,11 +253,7 @@ def prepare(
         blocks = _blocks_for(inner, plan_options.get("activation_checkpointing", False))
         _apply(state, inner, optimizer, micro_batch_size, plan_options.get("precision", "32-true"), blocks, wrapped)
     else:
-        options = dict(plan_options)
-        if wrapped and "precision" not in options:
-            # *-true casts the model, which DDP forbids after wrapping: keep the planner to what can be applied.
-            options["precision"] = ("32-true", "16-mixed", "bf16-mixed")
-        state.plan_request = {"global_batch_size": global_batch_size, "options": options}
+        state.plan_request = {"global_batch_size": global_batch_size, "options": dict(plan_options)}
         if example_batch is not None:
             _plan_and_apply(state, inner, optimizer, example_batch, loss_fn)
     _STATES[model] = state
@@ -290,7 +295,8 @@ def _fixed_options_problems(options: Mapping[str, Any]) -> list[str]:
         out.append(f"with micro_batch_size=, precision must be one of {', '.join(PRECISIONS)}, got {p!r}")
     ac = options.get("activation_checkpointing", False)
     if not isinstance(ac, (bool, int)) or (not isinstance(ac, bool) and ac < 0):
-        out.append(f"with micro_batch_size=, activation_checkpointing must be True/False or a number of blocks, got {ac!r}")
+        out.append("with micro_batch_size=, activation_checkpointing must be True/False or a number of blocks, "
+                   f"got {ac!r}")
     return out
 
 
@@ -332,7 +338,8 @@ def _blocks_for(inner: nn.Module, setting: bool | int) -> int:
     found = len(find_blocks(inner))
     if found == 0:
         raise ConfigError("activation_checkpointing was asked for, but memguard found no repeated blocks in the "
-                          "model; checkpoint it yourself (torch.utils.checkpoint) and pass activation_checkpointing=False")
+                          "model; checkpoint it yourself (torch.utils.checkpoint) and pass "
+                          "activation_checkpointing=False")
     if setting is True:
         return found
     if setting > found:
@@ -380,7 +387,7 @@ def _plan_and_apply(state: _GuardState, inner: nn.Module, optimizer: torch.optim
         raise ConfigError(problems)
     _apply(state, inner, optimizer, plan.micro_batch_size, plan.precision,
            plan.checkpoint_blocks if plan.activation_checkpointing else 0, state.rank_group is not None, plan)
-    logger.info("memguard planned micro-batch %d x accumulation %d x world %d, %s",
+    logger.info("planned micro-batch %d x accumulation %d x world %d, %s",
                 plan.micro_batch_size, plan.grad_accum_steps, plan.world_size, plan.precision)
 
 
@@ -394,8 +401,23 @@ def _call_planner(state: _GuardState, inner: nn.Module, optimizer: torch.optim.O
     options.setdefault("device", state.input_device.type if state.input_device is not None else "cuda")
     options.setdefault("zero_stage", 0)
     gbs = request["global_batch_size"] or batch_size(batch) * state.world_size
-    return make_plan(inner, batch, global_batch_size=gbs, optimizer=optimizer, loss_fn=loss_fn,
+    plan = make_plan(inner, batch, global_batch_size=gbs, optimizer=optimizer, loss_fn=loss_fn,
                      world_size=state.world_size, **options)
+    if options.get("cache"):
+        # The plan cache also remembers what the guard learnt: a micro-batch reduced after an OOM is stored
+        # under a key derived from the planner's plan, and used instead of it on the next run.
+        from memguard.planner.cache import PlanCache, plan_key
+
+        store = options["cache"] if isinstance(options["cache"], PlanCache) else PlanCache()
+        knobs = {k: getattr(plan, k) for k in _PLAN_IDENTITY}
+        key = plan_key(inner, batch, optimizer, loss_fn, {"memguard.guard": "reduced after OOM", **knobs})
+        state.oom_cache = (store, key)
+        reduced = store.get(key)
+        if reduced is not None:
+            logger.info("using micro-batch %d, remembered in the plan cache after an out-of-memory error (planned %d)",
+                        reduced.micro_batch_size, plan.micro_batch_size)
+            return reduced
+    return plan
 
 
 # --------------------------------------------------------------------------------------------------
@@ -416,9 +438,10 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
         batch: a tensor, or a dict/tuple/list of tensors, with the samples in dim 0; non-tensor
             leaves and 0-dim tensors go to every micro-batch whole.
         loss_fn: ``loss_fn(model, micro_batch) -> mean loss over the micro-batch``; under DDP it
-            gets the wrapped module. Default: the one given to :func:`prepare`, else the model is
-            called (dict -> ``model(**batch)``, tuple/list -> ``model(*batch)``, tensor ->
-            ``model(batch)``) and its ``.loss`` (or its output, if a scalar) is the loss.
+            gets the module inside the wrapper (``ddp.module``), so that no DDP hook runs. Default:
+            the one given to :func:`prepare`, else the model is called (dict -> ``model(**batch)``,
+            tuple/list -> ``model(*batch)``, tensor -> ``model(batch)``) and its ``.loss`` (or its
+            output, if a scalar) is the loss.
 
     Returns:
         This rank's mean loss over ``batch``, as a float.
@@ -435,8 +458,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
         start from none. Dropout draws new masks on a retry. Normalisation layers see micro-batch
         statistics, as in any gradient accumulation. Under DDP, gradient all-reduce runs after the
         backward passes instead of overlapping them, DDP communication hooks are not used, and an
-        OOM while averaging gradients (which allocates nothing except on a first step) is not
-        recovered.
+        OOM while averaging gradients is not recovered (the averaging allocates nothing: its bucket
+        is reserved before the first micro-batch).
     """
     state = _STATES.get(model)
     if state is None:
@@ -446,11 +469,16 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
     if inner is None:  # the wrapper outlived the module it wraps: cannot happen with DDP, kept for safety
         raise ConfigError("the prepared module no longer exists; call memguard.prepare again")
     loss_fn = loss_fn if loss_fn is not None else state.loss_fn
-    n = batch_size(batch)
     if state.micro_batch_size is None:
         _plan_and_apply(state, inner, optimizer, batch, loss_fn)
     rg = state.rank_group
     params = _synced_params(model, inner)
+    try:
+        n = batch_size(batch)
+    except ConfigError:
+        if rg is not None:  # tell the peers, which would otherwise wait in the agreement forever
+            ddp_sync.agree(rg, ERROR, [0] * (1 + len(params)))
+        raise
     _drop_stale_grads(state, params)
     norm_stats = _snapshot_norm_stats(inner)
 
@@ -459,6 +487,9 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
     while True:
         mbs = state.micro_batch_size
         code, total, info, had = _attempt(inner, batch, n, mbs, loss_fn, state, params)
+        if code == OOM:  # give the memory back before talking to the peers: the agreement allocates a little
+            _discard(params, optimizer)
+            free_memory()
         if rg is not None:
             codes, values = ddp_sync.agree(rg, code, [n] + [int(h) for h in had or [0] * len(params)])
             n_max, had = values[0], [bool(v) for v in values[1:]]
@@ -475,7 +506,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
                 raise info
             raise MemguardError(f"rank {codes.index(ERROR)} failed with an error that is not an out-of-memory error "
                                 "(see that rank's log); this rank stops too so that no rank waits forever")
-        free_memory()
+        if code != OOM:
+            free_memory()
         had_oom = True
         failed = [r for r, c in enumerate(codes) if c == OOM]
         where = f" on rank {', '.join(map(str, failed))}" if rg is not None else ""
@@ -484,8 +516,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
         if effective <= 1:
             raise _recovery_error(state, f"out of memory at micro-batch 1{where}{detail}", 1)
         if halvings >= state.max_retries:
-            raise _recovery_error(state, f"out of memory at micro-batch {effective}{where}{detail} after "
-                                         f"{halvings} halvings in this step (max_retries={state.max_retries})", effective)
+            raise _recovery_error(state, f"out of memory at micro-batch {effective}{where}{detail} after {halvings} "
+                                         f"halvings in this step (max_retries={state.max_retries})", effective)
         new = effective // 2
         logger.warning("out of memory at micro-batch %d%s%s; retrying the same batch of %d samples from its first "
                        "sample with micro-batch %d", effective, where, detail, n, new)
@@ -671,22 +703,23 @@ def _maybe_probe_up(state: _GuardState) -> None:
 
 
 def _remember(state: _GuardState) -> None:
-    """Write the reduced micro-batch to the plan cache, when this memguard has one."""
-    try:
-        cache = importlib.import_module("memguard.planner.cache")
-    except ImportError:
-        logger.debug("no plan cache (memguard.planner.cache); micro-batch %d is kept for this process only",
-                     state.micro_batch_size)
+    """Write the reduced micro-batch to the plan cache, when memguard planned with ``cache=``."""
+    mbs, plan = state.micro_batch_size, state.plan
+    if state.oom_cache is None or plan is None or mbs is None:
+        logger.debug("micro-batch %s is kept for this process only (plan with cache=True to keep it across runs)", mbs)
         return
-    record = getattr(cache, "record_micro_batch", None)
-    if record is None or state.plan is None:
-        logger.debug("the plan cache cannot record a micro-batch here; micro-batch %d is kept for this process only",
-                     state.micro_batch_size)
-        return
+    store, key = state.oom_cache
+    local = plan.global_batch_size // plan.world_size
+    fit = max(d for d in range(1, min(mbs, local) + 1) if local % d == 0)  # a Plan needs mbs | local batch
+    reduced = plan.replace(
+        micro_batch_size=fit, grad_accum_steps=local // fit,
+        reasons={**plan.reasons, "micro_batch_size": f"reduced from {plan.micro_batch_size} to {fit} after an "
+                 "out-of-memory error in training (the estimate is still the planned one's)"},
+    )
     try:
-        record(state.plan, state.micro_batch_size)
+        store.put(key, reduced)
     except Exception as exc:  # a cache that cannot be written must not stop training
-        logger.warning("could not write micro-batch %d to the plan cache: %s", state.micro_batch_size, exc)
+        logger.warning("could not write micro-batch %d to the plan cache: %s", fit, exc)
 
 
 def _recovery_error(state: _GuardState, reason: str, micro_batch_size: int, *,
