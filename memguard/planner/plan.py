@@ -125,10 +125,10 @@ class Plan:
         lines = [
             f"memguard plan for {target}: global batch {self.global_batch_size} = micro-batch "
             f"{self.micro_batch_size} x accumulation {self.grad_accum_steps} x world {self.world_size}",
-            f"  precision               {self.precision}",
-            f"  activation checkpointing {ckpt}",
-            f"  ZeRO stage              {self.zero_stage}" + (" (optimizer offloaded to CPU)" if self.offload_optimizer else ""),
-            f"  predicted peak          {format_bytes(e.peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
+            f"  precision                 {self.precision}",
+            f"  activation checkpointing  {ckpt}",
+            f"  ZeRO stage                {self.zero_stage}" + (" (optimizer offloaded to CPU)" if self.offload_optimizer else ""),
+            f"  predicted peak            {format_bytes(e.peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
             f"({format_bytes(self.budget_bytes)} budget, {100 * self.headroom:.0f}% headroom)"
             + (f" + {format_bytes(e.context_bytes)} CUDA context" if e.context_bytes else ""),
             "",

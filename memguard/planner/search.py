@@ -600,6 +600,8 @@ def _infeasible(planner, spec, cand, *, budget, usable, world_size, global_batch
             estimate=est, device=planner.device, gpu=spec.name if spec is not None and spec.memory_bytes else None,
             headroom=float(headroom), throughput=float(cand.throughput),
             reasons={"closest": "the configuration with the smallest predicted peak"},
+            block_class=type(blocks[0]).__name__ if (blocks := find_blocks(planner.model)) else None,
+            hidden_size=hidden_size(planner.model),
         )
     need = est.peak_bytes if est is not None else 0
     suggestions: list[str] = []
@@ -622,7 +624,7 @@ def _infeasible(planner, spec, cand, *, budget, usable, world_size, global_batch
 
             bigger = sorted((g for g in GPUS.values() if g.memory_bytes - g.context_bytes > need / (1 - headroom)),
                             key=lambda g: g.memory_bytes)
-            if bigger and planner.device == "cuda":
+            if bigger and planner.device == "cuda" and spec is not None and spec.memory_bytes:
                 suggestions.append(f"a GPU with more memory, e.g. {bigger[0].name} ({format_bytes(bigger[0].memory_bytes)})")
         except ImportError:  # pragma: no cover - the catalog ships with memguard
             pass
