@@ -13,7 +13,7 @@ from memguard.estimator.result import Estimate
 from memguard.estimator.sharding import model_state_factors
 from memguard.estimator.trace import trace_step
 
-__all__ = ["estimate", "evaluate", "run_trace", "Precision", "Device", "PRECISIONS", "check_common", "batch_size_of"]
+__all__ = ["estimate", "evaluate", "run_trace", "Precision", "Device", "PRECISIONS", "check_common", "batch_size_of", "traced_precision"]
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 Device = Literal["cuda", "cpu"]
@@ -146,7 +146,8 @@ def estimate(
     if blocks is True:
         blocks = 1 << 30
     trace = run_trace(
-        model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device, precision=precision,
+        model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device,
+        precision=traced_precision(precision, zero_stage),
         checkpoint_blocks=int(blocks or 0), grads_present=grad_accum_steps > 1,
     )
     from memguard.estimator.blocks import find_blocks
@@ -157,6 +158,14 @@ def estimate(
         offload_optimizer=offload_optimizer, micro_batch_size=int(micro or 0), checkpointed=checkpointed,
     )
     return est
+
+
+def traced_precision(precision: str, zero_stage: int) -> str:
+    """The precision a step is traced in: DeepSpeed's 16-bit modes (ZeRO >= 1) keep 16-bit weights
+    and use no autocast, so ``*-mixed`` under ZeRO is traced as ``*-true``."""
+    if zero_stage >= 1 and precision.endswith("-mixed"):
+        return precision.replace("-mixed", "-true")
+    return precision
 
 
 def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint_blocks=0, grads_present=False,
@@ -203,9 +212,10 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
         largest_layer=trace.largest_block_params,
         sixteen_bit=precision != "32-true",
         offload_optimizer=offload_optimizer,
+        state_scale=2.0 if traced_precision(precision, zero_stage) != precision else 1.0,
     )
     extra = {"grads": factors.extra_grads, "params": factors.extra_params}
-    timeline = scan(trace, factors.as_dict(), extra)
+    timeline = _fold_optimizer_temporaries(scan(trace, factors.as_dict(), extra))
     breakdown = dict(timeline.breakdown)
     allocated_peak = timeline.peak_bytes
     context = 0
@@ -241,6 +251,25 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
         phase_peaks=timeline.phase_peaks,
     )
     return est, timeline
+
+
+def _fold_optimizer_temporaries(tl):
+    """Report the optimizer step's temporaries as plain "temporaries"."""
+    import dataclasses
+
+    from memguard.estimator.trace import OPTIMIZER_TEMPORARIES
+
+    def fold(bd):
+        bd = dict(bd)
+        extra = bd.pop(OPTIMIZER_TEMPORARIES, 0)
+        if extra or "temporaries" in bd:
+            bd["temporaries"] = bd.get("temporaries", 0) + extra
+        return bd
+
+    return dataclasses.replace(
+        tl, breakdown=fold(tl.breakdown),
+        phase_breakdowns={k: fold(v) for k, v in (tl.phase_breakdowns or {}).items()},
+    )
 
 
 def _cuda_reserved(trace, factors, spec, limit_bytes=None) -> tuple[int, int, int]:

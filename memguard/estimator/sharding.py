@@ -16,6 +16,11 @@ end of backward, they hold exactly what DeepSpeed's own estimators say a rank ho
   large as all gradients (torch.nn.parallel.DistributedDataParallel docs,
   ``gradient_as_bucket_view``: "the saved memory size will be equal to the total gradients size").
 
+Under ZeRO, DeepSpeed's fp16/bf16 modes keep the module's weights in 16 bits and run without
+autocast (engine.py: the model is cast with ``module.half()``/``module.bfloat16()``), so a
+``*-mixed`` precision with ``zero_stage >= 1`` is traced with 16-bit weights; no cached fp32→16-bit
+weight casts exist then.
+
 The byte counts generalise Adam's: the optimizer's own state bytes per parameter are read from
 the trace (8 for Adam's two fp32 moments, 4 for SGD momentum, 0 for plain SGD), and 16-bit
 precisions add DeepSpeed's fp32 master copy and fp32 gradient partition (4 + 4 bytes).
@@ -41,9 +46,11 @@ class ShardFactors:
     optimizer: float = 1.0
     extra_grads: int = 0
     extra_params: int = 0
+    optimizer_temporaries: float = 1.0
 
     def as_dict(self) -> dict[str, float]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "optimizer_temporaries": self.optimizer_temporaries}
 
 
 def model_state_factors(
@@ -58,6 +65,7 @@ def model_state_factors(
     largest_layer: int,
     sixteen_bit: bool,
     offload_optimizer: bool = False,
+    state_scale: float = 1.0,
 ) -> ShardFactors:
     """Scale factors that turn single-device traced bytes into one rank's bytes.
 
@@ -67,6 +75,8 @@ def model_state_factors(
         num_params, num_trainable: Ψ over all and trainable parameters.
         largest_layer: parameters of the largest repeated block (ZeRO-3 gathers one at a time).
         sixteen_bit: training in fp16/bf16 (DeepSpeed then keeps fp32 master weights and grads).
+        state_scale: multiply the traced optimizer bytes per parameter by this to get fp32 bytes
+            (2 when the trace ran with 16-bit parameters, whose optimizer state is 16-bit too).
     """
     n = max(1, world_size)
     if zero_stage == 0:
@@ -76,7 +86,7 @@ def model_state_factors(
     p_bytes = 2 if sixteen_bit else 4  # DeepSpeed keeps module weights in the training dtype
     master = 4 if sixteen_bit else 0  # fp32 master params (stage_1_and_2.py comment: "4_params_32bit")
     grad32 = 4 if sixteen_bit else 0  # fp32 grad partition ("4_grads_32bit")
-    states = traced_optimizer / num_trainable if num_trainable else 0.0  # Adam: 8 ("8_optimizer_states_32bit")
+    states = state_scale * traced_optimizer / num_trainable if num_trainable else 0.0  # Adam: 8 ("8_optimizer_states_32bit")
     psi, psi_t = num_params, num_trainable
 
     params_b = p_bytes * psi if zero_stage < 3 else 0.0
@@ -97,7 +107,10 @@ def model_state_factors(
         return target / traced if traced else 0.0
 
     # fp32 grads and master params are owned by the optimizer in DeepSpeed; count them there.
+    # The optimizer step's temporaries follow the partition it updates (none on the device when
+    # the optimizer runs on the host).
     return ShardFactors(
+        optimizer_temporaries=0.0 if offload_optimizer else 1.0 / n,
         params=ratio(params_b, traced_params),
         grads=ratio(grads_b, traced_grads),
         optimizer=ratio(host_part, traced_optimizer) if traced_optimizer else 0.0,

@@ -36,9 +36,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 from memguard.errors import ConfigError
 from memguard.estimator.kernels import CORRECTIONS
 
-__all__ = ["Trace", "trace_step", "default_loss", "PHASES"]
+__all__ = ["Trace", "trace_step", "default_loss", "PHASES", "OPTIMIZER_TEMPORARIES"]
 
 PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
+
+#: Temporaries of the optimizer step get their own category while scanning, because sharding
+#: shrinks them with the optimizer state (each ZeRO rank updates only its partition); reports fold
+#: them into "temporaries".
+OPTIMIZER_TEMPORARIES = "optimizer_temporaries"
 
 
 @dataclass
@@ -575,5 +580,9 @@ def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, l
                 del loss  # a training loop keeps its loss until the next step replaces it
                 for h, cat in enumerate(trace.category):
                     if not cat:
-                        trace.category[h] = "activations" if recorder.alloc_phase[h] == "forward" else "temporaries"
+                        phase = recorder.alloc_phase[h]
+                        trace.category[h] = (
+                            "activations" if phase == "forward"
+                            else OPTIMIZER_TEMPORARIES if phase == "optimizer" else "temporaries"
+                        )
     return trace

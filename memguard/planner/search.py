@@ -44,6 +44,7 @@ from memguard.estimator.api import (
     check_common,
     evaluate,
     run_trace,
+    traced_precision,
 )
 from memguard.estimator.blocks import find_blocks, hidden_size
 from memguard.estimator.result import Estimate, format_bytes
@@ -229,7 +230,8 @@ class Planner:
         for j in points:
             ck = (j or 0) if ckpt_all else 0
             flops = not ckpt_all and precision == (self._first_precision or "32-true")  # FLOPs: once
-            tr = self.trace(precision, ckpt=ck, keep=j, m=self.m0, flops=flops)
+            tr = self.trace(traced_precision(precision, zero_stage), ckpt=ck, keep=j, m=self.m0,
+                            flops=flops and traced_precision(precision, zero_stage) == precision)
             est, tl = evaluate(tr, device=self.device, precision=precision, zero_stage=zero_stage,
                                world_size=world_size, spec=spec, offload_optimizer=offload,
                                micro_batch_size=self.m0)
@@ -522,8 +524,8 @@ def _fewest_blocks(f_off, f_on, m, m0, n_blocks, accum, usable) -> list[int]:
 
 
 def _verify(planner: Planner, spec, cand: _Candidate, world_size: int, usable: int | None = None) -> Estimate:
-    tr = planner.trace(cand.precision, ckpt=cand.checkpoint_blocks, m=cand.micro_batch_size,
-                       grads_present=cand.grad_accum_steps > 1)
+    tr = planner.trace(traced_precision(cand.precision, cand.zero_stage), ckpt=cand.checkpoint_blocks,
+                       m=cand.micro_batch_size, grads_present=cand.grad_accum_steps > 1)
     est, _ = evaluate(tr, device=planner.device, precision=cand.precision, zero_stage=cand.zero_stage,
                       world_size=world_size, spec=spec, offload_optimizer=cand.offload_optimizer,
                       micro_batch_size=cand.micro_batch_size, checkpointed=cand.checkpoint_blocks,
