@@ -247,7 +247,7 @@ def _fake_model(
             originals[id(memo[id(p)])] = p
         for b in module.buffers(recurse=False):
             if id(b) not in memo:
-                memo[id(b)] = _fake_like(b, mode, None, device)
+                memo[id(b)] = _fake_like(b, mode, _cast_dtype(b, param_dtype), device)  # as module.to(dtype)
     try:
         clone = copy.deepcopy(model, memo)
     except Exception as exc:  # noqa: BLE001 - any deepcopy failure is the same user-facing problem
@@ -482,8 +482,10 @@ def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, l
         trace.num_params = sum(p.numel() for p in params)
         trace.num_trainable_params = sum(p.numel() for p in trainable)
         trace.trainable_param_bytes = sum(p.numel() * p.element_size() for p in trainable)
+        # DeepSpeed's largest layer (estimate_zero3_model_states_mem_needs_all_live): the most
+        # parameters any single module holds itself
         trace.largest_block_params = max(
-            [sum(p.numel() for p in b.parameters()) for b in blocks] + [max((p.numel() for p in params), default=0)]
+            (sum(p.numel() for p in m.parameters(recurse=False)) for m in fmodel.modules()), default=0
         )
         fbatch = _fake_batch(batch, mode, param_dtype, device)
         opt = _make_optimizer(optimizer, params, originals, foreach)
@@ -496,11 +498,13 @@ def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, l
                     p.grad = torch.zeros_like(p)
 
             recorder = _Recorder(trace)
-            flop_counter = contextlib.nullcontext()
+            flop_counter = backward_flops = contextlib.nullcontext()
             if count_flops:
                 from torch.utils.flop_counter import FlopCounterMode
 
+                # one counter per pass: entering a FlopCounterMode again resets its counts
                 flop_counter = FlopCounterMode(display=False)
+                backward_flops = FlopCounterMode(display=False)
             with recorder:
                 for p in params:
                     recorder.register(p, "params")
@@ -553,7 +557,7 @@ def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, l
                     loss = loss * 65536.0  # GradScaler's default init_scale (torch.amp.GradScaler)
                 trace.phase_starts["backward"] = len(trace.events)
                 recorder.phase = "backward"
-                with flop_counter:
+                with backward_flops:
                     if emulation is not None:
                         emulation.caching = False
                         with emulation:  # checkpointed blocks recompute under the same policy
@@ -561,7 +565,7 @@ def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, l
                     else:
                         loss.backward()
                 if count_flops:
-                    trace.flops = int(flop_counter.get_total_flops())
+                    trace.flops = int(flop_counter.get_total_flops() + backward_flops.get_total_flops())
                 grad_handles = {recorder.handle_of(p.grad) for p in trainable if p.grad is not None}
                 for h in grad_handles:
                     if h is not None:

@@ -9,6 +9,9 @@ DistributedDataParallel rank together. The pieces are reusable by the framework 
 * :mod:`memguard.guard.split` splits a batch along dim 0;
 * :mod:`memguard.guard.precision` applies a precision by Lightning's name;
 * :mod:`memguard.guard.distributed` makes ranks agree before any collective that could hang;
+* :mod:`memguard.guard.window` runs the batches of one optimizer step in micro-batches, halving and
+  replaying them on an OOM (one batch for ``step``; the framework integrations feed one
+  dataloader batch at a time);
 * :mod:`memguard.guard.runner` is ``prepare`` and ``step``.
 """
 

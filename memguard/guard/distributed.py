@@ -14,6 +14,9 @@ The protocol (see :mod:`memguard.guard.runner` for where each piece runs):
    Neither allocates, so neither can OOM half-way through a collective.
 4. After the optimizer step, a second :func:`agree` tells every rank whether a peer failed in it.
 
+Planning under DDP (:func:`plan_on_rank_zero`): rank 0 plans and broadcasts the plan, or its error,
+so every rank applies the same plan (the planner reads free memory, which differs between ranks).
+
 Cost against plain DDP: gradient communication no longer overlaps the backward pass (DDP overlaps
 bucket all-reduces with the backward), and each step adds two all-reduces of a few hundred bytes.
 """
@@ -21,14 +24,14 @@ bucket all-reduces with the backward), and each step adds two all-reduces of a f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 __all__ = ["RankGroup", "rank_group_of", "agree", "reserve_buckets", "all_reduce_gradients", "broadcast_buffers",
-           "OK", "OOM", "ERROR"]
+           "plan_on_rank_zero", "OK", "OOM", "ERROR"]
 
 #: Outcome codes one rank reports to :func:`agree`; MAX picks the worst.
 OK, OOM, ERROR = 0, 1, 2
@@ -166,3 +169,36 @@ def broadcast_buffers(rg: RankGroup, buffers: Sequence[torch.Tensor]) -> None:
     """Copy the group's rank-0 buffers to every rank, in place (DDP's ``broadcast_buffers``)."""
     for b in buffers:
         dist.broadcast(b, src=rg.src, group=rg.group)
+
+
+def plan_on_rank_zero(rg: RankGroup | None, make_plan: Callable[[], Any]) -> Any:
+    """``make_plan()`` on rank 0, broadcast to every rank of ``rg`` (or just ``make_plan()`` without one).
+
+    Every rank must call it. A failure on rank 0 is broadcast too: rank 0 raises its own error, the
+    others a :class:`memguard.ConfigError` or :class:`memguard.InfeasiblePlanError` (or a
+    :class:`memguard.MemguardError` for any other error) with rank 0's message, so that none waits.
+
+    Returns:
+        The :class:`memguard.Plan`.
+    """
+    from memguard.errors import ConfigError, InfeasiblePlanError, MemguardError
+    from memguard.planner.plan import Plan
+
+    if rg is None or rg.world_size == 1:
+        return make_plan()
+    payload: list[Any] = [None]
+    failure: BaseException | None = None
+    if rg.rank == 0:
+        try:
+            payload = [{"plan": make_plan().to_dict()}]
+        except Exception as exc:  # every rank must hear of it, or the others wait forever
+            failure = exc
+            payload = [{"error": str(exc), "type": type(exc).__name__}]
+    dist.broadcast_object_list(payload, src=rg.src, group=rg.group)
+    if failure is not None:
+        raise failure
+    if "error" in payload[0]:
+        cls = {"ConfigError": ConfigError, "InfeasiblePlanError": InfeasiblePlanError}.get(payload[0]["type"])
+        message = f"planning failed on rank 0: {payload[0]['error']}"
+        raise cls(message) if cls is not None else MemguardError(message)
+    return Plan.from_dict(payload[0]["plan"])

@@ -25,6 +25,9 @@ following steps; with ``probe_up_after=N`` it is doubled again (up to the planne
 steps without an OOM. When memguard planned with ``cache=True`` (or a ``PlanCache``), the reduced
 micro-batch is also written to the plan cache, and the next run of the same job starts from it.
 At micro-batch 1 an OOM raises :class:`memguard.OOMRecoveryError`.
+
+Steps 1-3 are :class:`memguard.guard.window.MicroBatchWindow` with a window of one batch; the
+framework integrations use the same class with one window per optimizer step of several batches.
 """
 
 from __future__ import annotations
@@ -41,12 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memguard.errors import ConfigError, InfeasiblePlanError, MemguardError, OOMRecoveryError
+from memguard.errors import ConfigError
 from memguard.guard import distributed as ddp_sync
-from memguard.guard.distributed import ERROR, OK, OOM, RankGroup, rank_group_of
-from memguard.guard.oom import free_memory, is_oom_error, oom_summary, release_exception
+from memguard.guard.distributed import ERROR, RankGroup, plan_on_rank_zero, rank_group_of
 from memguard.guard.precision import PRECISIONS, PrecisionSetup, setup_precision
-from memguard.guard.split import batch_size, map_tensors, split_batch
+from memguard.guard.split import batch_size, map_tensors
+from memguard.guard.window import DEFAULT_MAX_RETRIES, MicroBatchWindow, agreed_optimizer_step, recovery_error
 from memguard.planner.plan import Plan
 
 __all__ = ["prepare", "step", "guard_status", "GuardStatus", "compute_loss"]
@@ -54,9 +57,6 @@ __all__ = ["prepare", "step", "guard_status", "GuardStatus", "compute_loss"]
 logger = logging.getLogger("memguard")
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-#: Default ``max_retries``: 16 halvings take any micro-batch up to 65536 down to 1.
-DEFAULT_MAX_RETRIES = 16
 
 # Wrappers whose forward cannot be bypassed the way DDP's can; they need their own integration.
 _UNSUPPORTED_WRAPPERS = {
@@ -362,26 +362,7 @@ def _apply(state: _GuardState, inner: nn.Module, optimizer: torch.optim.Optimize
 def _plan_and_apply(state: _GuardState, inner: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                     loss_fn: LossFn | None) -> None:
     """Plan from ``batch`` (rank 0 plans and broadcasts under DDP) and apply the plan."""
-    rg = state.rank_group
-    if rg is None or rg.world_size == 1:
-        plan = _call_planner(state, inner, optimizer, batch, loss_fn)
-    else:
-        payload: list[Any] = [None]
-        failure: BaseException | None = None
-        if rg.rank == 0:
-            try:
-                payload = [{"plan": _call_planner(state, inner, optimizer, batch, loss_fn).to_dict()}]
-            except Exception as exc:  # every rank must hear of it, or the others wait forever
-                failure = exc
-                payload = [{"error": str(exc), "type": type(exc).__name__}]
-        dist.broadcast_object_list(payload, src=rg.src, group=rg.group)
-        if failure is not None:
-            raise failure
-        if "error" in payload[0]:
-            cls = {"ConfigError": ConfigError, "InfeasiblePlanError": InfeasiblePlanError}.get(payload[0]["type"])
-            message = f"planning failed on rank 0: {payload[0]['error']}"
-            raise cls(message) if cls is not None else MemguardError(message)
-        plan = Plan.from_dict(payload[0]["plan"])
+    plan = plan_on_rank_zero(state.rank_group, lambda: _call_planner(state, inner, optimizer, batch, loss_fn))
     problems = _plan_problems(plan)
     if problems:
         raise ConfigError(problems)
@@ -474,102 +455,14 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
     rg = state.rank_group
     params = _synced_params(model, inner)
     try:
-        n = batch_size(batch)
+        batch_size(batch)
     except ConfigError:
         if rg is not None:  # tell the peers, which would otherwise wait in the agreement forever
             ddp_sync.agree(rg, ERROR, [0] * (1 + len(params)))
         raise
     _drop_stale_grads(state, params)
-    norm_stats = _snapshot_norm_stats(inner)
-
-    halvings = 0
-    had_oom = False
-    while True:
-        mbs = state.micro_batch_size
-        code, total, info, had = _attempt(inner, batch, n, mbs, loss_fn, state, params)
-        if code == OOM:  # give the memory back before talking to the peers: the agreement allocates a little
-            _discard(params, optimizer)
-            free_memory()
-        if rg is not None:
-            codes, values = ddp_sync.agree(rg, code, [n] + [int(h) for h in had or [0] * len(params)])
-            n_max, had = values[0], [bool(v) for v in values[1:]]
-        else:
-            codes, n_max = [code], n
-        worst = max(codes)
-        if worst == OK:
-            break
-        total = None
-        _discard(params, optimizer)
-        _restore_norm_stats(norm_stats)
-        if worst == ERROR:
-            if code == ERROR:
-                raise info
-            raise MemguardError(f"rank {codes.index(ERROR)} failed with an error that is not an out-of-memory error "
-                                "(see that rank's log); this rank stops too so that no rank waits forever")
-        if code != OOM:
-            free_memory()
-        had_oom = True
-        failed = [r for r, c in enumerate(codes) if c == OOM]
-        where = f" on rank {', '.join(map(str, failed))}" if rg is not None else ""
-        detail = f" ({info})" if code == OOM else ""
-        effective = min(mbs, n_max)
-        if effective <= 1:
-            raise _recovery_error(state, f"out of memory at micro-batch 1{where}{detail}", 1)
-        if halvings >= state.max_retries:
-            raise _recovery_error(state, f"out of memory at micro-batch {effective}{where}{detail} after {halvings} "
-                                         f"halvings in this step (max_retries={state.max_retries})", effective)
-        new = effective // 2
-        logger.warning("out of memory at micro-batch %d%s%s; retrying the same batch of %d samples from its first "
-                       "sample with micro-batch %d", effective, where, detail, n, new)
-        state.micro_batch_size = new
-        state.oom_retries += 1
-        halvings += 1
-        _remember(state)
-
-    if rg is not None:
-        grads = []
-        for p, h in zip(params, had):
-            if h:
-                grads.append(p.grad)
-            else:
-                p.grad = None
-        ddp_sync.all_reduce_gradients(rg, grads)
-        if rg.broadcast_buffers:
-            ddp_sync.broadcast_buffers(rg, _synced_buffers(model, inner))
-    loss = float(total)
-    total = None
-    _optimizer_step(state, optimizer, params)
-    state.steps += 1
-    state.clean_steps = 0 if had_oom else state.clean_steps + 1
-    _maybe_probe_up(state)
-    return loss
-
-
-def _attempt(inner: nn.Module, batch: Any, n: int, mbs: int, loss_fn: LossFn | None, state: _GuardState,
-             params: Sequence[nn.Parameter]) -> tuple[int, torch.Tensor | None, Any, list[bool] | None]:
-    """Run every micro-batch once: ``(code, total loss, error or OOM summary, which params got a grad)``."""
-    try:
-        if state.rank_group is not None:
-            ddp_sync.reserve_buckets(state.rank_group, params)
-        total = _run_micro_batches(inner, batch, n, mbs, loss_fn, state)
-        had = [p.grad is not None for p in params]
-        if state.rank_group is not None:
-            for p, h in zip(params, had):
-                if not h:  # a peer may have a gradient here: give the all-reduce a zero to add
-                    p.grad = torch.zeros_like(p)
-        return OK, total, None, had
-    except Exception as exc:
-        if is_oom_error(exc):
-            summary = oom_summary(exc)
-            release_exception(exc)
-            return OOM, None, summary, None
-        return ERROR, None, exc, None
-
-
-def _run_micro_batches(inner: nn.Module, batch: Any, n: int, mbs: int, loss_fn: LossFn | None,
-                       state: _GuardState) -> torch.Tensor:
     prec = state.precision
-    assert prec is not None  # set by prepare or by planning before the first attempt
+    assert prec is not None  # set by prepare or by planning before the first step
     device = state.input_device
 
     def place(t: torch.Tensor) -> torch.Tensor:
@@ -577,19 +470,35 @@ def _run_micro_batches(inner: nn.Module, batch: Any, n: int, mbs: int, loss_fn: 
             t = t.to(device, non_blocking=True)
         return prec.cast_input(t)
 
-    total: torch.Tensor | None = None
-    for micro, k in split_batch(batch, mbs):
+    def loss_of(micro: Any) -> torch.Tensor:
         micro = map_tensors(micro, place)
         with prec.autocast():
-            loss = compute_loss(inner, micro, loss_fn)
-        # Weight by the micro-batch's share of samples: sum_i (k_i/n) * mean_i = the batch mean.
-        weighted = loss * (k / n)
+            return compute_loss(inner, micro, loss_fn)
+
+    def backward(weighted: torch.Tensor) -> None:
         (prec.scaler.scale(weighted) if prec.scaler is not None else weighted).backward()
-        part = loss.detach().float() * (k / n)
-        total = part if total is None else total + part
-        del loss, weighted, micro
-    assert total is not None  # batch_size() guarantees at least one sample
-    return total
+
+    def on_halve(new: int) -> None:
+        state.micro_batch_size = new
+        state.oom_retries += 1
+        _remember(state)
+
+    window = MicroBatchWindow(state.micro_batch_size, rank_group=rg, sync_gradients=True,
+                              max_retries=state.max_retries, plan=state.plan, precision=prec.precision,
+                              on_halve=on_halve)
+    window.start(inner, params, [optimizer])
+    try:
+        total = window.run(batch, loss_of, backward, last=True)
+        window.sync_gradients(_synced_buffers(model, inner))
+    finally:
+        window.finish()
+    loss = float(total)
+    total = None
+    _optimizer_step(state, optimizer, params)
+    state.steps += 1
+    state.clean_steps = 0 if window.retried else state.clean_steps + 1
+    _maybe_probe_up(state)
+    return loss
 
 
 def compute_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -641,22 +550,6 @@ def _drop_stale_grads(state: _GuardState, params: Sequence[nn.Parameter]) -> Non
         p.grad = None
 
 
-def _snapshot_norm_stats(inner: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copies of the running statistics that normalisation layers update during a training forward."""
-    out = []
-    for m in inner.modules():
-        if m.training and getattr(m, "track_running_stats", False):
-            for b in m.buffers(recurse=False):
-                out.append((b, b.detach().clone()))
-    return out
-
-
-def _restore_norm_stats(snapshot: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for live, saved in snapshot:
-            live.copy_(saved)
-
-
 def _discard(params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
     """Drop every gradient of the failed attempt, in the model and in the optimizer."""
     for p in params:
@@ -667,28 +560,17 @@ def _discard(params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -
 def _optimizer_step(state: _GuardState, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
     """Step (through the GradScaler for 16-mixed), zero the grads, and agree with the peers on the outcome."""
     scaler = state.precision.scaler if state.precision else None
-    code, failure = OK, None
-    try:
+
+    def step_fn() -> None:
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
         else:
             optimizer.step()
-    except Exception as exc:
-        code, failure = (OOM if is_oom_error(exc) else ERROR), exc
-    _discard(params, optimizer)
-    codes = ddp_sync.agree(state.rank_group, code)[0] if state.rank_group is not None else [code]
-    if max(codes) == OK:
-        return
-    if failure is not None and code == OOM:
-        raise _recovery_error(state, f"out of memory in optimizer.step(): {oom_summary(failure)}; the optimizer's "
-                                     "memory does not depend on the micro-batch", state.micro_batch_size or 0,
-                              optimizer_step=True) from failure
-    if failure is not None:
-        raise failure
-    bad = next(r for r, c in enumerate(codes) if c != OK)
-    raise MemguardError(f"rank {bad} failed in optimizer.step() (see that rank's log); the ranks' weights now differ, "
-                        "so this rank stops too")
+
+    agreed_optimizer_step(step_fn, state.rank_group, after=lambda: _discard(params, optimizer), plan=state.plan,
+                          precision=state.precision.precision if state.precision else None,
+                          micro_batch_size=state.micro_batch_size or 0)
 
 
 def _maybe_probe_up(state: _GuardState) -> None:
@@ -720,30 +602,6 @@ def _remember(state: _GuardState) -> None:
         store.put(key, reduced)
     except Exception as exc:  # a cache that cannot be written must not stop training
         logger.warning("could not write micro-batch %d to the plan cache: %s", fit, exc)
-
-
-def _recovery_error(state: _GuardState, reason: str, micro_batch_size: int, *,
-                    optimizer_step: bool = False) -> OOMRecoveryError:
-    plan = state.plan
-    precision = state.precision.precision if state.precision else "32-true"
-    lines = [reason + "."]
-    if plan is not None:
-        lines += [f"Predicted for the planned micro-batch {plan.micro_batch_size} "
-                  f"({plan.estimate.device}, {plan.estimate.precision}):", plan.estimate.table()]
-    help_ = []
-    if not optimizer_step and not (plan is not None and plan.activation_checkpointing):
-        help_.append("activation checkpointing: prepare(..., activation_checkpointing=True)")
-    if precision == "32-true":
-        help_.append("a 16-bit precision: precision='bf16-mixed' (or '16-mixed' on GPUs without bf16)")
-    help_.append("sharding parameters, gradients and optimizer states with DeepSpeed ZeRO, or offloading the "
-                 "optimizer (memguard.integrations.deepspeed)")
-    if not optimizer_step:
-        help_.append("shorter inputs per sample (sequence length, image size)")
-    help_.append("a device with more free memory (check for other processes holding memory on it)")
-    lines.append("What would help:")
-    lines += [f"  - {h}" for h in help_]
-    return OOMRecoveryError("\n".join(lines), micro_batch_size=micro_batch_size,
-                            breakdown=dict(plan.estimate.breakdown) if plan is not None else None)
 
 
 def guard_status(model: nn.Module) -> GuardStatus:

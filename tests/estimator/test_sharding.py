@@ -1,0 +1,285 @@
+"""Per-rank model states under ZeRO and DDP, checked against DeepSpeed's own estimators.
+
+DeepSpeed's ``estimate_zero2_model_states_mem_needs`` (runtime/zero/stage_1_and_2.py) and
+``estimate_zero3_model_states_mem_needs`` (runtime/zero/stage3.py) give the GPU bytes of
+params + grads + optimizer state per rank for mixed-precision Adam: ``2Ψ + 18Ψ/N`` (ZeRO-2),
+``4·largest_layer + 18Ψ/N`` (ZeRO-3), ``2Ψ`` (ZeRO-2, optimizer offloaded) and
+``4·largest_layer + 2Ψ/N`` (ZeRO-3, optimizer offloaded, params on the GPU).
+
+Which moment to compare: DeepSpeed counts every model state as present at once (16-bit weights,
+16-bit grads, fp32 grads, fp32 master weights, two Adam moments). In the traced step that is the
+end of backward, when every gradient exists and the optimizer step has not started; the tests
+read the scaled timeline there. ``Estimate.model_state_bytes`` is the same sum *at the peak*,
+which equals it only when the peak falls in the optimizer step (checked where used).
+
+The trace's Adam also keeps one 0-dim fp32 ``step`` tensor per parameter tensor (torch.optim),
+which DeepSpeed's formula (one flat partition) does not count: comparisons allow a few bytes per
+parameter tensor for them (see ``step_slack``), plus 1 byte for DeepSpeed's ``int()`` truncation.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from torch import nn
+
+import memguard
+from memguard.estimator.sharding import ShardFactors, model_state_factors
+from memguard.estimator.trace import trace_step
+
+FP32 = 4
+STATE = ("params", "grads", "optimizer")
+WORLD_SIZES = [1, 2, 3, 8, 64]
+
+
+@pytest.fixture(scope="module")
+def ds():
+    """DeepSpeed's estimator functions (a real DeepSpeed install; skipped without one)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    return {
+        "zero2": stage_1_and_2.estimate_zero2_model_states_mem_needs,
+        "zero3": stage3.estimate_zero3_model_states_mem_needs,
+        "model_to_params": stage3.model_to_params,
+    }
+
+
+def ds_gpu_bytes(ds, stage: int, psi: int, largest: int, n: int, offload: bool = False) -> int:
+    if stage == 2:
+        return ds["zero2"](psi, num_gpus_per_node=n, num_nodes=1, cpu_offload=offload)[1]
+    return ds["zero3"](psi, largest, num_gpus_per_node=n, num_nodes=1, cpu_offload=offload,
+                       cpu_offload_params=False)[1]
+
+
+def mlp(width: int = 256, layers: int = 4) -> nn.Sequential:
+    """Identical Linear layers: memguard's repeated blocks are the Linears, so its largest layer is
+    the largest module's own parameters, exactly what DeepSpeed's ``model_to_params`` finds."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def loss_fn(model, batch):
+    return model(batch).pow(2).mean()
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def end_of_backward_state(model, batch, *, stage, world_size, precision="bf16-mixed", optimizer=adam,
+                          offload=False, loss=loss_fn) -> int:
+    """Per-rank params + grads + optimizer bytes at the end of backward, from the trace scaled by
+    ``model_state_factors`` the way ``memguard.estimate`` scales it."""
+    autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    param_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision)
+    trace = trace_step(model, batch, optimizer=optimizer, loss_fn=loss, autocast_dtype=autocast,
+                       param_dtype=param_dtype)
+    live: dict[str, int] = defaultdict(int)
+    best: dict[str, int] = defaultdict(int)
+    for handle, nbytes in trace.events:
+        cat = trace.category[handle]
+        live[cat] += nbytes
+        best[cat] = max(best[cat], live[cat])
+    f = model_state_factors(
+        zero_stage=stage, world_size=world_size, traced_params=best["params"], traced_grads=best["grads"],
+        traced_optimizer=best["optimizer"], num_params=trace.num_params, num_trainable=trace.num_trainable_params,
+        largest_layer=trace.largest_block_params, sixteen_bit=precision != "32-true", offload_optimizer=offload,
+    )
+    at: dict[str, int] = defaultdict(int)
+    for handle, nbytes in trace.events[: trace.phase_starts["optimizer"]]:
+        at[trace.category[handle]] += nbytes
+    scaled = sum(at[c] * getattr(f, c) for c in STATE)
+    return int(round(scaled)) + f.extra_params + f.extra_grads
+
+
+def step_slack(model, n: int) -> int:
+    """Allowance for Adam's 0-dim fp32 step counters: one per parameter tensor, counted up to twice
+    (a trace in 16-bit parameters has its optimizer state scaled back to fp32, counters included),
+    partitioned over n ranks; plus DeepSpeed's int() truncation."""
+    return -(-2 * FP32 * len(list(model.parameters())) // n) + 1
+
+
+# ------------------------------------------------------------- the factors, in isolation
+@pytest.mark.parametrize("psi", [1_000_003, 124_439_808, 8_030_261_248])  # odd, GPT-2 124M, Llama-3-8B
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 64, 1024])
+@pytest.mark.parametrize("stage, offload", [(2, False), (3, False), (2, True), (3, True)])
+def test_factors_reproduce_deepspeed_formulas(ds, psi, n, stage, offload):
+    largest = psi // 40
+    # a bf16-mixed Adam trace holds fp32 weights (4Ψ), fp32 grads (4Ψ) and two fp32 moments (8Ψ)
+    traced = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+    f = model_state_factors(
+        zero_stage=stage, world_size=n, traced_params=traced["params"], traced_grads=traced["grads"],
+        traced_optimizer=traced["optimizer"], num_params=psi, num_trainable=psi, largest_layer=largest,
+        sixteen_bit=True, offload_optimizer=offload,
+    )
+    ours = sum(traced[c] * getattr(f, c) for c in STATE) + f.extra_params + f.extra_grads
+    assert abs(ours - ds_gpu_bytes(ds, stage, psi, largest, n, offload)) <= 1 + 1e-9 * ours  # int() and float rounding
+
+
+def test_stage_0_single_rank_changes_nothing():
+    f = model_state_factors(zero_stage=0, world_size=1, traced_params=400, traced_grads=400, traced_optimizer=800,
+                            num_params=100, num_trainable=100, largest_layer=10, sixteen_bit=True)
+    assert f == ShardFactors()
+
+
+def test_ddp_buckets_are_as_large_as_all_gradients():
+    # torch DDP docs (gradient_as_bucket_view): the buckets hold a copy of every gradient
+    f = model_state_factors(zero_stage=0, world_size=4, traced_params=400, traced_grads=400, traced_optimizer=800,
+                            num_params=100, num_trainable=100, largest_layer=10, sixteen_bit=True)
+    assert (f.params, f.grads, f.optimizer) == (1.0, 1.0, 1.0)
+    assert f.extra_grads == 400 and f.extra_params == 0
+
+
+def test_zero_1_partitions_only_optimizer_side_state():
+    # ZeRO paper §5.1 (P_os) with DeepSpeed's byte layout: 2Ψ weights + 2Ψ grads on every rank,
+    # fp32 grads, fp32 master weights and Adam moments (4 + 4 + 8 bytes) partitioned
+    psi = 1000
+    f = model_state_factors(zero_stage=1, world_size=4, traced_params=4 * psi, traced_grads=4 * psi,
+                            traced_optimizer=8 * psi, num_params=psi, num_trainable=psi, largest_layer=10,
+                            sixteen_bit=True)
+    ours = 4 * psi * f.params + 4 * psi * f.grads + 8 * psi * f.optimizer + f.extra_params + f.extra_grads
+    assert ours == pytest.approx(4 * psi + 16 * psi / 4)
+
+
+# ------------------------------------------------------------ the estimator, end to end
+@pytest.mark.parametrize("stage", [2, 3])
+def test_end_of_backward_state_matches_deepspeed(ds, stage):
+    model, batch = mlp(), torch.randn(4, 256)
+    psi, largest = ds["model_to_params"](model)  # real CPU weights: data_ptr dedup works
+    for n in WORLD_SIZES:
+        ours = end_of_backward_state(model, batch, stage=stage, world_size=n)
+        expected = ds_gpu_bytes(ds, stage, psi, largest, n)
+        assert 0 <= ours - expected <= step_slack(model, n), (n, ours, expected)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offloaded_optimizer_matches_deepspeed(ds, stage):
+    model, batch = mlp(), torch.randn(4, 256)
+    psi, largest = ds["model_to_params"](model)
+    for n in (1, 8):
+        ours = end_of_backward_state(model, batch, stage=stage, world_size=n, offload=True)
+        assert abs(ours - ds_gpu_bytes(ds, stage, psi, largest, n, offload=True)) <= 1
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_estimate_model_state_bytes_matches_deepspeed(ds, stage):
+    """The public number. ``model_state_bytes`` is taken at the peak: on one rank, with a tiny
+    micro-batch, the peak is in the optimizer step, where every model state is live, so it is
+    DeepSpeed's figure. On more ranks the step's temporaries shrink with the partition and the
+    peak can move to the forward pass, where no gradient exists yet: then it is less."""
+    model, batch = mlp(), torch.randn(2, 256)
+    psi, largest = ds["model_to_params"](model)
+    for n in (1, 2, 8):
+        est = memguard.estimate(model, batch, loss_fn=loss_fn, optimizer=adam, device="cpu", precision="bf16-mixed",
+                                zero_stage=stage, world_size=n)
+        expected = ds_gpu_bytes(ds, stage, psi, largest, n)
+        if n == 1:
+            assert est.peak_phase == "optimizer"
+        if est.peak_phase == "optimizer":
+            assert 0 <= est.model_state_bytes - expected <= step_slack(model, n), (n, est.model_state_bytes, expected)
+        else:
+            assert est.breakdown.get("grads", 0) == 0  # forward: gradients were freed by zero_grad
+            assert est.model_state_bytes < expected
+
+
+class TinyGPT(nn.Module):
+    """Blocks (attention-free) larger than any single module: 2 x (Linear 64->256, Linear 256->64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(100, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                    for _ in range(2))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return h.pow(2).mean()
+
+
+def test_zero3_largest_layer_is_deepspeeds(ds):
+    model, batch = TinyGPT(), torch.randint(0, 100, (2, 8))
+    psi, largest = ds["model_to_params"](model)
+    ours = end_of_backward_state(model, batch, stage=3, world_size=8, loss=lambda m, b: m(b))
+    assert 0 <= ours - ds_gpu_bytes(ds, 3, psi, largest, 8) <= step_slack(model, 8)
+
+
+def test_zero_1_end_to_end():
+    model, batch = mlp(), torch.randn(4, 256)
+    psi = sum(p.numel() for p in model.parameters())
+    for n in (1, 4):
+        ours = end_of_backward_state(model, batch, stage=1, world_size=n)
+        assert 0 <= ours - (4 * psi + 16 * psi // n) <= step_slack(model, n)
+
+
+def test_fp32_training_has_no_master_copy():
+    # 32-true: weights 4Ψ replicated (stage 2), grads 4Ψ/N and Adam's 8Ψ/N partitioned, nothing else
+    model, batch = mlp(), torch.randn(4, 256)
+    psi = sum(p.numel() for p in model.parameters())
+    for n in (1, 4):
+        ours = end_of_backward_state(model, batch, stage=2, world_size=n, precision="32-true")
+        assert 0 <= ours - (4 * psi + 12 * psi // n) <= step_slack(model, n)
+
+
+def test_optimizer_state_size_comes_from_the_trace():
+    # SGD with momentum keeps 4 bytes per parameter instead of Adam's 8 (and no step counter):
+    # ZeRO-2 = 2Ψ + (2 + 4 + 4 + 4)Ψ/N
+    model, batch = mlp(), torch.randn(4, 256)
+    psi = sum(p.numel() for p in model.parameters())
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    for n in (1, 4):
+        ours = end_of_backward_state(model, batch, stage=2, world_size=n, optimizer=sgd)
+        assert abs(ours - (2 * psi + 14 * psi // n)) <= 1
+
+
+def test_frozen_parameters_are_replicated_but_not_trained():
+    # ZeRO-2 with frozen layers: every weight in 16 bits on every rank (2Ψ); grads, fp32 copies
+    # and optimizer state only for the trainable Ψ_t
+    model, batch = mlp(), torch.randn(4, 256)
+    model[0].requires_grad_(False)
+    model[1].requires_grad_(False)
+    psi = sum(p.numel() for p in model.parameters())
+    psi_t = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for n in (1, 4):
+        ours = end_of_backward_state(model, batch, stage=2, world_size=n,
+                                     optimizer=lambda ps: adam([p for p in ps if p.requires_grad]))
+        slack = -(-2 * FP32 * len(trainable) // n) + 1
+        assert 0 <= ours - (2 * psi + 18 * psi_t // n) <= slack
+
+
+def test_ddp_adds_gradient_buckets_when_world_size_is_above_one():
+    model, batch = mlp(), torch.randn(2, 256)
+    grads = sum(p.numel() for p in model.parameters()) * FP32
+    one = memguard.estimate(model, batch, loss_fn=loss_fn, device="cpu", world_size=1)
+    two = memguard.estimate(model, batch, loss_fn=loss_fn, device="cpu", world_size=2)
+    eight = memguard.estimate(model, batch, loss_fn=loss_fn, device="cpu", world_size=8)
+    assert one.peak_phase == two.peak_phase == "optimizer"  # every gradient is live there
+    assert two.breakdown["grads"] - one.breakdown["grads"] == grads
+    assert two.peak_bytes - one.peak_bytes == grads  # buckets live through the whole step
+    assert eight == memguard.estimate(model, batch, loss_fn=loss_fn, device="cpu", world_size=8)
+    assert eight.peak_bytes == two.peak_bytes  # DDP replicates: the rank count does not matter
+    # with ZeRO the gradients are reduced by DeepSpeed, not DDP: no buckets
+    z1 = memguard.estimate(model, batch, loss_fn=loss_fn, device="cpu", world_size=2, zero_stage=1)
+    assert z1.breakdown["grads"] <= one.breakdown["grads"]
+
+
+def test_ddp_buckets_on_the_cuda_target():
+    model, batch = mlp(), torch.randn(2, 256)
+    grads = sum(p.numel() for p in model.parameters()) * FP32
+    one = memguard.estimate(model, batch, loss_fn=loss_fn, device="cuda", world_size=1)
+    two = memguard.estimate(model, batch, loss_fn=loss_fn, device="cuda", world_size=2)
+    assert two.allocated_peak_bytes - one.allocated_peak_bytes == grads
+    assert two.peak_bytes - one.peak_bytes >= grads  # reserved: rounded up to whole segments
+
+
+def test_estimate_reports_its_target():
+    est = memguard.estimate(mlp(), torch.randn(2, 256), loss_fn=loss_fn, device="cpu", precision="bf16-mixed",
+                            zero_stage=3, world_size=4)
+    assert (est.zero_stage, est.world_size) == (3, 4)
+    assert est.model_state_bytes == sum(est.breakdown.get(c, 0) for c in STATE)
