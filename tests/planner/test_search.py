@@ -1,0 +1,417 @@
+"""Tests of ``memguard.plan``: batch arithmetic, knobs, budgets, infeasibility and probe accuracy.
+
+Most tests plan for the CPU target with an explicit ``budget_bytes`` on a tiny residual MLP whose
+activations (token dimension 16) dominate its parameters, so the budget really decides the
+micro-batch. Tracing costs ~0.1-1 s, so tests that ask many questions share one
+:class:`~memguard.planner.search.Planner` (``_planner=``): it only caches traces, which depend on
+neither the budget nor the batch arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import memguard
+from memguard import ConfigError, InfeasiblePlanError, MemguardError, Plan
+from memguard.planner.search import DEFAULT_HEADROOM, Planner, _predict, resize_batch
+
+KiB = 1 << 10
+MiB = 1 << 20
+SEQ, DIM = 16, 32
+
+
+class TinyResidualMLP(nn.Module):
+    """Three residual MLP blocks over a (batch, 16, 32) input; forward returns the MSE loss."""
+
+    def __init__(self, dim: int = DIM, blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(blocks)
+        )
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return F.mse_loss(self.head(x).squeeze(-1), y)
+
+
+def _batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, SEQ, DIM, generator=g), torch.randn(n, SEQ, generator=g)
+
+
+@pytest.fixture(scope="module")
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyResidualMLP()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return _batch(4)
+
+
+@pytest.fixture(scope="module")
+def planner(model, batch) -> Planner:
+    return Planner(model, batch, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def peaks(model):
+    """Full ``memguard.estimate`` peaks (32-true, no checkpointing), cached by (micro-batch, accumulation)."""
+    cache: dict[tuple[int, int], int] = {}
+
+    def peak(m: int, accum: int = 1) -> int:
+        if (m, accum) not in cache:
+            cache[(m, accum)] = memguard.estimate(model, _batch(m), device="cpu", grad_accum_steps=accum).peak_bytes
+        return cache[(m, accum)]
+
+    return peak
+
+
+def _check_invariant(p: Plan, global_batch_size: int, world_size: int) -> None:
+    assert p.micro_batch_size * p.grad_accum_steps * p.world_size == global_batch_size
+    assert p.world_size == world_size and p.global_batch_size == global_batch_size
+    assert p.micro_batch_size >= 1 and p.grad_accum_steps >= 1
+    assert p.estimate.micro_batch_size == p.micro_batch_size
+
+
+# ---------------------------------------------------------------------------------------------
+# batch arithmetic
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(local=st.integers(1, 90), world=st.integers(1, 8), budget_kib=st.integers(700, 4000))
+def test_batch_invariant_property(model, batch, planner, local, world, budget_kib):
+    # global = local x world is always divisible; the budget ranges from a few samples to all of them
+    p = memguard.plan(model, batch, global_batch_size=local * world, world_size=world, device="cpu",
+                      budget_bytes=budget_kib * KiB, _planner=planner)
+    _check_invariant(p, local * world, world)
+    assert p.estimate.peak_bytes <= p.usable_bytes
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(global_batch=st.integers(1, 1000), world=st.integers(2, 64))
+def test_indivisible_global_batch_is_a_config_error(model, batch, global_batch, world):
+    assume(global_batch % world != 0)
+    with pytest.raises(ConfigError, match="cannot be split") as info:
+        memguard.plan(model, batch, global_batch_size=global_batch, world_size=world, device="cpu",
+                      budget_bytes=MiB)
+    assert str(world) in str(info.value)
+
+
+def test_every_problem_is_listed_at_once(model, batch):
+    with pytest.raises(ConfigError) as info:
+        memguard.plan(model, batch, global_batch_size=10, world_size=4, device="cpu", gpu="A100-80GB",
+                      budget_bytes=-5, headroom=1.5, precision="fp8", zero_stage=7)
+    problems = info.value.problems
+    text = str(info.value)
+    # one sentence per bad argument: the split, gpu on cpu, budget, headroom, precision, zero stage
+    for needle in ("cannot be split", "gpu=", "budget_bytes", "headroom", "precision", "zero_stage"):
+        assert needle in text, needle
+    assert len(problems) >= 6
+    assert isinstance(info.value, MemguardError) and isinstance(info.value, ValueError)
+
+
+def test_bad_global_batch_and_world_size(model, batch):
+    with pytest.raises(ConfigError) as info:
+        memguard.plan(model, batch, global_batch_size=0, world_size=0, device="cpu", budget_bytes=MiB)
+    assert "global_batch_size" in str(info.value) and "world_size" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "global_batch, expected_micro, larger_divisor",
+    [
+        # 24 = 12 x 2; the budget lies between the peaks at 12 and 24, so 12 (not 8 = the largest
+        # power of two) is the largest divisor that fits
+        (24, 12, 24),
+        # 60 = 20 x 3; the budget lies between the peaks at 20 and 30 (the next divisor of 60)
+        (60, 20, 30),
+    ],
+)
+def test_non_power_of_two_micro_batches(model, batch, planner, peaks, global_batch, expected_micro, larger_divisor):
+    fits = peaks(expected_micro, global_batch // expected_micro)
+    too_big = peaks(larger_divisor, global_batch // larger_divisor)
+    assert fits < too_big
+    budget = (fits + too_big) // 2
+    p = memguard.plan(model, batch, global_batch_size=global_batch, device="cpu", budget_bytes=budget, headroom=0.0,
+                      precision="32-true", activation_checkpointing=False, _planner=planner)
+    _check_invariant(p, global_batch, 1)
+    assert p.micro_batch_size == expected_micro
+    assert p.micro_batch_size & (p.micro_batch_size - 1) != 0  # not a power of two
+    assert p.estimate.peak_bytes == fits
+
+
+# ---------------------------------------------------------------------------------------------
+# budget and headroom
+# ---------------------------------------------------------------------------------------------
+
+
+def test_default_headroom_is_documented_value(model, batch, planner):
+    assert DEFAULT_HEADROOM == 0.10  # module docstring of memguard.planner.search: 10% by default
+    p = memguard.plan(model, batch, global_batch_size=8, device="cpu", budget_bytes=4 * MiB, _planner=planner)
+    assert p.headroom == DEFAULT_HEADROOM
+
+
+@pytest.mark.parametrize("headroom", [0.0, 0.25])
+def test_verified_estimate_is_under_usable_budget(model, batch, headroom):
+    budget = 1500 * KiB
+    p = memguard.plan(model, batch, global_batch_size=48, device="cpu", budget_bytes=budget, headroom=headroom)
+    assert p.budget_bytes == budget and p.headroom == headroom
+    assert p.estimate.peak_bytes <= budget * (1 - headroom)
+    # the plan's estimate is what memguard.estimate says about the same configuration
+    again = memguard.estimate(model, _batch(p.micro_batch_size), device="cpu", precision=p.precision,
+                              activation_checkpointing=p.checkpoint_blocks, grad_accum_steps=p.grad_accum_steps)
+    assert again.peak_bytes == p.estimate.peak_bytes
+    assert again.peak_bytes <= budget * (1 - headroom)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(a=st.integers(600, 6000), b=st.integers(600, 6000))
+def test_tighter_budget_never_gives_a_larger_micro_batch(model, batch, planner, a, b):
+    # with precision and checkpointing fixed, the feasible micro-batches of a smaller budget are a
+    # subset of those of a larger one, and larger micro-batches are never slower in the cost model
+    tight, loose = sorted((a * KiB, b * KiB))
+    kw = dict(global_batch_size=120, device="cpu", precision="32-true", activation_checkpointing=False,
+              _planner=planner)
+    p_tight = memguard.plan(model, batch, budget_bytes=tight, **kw)
+    p_loose = memguard.plan(model, batch, budget_bytes=loose, **kw)
+    assert p_tight.micro_batch_size <= p_loose.micro_batch_size
+
+
+# ---------------------------------------------------------------------------------------------
+# knobs: None lets memguard choose, a value fixes it, a sequence restricts it
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "knob, value, check",
+    [
+        ("precision", None, lambda p: p.precision in ("32-true", "bf16-mixed")),  # the CPU default set
+        ("precision", "bf16-mixed", lambda p: p.precision == "bf16-mixed"),
+        ("precision", "16-true", lambda p: p.precision == "16-true"),  # *-true only when asked for
+        ("precision", ["16-mixed", "32-true"], lambda p: p.precision in ("16-mixed", "32-true")),
+        ("activation_checkpointing", False, lambda p: not p.activation_checkpointing and p.checkpoint_blocks == 0),
+        ("activation_checkpointing", True, lambda p: p.activation_checkpointing and 1 <= p.checkpoint_blocks <= 3),
+        ("activation_checkpointing", None, lambda p: (p.checkpoint_blocks > 0) == p.activation_checkpointing),
+    ],
+)
+def test_single_device_knobs(model, batch, planner, knob, value, check):
+    p = memguard.plan(model, batch, global_batch_size=24, device="cpu", budget_bytes=1200 * KiB,
+                      _planner=planner, **{knob: value})
+    _check_invariant(p, 24, 1)
+    assert check(p), p.explain()
+    assert p.estimate.precision == p.precision
+    assert p.estimate.activation_checkpointing == p.checkpoint_blocks
+
+
+@pytest.mark.parametrize(
+    "options, check",
+    [
+        ({"zero_stage": None}, lambda p: p.zero_stage in (0, 1, 2, 3)),
+        ({"zero_stage": 2}, lambda p: p.zero_stage == 2),
+        ({"zero_stage": [1, 3]}, lambda p: p.zero_stage in (1, 3)),
+        ({"zero_stage": 1, "offload_optimizer": True}, lambda p: p.zero_stage == 1 and p.offload_optimizer),
+        ({"zero_stage": 3, "offload_optimizer": None}, lambda p: p.zero_stage == 3),
+        ({"zero_stage": 2, "offload_optimizer": False}, lambda p: not p.offload_optimizer),
+    ],
+)
+def test_zero_and_offload_knobs(model, batch, planner, options, check):
+    p = memguard.plan(model, batch, global_batch_size=24, world_size=2, device="cpu", budget_bytes=1200 * KiB,
+                      precision="32-true", _planner=planner, **options)
+    _check_invariant(p, 24, 2)
+    assert check(p), p.explain()
+    assert p.estimate.zero_stage == p.zero_stage and p.estimate.offload_optimizer == p.offload_optimizer
+
+
+def test_zero_is_off_on_one_device_by_default(model, batch, planner):
+    p = memguard.plan(model, batch, global_batch_size=8, device="cpu", budget_bytes=4 * MiB, _planner=planner)
+    assert p.zero_stage == 0 and not p.offload_optimizer
+
+
+def test_bad_knob_values_are_listed_together(model, batch):
+    with pytest.raises(ConfigError) as info:
+        memguard.plan(model, batch, global_batch_size=8, device="cpu", budget_bytes=MiB,
+                      precision=["32-true", "fp8"], activation_checkpointing="some", zero_stage=[0, 5],
+                      offload_optimizer="yes")
+    text = str(info.value)
+    for needle in ("precision", "activation_checkpointing", "zero_stage", "offload_optimizer"):
+        assert needle in text, needle
+
+
+def test_offload_without_zero_is_a_config_error(model, batch):
+    # one device and no ZeRO stage asked for: ZeRO is not considered, so offload has nothing to attach to
+    with pytest.raises(ConfigError, match="ZeRO"):
+        memguard.plan(model, batch, global_batch_size=8, device="cpu", budget_bytes=MiB, offload_optimizer=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 on GPUs without it
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def meta_mlp():
+    """A wider residual MLP on meta (6.3M parameters, (batch, 256, 512) inputs): compute-bound on a
+    GPU at useful micro-batches, so the cost model's precision speed-up decides the precision."""
+    with torch.device("meta"):
+        m = TinyResidualMLP(dim=512, blocks=3)
+    x = torch.empty(1, 256, 512, device="meta")
+    y = torch.empty(1, 256, device="meta")
+    return m, (x, y), Planner(m, (x, y), device="cuda")
+
+
+@pytest.mark.parametrize("gpu", ["T4", "V100-16GB"])  # Turing (7.5) and Volta (7.0) have no bf16 arithmetic
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", ["bf16-mixed", "32-true"]])
+def test_bf16_refused_on_gpus_without_it(model, batch, gpu, precision):
+    with pytest.raises(ConfigError, match="bf16"):
+        memguard.plan(model, batch, global_batch_size=8, gpu=gpu, precision=precision)
+
+
+def test_bf16_never_chosen_by_default_without_it(meta_mlp):
+    model, batch, planner = meta_mlp
+    kw = dict(global_batch_size=64, budget_bytes=4 << 30, activation_checkpointing=False, _planner=planner)
+    on_a100 = memguard.plan(model, batch, gpu="A100-80GB", **kw)
+    assert on_a100.precision == "bf16-mixed"  # the same question on Ampere picks bf16: the test can tell
+    for gpu in ("T4", "V100-16GB"):
+        p = memguard.plan(model, batch, gpu=gpu, **kw)
+        assert not p.precision.startswith("bf16"), p.explain()
+        assert p.precision in ("16-mixed", "32-true")
+        assert p.gpu == gpu
+
+
+# ---------------------------------------------------------------------------------------------
+# infeasible
+# ---------------------------------------------------------------------------------------------
+
+
+def test_infeasible_has_closest_plan_and_suggestions(model, batch, planner):
+    budget = 64 * KiB  # below the parameters + optimizer state of the model alone
+    with pytest.raises(InfeasiblePlanError) as info:
+        memguard.plan(model, batch, global_batch_size=16, device="cpu", budget_bytes=budget, _planner=planner)
+    err = info.value
+    assert isinstance(err, MemguardError)
+    closest = err.closest
+    assert isinstance(closest, Plan)
+    _check_invariant(closest, 16, 1)
+    assert closest.estimate.peak_bytes > closest.usable_bytes
+    assert closest.budget_bytes == budget
+    assert err.suggestions
+    text = str(err)
+    assert "ZeRO-3" in text and "offload" in text
+    # the closest plan is the smallest configuration: micro-batch 1 needs the least memory
+    assert closest.micro_batch_size == 1
+
+
+def test_infeasible_on_a_small_gpu_suggests_a_bigger_one():
+    # 24 Linear(8192, 8192) layers on meta: 1.6e9 parameters, > 14.75 GiB of model states in any
+    # precision with Adam (>= 12 bytes/param), so nothing fits one T4 without sharding
+    with torch.device("meta"):
+        big = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(24)])
+    x = torch.empty(1, 8192, device="meta")
+    with pytest.raises(InfeasiblePlanError) as info:
+        memguard.plan(big, x, global_batch_size=8, gpu="T4", loss_fn=lambda m, b: m(b).sum(),
+                      precision="16-mixed", activation_checkpointing=False)
+    err = info.value
+    assert isinstance(err.closest, Plan) and err.closest.gpu == "T4"
+    assert any("GPU with more memory" in s for s in err.suggestions)
+    assert any("ZeRO-3" in s for s in err.suggestions)
+
+
+def test_zero3_over_many_ranks_fits_a_model_one_gpu_cannot_hold():
+    # Regression: foreach optimizers' fp32 temporaries (as large as all parameters, 15 GiB here) were
+    # once charged to every ZeRO rank, although each rank steps only its 1/64 partition.
+    # 60 x Linear(8192, 8192) = 4.0e9 parameters on meta. ZeRO-3 over 64 ranks holds
+    # 18 bytes x 4.0e9 / 64 = 1.1 GB + 4 x the largest layer (0.27 GB) of model states per rank
+    # (DeepSpeed's estimate_zero3_model_states_mem_needs), and activations of one (1, 8192) row are
+    # negligible: it must fit a 16 GB T4 easily.
+    with torch.device("meta"):
+        big = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(60)])
+    x = torch.empty(1, 8192, device="meta")
+    p = memguard.plan(big, x, global_batch_size=64, world_size=64, gpu="T4", zero_stage=3, precision="16-mixed",
+                      activation_checkpointing=False, loss_fn=lambda m, b: m(b).float().pow(2).mean())
+    assert p.zero_stage == 3
+    assert p.estimate.peak_bytes < 4 << 30
+
+
+# ---------------------------------------------------------------------------------------------
+# resize_batch and the probe extrapolation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resize_batch_changes_only_dim0_tensors():
+    b = {"x": torch.zeros(4, 3), "y": torch.zeros(4), "table": torch.zeros(7, 2), "k": 5}
+    r = resize_batch(b, 4, 10)
+    assert r["x"].shape == (10, 3) and r["y"].shape == (10,)
+    assert r["table"].shape == (7, 2) and r["k"] == 5  # dim 0 is not the batch: untouched
+    assert r["x"].device.type == "meta"
+    assert resize_batch(b, 4, 4) is b
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(vocab_size=1024, n_positions=128, n_embd=64, n_layer=4, n_head=4)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _lm(n: int) -> dict[str, torch.Tensor]:
+    ids = torch.zeros(n, 64, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+_PROBE_PLANNERS: dict = {}
+
+# The probe model (search.py, module docstring): peak(m, k) = states + grads + act(m0) * m / m0,
+# with act linear in the number of blocks between the 1- and 2-block probes and, for k of n blocks
+# checkpointed, a combination of the "none" and "all" probes. Each case compares with
+# memguard.estimate of the same configuration at micro-batch 16 (the example batch holds 2).
+_PROBE_CASES = [
+    # 32-true, no checkpointing: every activation and temporary grows with the batch
+    pytest.param("cpu", None, "32-true", 0, 1, id="cpu-32-true"),
+    pytest.param("cpu", None, "32-true", 0, 4, id="cpu-32-true-accum"),
+    # k of n blocks checkpointed: between the "none" and "all" probes
+    pytest.param("cpu", None, "32-true", 2, 1, id="cpu-32-true-ckpt2"),
+    # autocast's 16-bit weight copies do not grow with the batch
+    pytest.param("cpu", None, "bf16-mixed", 0, 1, id="cpu-bf16"),
+    # every block checkpointed, inside accumulation: the peak moves to the loss / recomputation
+    pytest.param("cpu", None, "bf16-mixed", 4, 2, id="cpu-bf16-ckpt-all-accum"),
+    pytest.param(
+        "cuda", "A100-80GB", "32-true", 0, 1, id="cuda-a100-32-true",
+        marks=pytest.mark.xfail(strict=True, reason=(
+            "probe prediction ~50% over the full estimate: the reserved/allocated ratio measured at the "
+            "probe (dominated by 2 MiB / 20 MiB segment granularity on a tiny model) multiplies the whole "
+            "extrapolated peak instead of only the part the allocator rounds")),
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device, gpu, precision, k, accum", _PROBE_CASES)
+def test_probe_extrapolation_matches_full_estimate(tiny_gpt2, device, gpu, precision, k, accum):
+    from memguard.estimator.gpus import get_gpu
+
+    m, n = 16, 4
+    if device not in _PROBE_PLANNERS:
+        _PROBE_PLANNERS[device] = Planner(tiny_gpt2, _lm(2), device=device)
+    planner = _PROBE_PLANNERS[device]
+    m0 = planner.m0  # the probes' micro-batch (the planner may probe above the example's 2)
+    assert planner.num_blocks == n
+    spec = get_gpu(gpu) if gpu else None
+    f_off = planner.features(precision, False, zero_stage=0, world_size=1, spec=spec, offload=False)
+    f_on = planner.features(precision, True, zero_stage=0, world_size=1, spec=spec, offload=False) if k else None
+    predicted = _predict(f_off, f_on, m=m, m0=m0, k=k, n_blocks=n, accum=accum)
+    full = memguard.estimate(tiny_gpt2, _lm(m), device=device, gpu=gpu, precision=precision,
+                             activation_checkpointing=k, grad_accum_steps=accum).peak_bytes
+    assert math.isclose(predicted, full, rel_tol=0.03), f"predicted {predicted}, full estimate {full}"
