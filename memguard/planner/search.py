@@ -494,15 +494,29 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
                           global_batch_size=global_batch_size, headroom=headroom, zeros=zeros, offloads=offloads)
     candidates.sort(key=lambda c: c.key(rank))
     tried: list[tuple[_Candidate, Estimate]] = []
-    for cand in candidates[:_MAX_VERIFY]:
+    worst = 1.0  # how far predictions have fallen short of full traces so far
+    for cand in candidates:
+        if len(tried) >= _MAX_VERIFY:
+            break
+        if cand.predicted_bytes * worst > usable:
+            continue  # a candidate predicted as optimistically as the last miss would miss too
         est = _verify(planner, spec, cand, world_size, usable)
         tried.append((cand, est))
         if est.peak_bytes <= usable:
             return _make_plan(planner, spec, cand, est, world_size=world_size, global_batch_size=global_batch_size,
                               budget=budget, headroom=headroom, candidates=candidates, precisions=precisions,
                               explicit_precision=explicit_precision)
+        worst = max(worst, est.peak_bytes / max(cand.predicted_bytes, 1))
         log.info("memguard: candidate %s predicted %s but verified at %s; trying the next",
                  cand, format_bytes(cand.predicted_bytes), format_bytes(est.peak_bytes))
+    if closest is not None and all(c is not closest for c, _ in tried):
+        # last resort: the configuration with the smallest predicted peak of all
+        est = _verify(planner, spec, closest, world_size, usable)
+        if est.peak_bytes <= usable:
+            return _make_plan(planner, spec, closest, est, world_size=world_size,
+                              global_batch_size=global_batch_size, budget=budget, headroom=headroom,
+                              candidates=candidates, precisions=precisions, explicit_precision=explicit_precision)
+        tried.append((closest, est))
     cand, est = min(tried, key=lambda t: t[1].peak_bytes)
     raise _infeasible(planner, spec, cand, budget=budget, usable=usable, world_size=world_size,
                       global_batch_size=global_batch_size, headroom=headroom, zeros=zeros, offloads=offloads,
