@@ -346,43 +346,41 @@ def _preserved_rng() -> Iterator[None]:
         torch.set_rng_state(state)
 
 
+#: Per-parameter optimizer state after one step, by (optimizer class, group hyperparameters,
+#: shape, stride, dtype): every torch.optim optimizer builds each parameter's state from that
+#: parameter alone, so repeated traces (the planner's probes) need not step again.
+_STATE_TEMPLATES: dict[tuple, dict[str, Any]] = {}
+_MAX_TEMPLATES = 4096
+
+
+def _template_key(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> tuple:
+    hyper = tuple(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
+    return (type(opt), hyper, tuple(p.shape), tuple(p.stride()), p.dtype)
+
+
 def _warm_up(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], mode) -> None:
     """Create the optimizer's lazily built state, as after a first step.
 
-    Fast path: step a twin optimizer over meta-device twins of the parameters (meta kernels
-    cost a fraction of fake-tensor dispatch; the optimizer step of a large model dominated the
-    trace otherwise), then give the real optimizer fake tensors of the same shapes and dtypes.
-    Falls back to one step on fake zero gradients when the twin cannot be built or stepped.
+    Fast path: state templates remembered from earlier traces; else step a twin optimizer over
+    meta-device twins of the parameters (meta kernels cost a fraction of fake-tensor dispatch;
+    the optimizer step of a large model dominated the trace otherwise). Either way the real
+    optimizer gets fake tensors of the same shapes and dtypes. Falls back to one step on fake
+    zero gradients when the twin cannot be built or stepped.
     """
+    wanted = {id(p) for p in trainable}
+    keys = {id(p): _template_key(opt, g, p) for g in opt.param_groups for p in g["params"] if id(p) in wanted}
     try:
-        twins = {
-            id(p): torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta").requires_grad_()
-            for p in trainable
-        }
-        groups = []
-        for group in opt.param_groups:
-            g = {k: v for k, v in group.items() if k != "params"}
-            g["params"] = [twins[id(p)] for p in group["params"] if id(p) in twins]
-            for flag in ("foreach", "fused"):  # the per-tensor path runs on meta; state is the same
-                if flag in g:
-                    g[flag] = False if flag == "foreach" else None
-            groups.append(g)
-        twin_opt = _rebuild(type(opt), groups, opt.defaults)
-        for t in twins.values():
-            t.grad = torch.zeros_like(t)
-        with _ScalarStub():
-            twin_opt.step()
+        if not all(k in _STATE_TEMPLATES for k in keys.values()):
+            _learn_templates(opt, trainable, keys)
         by_id = {id(p): p for p in trainable}
-        for pid, twin in twins.items():
-            state = twin_opt.state.get(twin)
-            if state is None:
-                continue
-            with mode:
-                opt.state[by_id[pid]] = {
-                    k: (torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
-                        if isinstance(v, torch.Tensor) else v)
-                    for k, v in state.items()
-                }
+        with mode:
+            for pid, key in keys.items():
+                template = _STATE_TEMPLATES[key]
+                if template:
+                    opt.state[by_id[pid]] = {
+                        k: (torch.empty_strided(v[0], v[1], dtype=v[2], device="cpu") if isinstance(v, tuple) else v)
+                        for k, v in template.items()
+                    }
         return
     except Exception:  # noqa: BLE001 - any failure of the fast path: take the exact slow one
         opt.state.clear()
@@ -392,6 +390,35 @@ def _warm_up(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], mode) ->
         with _uncached(mode):
             opt.step()
         opt.zero_grad(set_to_none=True)
+
+
+def _learn_templates(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], keys: dict[int, tuple]) -> None:
+    """Step a twin optimizer on meta tensors and remember each parameter's state layout."""
+    twins = {
+        id(p): torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta").requires_grad_()
+        for p in trainable
+    }
+    groups = []
+    for group in opt.param_groups:
+        g = {k: v for k, v in group.items() if k != "params"}
+        g["params"] = [twins[id(p)] for p in group["params"] if id(p) in twins]
+        for flag in ("foreach", "fused"):  # the per-tensor path runs on meta; state is the same
+            if flag in g:
+                g[flag] = False if flag == "foreach" else None
+        groups.append(g)
+    twin_opt = _rebuild(type(opt), groups, opt.defaults)
+    for t in twins.values():
+        t.grad = torch.zeros_like(t)
+    with _ScalarStub():
+        twin_opt.step()
+    if len(_STATE_TEMPLATES) > _MAX_TEMPLATES:
+        _STATE_TEMPLATES.clear()
+    for pid, twin in twins.items():
+        state = twin_opt.state.get(twin, {})
+        _STATE_TEMPLATES[keys[pid]] = {
+            k: ((tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else v)
+            for k, v in state.items()
+        }
 
 
 @contextlib.contextmanager
