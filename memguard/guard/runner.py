@@ -49,7 +49,7 @@ from memguard.guard import distributed as ddp_sync
 from memguard.guard.distributed import ERROR, RankGroup, plan_on_rank_zero, rank_group_of
 from memguard.guard.precision import PRECISIONS, PrecisionSetup, setup_precision
 from memguard.guard.split import batch_size, map_tensors
-from memguard.guard.window import DEFAULT_MAX_RETRIES, MicroBatchWindow, agreed_optimizer_step, recovery_error
+from memguard.guard.window import DEFAULT_MAX_RETRIES, MicroBatchWindow, agreed_optimizer_step
 from memguard.planner.plan import Plan
 
 __all__ = ["prepare", "step", "guard_status", "GuardStatus", "compute_loss"]

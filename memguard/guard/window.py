@@ -297,6 +297,11 @@ class MicroBatchWindow:
         """How many batches the open window has run."""
         return len(self._batches)
 
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters of the open window (empty once it is finished)."""
+        return list(self._params)
+
     def run(self, batch: Any, loss_of: LossOf, backward: Backward = _plain_backward, *, weight: float = 1.0,
             last: bool = False) -> torch.Tensor:
         """Run one batch of the window in micro-batches; its mean loss (a detached float32 scalar).

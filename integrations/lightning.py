@@ -1,0 +1,462 @@
+"""Lightning: plan the micro-batch before ``fit`` and recover from out-of-memory errors during it.
+
+::
+
+    from memguard.integrations.lightning import MemguardCallback
+
+    trainer = Trainer(callbacks=[MemguardCallback(budget_bytes=8 << 30)], accumulate_grad_batches=1)
+    trainer.fit(model)   # model.batch_size (or its datamodule's) feeds train_dataloader()
+
+Works with ``lightning.pytorch`` and with ``pytorch_lightning`` (whichever is installed; the
+former when both are).
+
+What the callback does, in Lightning's hooks:
+
+* ``setup("fit")`` checks that it can work: automatic optimization, a single-device or DDP
+  strategy, the train dataloader coming from the LightningModule or its LightningDataModule, a
+  ``batch_size`` attribute (Lightning's ``BatchSizeFinder`` convention: ``lightning_hasattr``), no
+  ``GradientAccumulationScheduler``, and a precision memguard knows. Every problem is listed in
+  one :class:`memguard.ConfigError`.
+* ``on_fit_start`` takes one example batch from the train dataloader (the global RNG state is left
+  as it was), passes it through the precision plugin and the batch-transfer hooks as the training
+  loop would, and calls :func:`memguard.plan` on the LightningModule with the loss of its
+  ``training_step`` (a tensor, or a dict with ``"loss"``), the Trainer's optimizer, world size,
+  device and precision: the plan is *constrained* to the Trainer's precision, and a ``precision=``
+  option or a given ``plan=`` that disagrees with it is a ConfigError. Under DDP rank 0 plans and
+  broadcasts. The global batch defaults to ``batch_size x accumulate_grad_batches x world size``.
+  The plan is applied the way ``BatchSizeFinder`` applies its result: ``lightning_setattr`` of the
+  micro-batch, then the train dataloader is rebuilt; ``trainer.accumulate_grad_batches`` becomes
+  the plan's accumulation, and the plan's activation checkpointing is applied to the module's
+  repeated blocks. The plan is logged at INFO on the ``memguard`` logger.
+* During ``fit`` the callback stands in for ``training_step`` (an attribute on the module
+  instance). Each dataloader batch goes through :class:`memguard.guard.window.MicroBatchWindow`:
+  the batch is split into micro-batches of the current size, the user's ``training_step`` runs on
+  each, and each loss, weighted by its share of samples and by ``1/accumulate_grad_batches`` (as
+  Lightning weights it), is back-propagated at once (scaled by the ``16-mixed`` GradScaler). The
+  callback returns a loss equal to the batch's mean loss whose backward adds exactly zero to
+  every gradient (:func:`memguard.guard.window.gradient_anchor`); Lightning's own backward of it
+  fires the gradient hooks, so under ``strategy="ddp"`` DDP's reducer averages the accumulated
+  gradients on the last batch of the window, and Lightning's own optimizer step (gradient
+  clipping, GradScaler, schedulers, hooks) applies them. Lightning's ``zero_grad`` (which it runs
+  *after* the first ``training_step`` of a window) is skipped; the window drops the gradients
+  when that ``training_step`` starts instead. On an OOM on any rank, the window's gradients are dropped, the
+  micro-batch halved, and every batch of the current optimizer step so far run again from its
+  first sample, on every rank together (one small all-reduce per batch). Later batches keep the
+  halved micro-batch (they are still split, since the dataloader's batches keep their size).
+* ``teardown`` and ``on_exception`` restore ``training_step``, ``optimizer_zero_grad``, the
+  ``batch_size`` attribute, ``accumulate_grad_batches`` and the checkpointed blocks.
+
+Why this design rather than manual optimization: switching the user's module to manual
+optimization would change what their ``training_step`` must do, and would drop Lightning's
+gradient clipping and automatic scheduler stepping; splitting inside the training step keeps every
+Lightning feature of automatic optimization. Why replay the window rather than only the batch
+that failed: the gradients of the earlier batches are mixed with the failed batch's partial ones,
+and keeping a copy to restore would cost one more set of gradients at the peak.
+
+Known limitations:
+    ``training_step`` runs once per micro-batch (and again on a replay), so ``self.log`` in it
+    logs the micro-batch's values; values returned besides the loss come from the last micro-batch.
+    Planning also runs it, on a copy of the module with fake tensors and ``self.log`` silenced.
+    Under DDP, ``training_step`` must not start a collective (``self.log(..., sync_dist=True)``,
+    ``all_gather``): a rank that ran out of memory would not join it. Gradient communication no
+    longer overlaps the backward passes (DDP averages on the returned loss's backward). Parameters
+    that got no gradient on any rank are left alone, so DDP with ``find_unused_parameters=False``
+    fails on them as it would without memguard. Trainer limits counted in batches
+    (``limit_train_batches``, ``val_check_interval`` as ints) count the smaller batches. Manual
+    optimization, DeepSpeed, FSDP and dataloaders passed directly to ``fit`` are not supported.
+    The plan is made once per ``fit``; OOMs in validation are not handled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from memguard.errors import ConfigError, MissingDependencyError
+from memguard.guard.distributed import plan_on_rank_zero, rank_group_of
+from memguard.guard.precision import PRECISIONS
+from memguard.guard.runner import _plan_problems, _planning_options_problems, _synced_params
+from memguard.guard.split import batch_size as _batch_size
+from memguard.guard.window import DEFAULT_MAX_RETRIES, MicroBatchWindow
+from memguard.planner.plan import Plan
+
+__all__ = ["MemguardCallback"]
+
+logger = logging.getLogger("memguard")
+
+# Options the callback takes from the Trainer instead of from the user.
+_FROM_TRAINER = ("world_size", "device", "optimizer", "loss_fn", "batch")
+
+
+def _import_lightning() -> ModuleType:
+    """``lightning.pytorch`` if importable, else ``pytorch_lightning``."""
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise MissingDependencyError("pytorch-lightning (or lightning)", "lightning")
+
+
+_pl = _import_lightning()
+
+
+def _package_of(trainer: Any) -> ModuleType:
+    """The Lightning package that ``trainer`` comes from (both may be installed)."""
+    name = "lightning.pytorch" if type(trainer).__module__.startswith("lightning.") else "pytorch_lightning"
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # a Trainer subclass defined elsewhere: fall back to the one this module uses
+        return _pl
+
+
+def _loss_of_output(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Lightning's automatic-optimization contract: a tensor, or a dict holding ``"loss"``."""
+    if isinstance(out, torch.Tensor):
+        return out, {}
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"], {k: v for k, v in out.items() if k != "loss"}
+    raise ConfigError(f"training_step returned {type(out).__name__}; MemguardCallback needs the loss: return a tensor "
+                      "or a dict with a 'loss' tensor (returning None to skip a step is not supported)")
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class MemguardCallback(_pl.Callback):
+    """Plan micro-batch, accumulation and activation checkpointing before ``fit``; halve on OOM during it.
+
+    See the module docstring for what happens in each hook and why.
+
+    Args:
+        global_batch_size: samples per optimizer step over all ranks; default: the module's
+            ``batch_size`` x ``accumulate_grad_batches`` x world size, i.e. what the Trainer would
+            have used without memguard.
+        plan: a :class:`memguard.Plan` to apply instead of planning (its precision must be the
+            Trainer's, its world size the Trainer's).
+        batch_arg_name: the attribute that sets the train dataloader's batch size, on the module,
+            its datamodule or their ``hparams`` (as ``BatchSizeFinder``'s ``batch_arg_name``).
+        max_retries: at most this many halvings within one optimizer step.
+        **plan_options: options for :func:`memguard.plan`: ``budget_bytes``, ``gpu``, ``headroom``,
+            ``activation_checkpointing``, ``cache``, ... (``precision`` may be given only if it is
+            the Trainer's; world size, device, optimizer and loss come from the Trainer).
+
+    Attributes:
+        plan: the plan in force during ``fit`` (None before).
+        micro_batch_size: the current micro-batch (smaller than the plan's after an OOM).
+        oom_retries: halvings so far.
+
+    Raises:
+        ConfigError: bad arguments (every problem listed).
+    """
+
+    def __init__(self, global_batch_size: int | None = None, *, plan: Plan | None = None,
+                 batch_arg_name: str = "batch_size", max_retries: int = DEFAULT_MAX_RETRIES,
+                 **plan_options: Any) -> None:
+        problems: list[str] = []
+        if global_batch_size is not None and (isinstance(global_batch_size, bool)
+                                              or not isinstance(global_batch_size, int) or global_batch_size < 1):
+            problems.append(f"global_batch_size must be a positive int, got {global_batch_size!r}")
+        if plan is not None and not isinstance(plan, Plan):
+            problems.append(f"plan must be a memguard.Plan, got {type(plan).__name__}; build it with memguard.plan()")
+        if isinstance(plan, Plan):
+            problems += _plan_problems(plan)
+            if plan_options:
+                problems.append(f"{', '.join(sorted(plan_options))} only apply when memguard plans; drop them or plan=")
+            if global_batch_size is not None and global_batch_size != plan.global_batch_size:
+                problems.append(f"global_batch_size {global_batch_size} differs from the plan's "
+                                f"{plan.global_batch_size}")
+        taken = sorted(k for k in plan_options if k in _FROM_TRAINER)
+        if taken:
+            problems.append(f"{', '.join(taken)} come from the Trainer and the LightningModule; drop them")
+        problems += _planning_options_problems({k: v for k, v in plan_options.items() if k not in _FROM_TRAINER})
+        if not isinstance(batch_arg_name, str) or not batch_arg_name:
+            problems.append(f"batch_arg_name must be an attribute name, got {batch_arg_name!r}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            problems.append(f"max_retries must be an int >= 0, got {max_retries!r}")
+        if problems:
+            raise ConfigError(problems)
+        self.global_batch_size = global_batch_size
+        self.batch_arg_name = batch_arg_name
+        self.max_retries = max_retries
+        self.plan_options = dict(plan_options)
+        self.plan: Plan | None = plan
+        self._given_plan = plan
+        self._window: MicroBatchWindow | None = None
+        self._restore: list[Callable[[], None]] = []
+        self._checked_first_batch = False
+
+    # ----------------------------------------------------------------------------------------------
+    # state for users and tests
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The micro-batch in force (None before ``fit`` starts)."""
+        if self._window is not None:
+            return self._window.micro_batch_size
+        return self.plan.micro_batch_size if self.plan is not None else None
+
+    @property
+    def oom_retries(self) -> int:
+        """Halvings of the micro-batch so far in this ``fit``."""
+        return self._window.oom_retries if self._window is not None else 0
+
+    # ----------------------------------------------------------------------------------------------
+    # hooks
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Check that the callback can work with this Trainer and module (``fit`` only).
+
+        Raises:
+            ConfigError: every reason it cannot, with what to do.
+        """
+        if stage != "fit":
+            return
+        pkg = _package_of(trainer)
+        problems: list[str] = []
+        if not pl_module.automatic_optimization:
+            problems.append("MemguardCallback works with automatic optimization; with manual optimization call "
+                            "memguard.step(model, optimizer, batch) from training_step yourself")
+        strategy = trainer.strategy
+        supported = (pkg.strategies.SingleDeviceStrategy, pkg.strategies.DDPStrategy)
+        if not isinstance(strategy, supported) or getattr(strategy, "handles_gradient_accumulation", False):
+            problems.append(f"strategy {type(strategy).__name__} is not supported: MemguardCallback works with a "
+                            "single device or strategy='ddp' (for DeepSpeed, write the plan into its config with "
+                            "memguard.integrations.deepspeed.to_config)")
+        if not trainer.fit_loop._data_source.is_module():
+            problems.append("the train dataloader was passed to trainer.fit(); return it from the LightningModule's "
+                            "(or a LightningDataModule's) train_dataloader() so memguard can change its batch size, "
+                            "as Lightning's BatchSizeFinder requires")
+        if not pkg.utilities.parsing.lightning_hasattr(pl_module, self.batch_arg_name):
+            problems.append(f"neither the LightningModule nor its datamodule (nor their hparams) has a "
+                            f"'{self.batch_arg_name}' attribute; set self.{self.batch_arg_name} and build the train "
+                            f"DataLoader with batch_size=self.{self.batch_arg_name}, as for Lightning's "
+                            "BatchSizeFinder (or pass batch_arg_name=)")
+        schedulers = [type(c).__name__ for c in trainer.callbacks
+                      if isinstance(c, pkg.callbacks.GradientAccumulationScheduler)]
+        if schedulers:
+            problems.append("GradientAccumulationScheduler changes accumulate_grad_batches during fit, which memguard "
+                            "sets from the plan; remove one of the two callbacks")
+        problems += self._precision_problems(trainer.precision)
+        if self._given_plan is not None and self._given_plan.world_size != trainer.world_size:
+            problems.append(f"the plan was made for world size {self._given_plan.world_size} but the Trainer runs "
+                            f"{trainer.world_size} processes; plan with world_size={trainer.world_size}")
+        device = trainer.strategy.root_device.type
+        if device not in ("cuda", "cpu"):
+            problems.append(f"memguard plans for 'cuda' or 'cpu' devices, not {device!r}")
+        if problems:
+            raise ConfigError(problems)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Plan (or take the given plan) and apply it; see the module docstring.
+
+        Raises:
+            ConfigError: the dataloader does not follow the batch-size attribute, or planning failed
+                on bad input (as :func:`memguard.plan`).
+            InfeasiblePlanError: nothing fits the budget.
+        """
+        pkg = _package_of(trainer)
+        parsing = pkg.utilities.parsing
+        self._restore = []
+        self._checked_first_batch = False
+        user_batch = parsing.lightning_getattr(pl_module, self.batch_arg_name)
+        user_accum = trainer.accumulate_grad_batches
+        rg = rank_group_of(trainer.strategy.model)
+        plan = self._given_plan
+        if plan is None:
+            trainer.fit_loop.setup_data()  # every rank: it holds a barrier
+
+            def make_plan() -> Plan:
+                return self._make_plan(trainer, pl_module, pkg, user_batch, user_accum)
+
+            plan = plan_on_rank_zero(rg, make_plan)
+        problems = _plan_problems(plan) + self._precision_problems(trainer.precision, plan)
+        if problems:
+            raise ConfigError(problems)
+        self.plan = plan
+
+        # Apply the plan; every change is undone by _restore_all, in reverse order.
+        if plan.micro_batch_size != user_batch:
+            parsing.lightning_setattr(pl_module, self.batch_arg_name, plan.micro_batch_size)
+            self._restore.append(lambda: parsing.lightning_setattr(pl_module, self.batch_arg_name, user_batch))
+            # Lightning's BatchSizeFinder forces the rebuild the same way (tuner/batch_size_scaling.py,
+            # _reset_dataloaders): the fit loop calls setup_data() again and builds a new DataLoader.
+            trainer.fit_loop._combined_loader = None
+        trainer.accumulate_grad_batches = plan.grad_accum_steps
+
+        def restore_accum() -> None:
+            trainer.accumulate_grad_batches = user_accum
+
+        self._restore.append(restore_accum)
+        if plan.activation_checkpointing and plan.checkpoint_blocks > 0:
+            from memguard.estimator.blocks import apply_activation_checkpointing
+
+            self._restore.append(apply_activation_checkpointing(pl_module, plan.checkpoint_blocks))
+        self._window = MicroBatchWindow(plan.micro_batch_size, rank_group=rg, sync_gradients=False,
+                                        max_retries=self.max_retries, plan=plan, precision=trainer.precision)
+        self._patch_module(trainer, pl_module)
+        if trainer.is_global_zero:
+            logger.info("memguard applies this plan to the Trainer (%s %d -> %d, accumulate_grad_batches %d -> %d):\n%s",
+                        self.batch_arg_name, user_batch, plan.micro_batch_size, user_accum, plan.grad_accum_steps,
+                        plan.explain())
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """The window's batches have all run: let them go."""
+        if self._window is not None:
+            self._window.finish()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Undo every change the callback made."""
+        if stage == "fit":
+            self._restore_all()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Undo every change the callback made (Lightning calls no ``teardown`` after an exception)."""
+        self._restore_all()
+
+    # ----------------------------------------------------------------------------------------------
+    # internals
+
+    def _precision_problems(self, precision: str, plan: Plan | None = None) -> list[str]:
+        precision = str(precision)
+        if precision not in PRECISIONS:
+            return [f"the Trainer's precision {precision!r} is not one memguard plans for; use one of "
+                    f"{', '.join(PRECISIONS)}"]
+        out = []
+        wanted = self.plan_options.get("precision")
+        if wanted is not None:
+            allowed = tuple(wanted) if isinstance(wanted, (list, tuple, set, frozenset)) else (wanted,)
+            if precision not in allowed:
+                out.append(f"precision={wanted!r} was asked for but the Trainer runs precision={precision!r}; memguard "
+                           "does not change the Trainer's precision: set Trainer(precision=...) or drop the option")
+        if plan is not None and plan.precision != precision:
+            out.append(f"the plan's precision {plan.precision!r} differs from the Trainer's {precision!r}; set "
+                       f"Trainer(precision={plan.precision!r}) or plan with precision={precision!r}")
+        return out
+
+    def _make_plan(self, trainer: Any, pl_module: Any, pkg: ModuleType, user_batch: Any, user_accum: int) -> Plan:
+        """Plan from one example batch of the train dataloader (rank 0 only under DDP)."""
+        import memguard
+
+        batch = self._example_batch(trainer, pl_module, pkg)
+        n = _batch_size(batch)
+        if n != user_batch:
+            raise ConfigError(f"the train dataloader yields batches of {n} samples but {self.batch_arg_name} is "
+                              f"{user_batch!r}; memguard sets the micro-batch through {self.batch_arg_name}, so build "
+                              f"the train DataLoader with batch_size=self.{self.batch_arg_name}")
+        global_batch = self.global_batch_size or n * user_accum * trainer.world_size
+        options = dict(self.plan_options)
+        options["precision"] = str(trainer.precision)  # constrained to the Trainer's precision
+        options.setdefault("zero_stage", 0)
+        options.setdefault("offload_optimizer", False)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+
+        def loss_fn(model: nn.Module, micro: Any) -> torch.Tensor:
+            return _loss_of_output(model.training_step(micro, 0))[0]
+
+        # The planner traces a copy of the module (Lightning drops the Trainer reference from copies),
+        # so self.log has nowhere to go: silence it while planning.
+        had = {name: name in pl_module.__dict__ for name in ("log", "log_dict")}
+        pl_module.log = _no_log
+        pl_module.log_dict = _no_log
+        try:
+            return memguard.plan(pl_module, batch, global_batch_size=global_batch, optimizer=optimizer,
+                                 loss_fn=loss_fn, world_size=trainer.world_size,
+                                 device=trainer.strategy.root_device.type, **options)
+        finally:
+            for name, was in had.items():
+                if not was:
+                    del pl_module.__dict__[name]
+
+    @staticmethod
+    def _example_batch(trainer: Any, pl_module: Any, pkg: ModuleType) -> Any:
+        """One batch as ``training_step`` would see it: first of the train dataloader, converted and transferred."""
+        loaders = trainer.train_dataloader
+        if loaders is None:
+            raise ConfigError("the Trainer has no train dataloader to take an example batch from; define "
+                              "train_dataloader() in the LightningModule or its datamodule")
+        combined = isinstance(loaders, (Mapping, list, tuple))
+        iterable = pkg.utilities.CombinedLoader(loaders, "max_size_cycle") if combined else loaders
+        with pkg.utilities.seed.isolate_rng():  # a shuffling sampler draws its seed from the global RNG
+            batch = next(iter(iterable))
+        if combined:
+            batch = batch[0]  # CombinedLoader yields (batch, batch_idx, dataloader_idx)
+        # The same steps as the training loop (loops/training_epoch_loop.py, advance()).
+        batch = trainer.precision_plugin.convert_input(batch)
+        batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+    def _patch_module(self, trainer: Any, pl_module: Any) -> None:
+        """Stand in for ``training_step`` and skip Lightning's ``optimizer_zero_grad`` (instance attributes)."""
+        user_step = pl_module.training_step
+        callback = self
+
+        def training_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+            return callback._training_step(trainer, pl_module, user_step, batch, batch_idx, args, kwargs)
+
+        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
+            return None  # the window dropped the gradients before the window's first training_step
+
+        for name, value in (("training_step", training_step), ("optimizer_zero_grad", optimizer_zero_grad)):
+            previous = pl_module.__dict__.get(name)
+            pl_module.__dict__[name] = value
+
+            def undo(name: str = name, previous: Any = previous) -> None:
+                if previous is None:
+                    pl_module.__dict__.pop(name, None)
+                else:
+                    pl_module.__dict__[name] = previous
+
+            self._restore.append(undo)
+
+    def _training_step(self, trainer: Any, pl_module: Any, user_step: Callable[..., Any], batch: Any, batch_idx: int,
+                       args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        window = self._window
+        assert window is not None and self.plan is not None  # set in on_fit_start, before any training_step
+        accumulate = trainer.accumulate_grad_batches
+        if not self._checked_first_batch:
+            n = _batch_size(batch)
+            if n > self.plan.micro_batch_size:
+                raise ConfigError(f"the train dataloader still yields batches of {n} samples after memguard set "
+                                  f"{self.batch_arg_name}={self.plan.micro_batch_size}; build the train DataLoader "
+                                  f"with batch_size=self.{self.batch_arg_name}")
+            self._checked_first_batch = True
+        # Lightning zeroes the gradients at the first batch of each accumulation window
+        # (loops/optimization/automatic.py, _make_zero_grad_fn: batch_idx % accumulate_grad_batches == 0).
+        if batch_idx % accumulate == 0 or not window.is_open:
+            window.start(pl_module, _synced_params(trainer.strategy.model, pl_module), trainer.optimizers)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        device_type = pl_module.device.type
+        extras: dict[str, Any] = {}
+
+        def loss_of(micro: Any) -> torch.Tensor:
+            loss, extra = _loss_of_output(user_step(micro, batch_idx, *args, **kwargs))
+            extras.clear()
+            extras.update(extra)
+            return loss
+
+        def backward(weighted: torch.Tensor) -> None:
+            # backward outside autocast, as PyTorch's AMP recipe does; the training step runs inside it
+            with torch.autocast(device_type=device_type, enabled=False):
+                (scaler.scale(weighted) if scaler is not None else weighted).backward()
+
+        loss = window.run(batch, loss_of, backward, weight=1.0 / accumulate)
+        out = window.anchor(loss)
+        return {"loss": out, **extras} if extras else out
+
+    def _restore_all(self) -> None:
+        while self._restore:
+            undo = self._restore.pop()
+            try:
+                undo()
+            except Exception as exc:  # restore the rest whatever happens
+                logger.warning("memguard could not undo a change to the Trainer: %s", exc)
+        if self._window is not None:
+            self._window.finish()

@@ -1,0 +1,175 @@
+"""An Accelerate training loop that really runs out of memory, for test_accelerate.py.
+
+Run as ``python accelerate_worker.py '<json config>'``. The process trains a plain PyTorch
+reference on the full global batch first (no Accelerate, no memguard, no memory cap), then the
+same initial weights with ``accelerate.Accelerator`` on CPU and memguard's ``prepare``/``step``,
+one call per dataloader batch. At the start of batch ``cap_batch`` (after at least one optimizer
+step, so every lazy initialisation has happened) the address space is capped with ``RLIMIT_AS``
+at the current VmSize plus ``budget_mib``, so a micro-batch that does not fit fails with the CPU
+allocator's real error. The model is tests/guard/oom_worker.py's (about 1 MiB of activations per
+sample at ``seq=64`` in fp32).
+
+Config keys: ``out``, ``batch`` (dataloader batch), ``steps`` (optimizer steps), ``seq``,
+``budget_mib``, ``cap_batch``, ``cap_ranks``, and ``plan``: ``"planner"`` (memguard plans on the
+first step with a 1 GiB budget; the Accelerator accumulates ``accumulate`` batches) or
+``[micro, accumulation]`` for a hand-made plan, with the Accelerator built by ``accelerator_kwargs``.
+Started by ``torchrun`` on several processes, the Accelerator runs DDP (``MULTI_CPU``) and each
+rank gets every ``world``-th batch of the dataloader (Accelerate's default batch sharding), so one
+optimizer step covers ``batch x accumulation x world`` consecutive samples.
+Each rank writes ``result<rank>.json`` (events, messages, error) and its weights
+``accelerate<rank>.pt``; rank 0 also writes ``reference.pt``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+HIDDEN = 1024
+LR, MOMENTUM = 0.05, 0.9
+
+
+class Samples(Dataset):
+    def __init__(self, n: int, seq: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, seq, 16, generator=g)
+        self.y = torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.y[i], "idx": torch.tensor(i)}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, HIDDEN)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x))).mean(dim=(1, 2))
+
+
+def _traced(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_meta or is_fake(t)
+
+
+def vm_size() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    out = Path(cfg["out"])
+    torch.set_num_threads(1)
+    from accelerate import Accelerator
+
+    from memguard import Estimate, Plan
+    from memguard.integrations.accelerate import accelerator_kwargs, prepare, step
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    events: list = []
+    messages: list[str] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(f"{record.levelname}:{record.getMessage()}")
+            if record.levelno >= logging.WARNING and record.getMessage().startswith("out of memory"):
+                events.append("RETRY")
+
+    logging.getLogger("memguard").addHandler(Recorder())
+    logging.getLogger("memguard").setLevel(logging.INFO)
+
+    torch.manual_seed(0)
+    initial = Net()
+    if cfg["plan"] == "planner":
+        accumulate = cfg["accumulate"]
+    else:
+        accumulate = cfg["plan"][1]
+    global_batch = cfg["batch"] * accumulate * world
+    data = Samples(cfg["steps"] * global_batch, cfg["seq"])
+
+    # the reference: plain PyTorch, one optimizer step per global batch
+    ref = copy.deepcopy(initial)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+    for s in range(cfg["steps"]):
+        sl = slice(s * global_batch, (s + 1) * global_batch)
+        ((ref(data.x[sl]) - data.y[sl]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if rank == 0:
+        torch.save(ref.state_dict(), out / "reference.pt")
+
+    def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
+        if not _traced(batch["idx"]):  # the planner traces this on fake tensors: skip those
+            events.append(batch["idx"].tolist())
+        return ((model(batch["x"]).float() - batch["y"]) ** 2).mean()
+
+    model = initial
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if cfg["plan"] == "planner":
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+        model, optimizer = prepare(accelerator, model, optimizer, loss_fn=loss_fn, budget_bytes=1 << 30)
+    else:
+        micro, accum = cfg["plan"]
+        est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
+                       peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
+                       zero_stage=0, world_size=world, gpu=None, micro_batch_size=micro)
+        plan = Plan(micro_batch_size=micro, grad_accum_steps=accum, world_size=world,
+                    global_batch_size=micro * accum * world,
+                    precision="32-true", activation_checkpointing=False, zero_stage=0,
+                    budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu")
+        accelerator = Accelerator(**accelerator_kwargs(plan))
+        model, optimizer = prepare(accelerator, model, optimizer, plan=plan, loss_fn=loss_fn)
+    loader = accelerator.prepare(DataLoader(data, batch_size=cfg["batch"], shuffle=False))
+
+    b = cfg["batch"]
+    batches = [list(range(i, min(i + b, len(data)))) for i in range(0, len(data), b)]
+    result: dict = {"error": None, "losses": [], "rank": rank,
+                    "order": [i for batch in batches[rank::world] for i in batch]}
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        for i, batch in enumerate(loader):
+            events.append(["BATCH", batch["idx"].tolist()])
+            if i == cfg["cap_batch"] and rank in cfg.get("cap_ranks", [0]):
+                resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (cfg["budget_mib"] << 20), hard))
+                result["capped"] = True
+            result["losses"].append(step(accelerator, model, optimizer, batch))
+            if accelerator.sync_gradients:
+                events.append("STEP")
+    except Exception as exc:  # reported to the test, which decides whether it was expected
+        result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    from memguard.integrations.accelerate import status
+
+    st = status(model)
+    result.update(events=events, messages=messages, micro_batch_size=st.micro_batch_size, oom_retries=st.oom_retries,
+                  planned=st.planned_micro_batch_size, steps=st.steps)
+    torch.save(accelerator.unwrap_model(model).state_dict(), out / f"accelerate{rank}.pt")
+    (out / f"result{rank}.json").write_text(json.dumps(result))
+    # Leave without interpreter teardown: with gloo, destroying the process group while a gloo worker
+    # thread still releases a finished work's tensors can deadlock at exit (tests/guard/oom_worker.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

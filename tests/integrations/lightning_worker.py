@@ -1,0 +1,208 @@
+"""A Lightning ``Trainer.fit`` that really runs out of memory, for test_lightning.py.
+
+Run as ``python lightning_worker.py '<json config>'``. The process first trains a plain PyTorch
+reference on the full global batch (no Lightning, no memguard, no memory cap), then fits the same
+initial weights with Lightning and :class:`MemguardCallback`. A test callback caps the address
+space with ``RLIMIT_AS`` (current VmSize plus ``budget_mib``) at the start of batch ``cap_batch``
+(after at least one full optimizer step, so that every lazy initialisation has happened), so a
+micro-batch that does not fit fails with the CPU allocator's real error. Under ``strategy="ddp"``
+Lightning starts rank 1 by running this script again; only the ranks in ``cap_ranks`` are capped.
+
+Config keys: ``out`` (folder), ``world`` (1, or 2 for DDP), ``batch`` (the module's batch size per
+rank before memguard), ``steps`` (optimizer steps), ``seq`` (positions per sample, which sets the
+activation memory per sample: about 1 MiB at 64 in fp32, as in tests/guard/oom_worker.py),
+``budget_mib``, ``cap_batch``, ``cap_ranks``, ``plan``: ``"planner"`` (memguard plans with a
+1 GiB budget, which picks the whole batch) or ``[micro, accumulation]`` for a hand-made plan.
+
+Each rank writes ``result<rank>.json`` (events, messages, callback state, error) and its final
+weights ``lightning<rank>.pt``; rank 0 also writes ``reference.pt``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+HIDDEN = 1024
+LR, MOMENTUM = 0.05, 0.9
+
+
+class Samples(Dataset):
+    """``steps x global batch`` samples: x (seq x 16), a target y, and the sample's index."""
+
+    def __init__(self, n: int, seq: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, seq, 16, generator=g)
+        self.y = torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.y[i], "idx": torch.tensor(i)}
+
+
+class Net(nn.Module):
+    """Per position: 16 -> HIDDEN -> GELU -> 1, averaged over positions (tests/guard/oom_worker.py's model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, HIDDEN)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x))).mean(dim=(1, 2))
+
+
+def mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((pred.float() - y) ** 2).mean()
+
+
+def _traced(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_meta or is_fake(t)
+
+
+def vm_size() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def rank_order(data: Samples, cfg: dict) -> list[list[int]]:
+    """The sample order of each rank. Under DDP Lightning gives every train dataloader a
+    ``DistributedSampler`` with ``shuffle=True`` and seed 0 (trainer/connectors/data_connector.py,
+    _process_dataloader); on one process the DataLoader's own sequential order."""
+    if cfg["world"] == 1:
+        return [list(range(len(data)))]
+    return [list(DistributedSampler(data, num_replicas=cfg["world"], rank=r, shuffle=True, seed=0))
+            for r in range(cfg["world"])]
+
+
+def reference(net: nn.Module, data: Samples, cfg: dict) -> nn.Module:
+    """Plain PyTorch on the full global batch of each step: what the Lightning run must reproduce."""
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    orders, b = rank_order(data, cfg), cfg["batch"]
+    for s in range(cfg["steps"]):
+        idx = torch.tensor([i for order in orders for i in order[s * b:(s + 1) * b]])
+        mse(net(data.x[idx]), data.y[idx]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return net
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    out = Path(cfg["out"])
+    torch.set_num_threads(1)
+    import pytorch_lightning as pl
+
+    from memguard import Estimate, Plan
+    from memguard.integrations.lightning import MemguardCallback
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    events: list = []
+    messages: list[str] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(f"{record.levelname}:{record.getMessage()}")
+            if record.levelno >= logging.WARNING:
+                events.append("RETRY")
+
+    logging.getLogger("memguard").addHandler(Recorder())
+    logging.getLogger("memguard").setLevel(logging.INFO)
+
+    torch.manual_seed(0)
+    initial = Net()
+    data = Samples(cfg["steps"] * cfg["batch"] * cfg["world"], cfg["seq"])
+    if rank == 0:
+        torch.save(reference(copy.deepcopy(initial), data, cfg).state_dict(), out / "reference.pt")
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(initial)
+            self.batch_size = cfg["batch"]
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            if not _traced(batch["idx"]):  # the planner traces this on fake tensors: skip those
+                events.append(batch["idx"].tolist())  # the samples of this micro-batch
+            return mse(self.net(batch["x"]), batch["y"])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(data, batch_size=self.batch_size, shuffle=False)
+
+    result: dict = {"rank": rank, "error": None, "order": rank_order(data, cfg)[rank]}
+
+    class Cap(pl.Callback):
+        """Cap this rank's address space at the start of batch ``cap_batch``; record what the loop delivers."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            events.append(["BATCH", batch["idx"].tolist()])
+            if batch_idx == cfg["cap_batch"] and rank in cfg["cap_ranks"]:
+                limit = vm_size() + (cfg["budget_mib"] << 20)
+                resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+                result["capped"] = True
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            events.append("STEP")
+
+    if cfg["plan"] == "planner":
+        callback = MemguardCallback(budget_bytes=1 << 30)
+    else:
+        micro, accum = cfg["plan"]
+        local = micro * accum
+        est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
+                       peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
+                       zero_stage=0, world_size=cfg["world"], gpu=None, micro_batch_size=micro)
+        callback = MemguardCallback(plan=Plan(micro_batch_size=micro, grad_accum_steps=accum, world_size=cfg["world"],
+                                              global_batch_size=local * cfg["world"], precision="32-true",
+                                              activation_checkpointing=False, zero_stage=0,
+                                              budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu"))
+    module = Lit()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=cfg["world"], strategy="ddp" if cfg["world"] > 1 else "auto",
+        max_steps=cfg["steps"], callbacks=[callback, Cap()], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        trainer.fit(module)
+    except Exception as exc:  # reported to the test, which decides whether it was expected
+        result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    result.update(events=events, messages=messages, micro_batch_size=callback.micro_batch_size,
+                  oom_retries=callback.oom_retries,
+                  plan=[callback.plan.micro_batch_size, callback.plan.grad_accum_steps] if callback.plan else None,
+                  restored_batch_size=module.batch_size, restored_accumulate=trainer.accumulate_grad_batches,
+                  patched_left=sorted(k for k in ("training_step", "optimizer_zero_grad") if k in module.__dict__))
+    torch.save(module.net.state_dict(), out / f"lightning{rank}.pt")
+    (out / f"result{rank}.json").write_text(json.dumps(result))
+    launcher = getattr(trainer.strategy, "launcher", None)
+    for proc in getattr(launcher, "procs", []):  # rank 0 waits for the ranks Lightning started
+        proc.wait(timeout=300)
+    # Leave without interpreter teardown: with gloo, destroying the process group while a gloo worker
+    # thread still releases a finished work's tensors can deadlock at exit (tests/guard/oom_worker.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

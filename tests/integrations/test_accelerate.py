@@ -1,0 +1,302 @@
+"""memguard.integrations.accelerate: prepare/step with a real ``accelerate.Accelerator`` on CPU.
+
+The first tests run in this process on a tiny model (a second each): the Accelerator's kwargs from
+a plan, the plan checked against the Accelerator, planning on the first step constrained to the
+Accelerator's precision, and weights equal to a plain full-batch loop. The last tests run
+``accelerate_worker.py`` in subprocesses whose address space is capped with ``RLIMIT_AS``, so the
+CPU allocator really runs out of memory inside the loop; each takes a few seconds of CPU on an
+idle machine, and the timeouts only catch hangs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from memguard import ConfigError, Estimate, MissingDependencyError, Plan
+from memguard.integrations.accelerate import accelerator_kwargs, prepare, status, step
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState  # noqa: E402 - after the importorskip
+
+WORKER = Path(__file__).with_name("accelerate_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300
+
+N = 128
+X = torch.randn(N, 8, 16, generator=torch.Generator().manual_seed(3))
+Y = torch.randn(N, generator=torch.Generator().manual_seed(4))
+
+
+def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return ((model(x).mean(dim=(1, 2)).float() - y) ** 2).mean()
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Accelerate keeps one process-wide state; each test builds its own Accelerator."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _plan(micro: int, accum: int, precision: str = "32-true", **kw) -> Plan:
+    """A hand-made plan (the planner is not needed to test the translation)."""
+    est = Estimate(peak_bytes=1 << 20, breakdown={"params": 1 << 10}, context_bytes=0, peak_phase="backward",
+                   allocated_peak_bytes=1 << 20, device="cpu", precision=precision, zero_stage=0, world_size=1,
+                   gpu=None, micro_batch_size=micro)
+    return Plan(micro_batch_size=micro, grad_accum_steps=accum, world_size=1, global_batch_size=micro * accum,
+                precision=precision, activation_checkpointing=False, zero_stage=kw.pop("zero_stage", 0),
+                budget_bytes=1 << 30, estimate=est, device=kw.pop("device", "cpu"), **kw)
+
+
+def _reference(model: nn.Module, global_batch: int) -> nn.Module:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(0, N, global_batch):
+        loss_fn(model, (X[i:i + global_batch], Y[i:i + global_batch])).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def _rel(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    return max(((sa[k] - sb[k]).norm() / sb[k].norm()).item() for k in sb)
+
+
+# -------------------------------------------------------------------------------------------------
+# in process
+
+
+@pytest.mark.parametrize("precision, device, expected", [
+    # Lightning's precision names -> Accelerate's mixed_precision; "*-true" runs without autocast
+    ("32-true", "cpu", {"mixed_precision": "no", "gradient_accumulation_steps": 4, "cpu": True}),
+    ("bf16-mixed", "cpu", {"mixed_precision": "bf16", "gradient_accumulation_steps": 4, "cpu": True}),
+    ("16-mixed", "cuda", {"mixed_precision": "fp16", "gradient_accumulation_steps": 4}),  # cpu only for CPU plans
+    ("bf16-true", "cuda", {"mixed_precision": "no", "gradient_accumulation_steps": 4}),  # prepare() casts the model
+])
+def test_accelerator_kwargs(precision: str, device: str, expected: dict) -> None:
+    assert accelerator_kwargs(_plan(8, 4, precision, device=device)) == expected
+
+
+def test_accelerator_kwargs_refuses_a_deepspeed_plan() -> None:
+    with pytest.raises(ConfigError, match="ZeRO stage 2"):
+        accelerator_kwargs(_plan(8, 4, zero_stage=2))
+
+
+def test_a_plan_runs_with_accelerates_accumulation_and_matches_full_batch() -> None:
+    net = _net()
+    initial = copy.deepcopy(net)
+    plan = _plan(16, 4)
+    acc = accelerate.Accelerator(**accelerator_kwargs(plan))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    opt, model = prepare(acc, opt, net, plan=plan, loss_fn=loss_fn)  # returned in the order given
+    assert isinstance(opt, accelerate.optimizer.AcceleratedOptimizer) and isinstance(model, nn.Module)
+    loader = acc.prepare(DataLoader(TensorDataset(X, Y), batch_size=plan.micro_batch_size))
+    losses = [step(acc, model, opt, b) for b in loader]
+    assert len(losses) == 8 and all(loss > 0 for loss in losses)
+    st = status(model)
+    assert (st.steps, st.micro_batch_size, st.oom_retries, st.precision) == (2, 16, 0, "32-true")
+    # fp32, 64 samples per step summed in four micro-batches: ~1e-7 observed, 1e-5 allowed
+    assert _rel(acc.unwrap_model(model), _reference(initial, 64)) <= 1e-5
+
+
+def test_planning_on_the_first_step_splits_each_batch_and_follows_the_accelerators_precision() -> None:
+    net = _net()
+    initial = copy.deepcopy(net)
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    # about 1.3 KiB of activations per sample: 40 kB cannot hold a 32-sample batch at once
+    model, opt = prepare(acc, net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), loss_fn=loss_fn,
+                         budget_bytes=40_000)
+    loader = acc.prepare(DataLoader(TensorDataset(X, Y), batch_size=32))
+    for b in loader:
+        step(acc, model, opt, b)
+    st = status(model)
+    # default global batch: 32 x 2 accumulated batches x 1 process
+    assert st.plan.global_batch_size == 64 and st.plan.precision == "32-true"
+    assert st.micro_batch_size == st.plan.micro_batch_size < 32 and st.steps == 2
+    assert _rel(acc.unwrap_model(model), _reference(initial, 64)) <= 1e-5
+
+
+def test_the_plan_is_constrained_to_bf16_when_the_accelerator_runs_bf16() -> None:
+    net = _net()
+    acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    model, opt = prepare(acc, net, torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=loss_fn, budget_bytes=1 << 30)
+    step(acc, model, opt, (X[:16], Y[:16]))
+    assert status(model).plan.precision == "bf16-mixed"
+
+
+def test_a_plan_that_does_not_match_the_accelerator_is_refused() -> None:
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=1)
+    net = _net()
+    with pytest.raises(ConfigError) as info:
+        prepare(acc, net, torch.optim.SGD(net.parameters(), lr=0.1), plan=_plan(8, 4, "bf16-mixed"))
+    text = str(info.value)
+    assert "2 problems" in text and "precision 'bf16-mixed'" in text and "accumulates 4 micro-batches" in text
+    with pytest.raises(ConfigError, match="the Accelerator runs '32-true'"):
+        prepare(acc, net, torch.optim.SGD(net.parameters(), lr=0.1), precision="bf16-mixed", budget_bytes=1 << 30)
+
+
+def test_bad_arguments_are_listed_at_once() -> None:
+    acc = accelerate.Accelerator(cpu=True)
+    net = _net()
+    with pytest.raises(ConfigError) as info:
+        prepare(acc, net, torch.optim.SGD(net.parameters(), lr=0.1), max_retries=-1, max_grad_norm=0, world_size=2)
+    text = str(info.value)
+    assert "3 problems" in text and "max_retries" in text and "max_grad_norm" in text and "world_size" in text
+    with pytest.raises(ConfigError, match="not prepared by memguard"):
+        step(acc, net, torch.optim.SGD(net.parameters(), lr=0.1), (X[:4], Y[:4]))
+
+
+def test_missing_accelerate_names_the_pip_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulate an environment without accelerate: None in sys.modules makes the import fail.
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    net = _net()
+    with pytest.raises(MissingDependencyError, match=r"pip install 'memguard\[accelerate\]'"):
+        prepare(object(), net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+def test_planning_from_an_example_batch_applies_checkpointing() -> None:
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+
+        def forward(self, x):
+            return self.blocks(x)
+
+    net = Stack()
+    acc = accelerate.Accelerator(cpu=True)
+    model, _ = prepare(acc, net, torch.optim.SGD(net.parameters(), lr=0.1), example_batch=(X[:32], Y[:32]),
+                       loss_fn=loss_fn, budget_bytes=1 << 30, activation_checkpointing=True)
+    plan = status(model).plan
+    assert plan.activation_checkpointing and plan.checkpoint_blocks >= 1
+    marked = [getattr(b, "_memguard_checkpointed", False) for b in net.blocks]
+    assert sum(marked) == plan.checkpoint_blocks and marked[0]
+
+
+# -------------------------------------------------------------------------------------------------
+# real out-of-memory errors, in subprocesses (see accelerate_worker.py)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_worker(tmp_path: Path, world: int = 1, **cfg) -> list[dict]:
+    cfg = {"out": str(tmp_path), "steps": 3, "seq": 64, "budget_mib": 20, **cfg}
+    env = dict(os.environ)
+    # One malloc arena and a fixed mmap threshold: large tensors are mmapped and unmapped when freed, so
+    # the address space tracks live memory and the cap bites where the test expects (tests/guard).
+    env.update(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    command = [sys.executable, str(WORKER), json.dumps(cfg)]
+    if world > 1:  # torchrun starts the ranks; the Accelerator then runs DDP over gloo
+        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+                        "127.0.0.1", "--master_port", str(_free_port())]
+    # A new session, so that a hang is ended by killing every rank at once.
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out = proc.communicate(timeout=TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the Accelerate loop did not finish within {TIMEOUT_S} s: the ranks hung")
+    assert proc.returncode == 0, out[-3000:]
+    return [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(world)]
+
+
+def _check_samples(result: dict, steps: int, per_step: int) -> None:
+    """Each optimizer step's final attempt ran every sample delivered in it exactly once, in order."""
+    windows: list[list] = [[]]
+    for e in result["events"]:
+        if e == "STEP":
+            windows.append([])
+        else:
+            windows[-1].append(e)
+    windows = [w for w in windows if w]
+    assert len(windows) == steps
+    delivered_all = []
+    for w in windows:
+        delivered = [i for e in w if isinstance(e, list) and e[0] == "BATCH" for i in e[1]]
+        last_retry = max((k for k, e in enumerate(w) if e == "RETRY"), default=-1)
+        run = [i for e in w[last_retry + 1:] if isinstance(e, list) and e[0] != "BATCH" for i in e]
+        assert sorted(run) == sorted(delivered) and len(delivered) == per_step, w
+        delivered_all += delivered
+    assert delivered_all == result["order"][: steps * per_step]
+
+
+def _rel_sd(tmp_path: Path, rank: int = 0) -> float:
+    a, b = torch.load(tmp_path / f"accelerate{rank}.pt"), torch.load(tmp_path / "reference.pt")
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
+
+
+pytestmark_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+
+
+@pytestmark_linux
+def test_a_real_oom_halves_and_ends_with_the_full_batch_weights(tmp_path: Path) -> None:
+    # memguard plans micro-batch 64 on the first step (1 GiB budget); from batch 1 on the process may
+    # use 20 MiB more: about 1 MiB per sample at seq=64, so 64 and 32 fail and 16 fits.
+    [r] = _run_worker(tmp_path, batch=64, plan="planner", accumulate=1, cap_batch=1)
+    assert r["error"] is None and r.get("capped")
+    msgs = [m for m in r["messages"] if m.startswith("WARNING:out of memory")]
+    assert len(msgs) == 2 and all("DefaultCPUAllocator" in m for m in msgs)
+    assert (r["planned"], r["micro_batch_size"], r["oom_retries"], r["steps"]) == (64, 16, 2, 3)
+    _check_samples(r, steps=3, per_step=64)
+    # fp32, micro-batches summed in another grouping than the full batch: ~1e-7 observed, 1e-5 allowed
+    assert _rel_sd(tmp_path) <= 1e-5
+
+
+@pytestmark_linux
+def test_an_oom_in_the_second_accumulated_batch_replays_the_step(tmp_path: Path) -> None:
+    # Plan 32 x 2 through accelerator_kwargs; the cap comes at batch 3, the second batch of step 2.
+    [r] = _run_worker(tmp_path, batch=32, plan=[32, 2], cap_batch=3)
+    assert r["error"] is None
+    msgs = [m for m in r["messages"] if m.startswith("WARNING:out of memory")]
+    assert len(msgs) == 1 and "retrying the 2 batches of this optimizer step so far (64 samples)" in msgs[0]
+    assert (r["micro_batch_size"], r["steps"]) == (16, 3)
+    _check_samples(r, steps=3, per_step=64)
+    # fp32; ~1e-6 observed (the replayed step sums four micro-batches), 1e-5 allowed
+    assert _rel_sd(tmp_path) <= 1e-5
+
+
+@pytestmark_linux
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_ddp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path) -> None:
+    # torchrun, 2 CPU processes, 32-sample batches and 2 accumulated: memguard plans micro-batch 64 for
+    # each rank's 64 samples per step (1 GiB budget), so every batch runs whole; only rank 1 is capped,
+    # at its batch 3 (the second batch of the second step): 32 fails in 20 MiB, 16 fits.
+    r0, r1 = _run_worker(tmp_path, world=2, batch=32, plan="planner", accumulate=2, cap_batch=3, cap_ranks=[1])
+    assert r0["error"] is None and r1["error"] is None and r1.get("capped") and not r0.get("capped")
+    m0 = [m for m in r0["messages"] if m.startswith("WARNING:out of memory")]
+    m1 = [m for m in r1["messages"] if m.startswith("WARNING:out of memory")]
+    assert len(m0) == len(m1) == 1 and "on rank 1;" in m0[0] and "DefaultCPUAllocator" in m1[0]
+    assert r0["planned"] == r1["planned"] == 64
+    assert r0["micro_batch_size"] == r1["micro_batch_size"] == 16 and r0["steps"] == r1["steps"] == 3
+    for r in (r0, r1):
+        _check_samples(r, steps=3, per_step=64)
+    w0, w1 = torch.load(tmp_path / "accelerate0.pt"), torch.load(tmp_path / "accelerate1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    # the reference is one process on the step's 128 samples; DDP averages two ranks' means of 64
+    assert _rel_sd(tmp_path) <= 1e-5

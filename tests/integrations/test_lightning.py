@@ -1,0 +1,384 @@
+"""memguard.integrations.lightning: MemguardCallback with a real Lightning Trainer on CPU.
+
+The first tests run ``Trainer.fit`` in this process on a tiny model (a second or two each): the
+plan is applied through the ``batch_size`` attribute and ``accumulate_grad_batches``, the weights
+equal a plain full-batch PyTorch loop, the Trainer's precision constrains the plan, and every
+change is undone after ``fit``. The last tests run ``lightning_worker.py`` in subprocesses whose
+address space is capped with ``RLIMIT_AS``, so the CPU allocator really runs out of memory during
+``fit`` (on one process, and on one of two DDP ranks); each takes a few seconds of CPU on an idle
+machine (mostly importing torch and Lightning), and the timeouts only catch hangs.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from memguard import ConfigError, MissingDependencyError
+
+lightning_mod = pytest.importorskip("memguard.integrations.lightning")
+MemguardCallback = lightning_mod.MemguardCallback
+pl = lightning_mod._pl  # the Lightning package the callback is built on (lightning.pytorch or pytorch_lightning)
+
+WORKER = Path(__file__).with_name("lightning_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300
+
+N, SEQ = 128, 8
+X = torch.randn(N, SEQ, 16, generator=torch.Generator().manual_seed(3))
+Y = torch.randn(N, generator=torch.Generator().manual_seed(4))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Lit(pl.LightningModule):
+    """Three repeated blocks and a head; MSE of the per-sample mean against Y."""
+
+    def __init__(self, batch_size: int = 64, returns_dict: bool = False) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.returns_dict = returns_dict
+        self.blocks = nn.Sequential(Block(), Block(), Block())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x)).mean(dim=(1, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self(x) - y) ** 2).mean()
+        self.log("train_loss", loss)
+        return {"loss": loss, "n": len(x)} if self.returns_dict else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(X, Y), batch_size=self.batch_size)
+
+
+class Probe(pl.Callback):
+    """Records what the training loop sees at each batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        marked = sum(getattr(b, "_memguard_checkpointed", False) for b in pl_module.blocks)
+        self.seen.append((len(batch[0]), pl_module.batch_size, trainer.accumulate_grad_batches, marked))
+
+
+def _trainer(*callbacks, **kw) -> "pl.Trainer":
+    kw.setdefault("max_epochs", 1)
+    return pl.Trainer(accelerator="cpu", devices=1, callbacks=list(callbacks), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, **kw)
+
+
+def _reference(model: Lit, global_batch: int, epochs: int = 1) -> Lit:
+    """Plain PyTorch on the full global batch, with the module's own optimizer."""
+    opt = model.configure_optimizers()
+    for _ in range(epochs):
+        for i in range(0, N, global_batch):
+            x, y = X[i:i + global_batch], Y[i:i + global_batch]
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return model
+
+
+def _rel(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    return max(((sa[k] - sb[k]).norm() / sb[k].norm()).item() for k in sb)
+
+
+# -------------------------------------------------------------------------------------------------
+# planning, in process
+
+
+def test_plan_sets_batch_size_and_accumulation_and_keeps_the_global_batch(caplog) -> None:
+    torch.manual_seed(0)
+    model = Lit(batch_size=64)
+    initial = copy.deepcopy(model)
+    # About 2.6 KiB of activations per sample (8 positions x 16 features x 4 layers, fp32, plus
+    # temporaries): a 100 kB budget cannot hold 64 samples at once, so the plan must accumulate.
+    cb, probe = MemguardCallback(budget_bytes=100_000, headroom=0.1), Probe()
+    with caplog.at_level(logging.INFO, logger="memguard"):
+        _trainer(cb, probe).fit(model)
+    plan = cb.plan
+    assert plan.micro_batch_size * plan.grad_accum_steps == 64 and plan.grad_accum_steps > 1
+    assert plan.precision == "32-true" and plan.device == "cpu" and plan.world_size == 1
+    # every batch the loop delivered had the planned size, under the planned accumulation
+    assert {s[:3] for s in probe.seen} == {(plan.micro_batch_size, plan.micro_batch_size, plan.grad_accum_steps)}
+    assert len(probe.seen) == N // plan.micro_batch_size
+    # the plan was logged, and everything is restored after fit
+    assert any("memguard applies this plan" in r.getMessage() and "micro-batch" in r.getMessage()
+               for r in caplog.records)
+    assert model.batch_size == 64 and "training_step" not in model.__dict__
+    assert "optimizer_zero_grad" not in model.__dict__
+    # fp32, the same 64 samples per step summed in another grouping: ~1e-7 observed, 1e-5 allowed
+    assert _rel(model, _reference(initial, 64)) <= 1e-5
+
+
+def test_default_global_batch_counts_the_users_accumulation() -> None:
+    torch.manual_seed(0)
+    model = Lit(batch_size=16, returns_dict=True)
+    initial = copy.deepcopy(model)
+    cb, probe = MemguardCallback(budget_bytes=1 << 30), Probe()
+    trainer = _trainer(cb, probe, accumulate_grad_batches=4)
+    trainer.fit(model)
+    # 16 x 4 accumulation x 1 rank = 64 samples per step; 1 GiB holds them all at once
+    assert (cb.plan.global_batch_size, cb.plan.micro_batch_size, cb.plan.grad_accum_steps) == (64, 64, 1)
+    assert {s[:3] for s in probe.seen} == {(64, 64, 1)}
+    assert model.batch_size == 16 and trainer.accumulate_grad_batches == 4
+    assert _rel(model, _reference(initial, 64)) <= 1e-5
+
+
+def test_explicit_global_batch_size_and_activation_checkpointing() -> None:
+    torch.manual_seed(0)
+    model = Lit(batch_size=32)
+    initial = copy.deepcopy(model)
+    cb, probe = MemguardCallback(global_batch_size=128, budget_bytes=1 << 30, activation_checkpointing=True), Probe()
+    _trainer(cb, probe).fit(model)
+    assert cb.plan.global_batch_size == 128 and cb.plan.activation_checkpointing
+    # with checkpointing required, the planner checkpoints the fewest blocks that fit (at least one)
+    assert 1 <= cb.plan.checkpoint_blocks <= 3
+    assert {s[3] for s in probe.seen} == {cb.plan.checkpoint_blocks}  # checkpointed during fit ...
+    assert not any(getattr(b, "_memguard_checkpointed", False) for b in model.blocks)  # ... and not after
+    assert _rel(model, _reference(initial, 128)) <= 1e-5
+
+
+def test_the_plan_follows_the_trainers_precision() -> None:
+    model = Lit(batch_size=32)
+    cb = MemguardCallback(budget_bytes=1 << 30)
+    _trainer(cb, max_steps=1, precision="bf16-mixed").fit(model)
+    assert cb.plan.precision == "bf16-mixed"
+
+
+def test_a_precision_that_differs_from_the_trainers_is_an_error() -> None:
+    model = Lit(batch_size=32)
+    with pytest.raises(ConfigError, match="does not change the Trainer's precision"):
+        _trainer(MemguardCallback(precision="bf16-mixed", budget_bytes=1 << 30), max_steps=1).fit(model)
+    assert "training_step" not in model.__dict__ and model.batch_size == 32
+
+
+def test_a_given_plan_is_applied_or_refused_on_precision() -> None:
+    import memguard
+
+    torch.manual_seed(0)
+    model = Lit(batch_size=64)
+    initial = copy.deepcopy(model)
+    plan = memguard.plan(model, (X[:8], Y[:8]), global_batch_size=64, budget_bytes=1 << 30, device="cpu",
+                         loss_fn=lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), precision="32-true")
+    plan = plan.replace(micro_batch_size=8, grad_accum_steps=8)
+    probe = Probe()
+    _trainer(MemguardCallback(plan=plan), probe).fit(model)
+    assert {s[:3] for s in probe.seen} == {(8, 8, 8)}
+    assert _rel(model, _reference(initial, 64)) <= 1e-5
+    with pytest.raises(ConfigError, match="the plan's precision '32-true' differs from the Trainer's 'bf16-mixed'"):
+        _trainer(MemguardCallback(plan=plan), max_steps=1, precision="bf16-mixed").fit(Lit(batch_size=64))
+
+
+def test_what_the_callback_cannot_work_with_is_listed_at_once() -> None:
+    class Manual(Lit):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.batch_size
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = ((self(batch[0]) - batch[1]) ** 2).mean()
+            self.manual_backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+    loader = DataLoader(TensorDataset(X, Y), batch_size=32)
+    with pytest.raises(ConfigError) as info:
+        _trainer(MemguardCallback(budget_bytes=1 << 30), max_steps=1).fit(Manual(), train_dataloaders=loader)
+    text = str(info.value)
+    assert "3 problems" in text
+    assert "automatic optimization" in text and "passed to trainer.fit()" in text and "'batch_size' attribute" in text
+
+
+def test_a_dataloader_that_ignores_batch_size_is_an_error() -> None:
+    class Fixed(Lit):
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(X, Y), batch_size=16)  # not self.batch_size
+
+    with pytest.raises(ConfigError, match="yields batches of 16 samples but batch_size is 64"):
+        _trainer(MemguardCallback(budget_bytes=1 << 30), max_steps=1).fit(Fixed(batch_size=64))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"global_batch_size": 0}, "global_batch_size must be a positive int"),
+    ({"world_size": 2}, "come from the Trainer"),
+    ({"zero_stage": 2}, "needs DeepSpeed"),
+    ({"max_retries": -1}, "max_retries must be an int >= 0"),
+    ({"plan": {"micro_batch_size": 4}}, "plan must be a memguard.Plan"),
+])
+def test_bad_arguments(kwargs: dict, message: str) -> None:
+    # each row is one argument the callback must refuse before any Trainer exists
+    with pytest.raises(ConfigError, match=message):
+        MemguardCallback(**kwargs)
+
+
+def test_missing_lightning_names_the_pip_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulate an environment without Lightning: None in sys.modules makes the import fail.
+    for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "memguard.integrations.lightning")
+    with pytest.raises(MissingDependencyError, match=r"pip install 'memguard\[lightning\]'"):
+        importlib.import_module("memguard.integrations.lightning")
+
+
+# -------------------------------------------------------------------------------------------------
+# real out-of-memory errors, in subprocesses (see lightning_worker.py)
+
+pytestmark_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_worker(tmp_path: Path, world: int = 1, **cfg) -> list[dict]:
+    cfg = {"out": str(tmp_path), "world": world, "batch": 64, "steps": 3, "seq": 64, "budget_mib": 20,
+           "cap_ranks": [0], **cfg}
+    env = dict(os.environ)
+    # One malloc arena and a fixed mmap threshold: large tensors are mmapped and unmapped when freed, so
+    # the address space tracks live memory and the cap bites where the test expects (tests/guard).
+    env.update(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    env.pop("LOCAL_RANK", None)
+    # A new session: Lightning's DDP launcher starts rank 1 as a child of rank 0; a hang kills both.
+    proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(cfg)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the Lightning run did not finish within {TIMEOUT_S} s: the ranks hung")
+    assert proc.returncode == 0, out[-3000:]
+    missing = [r for r in range(world) if not (tmp_path / f"result{r}.json").exists()]
+    assert not missing, f"no result from rank(s) {missing}:\n{out[-3000:]}"
+    return [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(world)]
+
+
+def _check_samples(result: dict, steps: int, batch: int) -> None:
+    """Each optimizer step's final attempt ran every sample the loop delivered in it exactly once,
+    and the loop delivered each of this rank's samples once, in the sampler's order."""
+    events = result["events"]
+    events = events[next(i for i, e in enumerate(events) if isinstance(e, list) and e[0] == "BATCH"):]
+    windows: list[list] = [[]]
+    for e in events:
+        if e == "STEP":
+            windows.append([])
+        else:
+            windows[-1].append(e)
+    windows = [w for w in windows if w]
+    assert len(windows) == steps
+    delivered_all = []
+    for w in windows:
+        delivered = [i for e in w if isinstance(e, list) and e[0] == "BATCH" for i in e[1]]
+        last_retry = max((k for k, e in enumerate(w) if e == "RETRY"), default=-1)
+        run = [i for e in w[last_retry + 1:] if isinstance(e, list) and e[0] != "BATCH" for i in e]
+        assert sorted(run) == sorted(delivered), w
+        assert len(delivered) == batch
+        delivered_all += delivered
+    assert delivered_all == result["order"][: steps * batch]
+
+
+def _retries(result: dict) -> list[str]:
+    return [m for m in result["messages"] if m.startswith("WARNING:out of memory")]
+
+
+def _weights(tmp_path: Path, name: str) -> dict:
+    return torch.load(tmp_path / name)
+
+
+def _rel_sd(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
+
+
+@pytestmark_linux
+def test_fit_recovers_from_a_real_oom_with_the_full_batch_weights(tmp_path: Path) -> None:
+    # memguard plans micro-batch 64 x 1 (a 1 GiB budget); from batch 1 on the process may use 20 MiB
+    # more: about 1 MiB per sample at seq=64, so 64 and 32 fail and 16 fits, with margin either way.
+    [r] = _run_worker(tmp_path, plan="planner", cap_batch=1)
+    assert r["error"] is None and r.get("capped")
+    assert r["plan"] == [64, 1]
+    msgs = _retries(r)
+    assert len(msgs) == 2 and "DefaultCPUAllocator" in msgs[0]
+    assert "micro-batch 64" in msgs[0] and "retrying the same batch of 64 samples" in msgs[0]
+    assert r["micro_batch_size"] == 16 and r["oom_retries"] == 2
+    _check_samples(r, steps=3, batch=64)
+    assert r["restored_batch_size"] == 64 and r["restored_accumulate"] == 1 and r["patched_left"] == []
+    # fp32, micro-batches summed in another grouping than the full batch: ~1e-7 observed, 1e-5 allowed
+    assert _rel_sd(_weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "reference.pt")) <= 1e-5
+
+
+@pytestmark_linux
+def test_an_oom_late_in_an_accumulation_window_replays_the_whole_window(tmp_path: Path) -> None:
+    # A plan of 32 x 2: batches 2 and 3 form the second optimizer step. The cap comes at batch 3,
+    # after batch 2 has accumulated its gradient; 32 samples do not fit in 20 MiB, 16 do.
+    [r] = _run_worker(tmp_path, plan=[32, 2], cap_batch=3)
+    assert r["error"] is None
+    msgs = _retries(r)
+    assert len(msgs) == 1 and "retrying the 2 batches of this optimizer step so far (64 samples)" in msgs[0]
+    assert r["micro_batch_size"] == 16
+    _check_samples(r, steps=3, batch=64)
+    assert r["restored_batch_size"] == 64 and r["restored_accumulate"] == 1
+    # fp32; ~1e-6 observed (the replayed step sums four micro-batches), 1e-5 allowed
+    assert _rel_sd(_weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "reference.pt")) <= 1e-5
+
+
+@pytestmark_linux
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+@pytest.mark.parametrize("plan, cap_batch, retries", [
+    # memguard plans 64 x 1 (1 GiB budget); rank 1 capped from batch 1: 64 and 32 fail, 16 fits
+    ("planner", 1, 2),
+    # a hand-made 32 x 2 plan; rank 1 capped at batch 3, the second batch of step 2: 32 fails, 16 fits,
+    # and both ranks replay batch 2 before batch 3 (DDP's no_sync on batch 2, its all-reduce on batch 3)
+    ([32, 2], 3, 1),
+])
+def test_ddp_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: Path, plan, cap_batch: int,
+                                                                retries: int) -> None:
+    # strategy="ddp", 2 CPU processes with gloo; only rank 1 is capped.
+    r0, r1 = _run_worker(tmp_path, world=2, plan=plan, cap_batch=cap_batch, cap_ranks=[1])
+    assert r0["error"] is None and r1["error"] is None
+    assert r1.get("capped") and not r0.get("capped")
+    assert all("DefaultCPUAllocator" in m for m in _retries(r1))
+    assert all("on rank 1;" in m for m in _retries(r0))  # rank 0 retried because rank 1 ran out
+    assert len(_retries(r0)) == len(_retries(r1)) == retries
+    assert r0["micro_batch_size"] == r1["micro_batch_size"] == 16
+    for r in (r0, r1):
+        _check_samples(r, steps=3, batch=64)
+    w0, w1 = _weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "lightning1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    # the reference is one process on both ranks' 128 samples of each step; DDP averages two means of 64
+    assert _rel_sd(w0, _weights(tmp_path, "reference.pt")) <= 1e-5
