@@ -170,22 +170,37 @@ def traced_precision(precision: str, zero_stage: int) -> str:
 
 def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint_blocks=0, grads_present=False,
               keep_blocks=None, count_flops=False):
-    """Trace one step for ``device`` and ``precision`` (arguments already validated)."""
+    """Trace one step for ``device`` and ``precision`` (arguments already validated).
+
+    For the CUDA target on a machine with a GPU the step is traced on fake CUDA tensors, so
+    CUDA's own autocast and kernel selection apply (nothing is allocated on the device); if that
+    fails for a reason other than the model itself, it falls back to CPU fake tensors with
+    CUDA's autocast emulated, as on machines without a GPU.
+    """
     param_dtype, autocast_dtype, loss_scale = _PRECISION[precision]
+    kwargs = dict(
+        optimizer=optimizer, loss_fn=loss_fn, param_dtype=param_dtype, autocast_dtype=autocast_dtype,
+        loss_scale=loss_scale, checkpoint_blocks=checkpoint_blocks, grads_present=grads_present,
+        keep_blocks=keep_blocks, count_flops=count_flops,
+    )
+    if device == "cuda" and torch.cuda.is_available():
+        try:
+            return trace_step(model, batch, foreach=None, cuda_autocast=False, device="cuda", **kwargs)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the GPU path: use the CPU path
+            import logging
+
+            logging.getLogger("memguard").warning(
+                "memguard: tracing on fake CUDA tensors failed (%s: %s); tracing on CPU fake tensors instead",
+                type(exc).__name__, exc,
+            )
     return trace_step(
         model,
         batch,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        param_dtype=param_dtype,
-        autocast_dtype=autocast_dtype,
-        loss_scale=loss_scale,
         foreach=True if device == "cuda" else None,  # torch.optim defaults to foreach on CUDA tensors
-        checkpoint_blocks=checkpoint_blocks,
-        grads_present=grads_present,
         cuda_autocast=device == "cuda",
-        keep_blocks=keep_blocks,
-        count_flops=count_flops,
+        **kwargs,
     )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -378,7 +379,8 @@ def _warm_up(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], mode) ->
                 template = _STATE_TEMPLATES[key]
                 if template:
                     opt.state[by_id[pid]] = {
-                        k: (torch.empty_strided(v[0], v[1], dtype=v[2], device="cpu") if isinstance(v, tuple) else v)
+                        k: (torch.empty_strided(v[0], v[1], dtype=v[2], device=by_id[pid].device if v[3] else "cpu")
+                            if isinstance(v, tuple) else v)
                         for k, v in template.items()
                     }
         return
@@ -416,9 +418,27 @@ def _learn_templates(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], 
     for pid, twin in twins.items():
         state = twin_opt.state.get(twin, {})
         _STATE_TEMPLATES[keys[pid]] = {
-            k: ((tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else v)
+            k: ((tuple(v.shape), tuple(v.stride()), v.dtype, v.device.type == "meta") if isinstance(v, torch.Tensor) else v)
             for k, v in state.items()
         }
+
+
+class _DropMetaFailures(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed while attempting to run meta" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """Silence torch's fake-tensor traceback for a failing op: memguard reports the failure itself
+    as a ConfigError (or, for the planner's cut-down probes, falls back to the whole model)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    flt = _DropMetaFailures()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
 
 
 @contextlib.contextmanager
@@ -460,6 +480,7 @@ def trace_step(
     cuda_autocast: bool = False,
     keep_blocks: int | None = None,
     count_flops: bool = False,
+    device: str = "cpu",
 ) -> Trace:
     """Trace one steady-state training step of ``model`` on ``batch``; see the module docstring.
 
@@ -475,6 +496,8 @@ def trace_step(
         keep_blocks: trace a shortened model that keeps only this many of its repeated blocks
             (the planner's cheap probes; memory is affine in the number of identical blocks).
         count_flops: count forward and backward FLOPs with ``torch.utils.flop_counter``.
+        device: the fake tensors' device: ``"cpu"``, or ``"cuda"`` where a GPU is present (then
+            CUDA's own autocast and kernel choices apply, and nothing is allocated on it).
 
     Raises:
         ConfigError: the model cannot be copied, called with the batch, or gives no usable loss.
@@ -482,20 +505,21 @@ def trace_step(
     gc_was_enabled = gc.isenabled()
     gc.disable()  # frees happen at deterministic points (reference counting only)
     try:
-        return _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, loss_scale, foreach,
-                           checkpoint_blocks, grads_present, cuda_autocast, keep_blocks, count_flops)
+        with _quiet_fake_tensor_log():
+            return _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, loss_scale, foreach,
+                               checkpoint_blocks, grads_present, cuda_autocast, keep_blocks, count_flops, device)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
 def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, loss_scale, foreach,
-                checkpoint_blocks, grads_present, cuda_autocast, keep_blocks, count_flops) -> Trace:
+                checkpoint_blocks, grads_present, cuda_autocast, keep_blocks, count_flops, device_type) -> Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memguard.estimator.blocks import apply_activation_checkpointing
 
-    device = torch.device("cpu")
+    device = torch.device(device_type)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     trace = Trace()
     with _preserved_rng():
@@ -553,7 +577,7 @@ def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, l
                     emulation = CudaAutocastEmulation(autocast_dtype)
                     ctx = emulation
                 elif autocast_dtype:
-                    ctx = torch.autocast("cpu", dtype=autocast_dtype)
+                    ctx = torch.autocast(device.type, dtype=autocast_dtype)
                 else:
                     ctx = contextlib.nullcontext()
                 try:
