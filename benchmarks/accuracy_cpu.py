@@ -21,17 +21,18 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 _REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
+from benchmarks._common import machine_description, run_worker  # noqa: E402
+
 _MARKER = "@@ACCURACY_CPU_RESULT@@ "  # prefix of the worker's one JSON line on stdout
 _MIB = 1 << 20
 
@@ -81,58 +82,14 @@ def _worker(mode: str, name: str, steps: int) -> dict[str, Any]:
 
 def _run_worker(mode: str, name: str, steps: int, timeout: float) -> dict[str, Any]:
     """Run one worker in a fresh interpreter; return its result or ``{"error": ...}``."""
-    cmd = [sys.executable, "-m", "benchmarks.accuracy_cpu", "--worker", mode, "--cases", name, "--steps", str(steps)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(_REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("OMP_NUM_THREADS", "1")  # no OpenMP pool beyond the one thread we use
-    try:
-        proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARKER):
-            return json.loads(line[len(_MARKER):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    run = run_worker("benchmarks.accuracy_cpu", ["--worker", mode, "--cases", name, "--steps", str(steps)], _MARKER,
+                     timeout=timeout, one_thread=True)
+    return run.result if run.result is not None else {"error": run.error_line()}
 
 
 # --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
-
-
-def machine_description() -> dict[str, Any]:
-    """Cores, RAM, CPU model, OS and library versions of this machine."""
-    import torch
-
-    info: dict[str, Any] = {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": 1,
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        info["cpu_model"] = models[0] if models else platform.processor()
-    except OSError:
-        info["cpu_model"] = platform.processor()
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    info["ram_bytes"] = int(line.split()[1]) * 1024  # /proc/meminfo reports kB (proc(5))
-    except OSError:
-        pass
-    return info
 
 
 def _mib(n: int | None) -> str:
@@ -263,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "command": "python benchmarks/accuracy_cpu.py" + ("" if not argv else " " + shlex.join(argv)),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_description(),
+        "machine": machine_description(torch_threads=1),  # the workers use one thread
         "steps": args.steps,
         "repeat": args.repeat,
         "wall_seconds": time.perf_counter() - t0,

@@ -61,10 +61,8 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -75,6 +73,11 @@ import torch
 from torch import nn
 
 _REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
+from benchmarks import _common  # noqa: E402
+from benchmarks._common import run_worker  # noqa: E402
+
 _MARKER = "@@COMPARE_ESTIMATORS_RESULT@@ "  # prefix of the worker's one JSON line on stdout
 _MIB = 1 << 20
 
@@ -348,20 +351,9 @@ def _worker(name: str, mode: str, device: str) -> dict[str, Any]:
 
 def _run_worker(name: str, mode: str, device: str, timeout: float) -> dict[str, Any]:
     """Run one worker in a fresh interpreter; its result or ``{"error": ...}``."""
-    cmd = [sys.executable, "-m", "benchmarks.compare_estimators", "--worker", mode, "--cases", name,
-           "--device", device]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(_REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("OMP_NUM_THREADS", "1")  # no OpenMP pool beyond the one thread we use
-    try:
-        proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARKER):
-            return json.loads(line[len(_MARKER):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": scrub_paths(f"exit {proc.returncode}: " + " | ".join(tail))}
+    run = run_worker("benchmarks.compare_estimators", ["--worker", mode, "--cases", name, "--device", device], _MARKER,
+                     timeout=timeout, one_thread=True)
+    return run.result if run.result is not None else {"error": scrub_paths(run.error_line())}
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,19 +362,8 @@ def _run_worker(name: str, mode: str, device: str, timeout: float) -> dict[str, 
 
 
 def machine_description() -> dict[str, Any]:
-    """Cores, RAM, CPU model, library versions and the load average while this ran."""
-    from benchmarks.accuracy_cpu import machine_description as base
-
-    info = base()
-    info["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    for mod in ("accelerate", "deepspeed", "torchinfo"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - a missing tool is reported, not fatal
-            info[mod] = None
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+    """Cores, RAM, CPU model, library versions (the compared tools too) and the load average now."""
+    return _common.machine_description(packages=("accelerate", "deepspeed", "torchinfo"), torch_threads=1)
 
 
 def error_pct(estimate: int, real: int) -> float:

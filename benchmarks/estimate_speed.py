@@ -37,16 +37,18 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 _REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
+from benchmarks._common import machine_description, run_worker  # noqa: E402
+
 _MARKER = "@@ESTIMATE_SPEED_RESULT@@ "  # prefix of the worker's one JSON line on stdout
 _GiB = 1 << 30
 _MiB = 1 << 20
@@ -184,62 +186,16 @@ def _worker(case: str, repeat: int, warmup: int, profile: str | None) -> dict[st
 
 
 def _run_worker(case: str, repeat: int, warmup: int, profile: str | None, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.estimate_speed", "--worker", case, "--repeat", str(repeat),
-           "--warmup", str(warmup)]
+    args = ["--worker", case, "--repeat", str(repeat), "--warmup", str(warmup)]
     if profile:
-        cmd += ["--profile-file", profile]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(_REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    try:
-        proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"case": case, "error": f"timed out after {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARKER):
-            return json.loads(line[len(_MARKER):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"case": case, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+        args += ["--profile-file", profile]
+    run = run_worker("benchmarks.estimate_speed", args, _MARKER, timeout=timeout)
+    return run.result if run.result is not None else {"case": case, "error": run.error_line()}
 
 
 # --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
-
-
-def machine_description() -> dict[str, Any]:
-    """Cores, RAM, CPU model, OS and library versions of this machine."""
-    import torch
-
-    info: dict[str, Any] = {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    info["cpu_model"] = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if models:
-            info["cpu_model"] = models[0]
-    except OSError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    info["ram_bytes"] = int(line.split()[1]) * 1024  # /proc/meminfo reports kB (proc(5))
-    except OSError:
-        pass
-    return info
 
 
 def _load() -> list[float] | None:

@@ -39,7 +39,6 @@ import argparse
 import datetime as _dt
 import gc
 import json
-import platform
 import shlex
 import statistics
 import sys
@@ -55,6 +54,7 @@ from torch import nn
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `memguard` and `benchmarks` from this checkout
+from benchmarks._common import machine_description  # noqa: E402
 
 _MiB = 1 << 20
 _GiB = 1 << 30
@@ -368,26 +368,6 @@ def run_case(case: Case, precision: str, dry_run: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def machine_description(dry_run: bool) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "os": platform.platform(),
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if not dry_run and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_bytes=int(props.total_memory),
-                    compute_capability=f"{props.major}.{props.minor}")
-    return info
-
-
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"cases": len(rows), "errors": sum(1 for r in rows if r.get("error"))}
     for key in ("reserved_error_pct", "allocated_error_pct"):
@@ -490,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/gpu_calibrate.py" + ("" if not argv else " " + shlex.join(argv)),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "dry_run": args.dry_run,
-        "machine": machine_description(args.dry_run),
+        "machine": machine_description(gpu=not args.dry_run),
         "wall_seconds": 0.0,
         "skipped": [],
     }

@@ -56,9 +56,7 @@ import datetime as _dt
 import gc
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -66,6 +64,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 _REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
+from benchmarks._common import machine_description, run_worker  # noqa: E402
+
 _MARKER = "@@PLAN_QUALITY_RESULT@@ "
 _MIB = 1 << 20
 GLOBAL_BATCH = 240  # 2^4 x 3 x 5: 20 divisors, many of them not powers of two
@@ -354,38 +356,10 @@ def _worker(name: str) -> dict[str, Any]:
 
 
 def _run(name: str, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.plan_quality_cpu", "--worker", name]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(_REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"model": name, "error": f"timed out after {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARKER):
-            r = json.loads(line[len(_MARKER):])
-            r["wall_seconds"] = round(time.perf_counter() - t0, 1)
-            return r
-    tail = (proc.stderr or proc.stdout)[-1500:].replace(str(_REPO), ".")  # no local paths in results
-    return {"model": name, "error": f"worker exited {proc.returncode}: {tail}"}
-
-
-def _machine() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        usable = os.cpu_count() or 0
-    return {"cpu_model": cpu, "cores": os.cpu_count(), "usable_cores": usable, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__}
+    run = run_worker("benchmarks.plan_quality_cpu", ["--worker", name], _MARKER, timeout=timeout)
+    if run.result is None:
+        return {"model": name, "error": run.error_tail(1500)}
+    return {**run.result, "wall_seconds": round(run.wall_seconds, 1)}
 
 
 def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -492,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python -m benchmarks.plan_quality_cpu" + ("" if not argv else " " + shlex.join(argv)),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(),
+        "machine": machine_description(),
         "load_before": load_before,
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "total_seconds": round(time.perf_counter() - t0, 1),

@@ -39,9 +39,7 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,6 +47,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 _REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
+from benchmarks._common import machine_description, run_worker  # noqa: E402
+
 _MARKER = "@@PLAN_SPEED_RESULT@@ "  # prefix of the worker's one JSON line on stdout
 _GIB = 1 << 30
 
@@ -230,61 +232,13 @@ def _worker(name: str, profile: bool) -> dict[str, Any]:
 
 
 def _run_case(name: str, profile: bool, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.plan_speed", "--worker", name] + (["--profile-worker"] if profile else [])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(_REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"case": name, "error": f"timed out after {timeout:.0f} s", "meets_goals": False}
-    wall = time.perf_counter() - t0
-    if profile and proc.stderr:
-        print(proc.stderr, file=sys.stderr)
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARKER):
-            result = json.loads(line[len(_MARKER):])
-            result["subprocess_wall_seconds"] = round(wall, 3)
-            return result
-    tail = (proc.stderr or proc.stdout)[-2000:].replace(str(_REPO), ".")  # no local paths in results
-    return {"case": name, "error": f"worker exited {proc.returncode}: {tail}", "meets_goals": False}
-
-
-def _machine() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    ram = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    ram = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        usable = os.cpu_count() or 0
-    return {
-        "cpu_model": cpu,
-        "cores": os.cpu_count(),
-        "usable_cores": usable,
-        "ram_bytes": ram,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
+    run = run_worker("benchmarks.plan_speed", ["--worker", name] + (["--profile-worker"] if profile else []), _MARKER,
+                     timeout=timeout)
+    if profile and run.stderr:
+        print(run.stderr, file=sys.stderr)
+    if run.result is None:
+        return {"case": name, "error": run.error_tail(2000), "meets_goals": False}
+    return {**run.result, "subprocess_wall_seconds": round(run.wall_seconds, 3)}
 
 
 def _fmt_gib(n: int | None) -> str:
@@ -375,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python -m benchmarks.plan_speed" + ("" if not argv else " " + shlex.join(argv)),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(),
+        "machine": machine_description(),
         "load_before": load_before,
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "results": results,
