@@ -391,9 +391,11 @@ def plan(
         if bad and precision is not None:
             problems.append(f"{spec.name} has no native bf16: use precision='16-mixed' or '32-true', not {bad}")
     ckpts = _as_choices("activation_checkpointing", activation_checkpointing, (False, True), (False, True), problems)
-    zeros = _as_choices("zero_stage", zero_stage, (0, 1, 2, 3) if (isinstance(world_size, int) and world_size > 1) else (0,),
-                        (0, 1, 2, 3), problems)
     offloads = _as_choices("offload_optimizer", offload_optimizer, (False, True), (False, True), problems)
+    multi = isinstance(world_size, int) and world_size > 1
+    # ZeRO stages are worth considering on one device only with offload (ZeRO-Offload's use case)
+    default_zeros = (0, 1, 2, 3) if multi else ((1, 2) if offloads == (True,) else (0,))
+    zeros = _as_choices("zero_stage", zero_stage, default_zeros, (0, 1, 2, 3), problems)
     if offloads == (True,) and zeros == (0,):
         problems.append("offload_optimizer=True needs a ZeRO stage >= 1: pass zero_stage=1, 2 or 3")
     if problems:
