@@ -248,10 +248,18 @@ def test_bad_knob_values_are_listed_together(model, batch):
         assert needle in text, needle
 
 
-def test_offload_without_zero_is_a_config_error(model, batch):
-    # one device and no ZeRO stage asked for: ZeRO is not considered, so offload has nothing to attach to
+def test_offload_with_zero_stage_0_is_a_config_error(model, batch):
+    # offload lives in ZeRO: fixing stage 0 leaves it nothing to attach to
     with pytest.raises(ConfigError, match="ZeRO"):
-        memguard.plan(model, batch, global_batch_size=8, device="cpu", budget_bytes=MiB, offload_optimizer=True)
+        memguard.plan(model, batch, global_batch_size=8, device="cpu", budget_bytes=MiB, offload_optimizer=True,
+                      zero_stage=0)
+
+
+def test_offload_on_one_device_considers_zero_1_and_2(model, batch):
+    # ZeRO-Offload's main use is a single device: with the stage left to memguard it picks 1 or 2
+    plan = memguard.plan(model, batch, global_batch_size=8, device="cpu", budget_bytes=64 * MiB,
+                         offload_optimizer=True)
+    assert plan.offload_optimizer and plan.zero_stage in (1, 2)
 
 
 # ---------------------------------------------------------------------------------------------
