@@ -224,7 +224,7 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
         traced_optimizer=totals.get("optimizer", 0),
         num_params=trace.num_params,
         num_trainable=trace.num_trainable_params,
-        largest_layer=trace.largest_block_params,
+        largest_layer=trace.largest_layer_params,
         sixteen_bit=precision != "32-true",
         offload_optimizer=offload_optimizer,
         state_scale=2.0 if traced_precision(precision, zero_stage) != precision else 1.0,

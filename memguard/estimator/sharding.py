@@ -73,7 +73,8 @@ def model_state_factors(
         traced_params, traced_grads, traced_optimizer: bytes of each category in the trace (params
             and optimizer at rest, grads after a full backward).
         num_params, num_trainable: Ψ over all and trainable parameters.
-        largest_layer: parameters of the largest repeated block (ZeRO-3 gathers one at a time).
+        largest_layer: parameters of the largest single module (DeepSpeed's largest layer; ZeRO-3
+            gathers one at a time).
         sixteen_bit: training in fp16/bf16 (DeepSpeed then keeps fp32 master weights and grads).
         state_scale: multiply the traced optimizer bytes per parameter by this to get fp32 bytes
             (2 when the trace ran with 16-bit parameters, whose optimizer state is 16-bit too).

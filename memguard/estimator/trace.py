@@ -57,7 +57,9 @@ class Trace:
         sizes: bytes of each handle (its last size).
         category: the category of each handle (see ``memguard.estimator.result.CATEGORIES``).
         phase_starts: index into ``events`` where each phase of :data:`PHASES` begins.
-        num_params, num_trainable_params, largest_block_params: parameter counts.
+        num_params, num_trainable_params: parameter counts (tied weights once).
+        largest_layer_params: the most parameters any single module holds itself, DeepSpeed's
+            "largest layer" (ZeRO-3 gathers one at a time).
         trainable_param_bytes: bytes of the trainable parameters.
         num_blocks: repeated blocks in the traced model (after any truncation).
         num_ops: non-view ATen ops run by forward and backward (the cost model's host-side term).
@@ -70,7 +72,7 @@ class Trace:
     phase_starts: dict[str, int] = field(default_factory=dict)
     num_params: int = 0
     num_trainable_params: int = 0
-    largest_block_params: int = 0
+    largest_layer_params: int = 0
     trainable_param_bytes: int = 0
     num_blocks: int = 0
     num_ops: int = 0
@@ -535,7 +537,7 @@ def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, l
         trace.trainable_param_bytes = sum(p.numel() * p.element_size() for p in trainable)
         # DeepSpeed's largest layer (estimate_zero3_model_states_mem_needs_all_live): the most
         # parameters any single module holds itself
-        trace.largest_block_params = max(
+        trace.largest_layer_params = max(
             (sum(p.numel() for p in m.parameters(recurse=False)) for m in fmodel.modules()), default=0
         )
         fbatch = _fake_batch(batch, mode, param_dtype, device)

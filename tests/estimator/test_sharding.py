@@ -86,7 +86,7 @@ def end_of_backward_state(model, batch, *, stage, world_size, precision="bf16-mi
     f = model_state_factors(
         zero_stage=stage, world_size=world_size, traced_params=best["params"], traced_grads=best["grads"],
         traced_optimizer=best["optimizer"], num_params=trace.num_params, num_trainable=trace.num_trainable_params,
-        largest_layer=trace.largest_block_params, sixteen_bit=precision != "32-true", offload_optimizer=offload,
+        largest_layer=trace.largest_layer_params, sixteen_bit=precision != "32-true", offload_optimizer=offload,
     )
     at: dict[str, int] = defaultdict(int)
     for handle, nbytes in trace.events[: trace.phase_starts["optimizer"]]:

@@ -149,7 +149,7 @@ def test_counts():
     assert trace.trainable_param_bytes == trace.num_trainable_params * FP32
     assert trace.num_blocks == 4
     # DeepSpeed's "largest layer": the most parameters one module holds itself (recurse=False)
-    assert trace.largest_block_params == max(
+    assert trace.largest_layer_params == max(
         sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()
     )
     assert trace.num_ops > 0

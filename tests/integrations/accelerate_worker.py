@@ -32,34 +32,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-HIDDEN = 1024
-LR, MOMENTUM = 0.05, 0.9
-
-
-class Samples(Dataset):
-    def __init__(self, n: int, seq: int) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, seq, 16, generator=g)
-        self.y = torch.randn(n, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "y": self.y[i], "idx": torch.tensor(i)}
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(16, HIDDEN)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(HIDDEN, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x))).mean(dim=(1, 2))
+from worker_common import LR, MOMENTUM, Net, Samples  # noqa: E402 - this folder is on sys.path
 
 
 def _traced(t: torch.Tensor) -> bool:

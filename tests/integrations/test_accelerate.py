@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from memguard import ConfigError, Estimate, MissingDependencyError, Plan
 from memguard.integrations.accelerate import accelerator_kwargs, prepare, status, step
+from worker_common import check_samples  # this folder is on sys.path under pytest
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState  # noqa: E402 - after the importorskip
@@ -226,26 +227,6 @@ def _run_worker(tmp_path: Path, world: int = 1, **cfg) -> list[dict]:
     return [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(world)]
 
 
-def _check_samples(result: dict, steps: int, per_step: int) -> None:
-    """Each optimizer step's final attempt ran every sample delivered in it exactly once, in order."""
-    windows: list[list] = [[]]
-    for e in result["events"]:
-        if e == "STEP":
-            windows.append([])
-        else:
-            windows[-1].append(e)
-    windows = [w for w in windows if w]
-    assert len(windows) == steps
-    delivered_all = []
-    for w in windows:
-        delivered = [i for e in w if isinstance(e, list) and e[0] == "BATCH" for i in e[1]]
-        last_retry = max((k for k, e in enumerate(w) if e == "RETRY"), default=-1)
-        run = [i for e in w[last_retry + 1:] if isinstance(e, list) and e[0] != "BATCH" for i in e]
-        assert sorted(run) == sorted(delivered) and len(delivered) == per_step, w
-        delivered_all += delivered
-    assert delivered_all == result["order"][: steps * per_step]
-
-
 def _rel_sd(tmp_path: Path, rank: int = 0) -> float:
     a, b = torch.load(tmp_path / f"accelerate{rank}.pt"), torch.load(tmp_path / "reference.pt")
     return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
@@ -263,7 +244,7 @@ def test_a_real_oom_halves_and_ends_with_the_full_batch_weights(tmp_path: Path) 
     msgs = [m for m in r["messages"] if m.startswith("WARNING:out of memory")]
     assert len(msgs) == 2 and all("DefaultCPUAllocator" in m for m in msgs)
     assert (r["planned"], r["micro_batch_size"], r["oom_retries"], r["steps"]) == (64, 16, 2, 3)
-    _check_samples(r, steps=3, per_step=64)
+    check_samples(r, steps=3, per_step=64)
     # fp32, micro-batches summed in another grouping than the full batch: ~1e-7 observed, 1e-5 allowed
     assert _rel_sd(tmp_path) <= 1e-5
 
@@ -276,7 +257,7 @@ def test_an_oom_in_the_second_accumulated_batch_replays_the_step(tmp_path: Path)
     msgs = [m for m in r["messages"] if m.startswith("WARNING:out of memory")]
     assert len(msgs) == 1 and "retrying the 2 batches of this optimizer step so far (64 samples)" in msgs[0]
     assert (r["micro_batch_size"], r["steps"]) == (16, 3)
-    _check_samples(r, steps=3, per_step=64)
+    check_samples(r, steps=3, per_step=64)
     # fp32; ~1e-6 observed (the replayed step sums four micro-batches), 1e-5 allowed
     assert _rel_sd(tmp_path) <= 1e-5
 
@@ -295,7 +276,7 @@ def test_ddp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path) ->
     assert r0["planned"] == r1["planned"] == 64
     assert r0["micro_batch_size"] == r1["micro_batch_size"] == 16 and r0["steps"] == r1["steps"] == 3
     for r in (r0, r1):
-        _check_samples(r, steps=3, per_step=64)
+        check_samples(r, steps=3, per_step=64)
     w0, w1 = torch.load(tmp_path / "accelerate0.pt"), torch.load(tmp_path / "accelerate1.pt")
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     # the reference is one process on the step's 128 samples; DDP averages two ranks' means of 64

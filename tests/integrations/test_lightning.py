@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from memguard import ConfigError, MissingDependencyError
+from worker_common import check_samples  # this folder is on sys.path under pytest
 
 lightning_mod = pytest.importorskip("memguard.integrations.lightning")
 MemguardCallback = lightning_mod.MemguardCallback
@@ -289,30 +290,6 @@ def _run_worker(tmp_path: Path, world: int = 1, **cfg) -> list[dict]:
     return [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(world)]
 
 
-def _check_samples(result: dict, steps: int, batch: int) -> None:
-    """Each optimizer step's final attempt ran every sample the loop delivered in it exactly once,
-    and the loop delivered each of this rank's samples once, in the sampler's order."""
-    events = result["events"]
-    events = events[next(i for i, e in enumerate(events) if isinstance(e, list) and e[0] == "BATCH"):]
-    windows: list[list] = [[]]
-    for e in events:
-        if e == "STEP":
-            windows.append([])
-        else:
-            windows[-1].append(e)
-    windows = [w for w in windows if w]
-    assert len(windows) == steps
-    delivered_all = []
-    for w in windows:
-        delivered = [i for e in w if isinstance(e, list) and e[0] == "BATCH" for i in e[1]]
-        last_retry = max((k for k, e in enumerate(w) if e == "RETRY"), default=-1)
-        run = [i for e in w[last_retry + 1:] if isinstance(e, list) and e[0] != "BATCH" for i in e]
-        assert sorted(run) == sorted(delivered), w
-        assert len(delivered) == batch
-        delivered_all += delivered
-    assert delivered_all == result["order"][: steps * batch]
-
-
 def _retries(result: dict) -> list[str]:
     return [m for m in result["messages"] if m.startswith("WARNING:out of memory")]
 
@@ -336,7 +313,7 @@ def test_fit_recovers_from_a_real_oom_with_the_full_batch_weights(tmp_path: Path
     assert len(msgs) == 2 and "DefaultCPUAllocator" in msgs[0]
     assert "micro-batch 64" in msgs[0] and "retrying the same batch of 64 samples" in msgs[0]
     assert r["micro_batch_size"] == 16 and r["oom_retries"] == 2
-    _check_samples(r, steps=3, batch=64)
+    check_samples(r, steps=3, per_step=64, skip_until_first_batch=True)
     assert r["restored_batch_size"] == 64 and r["restored_accumulate"] == 1 and r["patched_left"] == []
     # fp32, micro-batches summed in another grouping than the full batch: ~1e-7 observed, 1e-5 allowed
     assert _rel_sd(_weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "reference.pt")) <= 1e-5
@@ -351,7 +328,7 @@ def test_an_oom_late_in_an_accumulation_window_replays_the_whole_window(tmp_path
     msgs = _retries(r)
     assert len(msgs) == 1 and "retrying the 2 batches of this optimizer step so far (64 samples)" in msgs[0]
     assert r["micro_batch_size"] == 16
-    _check_samples(r, steps=3, batch=64)
+    check_samples(r, steps=3, per_step=64, skip_until_first_batch=True)
     assert r["restored_batch_size"] == 64 and r["restored_accumulate"] == 1
     # fp32; ~1e-6 observed (the replayed step sums four micro-batches), 1e-5 allowed
     assert _rel_sd(_weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "reference.pt")) <= 1e-5
@@ -377,7 +354,7 @@ def test_ddp_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: Path, p
     assert len(_retries(r0)) == len(_retries(r1)) == retries
     assert r0["micro_batch_size"] == r1["micro_batch_size"] == 16
     for r in (r0, r1):
-        _check_samples(r, steps=3, batch=64)
+        check_samples(r, steps=3, per_step=64, skip_until_first_batch=True)
     w0, w1 = _weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "lightning1.pt")
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     # the reference is one process on both ranks' 128 samples of each step; DDP averages two means of 64
