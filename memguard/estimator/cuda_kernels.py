@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaTarget", "Rule", "cuda_rule", "CudaKernelModel", "RULES"]
+__all__ = ["CudaTarget", "Rule", "cuda_rule", "CudaKernelModel", "RULES", "load_rules"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,8 @@ class CudaKernelModel(TorchFunctionMode):
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
+
+
+def load_rules() -> None:
+    """Register every rule (importing the rule modules registers them; repeated calls are free)."""
+    from memguard.estimator import cuda_attention, cuda_rules  # noqa: F401 - imported for registration
