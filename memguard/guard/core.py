@@ -21,7 +21,6 @@ precision, world size and batches, and which of its hooks calls which :class:`Gu
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import weakref
 from dataclasses import dataclass
@@ -36,6 +35,8 @@ from memguard.guard.distributed import RankGroup, plan_on_rank_zero
 from memguard.guard.precision import PrecisionSetup, setup_precision
 from memguard.guard.window import DEFAULT_MAX_RETRIES, MicroBatchWindow, agreed_optimizer_step
 from memguard.planner.plan import Plan
+from memguard.planner.request import PlanRequest
+from memguard.planner.search import plan_request
 from memguard.vocab import ALL_BLOCKS, PRECISIONS
 
 __all__ = [
@@ -67,9 +68,6 @@ UNSUPPORTED_WRAPPERS = {
     "DeepSpeedEngine": "DeepSpeed runs its own step; turn the plan into a DeepSpeed config with "
     "memguard.integrations.deepspeed.to_config instead",
 }
-
-# The planner's arguments that are not plan options: the guard passes them itself.
-_NOT_OPTIONS = ("model", "batch", "global_batch_size", "optimizer", "loss_fn", "world_size")
 
 # The fields that identify a planned configuration, for the plan-cache key of its reduced form.
 _PLAN_IDENTITY = ("micro_batch_size", "grad_accum_steps", "world_size", "global_batch_size", "precision",
@@ -169,29 +167,36 @@ def plan_problems(plan: Plan, constraints: Constraints) -> list[str]:
     return out
 
 
-def plan_options_problems(options: Mapping[str, Any]) -> list[str]:
-    """Problems with options for :func:`memguard.plan` (unknown names) that the guard would pass on.
+def _request(options: Mapping[str, Any], **filled: Any) -> PlanRequest:
+    """The :class:`PlanRequest` of the user's ``options`` and what the guard fills in.
 
-    The one place that knows how the planner takes its options (with :func:`call_planner`).
+    The one place that builds planner requests, for :func:`plan_options_problems` and :func:`call_planner`.
+
+    Raises:
+        ConfigError: an unknown option name (the message lists the accepted ones).
     """
-    from memguard.planner.search import plan as make_plan
+    return PlanRequest.from_options(**{**options, **filled})
 
-    params = inspect.signature(make_plan).parameters
-    accepted = [k for k, p in params.items()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY and not k.startswith("_") and k not in _NOT_OPTIONS]
-    unknown = sorted(k for k in options if k not in accepted)
-    if unknown:
-        return [f"unknown plan options {', '.join(unknown)}; memguard.plan accepts {', '.join(accepted)}"]
-    return []
+
+def plan_options_problems(options: Mapping[str, Any]) -> list[str]:
+    """Every problem with the user's options for :func:`memguard.plan`: unknown names and invalid values.
+
+    Checked before a batch is seen, so the values the guard fills in later stand in: one sample per
+    step, and ``device="cpu"`` unless given (the CUDA checks run when the planner gets the request).
+    """
+    try:
+        request = _request(options, global_batch_size=1, device=options.get("device", "cpu"))
+    except ConfigError as exc:
+        return list(exc.problems)
+    return request.problems()
 
 
 def call_planner(model: nn.Module, batch: Any, *, global_batch_size: int, optimizer: Any, loss_fn: LossFn | None,
                  world_size: int, options: Mapping[str, Any]) -> Plan:
     """:func:`memguard.plan` with the guard's arguments and the user's (checked) options."""
-    from memguard.planner.search import plan as make_plan
-
-    return make_plan(model, batch, global_batch_size=global_batch_size, optimizer=optimizer, loss_fn=loss_fn,
-                     world_size=world_size, **options)
+    request = _request(options, global_batch_size=global_batch_size, optimizer=optimizer, loss_fn=loss_fn,
+                       world_size=world_size)
+    return plan_request(model, batch, request)
 
 
 def option_problems(constraints: Constraints, *, plan: Any = None, micro_batch_size: Any = None,
@@ -229,7 +234,7 @@ def option_problems(constraints: Constraints, *, plan: Any = None, micro_batch_s
         out.append(f"max_grad_norm must be None or a positive number, got {max_grad_norm!r}")
     taken = sorted(k for k in options if k in c.taken)
     if taken:
-        out.append(f"{', '.join(taken)} come from {c.source}; drop them")
+        out.append(f"{', '.join(taken)} come from {c.source} and its arguments; drop them")
         options = {k: v for k, v in options.items() if k not in c.taken}
     if isinstance(plan, Plan):
         out += plan_problems(plan, c)

@@ -61,7 +61,8 @@ __all__ = ["prepare", "step", "guard_status", "GuardStatus", "compute_loss"]
 logger = logging.getLogger("memguard")
 
 # Plain PyTorch runs ZeRO stage 0, any precision (memguard casts, autocasts and scales), any accumulation.
-CONSTRAINTS = Constraints(source="memguard.prepare", precision_role="guard",
+CONSTRAINTS = Constraints(source="memguard.prepare", taken=("world_size", "optimizer", "loss_fn"),
+                          precision_role="guard",
                           fix_precision="pass another precision= to memguard.prepare")
 
 _HOW_TO_PREPARE = ("call model, optimizer = memguard.prepare(model, optimizer) first and pass the same model object "

@@ -475,7 +475,7 @@ def test_example_batch_plans_in_prepare_and_unknown_options_are_refused() -> Non
     prepare(model, opt, example_batch=batch, loss_fn=mse, budget_bytes=1 << 30, precision="32-true")
     status = guard_status(model)
     assert status.plan is not None and status.micro_batch_size == status.plan.micro_batch_size
-    with pytest.raises(ConfigError, match="unknown plan options budget_byte"):
+    with pytest.raises(ConfigError, match="unknown plan option 'budget_byte'"):
         prepare(model, opt, loss_fn=mse, budget_byte=1 << 30)
     with pytest.raises(ConfigError, match="needs DeepSpeed"):
         prepare(model, opt, loss_fn=mse, zero_stage=2)
