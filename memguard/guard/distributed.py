@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["RankGroup", "rank_group_of", "agree", "reserve_buckets", "all_reduce_gradients", "broadcast_buffers",
-           "plan_on_rank_zero", "OK", "OOM", "ERROR"]
+           "plan_on_rank_zero", "planning_error_payload", "rebuild_planning_error", "OK", "OOM", "ERROR"]
 
 #: Outcome codes one rank reports to :func:`agree`; MAX picks the worst.
 OK, OOM, ERROR = 0, 1, 2
@@ -193,16 +193,16 @@ def plan_on_rank_zero(rg: RankGroup | None, make_plan: Callable[[], Any]) -> Any
             payload = [{"plan": make_plan().to_dict()}]
         except Exception as exc:  # every rank must hear of it, or the others wait forever
             failure = exc
-            payload = [_error_payload(exc)]
+            payload = [planning_error_payload(exc)]
     dist.broadcast_object_list(payload, src=rg.src, group=rg.group)
     if failure is not None:
         raise failure
     if "error" in payload[0]:
-        raise _rebuilt_error(payload[0], Plan)
+        raise rebuild_planning_error(payload[0])
     return Plan.from_dict(payload[0]["plan"])
 
 
-def _error_payload(exc: BaseException) -> dict[str, Any]:
+def planning_error_payload(exc: BaseException) -> dict[str, Any]:
     """What the other ranks need to raise rank 0's planning error as it was (plain data only)."""
     from memguard.errors import ConfigError, InfeasiblePlanError
 
@@ -215,14 +215,17 @@ def _error_payload(exc: BaseException) -> dict[str, Any]:
     return out
 
 
-def _rebuilt_error(payload: dict[str, Any], plan_type: Any) -> Exception:
-    """Rank 0's planning error, rebuilt on another rank from :func:`_error_payload`."""
+def rebuild_planning_error(payload: dict[str, Any]) -> Exception:
+    """Rank 0's planning error, rebuilt on another rank from :func:`planning_error_payload`: a
+    ConfigError with the same ``.problems``, an InfeasiblePlanError with the same ``.closest`` and
+    ``.suggestions``, else a :class:`memguard.PeerFailedError` naming rank 0's error."""
     from memguard.errors import ConfigError, InfeasiblePlanError, PeerFailedError
+    from memguard.planner.plan import Plan
 
     if "problems" in payload:
         return ConfigError(payload["problems"])
     if "reason" in payload:
-        closest = plan_type.from_dict(payload["closest"]) if payload["closest"] is not None else None
+        closest = Plan.from_dict(payload["closest"]) if payload["closest"] is not None else None
         return InfeasiblePlanError(payload["reason"], closest=closest, suggestions=payload["suggestions"])
     return PeerFailedError(f"planning failed on rank 0 with {payload['type']}: {payload['error']} (see rank 0's log); "
                            "this rank stops too", rank=0)

@@ -161,7 +161,25 @@ def test_ddp_a_non_oom_error_on_one_rank_stops_both(tmp_path: Path) -> None:
     _finish([_start({**cfg, "rank": r}) for r in (0, 1)])
     r0, r1 = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
     assert r1["error"]["type"] == "KeyError" and "rank 1" in r1["error"]["message"]
-    assert r0["error"]["type"] == "MemguardError" and "rank 1 failed" in r0["error"]["message"]
+    # rank 0 did nothing wrong: it raises the distinct PeerFailedError, naming the rank that failed
+    assert r0["error"]["type"] == "PeerFailedError" and "rank 1 failed" in r0["error"]["message"]
+    assert r0["error"]["rank"] == 1
     assert len(r0["losses"]) == len(r1["losses"]) == 1
     assert r0["planned_micro_batch_size"] == r1["planned_micro_batch_size"] is not None
     assert r0["losses"][0] != r1["losses"][0]  # each rank's loss is over its own half of the batch
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_ddp_a_planning_failure_on_rank_zero_is_rebuilt_on_every_rank(tmp_path: Path) -> None:
+    # 64 KiB cannot hold this model's weights: rank 0's planner raises InfeasiblePlanError on the first
+    # step, and rank 1, which never planned, must raise the same error with the same closest plan and
+    # suggestions instead of waiting for a plan.
+    cfg = {"out": str(tmp_path), "mode": "ddp", "budget_mib": 20, "planned": 32, "steps": 1, "batch": 64,
+           "seq": 8, "world": 2, "port": _free_port(), "cap_ranks": [], "use_planner": True, "plan_budget": 64 << 10}
+    _finish([_start({**cfg, "rank": r}) for r in (0, 1)])
+    r0, r1 = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
+    assert r0["error"]["type"] == r1["error"]["type"] == "InfeasiblePlanError"
+    assert r1["error"]["suggestions"] == r0["error"]["suggestions"] and r0["error"]["suggestions"]
+    assert r1["error"]["closest"] == r0["error"]["closest"] is not None
+    assert r1["error"]["message"] == r0["error"]["message"]
+    assert r0["losses"] == r1["losses"] == []
