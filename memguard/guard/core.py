@@ -16,6 +16,24 @@ the Lightning callback, the Accelerate hooks. Each translates its framework onto
 
 What stays in a front-end is translation only: where its framework keeps the model, optimizer,
 precision, world size and batches, and which of its hooks calls which :class:`Guard` method.
+
+Adding a front-end:
+
+1. Describe the framework in a :class:`Constraints`: what it supplies itself (``taken``), the ZeRO
+   stages (sharding levels) it runs, the precisions it runs and who applies them
+   (``precision_role``), and what a given plan must match (world size, accumulation). An FSDP2
+   path of ``memguard.prepare(..., strategy="fsdp2")`` would declare ``zero_stages=(0, 3)``; a
+   transformers ``TrainerCallback`` the ``TrainingArguments``' precision (``bf16``/``fp16``), world
+   size and accumulation with ``precision_role="framework"``.
+2. Check its arguments with :func:`option_problems` (plus its own framework checks), raising one
+   :class:`memguard.ConfigError` with every problem.
+3. Make one :class:`Guard` per model and :func:`register` it; apply a given plan with
+   :meth:`Guard.apply`, or plan with :meth:`Guard.plan_and_apply` (or :meth:`Guard.make_plan` inside
+   :meth:`Guard.agree_on_plan` when the framework must prepare the example batch and loss).
+4. Per optimizer step: :meth:`Guard.open_window`, :meth:`Guard.run` for each batch, then
+   :meth:`Guard.optimizer_step` when memguard steps the optimizer, or :meth:`Guard.anchor` and
+   :meth:`Guard.end_window` when the framework runs the backward and the step itself.
+5. Report :meth:`Guard.status`, and call :meth:`Guard.undo` when the framework's run ends.
 """
 
 from __future__ import annotations
@@ -24,7 +42,7 @@ import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -113,6 +131,10 @@ class Constraints:
     fix_plan: str = "plan again with memguard.plan()"
     fix_precision: str = ""
     precision_role: str = "guard"
+
+    def __post_init__(self) -> None:
+        if self.precision_role not in PRECISION_ROLES:
+            raise ConfigError(f"precision_role must be one of {', '.join(PRECISION_ROLES)}, got {self.precision_role!r}")
 
     def planning_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """``options`` with what the front-end fixes: its precision, ZeRO stages and offload."""
