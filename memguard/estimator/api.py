@@ -110,9 +110,12 @@ def estimate(
 
     Known limitations:
         On a machine without a GPU the CUDA target is traced on CPU fake tensors: autocast
-        follows CUDA's op lists through memguard's emulation, attention follows the CPU's fused
-        kernels (the same O(sequence) memory as CUDA's flash/memory-efficient kernels), and
-        kernel-internal workspaces other than cuBLAS's are not counted.
+        follows CUDA's op lists through memguard's emulation, functions with a rule in the CUDA
+        kernel model (:mod:`memguard.estimator.cuda_kernels`) allocate what CUDA's kernels
+        allocate for the target GPU, other functions allocate what the CPU's kernels allocate,
+        and kernel-internal workspaces other than cuBLAS's are not counted. The CUDA estimate
+        reads ``PYTORCH_CUDA_ALLOC_CONF`` and ``CUBLAS_WORKSPACE_CONFIG`` from the environment
+        (see ``Estimate.notes``).
     """
     problems: list[str] = []
     check_common(precision=precision, zero_stage=zero_stage, world_size=world_size, device=device, problems=problems)

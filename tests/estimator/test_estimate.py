@@ -377,6 +377,17 @@ def test_tensor_batch():
     assert est.micro_batch_size == 32
 
 
+def test_a_batch_encoding_like_mapping_is_a_batch():
+    from collections import UserDict
+
+    class Encoding(UserDict):
+        """HF's BatchEncoding is a UserDict, not a dict."""
+
+    # any Mapping is passed as **batch and faked leaf by leaf, so it is the same step as a dict
+    plain = memguard.estimate(gpt2(), lm_batch(), device="cpu")
+    assert memguard.estimate(gpt2(), Encoding(lm_batch()), device="cpu") == plain
+
+
 def test_hf_model_output_loss_is_used():
     est = memguard.estimate(gpt2(), lm_batch(), device="cpu")
     # without loss_fn the model is called with **batch and its output's .loss is the loss: the very
