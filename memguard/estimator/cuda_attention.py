@@ -629,13 +629,20 @@ def _rerouted(func: Callable, target: CudaTarget) -> Callable:
         if clone is None:
             g = dict(func.__globals__)
             for name, value in func.__globals__.items():
-                rule = RULES.get(value) if callable(value) else None
-                if rule is not None and value is not func:
-                    g[name] = (lambda r, f: (lambda *a, **kw: r(target, f, a, kw)))(rule, value)
+                if callable(value) and value is not func and _is_ruled(value):
+                    # look the rule up at call time: rules registered later (or replaced) apply
+                    g[name] = (lambda f: (lambda *a, **kw: RULES[f](target, f, a, kw)))(value)
             clone = types.FunctionType(func.__code__, g, func.__name__, func.__defaults__, func.__closure__)
             clone.__kwdefaults__ = func.__kwdefaults__
             _MHA_CLONES[key] = clone
     return clone
+
+
+def _is_ruled(value: Any) -> bool:
+    try:
+        return value in RULES
+    except TypeError:  # an unhashable callable
+        return False
 
 
 @cuda_rule(F.multi_head_attention_forward)
