@@ -15,13 +15,15 @@ Sources (PyTorch 2.13 unless noted; file paths under ``aten/src/ATen/native/tran
 memory-efficient and cuDNN wrappers), ``attention.cpp`` (the math composite and mask handling).
 
 Known limitations:
-    Kernel workspaces that are not tensors returned to PyTorch are not modelled: the CUTLASS
-    memory-efficient backward's fp32 accumulation workspace (``kernel_backward.h``
-    ``workspace_size``), the memory-efficient forward's fp32 output accumulator for 16-bit head
-    dims above the single-iteration kernel's limit, flash's split-KV buffers (dropout-free calls
+    The memory-efficient backward's CUTLASS workspace is modelled by its lower bound (an fp32 dq
+    accumulator, ``kernel_backward.h``): tile padding and the dK/dV accumulators that 16-bit head
+    dims above the kernel's register limit need depend on the kernel ``dispatch_cutlassB`` picks, and
+    on sm70 16-bit kernels with large head dims compute delta with ATen ops (a transient fp32
+    product) rather than in the kernel. Not modelled: flash's split-KV buffers (dropout-free calls
     with too few blocks to fill the GPU, i.e. inference-sized), flash's deterministic-mode
     ``nsplits`` accumulator (needs the SM count) and cuDNN's workspace. The cuDNN preference on
-    sm90/sm100 needs the cuDNN version, which a CPU build cannot report: pass ``cudnn_version``.
+    sm90/sm100 needs the cuDNN version, which a CPU build cannot report: set :data:`CUDNN_VERSION`
+    (or pass ``cudnn_version`` to :func:`select_sdpa_backend`); unset, cuDNN attention is never chosen.
     Nested (jagged) tensors go to the CPU's own implementation. Grouped-query attention on the
     memory-efficient backend is modelled with k and v repeated per query head, as the math path's
     ``pre_process_group_query_attention_input`` does; the CUDA wrapper was not checked for it.
@@ -447,28 +449,34 @@ class _FlashAttention(torch.autograd.Function):
 
 
 class _EfficientAttention(torch.autograd.Function):
-    """``_scaled_dot_product_efficient_attention`` on CUDA (``_efficient_attention_forward`` and
-    ``_efficient_attention_backward``, cuda/attention.cu and cuda/attention_backward.cu)."""
+    """``_scaled_dot_product_efficient_attention`` on CUDA (``_efficient_attention_forward`` in
+    cuda/attention.cu, ``_efficient_attention_backward`` in cuda/attention_backward.cu)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, dropout_p: float, is_causal: bool, scale, compute_lse: bool):
+    def forward(ctx, q, k, v, bias, dropout_p: float, is_causal: bool, scale, compute_lse: bool, cap):
         b, h, s_q, _ = q.shape
         d_v = v.size(-1)
         out = _empty((b, s_q, h, d_v), q.dtype, q)  # res: [B, M, num_heads, Kv]
         lse = _empty(efficient_saved_shapes(b, h, s_q, compute_lse)["logsumexp"][0], torch.float32, q)
+        if q.dtype in _HALF and d_v > 128:
+            # kNeedsOutputAccumulatorBuffer (kernel_forward.h): 16-bit outputs need an fp32
+            # accumulator when no single-value-iteration kernel fits (the largest has kMaxK = 128)
+            accum = _empty((b, s_q, h, d_v), torch.float32, q)
+            del accum
         # philox seed and offset: CPU scalar tensors outside CUDA graph capture (no device memory)
         ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.cap = cap
         return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, bias, out, lse = ctx.saved_tensors
+        b, h, m, d = q.shape
         dout = _bshd(grad_out).contiguous()  # "handle potentially non-contiguous grad_out through a copy"
-        q_t, k_t, v_t = _bshd(q), _bshd(k), _bshd(v)
-        # grad_q/k/v: empty_strided with the inputs' sizes and strides
-        dq = torch.empty_strided(q_t.shape, q_t.stride(), dtype=q.dtype, device=q.device)
-        dk = torch.empty_strided(k_t.shape, k_t.stride(), dtype=k.dtype, device=k.device)
-        dv = torch.empty_strided(v_t.shape, v_t.stride(), dtype=v.dtype, device=v.device)
+        # grad_q/k/v: at::empty(query.sizes()) of the [B, M, H, K] views: contiguous in that layout
+        dq = _empty(_bshd(q).shape, q.dtype, q)
+        dk = _empty(_bshd(k).shape, k.dtype, k)
+        dv = _empty(_bshd(v).shape, v.dtype, v)
         dbias = None
         if bias is not None and ctx.needs_input_grad[3]:
             # grad_bias: the last dim padded to 16 elements, then sliced back
@@ -476,8 +484,19 @@ class _EfficientAttention(torch.autograd.Function):
             last = size[-1]
             size[-1] = _round_up(last, 16)
             dbias = _empty(size, bias.dtype, bias)[..., :last]
-        del dout
-        return _bshd(dq), _bshd(dk), _bshd(dv), dbias, None, None, None, None
+        if q.dtype in _HALF:
+            delta = _empty((b, h, m), torch.float32, q)  # kKernelComputesDelta: the kernel fills it
+        else:
+            # fp32 kernels: delta = (grad_out * out).sum(-1), transposed to [B, H, M], by ATen ops
+            delta = (dout.float() * out.float()).sum(-1).transpose(-2, -1).contiguous()
+        # workspace: kNeedsAccumGradQ holds on sm70+ (split keys) and for 16-bit outputs, so dq is
+        # accumulated in fp32 (kernel_backward.h workspace_elements_gq): at least B*H*M*K floats;
+        # tile padding, per-tile headers and the dK/dV accumulators of large head dims are not modelled
+        workspace = None
+        if ctx.cap >= (7, 0) or q.dtype in _HALF:
+            workspace = _empty((b * h * m * d * 4,), torch.uint8, q)
+        del workspace, delta, dout
+        return _bshd(dq), _bshd(dk), _bshd(dv), dbias, None, None, None, None, None
 
 
 class _CudnnAttention(torch.autograd.Function):
@@ -572,7 +591,8 @@ def _efficient_bias(mask: torch.Tensor | None, q, k) -> torch.Tensor | None:
     return mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
 
 
-#: set by callers that know the build's cuDNN version (``torch.backends.cudnn.version()``)
+#: The cuDNN version of the modelled CUDA build (``torch.backends.cudnn.version()`` there, e.g.
+#: 91000 for 9.10.0); None: unknown, so cuDNN attention is not chosen (a CPU build cannot report it).
 CUDNN_VERSION: int | None = None
 
 
@@ -600,7 +620,7 @@ def sdpa_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> 
             groups = q.size(1) // k.size(1)
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        return _EfficientAttention.apply(q, k, v, bias, dropout_p, is_causal, scale, grad)
+        return _EfficientAttention.apply(q, k, v, bias, dropout_p, is_causal, scale, grad, tuple(target.capability))
     if backend == "cudnn":
         return _CudnnAttention.apply(q, k, v, _float_mask(mask, q.dtype), dropout_p, is_causal, scale, grad)
     return _math_attention(q, k, v, mask, dropout_p, is_causal, scale, gqa, upcast=not settings.math_reduced_precision)

@@ -205,11 +205,23 @@ def test_efficient_bytes_match_attention_cu():
     # _efficient_attention_forward: res [B, M, H, Kv] fp32 and logsumexp [B, H, 128] (32-row padding);
     # seed/offset are CPU scalars: nothing more on the device
     assert fwd == Counter([bhsd, b * h * 128 * 4])
-    # backward: grad_q/k/v = empty_strided(sizes, strides of q/k/v): q, k, v are views of one packed
-    # [B, S, 3*H*D] projection, so each gradient spans that stride pattern's whole extent,
-    # 1 + sum((size - 1) * stride) elements = B*S*3*H*D - 2*H*D (as on the GPU)
-    extent = (b * s * 3 * h * d - 2 * h * d) * 4
-    assert Counter([extent] * 3) - bwd == Counter()
+    # backward (_efficient_attention_backward): grad_q/k/v = at::empty of the [B, M, H, K] views;
+    # fp32 kernels leave delta to ATen: (grad_out * out) [B, M, H, Kv] fp32, .sum(-1) [B, M, H],
+    # .transpose(-2, -1).contiguous() [B, H, M]; the fp32 dq accumulation workspace (kNeedsAccumGradQ
+    # on sm70+), at least B*H*M*K floats
+    expected = Counter([bhsd] * 3 + [bhsd, b * s * h * 4, b * h * s * 4] + [bhsd])
+    assert expected - bwd == Counter()
+
+
+def test_efficient_16bit_kernel_computes_delta_and_accumulates_large_head_dims():
+    b, h, s, d = 2, 2, 64, 160  # d > 128: no single-value-iteration forward kernel
+    fwd, bwd = _allocations(A100, torch.bfloat16, b=b, h=h, s=s, d=d, mask=True)  # mask: no flash
+    bhsd = b * h * s * d * 2
+    # forward: res bf16, logsumexp fp32 [B, H, 64], and the fp32 output accumulator (freed)
+    assert Counter([bhsd, b * h * 64 * 4, bhsd * 2]) - fwd == Counter()
+    # backward: delta [B, H, M] fp32 from the kernel (kKernelComputesDelta for 16-bit), workspace
+    assert Counter([bhsd] * 3 + [b * h * s * 4, b * h * s * d * 4]) - bwd == Counter()
+    assert bhsd * 2 not in bwd or bwd[bhsd * 2] == 1  # no fp32 grad_out * out product (only the workspace)
 
 
 def test_efficient_bool_mask_is_converted_and_padded():
