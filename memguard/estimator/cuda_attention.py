@@ -24,6 +24,10 @@ Known limitations:
     ``nsplits`` accumulator (needs the SM count) and cuDNN's workspace. The cuDNN preference on
     sm90/sm100 needs the cuDNN version, which a CPU build cannot report: set :data:`CUDNN_VERSION`
     (or pass ``cudnn_version`` to :func:`select_sdpa_backend`); unset, cuDNN attention is never chosen.
+    The cuDNN rule's output layout and seed/offset tensors follow ``cudnn/MHA.cpp`` as read for
+    earlier 2.x releases; only its backward (``_cudnn_attention_backward``) was re-read for 2.13.
+    Torch 2.5.0 put cuDNN first on sm90 and 2.5.1 took that back: ``CudaTarget.torch_version``
+    carries no patch level, so 2.5 is modelled as 2.5.1.
     Nested (jagged) tensors go to the CPU's own implementation. Grouped-query attention on the
     memory-efficient backend is modelled with k and v repeated per query head, as the math path's
     ``pre_process_group_query_attention_input`` does; the CUDA wrapper was not checked for it.
@@ -507,13 +511,15 @@ class _CudnnAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, dropout_p: float, is_causal: bool, scale, compute_stats: bool):
         b, h, s_q, _ = q.shape
         d_v = v.size(-1)
-        # the output takes the query's [B, S, H, D] layout when the query has it, else contiguous
-        if _bshd(q).is_contiguous():
-            out = _bshd(_empty((b, s_q, h, d_v), q.dtype, q))
-        else:
-            out = _empty((b, h, s_q, d_v), q.dtype, q)
-        # softmax stats [B, H, S_q, 1] fp32 when training; seed and offset: 1-element int64 tensors
-        stats = _empty((b, h, s_q, 1) if compute_stats else (0,), torch.float32, q)
+        # alloc_with_matching_layout (cudnn/MHA.cpp): the output's dims are laid out in the order
+        # of the query's strides (a packed [B, S, 3*H*D] projection gives [B, S, H, D] memory)
+        order = sorted(range(4), key=lambda i: -q.stride(i))
+        shape = (b, h, s_q, d_v)
+        out = _empty([shape[i] for i in order], q.dtype, q).permute([order.index(i) for i in range(4)])
+        # softmax stats fp32 [B, H, S_q] when training (attention_backward.cu hands cuDNN
+        # logsumexp.unsqueeze(-1)); seed and offset: 1-element int64 device tensors (cudnn/MHA.cpp,
+        # not re-read for 2.13: Known limitations)
+        stats = _empty((b, h, s_q) if compute_stats else (0,), torch.float32, q)
         seed = _empty((1,), torch.int64, q)
         offset = _empty((1,), torch.int64, q)
         ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
@@ -623,7 +629,9 @@ def sdpa_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> 
         return _EfficientAttention.apply(q, k, v, bias, dropout_p, is_causal, scale, grad, tuple(target.capability))
     if backend == "cudnn":
         return _CudnnAttention.apply(q, k, v, _float_mask(mask, q.dtype), dropout_p, is_causal, scale, grad)
-    return _math_attention(q, k, v, mask, dropout_p, is_causal, scale, gqa, upcast=not settings.math_reduced_precision)
+    # the fp32 upcast of 16-bit inputs came with allow_fp16_bf16_reduction_math_sdp in torch 2.5
+    upcast = target.torch_version >= (2, 5) and not settings.math_reduced_precision
+    return _math_attention(q, k, v, mask, dropout_p, is_causal, scale, gqa, upcast=upcast)
 
 
 # ---------------------------------------------------------------------------------------------

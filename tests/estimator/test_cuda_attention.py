@@ -302,3 +302,44 @@ def test_multihead_attention_without_weights_runs_the_chosen_kernel():
         assert b * h * s * s * 2 not in sizes and b * h * s * s * 4 not in sizes  # no probabilities
     finally:
         gc.enable()
+
+
+def test_cudnn_bytes(monkeypatch):
+    # H100 with cuDNN 9.16: check_prefer_cudnn_attention puts cuDNN first; dropout 0.125 = 2/16 passes
+    # check_cudnn_dropout. Forward: the output in the query's [B, S, H, D] memory layout (so the
+    # caller's transpose(1, 2).reshape copies nothing), fp32 stats [B, H, S], int64 seed and offset;
+    # backward: dq, dk, dv like q, k, v (_cudnn_attention_backward)
+    monkeypatch.setattr(ca, "CUDNN_VERSION", 91600)
+    b, h, s, d = 2, 4, 128, 64
+    fwd, bwd = _allocations(H100, torch.bfloat16, b=b, h=h, s=s, d=d, dropout=0.125)
+    bhsd = b * h * s * d * 2
+    assert fwd == Counter([bhsd, b * h * s * 4, 8, 8])
+    assert Counter([bhsd] * 3) - bwd == Counter()
+
+
+def test_math_upcast_follows_the_torch_version():
+    # bf16 on sm70 takes the math path (table above). torch >= 2.5 computes it in fp32: q, k, v are
+    # upcast (three fp32 copies); a 2.4 target keeps bf16 throughout
+    b, h, s, d = 1, 2, 48, 64  # sizes with distinct byte counts for [B, H, S, D] and [B, H, S, S]
+
+    def math_fwd(version):
+        gc.disable()
+        try:
+            with FakeTensorMode():
+                q = torch.empty(b, h, s, d, dtype=torch.bfloat16, requires_grad=True)
+                trace = Trace()
+                with _Recorder(trace) as rec, CudaKernelModel(CudaTarget(V100, version)):
+                    rec.register(q, "inputs")
+                    n0 = len(trace.events)
+                    F.scaled_dot_product_attention(q, q, q)
+            return Counter(n for _, n in trace.events[n0:] if n > 0)
+        finally:
+            gc.enable()
+
+    new, old = math_fwd((2, 13)), math_fwd((2, 4))
+    fp32, bf16 = b * h * s * d * 4, b * h * s * d * 2
+    # 2.13: q, k, v upcast, q and k^T scaled, attn @ v: six fp32 [B, H, S, D]; bf16 output
+    assert new[fp32] == 6 and new[bf16] == 1
+    # 2.4: nothing in fp32; scaled q, scaled k^T, attn @ v in bf16 (the output cast is a no-op)
+    assert fp32 not in old and b * h * s * s * 4 not in old
+    assert old[bf16] == 3
