@@ -39,7 +39,7 @@ import math
 import threading
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,7 @@ __all__ = [
     "select_sdpa_backend",
     "flash_saved_shapes",
     "efficient_saved_shapes",
+    "CUDNN_VERSION",
 ]
 
 Backend = Literal["flash", "efficient", "cudnn", "math"]
@@ -605,7 +606,11 @@ CUDNN_VERSION: int | None = None
 @cuda_rule(F.scaled_dot_product_attention)
 def sdpa_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Run ``F.scaled_dot_product_attention`` as CUDA would on ``target``: choose the backend by
-    :func:`select_sdpa_backend` and allocate what that backend's kernels allocate."""
+    :func:`select_sdpa_backend` and allocate what that backend's kernels allocate.
+
+    Raises:
+        ConfigError: no backend is enabled that accepts the inputs (CUDA would fail the same way).
+    """
     p = _sdpa_args(args, kwargs)
     q, k, v = p["query"], p["key"], p["value"]
     if any(t.is_nested for t in (q, k, v)):
