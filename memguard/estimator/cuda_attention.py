@@ -415,6 +415,20 @@ def _pad_last_dim(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(t, (0, multiple - d % multiple))
 
 
+def _kernel_body(fn: Callable) -> Callable:
+    """Run a rule's backward with ``__torch_function__`` handling off: autograd calls it while the
+    trace's modes are active (the CUDA autocast emulation would recast its ops), and the CUDA
+    kernel it stands for sees no autocast and no Python overrides either."""
+
+    def wrapped(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+
+    wrapped.__name__ = fn.__name__
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
 class _FlashAttention(torch.autograd.Function):
     """``_scaled_dot_product_flash_attention`` on CUDA: ``mha_fwd``/``mha_bwd`` allocations."""
 
@@ -433,6 +447,7 @@ class _FlashAttention(torch.autograd.Function):
         return _bshd(out)
 
     @staticmethod
+    @_kernel_body
     def backward(ctx, grad_out):
         q, k, v, out_bshd, lse, seed, offset = ctx.saved_tensors
         b, h, h_k, s_q, s_k, d = ctx.meta
@@ -474,6 +489,7 @@ class _EfficientAttention(torch.autograd.Function):
         return out.transpose(1, 2)
 
     @staticmethod
+    @_kernel_body
     def backward(ctx, grad_out):
         q, k, v, bias, out, lse = ctx.saved_tensors
         b, h, m, d = q.shape
@@ -527,6 +543,7 @@ class _CudnnAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_kernel_body
     def backward(ctx, grad_out):
         q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
         dout = grad_out

@@ -343,3 +343,43 @@ def test_math_upcast_follows_the_torch_version():
     # 2.4: nothing in fp32; scaled q, scaled k^T, attn @ v in bf16 (the output cast is a no-op)
     assert fp32 not in old and b * h * s * s * 4 not in old
     assert old[bf16] == 3
+
+
+def test_flash_gqa_backward_ignores_the_trace_modes():
+    # GQA on flash: mha_bwd computes dk, dv for every query head ([B, S_k, H, D] each) and sums
+    # them into [B, S_k, H_k, D]. Autograd runs the rule's backward while the trace's modes are
+    # active (the CUDA autocast emulation, which would recast the sum); the rule must not see them.
+    from torch.overrides import TorchFunctionMode
+
+    used_by_the_rule = {torch.sum, torch.empty, torch.empty_like, torch.Tensor.contiguous, torch.Tensor.view}
+
+    class Hostile(TorchFunctionMode):  # stands in for the autocast emulation
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in used_by_the_rule:
+                raise AssertionError(f"a rule's backward reached a TorchFunctionMode with {func}")
+            return func(*args, **(kwargs or {}))
+
+    b, h, h_k, s, d = 2, 8, 2, 64, 64
+    gc.disable()
+    try:
+        with FakeTensorMode():
+            q = torch.empty(b, h, s, d, dtype=torch.bfloat16, requires_grad=True)
+            k = torch.empty(b, h_k, s, d, dtype=torch.bfloat16, requires_grad=True)
+            v = torch.empty(b, h_k, s, d, dtype=torch.bfloat16, requires_grad=True)
+            trace = Trace()
+            with _Recorder(trace):
+                with CudaKernelModel(CudaTarget(A100)):
+                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
+                grad = torch.empty_like(out)
+                n0 = len(trace.events)
+                from torch.autograd.variable import Variable
+
+                with Hostile():  # engine call: Tensor.backward would itself go through the mode
+                    Variable._execution_engine.run_backward((out,), (grad,), False, False, (), allow_unreachable=True,
+                                                            accumulate_grad=True)
+        bwd = Counter(n for _, n in trace.events[n0:] if n > 0)
+        expanded = b * s * h * d * 2
+        assert bwd[expanded] >= 3  # dq and the two expanded dk, dv (all [B, S, H, D] bf16)
+        assert q.grad is not None and k.grad.shape == (b, h_k, s, d)
+    finally:
+        gc.enable()
