@@ -383,3 +383,40 @@ def test_flash_gqa_backward_ignores_the_trace_modes():
         assert q.grad is not None and k.grad.shape == (b, h_k, s, d)
     finally:
         gc.enable()
+
+
+def _sizes(fn, dtype, b=2, h=3, s=40, d=16):
+    """Storage sizes ``fn(q, k, v)`` allocates on fake CPU tensors (q, k, v packed as in a block)."""
+    gc.disable()
+    try:
+        with FakeTensorMode():
+            x = torch.empty(b, s, 3 * h * d, dtype=dtype, requires_grad=True)
+            q, k, v = x.view(b, s, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+            trace = Trace()
+            with _Recorder(trace):
+                fn(q, k, v)
+        return Counter(n for _, n in trace.events if n > 0)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_math_rule_allocates_what_the_installed_composite_does(dtype):
+    # the math path is one composite on every device (_scaled_dot_product_attention_math); run the
+    # installed torch's own on the CPU and compare: without dropout the sizes must agree exactly
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def torch_math(q, k, v, p=0.0):
+        with sdpa_kernel(SDPBackend.MATH):
+            F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+
+    def ours(q, k, v, p=0.0):
+        ca._math_attention(q, k, v, None, p, False, None, False, upcast=True)
+
+    assert _sizes(ours, dtype) == _sizes(torch_math, dtype)
+    # with dropout the CPU keeps a mask in the compute dtype (fp32 here: 16-bit inputs are upcast),
+    # CUDA's native_dropout a bool mask: exactly that one tensor differs
+    b, h, s = 2, 3, 40
+    cpu = _sizes(lambda q, k, v: torch_math(q, k, v, 0.1), dtype)
+    cuda = _sizes(lambda q, k, v: ours(q, k, v, 0.1), dtype)
+    assert cpu - cuda == Counter({b * h * s * s * 4: 1}) and cuda - cpu == Counter({b * h * s * s: 1})
