@@ -604,14 +604,17 @@ def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
 
 
 def _efficient_bias(mask: torch.Tensor | None, q, k) -> torch.Tensor | None:
-    """``preprocess_mask`` (attention.cpp): pad the bias's last dim to a multiple of 16 (a copy)
-    unless its strides are aligned, then expand to [B, H, S_q, S_k] (a view)."""
+    """``preprocess_mask`` (attention.cpp, torch 2.5.1 to 2.13): unless every stride but the last is
+    a multiple of ``mem_eff_alignment`` = 8 and the last is 1, pad the last dim by
+    ``8 - last % 8`` (a copy; a full 8 when it is already a multiple) and slice back; then expand to
+    [B, H, S_q, S_k] (a view)."""
     if mask is None:
         return None
-    align = 16  # mem_eff_alignment
-    if any(st % align for st in mask.stride()[:-1]):
+    align = 8  # mem_eff_alignment
+    aligned = all(st % align == 0 for st in mask.stride()[:-1]) and mask.stride(-1) == 1
+    if not aligned:
         last = mask.size(-1)
-        mask = F.pad(mask, (0, align - last % align if last % align else 0))[..., :last]
+        mask = F.pad(mask, (0, align - last % align))[..., :last]
     return mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
 
 

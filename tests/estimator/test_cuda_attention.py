@@ -225,15 +225,20 @@ def test_efficient_16bit_kernel_computes_delta_and_accumulates_large_head_dims()
 
 
 def test_efficient_bool_mask_is_converted_and_padded():
-    # a bool mask becomes a float bias (convert_boolean_attn_mask), padded to 16 columns when its
-    # strides are unaligned (preprocess_mask); S=100 keeps stride 100 (not a multiple of 16)
+    # a bool mask becomes a float bias (convert_boolean_attn_mask); preprocess_mask pads it when a
+    # stride is not a multiple of 8: S=100 gives row stride 100, so 8 - 100 % 8 = 4 columns more
     b, h, s, d = 2, 4, 100, 64
     with FakeTensorMode(), CudaKernelModel(CudaTarget(A100)):
         q = torch.empty(b, h, s, d, dtype=torch.float32)
         m = torch.ones(b, 1, s, s, dtype=torch.bool)
         bias = ca._efficient_bias(ca._float_mask(m, q.dtype), q, q)
         assert bias.shape == (b, h, s, s)
-        assert bias.untyped_storage().nbytes() == b * s * 112 * 4
+        assert bias.untyped_storage().nbytes() == b * s * 104 * 4
+        # aligned strides (S=96): no copy, the converted mask itself is expanded
+        m96 = torch.ones(b, 1, 96, 96, dtype=torch.bool)
+        q96 = torch.empty(b, h, 96, d, dtype=torch.float32)
+        bias96 = ca._efficient_bias(ca._float_mask(m96, q96.dtype), q96, q96)
+        assert bias96.untyped_storage().nbytes() == b * 96 * 96 * 4
 
 
 def test_math_path_keeps_a_bool_dropout_mask():
