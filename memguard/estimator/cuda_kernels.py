@@ -30,11 +30,29 @@ class CudaTarget:
         capability: the compute capability ``(major, minor)``, e.g. ``(8, 0)`` for an A100.
         torch_version: the installed torch's ``(major, minor)``, whose kernels are modelled.
         vendor: ``"nvidia"`` or ``"amd"`` (ROCm builds choose other attention kernels).
+        sm_count: streaming multiprocessors, where a kernel's choice depends on them (layer-norm
+            weight gradients, :func:`memguard.estimator.cuda_rules.layer_norm_partial_rows`);
+            None when unknown (the SM-dependent paths are then not modelled).
+        conv_workspace_bytes: a bound on each cuDNN convolution workspace, or None to read
+            ``CUDNN_CONV_WSCAP_DBG`` (see :func:`memguard.estimator.cuda_rules.conv_workspace_cap_bytes`).
     """
 
     capability: tuple[int, int] = (8, 0)
     torch_version: tuple[int, int] = (2, 13)
     vendor: str = "nvidia"
+    sm_count: int | None = None
+    conv_workspace_bytes: int | None = None
+
+    @classmethod
+    def for_spec(cls, spec: Any = None, **overrides: Any) -> "CudaTarget":
+        """The target for a catalog GPU (``memguard.estimator.gpus.GPUSpec``, or None for the
+        generic one) and the installed torch; ``overrides`` replace single fields."""
+        fields: dict[str, Any] = {"torch_version": _torch_version()}
+        if spec is not None:
+            fields["capability"] = tuple(spec.compute_capability)
+            fields["vendor"] = spec.vendor
+        fields.update(overrides)
+        return cls(**fields)
 
 
 #: A rule: ``rule(target, func, args, kwargs) -> result`` runs instead of ``func(*args, **kwargs)``.
