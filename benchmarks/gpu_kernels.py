@@ -10,6 +10,9 @@ AdamW step, the script runs the op on small shapes on a real GPU and records, fr
 * ``backward_peak`` / ``backward_kept``: the same for the backward, driven by a pre-built
   gradient of ones, above the state it started in.
 
+A few ops without a rule (``mse_loss``, ``batch_norm``, ``group_norm``; kind ``no-rule``) are
+measured too: for them the model is the CPU trace, and the GPU shows whether CUDA agrees.
+
 Next to each it writes what memguard says for the same op: the op run on CPU fake tensors under
 :class:`memguard.estimator.cuda_kernels.CudaKernelModel` (``model_*``) and as the CPU trace
 records it without the kernel model (``cpu_trace_*``), each allocation rounded up to the caching
@@ -116,6 +119,12 @@ def _indices_and_table(shape, vocab: int, dim: int):
     return make
 
 
+def _batch_norm_inputs(device: str) -> tuple:
+    c = 64
+    return (torch.randn(32, c, 28, 28, device=device).requires_grad_(), torch.ones(c, device=device).requires_grad_(),
+            torch.zeros(c, device=device).requires_grad_(), torch.zeros(c, device=device), torch.ones(c, device=device))
+
+
 def _autocast_fp16_emulated():
     from memguard.estimator.autocast import CudaAutocastEmulation
 
@@ -151,6 +160,13 @@ def kernel_cases() -> list[KernelCase]:
         KernelCase("embedding/sorted", _indices_and_table((8, 1024), 50257, 768), lambda i, w: F.embedding(i, w),
                    note="8192 indices > 3072: sort-based backward (cub temp storage not modelled)"),
         KernelCase("embedding/small", _indices_and_table((2, 512), 50257, 768), lambda i, w: F.embedding(i, w)),
+        # no rule: the CPU trace's figures are the model; the GPU shows whether CUDA agrees
+        KernelCase("mse_loss/fp32", _with_params((1024, 1024), [(1024, 1024)]), lambda x, t: F.mse_loss(x, t),
+                   kind="no-rule", note="CPU correction: the reduced loss keeps its unreduced buffer"),
+        KernelCase("batch_norm/fp32", _batch_norm_inputs, lambda x, w, b, rm, rv: F.batch_norm(x, rm, rv, w, b, True),
+                   kind="no-rule", note="CUDA takes cudnn_batch_norm (reserve space)"),
+        KernelCase("group_norm/fp32", _with_params((32, 64, 28, 28), [(64,), (64,)]),
+                   lambda x, w, b: F.group_norm(x, 8, w, b), kind="no-rule"),
         KernelCase("conv2d/capped", _with_params((16, 64, 56, 56), [(64, 64, 3, 3)]),
                    lambda x, w: F.conv2d(x, w, padding=1), kind="bound",
                    note="cuDNN workspace bounded by CUDNN_CONV_WSCAP_DBG"),

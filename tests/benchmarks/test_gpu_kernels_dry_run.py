@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_kernels.py"
 FAMILIES = {"dropout", "log_softmax", "softmax", "cross_entropy", "layer_norm", "rms_norm", "embedding", "conv2d",
-            "adamw"}
+            "adamw", "mse_loss", "batch_norm", "group_norm"}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,10 @@ def test_model_figures_follow_the_cuda_kernels(dry_run):
     m, h = 8192, 1024
     assert rows["rms_norm/fp32"]["model_forward_kept"] == 4 * m * h + 4 * m
     assert rows["rms_norm/fp32"]["cpu_trace_forward_kept"] > 4 * m * h + 4 * m
+    # ops without a rule: the model is the CPU trace
+    for name in ("mse_loss/fp32", "batch_norm/fp32", "group_norm/fp32"):
+        assert rows[name]["kind"] == "no-rule"
+        assert rows[name]["model_forward_kept"] == rows[name]["cpu_trace_forward_kept"]
     # the capped convolution allocates the 64 MiB cap in forward and backward (a bound)
     conv = rows["conv2d/capped"]
     assert conv["kind"] == "bound"
