@@ -33,6 +33,15 @@ Cross-entropy needs no rule of its own: ``cross_entropy`` is composite (``LossNL
 (``cuda/Loss.cu``) allocate what the meta kernels do (``output``, ``total_weight``; a zeroed
 ``grad_input``). Its only CUDA difference is the fp16 ``log_softmax`` above, which the rule covers.
 Optimizers need none either; see :func:`cuda_optimizer_path`.
+
+Known limitations:
+    Memory a CUDA library allocates through the caching allocator without a tensor is not
+    modelled where its size is decided at run time: CUB's temporary storage in the embedding
+    backward's radix sort and segment scans, cuDNN convolution workspaces without a cap, and the
+    cuDNN RNN reserve space. Batch and group norm keep per-channel (``[C]``) or per-group
+    (``[N, G]``) statistics on both devices and have no rule; their CUDA backwards' ``[N, C]``
+    accumulate-type scratch (cuda/group_norm_kernel.cu) is not modelled.
+    ``benchmarks/gpu_kernels.py`` measures each of these next to the model on a real GPU.
 """
 
 from __future__ import annotations
