@@ -289,7 +289,8 @@ def _worker(name: str) -> dict[str, Any]:
     torch.set_num_threads(1)  # one intra-op thread: deterministic, comparable, kind to shared cores
     import memguard
     from benchmarks.zoo import CASES as ZOO
-    from memguard.planner.search import Planner
+    from memguard.planner.request import PlanRequest
+    from memguard.planner.search import Planner, plan_request
 
     case, zoo = CASES[name], ZOO[name]
     model, batch, loss_fn = zoo.build("cpu")
@@ -303,19 +304,20 @@ def _worker(name: str) -> dict[str, Any]:
     planner = Planner(model, batch, optimizer=zoo.optimizer, loss_fn=loss_fn, device="cpu")
     rows = []
     for t, budget in zip(case.targets, budgets):
-        traces_before = len(planner._traces)
+        traces_before = planner.trace_count
         t0 = time.perf_counter()
         try:
-            p = memguard.plan(model, batch, global_batch_size=GLOBAL_BATCH, device="cpu", budget_bytes=budget,
-                              headroom=0.0, precision="32-true", activation_checkpointing=False,
-                              optimizer=zoo.optimizer, loss_fn=loss_fn, _planner=planner)
+            request = PlanRequest(global_batch_size=GLOBAL_BATCH, device="cpu", budget_bytes=budget, headroom=0.0,
+                                  precision="32-true", activation_checkpointing=False, optimizer=zoo.optimizer,
+                                  loss_fn=loss_fn)
+            p = plan_request(model, batch, request, planner=planner)
             mg = {"micro_batch_size": p.micro_batch_size, "grad_accum_steps": p.grad_accum_steps,
                   "predicted_peak_bytes": int(p.estimate.peak_bytes)}
         except memguard.InfeasiblePlanError as exc:
             mg = {"micro_batch_size": None, "error": str(exc).splitlines()[0]}
         plan_s = time.perf_counter() - t0
         mg["plan_seconds"] = round(plan_s, 3)
-        mg["new_traces"] = len(planner._traces) - traces_before
+        mg["new_traces"] = planner.trace_count - traces_before
         truth = real.largest_divisor(budget)
         if mg["micro_batch_size"] is not None:
             mg["real_peak_bytes"] = real.measure(mg["micro_batch_size"])

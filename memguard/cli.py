@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from memguard.errors import ConfigError, InfeasiblePlanError, MemguardError, MissingDependencyError
+from memguard.planner.request import DEFAULT_HEADROOM, PlanRequest
+from memguard.vocab import PRECISION_ALIASES, PRECISIONS, format_bytes, parse_bytes
 
 __all__ = ["main", "build_parser", "parse_bytes", "load_model", "LoadedModel"]
 
@@ -57,43 +59,19 @@ EXIT_OK = 0
 EXIT_INFEASIBLE = 1
 EXIT_USAGE = 2
 
-_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
-# Lightning's short precision names ("bf16" is "bf16-mixed", "16" is "16-mixed", "32" is
-# "32-true"; lightning.fabric.connector's precision aliases).
-_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-
-# Decimal (SI) and binary (IEC) units; a bare K/M/G/T is binary, as in `free -g` and docker.
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+#: How the command line spells memguard.plan's options, for PlanRequest's problem sentences.
+CLI_OPTIONS = {
+    "global_batch_size": "--global-batch-size", "gpu": "--gpu", "budget_bytes": "--budget",
+    "world_size": "--world-size", "device": "--device", "precision": "--precision",
+    "activation_checkpointing": "--activation-checkpointing", "zero_stage": "--zero-stage",
+    "offload_optimizer": "--offload-optimizer", "headroom": "--headroom", "cache": "--cache",
+    "keep_outputs": "--keep-outputs",
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
 # ------------------------------------------------------------------------------------------
 # Argument types
 # ------------------------------------------------------------------------------------------
-
-
-def parse_bytes(text: str) -> int:
-    """Parse a memory size: ``"40GiB"``, ``"80GB"``, ``"1.5TiB"``, ``"512M"``, ``"1000000"``.
-
-    ``KB``/``MB``/``GB``/``TB`` are powers of 1000, ``KiB``/``MiB``/``GiB``/``TiB`` and the bare
-    ``K``/``M``/``G``/``T`` powers of 1024; case is ignored; a plain number is bytes.
-
-    Raises:
-        ValueError: not a positive size.
-    """
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a memory size; write e.g. 40GiB, 80GB, 1.5TiB or a number of bytes")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"{text!r} must be more than 0 bytes")
-    return value
 
 
 def _bytes_arg(text: str) -> int:
@@ -106,10 +84,10 @@ def _bytes_arg(text: str) -> int:
 def _precision_list(text: str) -> list[str]:
     out = []
     for part in (p.strip() for p in text.split(",")):
-        name = _PRECISION_ALIASES.get(part, part)
-        if name not in _PRECISIONS:
+        name = PRECISION_ALIASES.get(part, part)
+        if name not in PRECISIONS:
             raise argparse.ArgumentTypeError(
-                f"{part!r} is not a precision; use {', '.join(_PRECISIONS)} (or a comma list of them)"
+                f"{part!r} is not a precision; use {', '.join(PRECISIONS)} (or a comma list of them)"
             )
         out.append(name)
     return out
@@ -246,7 +224,7 @@ def _target_options(parser: argparse.ArgumentParser, *, budget_help: str) -> arg
 def _knob_options(parser: argparse.ArgumentParser, *, headroom: bool = True) -> None:
     g = parser.add_argument_group("plan constraints (default: memguard chooses)")
     g.add_argument("--precision", type=_precision_list, action="extend", metavar="P[,P...]",
-                   help="restrict the precision: " + ", ".join(_PRECISIONS) + " (repeatable or a comma list; "
+                   help="restrict the precision: " + ", ".join(PRECISIONS) + " (repeatable or a comma list; "
                         "bf16, 16 and 32 are Lightning's short names)")
     g.add_argument("--activation-checkpointing", choices=tuple(_TRISTATE), default="auto",
                    help="checkpoint repeated blocks: auto (the fewest that fit, if any), on (required), off")
@@ -256,9 +234,17 @@ def _knob_options(parser: argparse.ArgumentParser, *, headroom: bool = True) -> 
     g.add_argument("--offload-optimizer", nargs="?", const="on", default="off", choices=tuple(_TRISTATE),
                    help="optimizer state in host memory (ZeRO-Offload, needs ZeRO >= 1): the flag alone means on; "
                         "auto lets memguard decide; default off")
+    _keep_outputs_option(g)
     if headroom:
         g.add_argument("--headroom", type=_fraction, metavar="FRACTION",
                        help="share of the budget kept free as a safety margin (default 0.1, i.e. 10%%)")
+
+
+def _keep_outputs_option(group) -> None:
+    group.add_argument("--keep-outputs", action="store_true",
+                       help="the training loop keeps the model's output object alive through backward, the "
+                            "optimizer step and the next forward (a hand-written `out = model(**batch)` loop); "
+                            "default: the output is dropped after the loss, as in Lightning and the HF Trainer")
 
 
 def _output_options(parser: argparse.ArgumentParser, *, json_help: str | None, plot: bool) -> None:
@@ -322,13 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the budget kept free when judging the fit (default 0.1)")
     c = e.add_argument_group("configuration")
     c.add_argument("--precision", type=_one_precision, default="32-true", metavar="P",
-                   help="one of " + ", ".join(_PRECISIONS) + " (default 32-true)")
+                   help="one of " + ", ".join(PRECISIONS) + " (default 32-true)")
     c.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="DeepSpeed ZeRO stage (default 0)")
     c.add_argument("--activation-checkpointing", type=_ckpt_estimate, default=0, metavar="on|off|N",
                    help="checkpoint all repeated blocks (on), none (off, default) or the first N")
     c.add_argument("--offload-optimizer", action="store_true", help="optimizer state in host memory (ZeRO >= 1)")
     c.add_argument("--grad-accum-steps", type=_positive_int, default=1, metavar="N",
                    help="> 1: gradients already exist when a micro-batch starts (default 1)")
+    _keep_outputs_option(c)
     _output_options(e, json_help="print Estimate.to_dict() as JSON on stdout, nothing else", plot=True)
     e.set_defaults(func=_cmd_estimate)
 
@@ -395,30 +382,16 @@ class _Progress:
     def elapsed(self) -> str:
         return f"{time.perf_counter() - self.start:.1f} s"
 
-
-def _progress_planner(progress: _Progress, model, batch, *, optimizer, loss_fn, device, make_batch):
-    """A :class:`memguard.planner.search.Planner` that reports each new trace on stderr."""
-    from memguard.planner.search import Planner
-
-    class _ReportingPlanner(Planner):
-        def trace(self, precision, **kw):  # noqa: D401 - same contract as Planner.trace
-            before = len(self._traces)
-            t0 = time.perf_counter()
-            result = super().trace(precision, **kw)
-            if len(self._traces) > before:
-                progress.traces += 1
-                keep = kw.get("keep")
-                what = "whole model" if keep is None else f"{keep}-block probe"
-                ckpt = kw.get("ckpt") or 0
-                bits = [precision, what]
-                if ckpt:
-                    bits.append(f"{ckpt} block{'s' if ckpt > 1 else ''} checkpointed")
-                if kw.get("m") is not None:
-                    bits.append(f"micro-batch {kw['m']}")
-                progress.say(f"  trace {progress.traces}: {', '.join(bits)} ({time.perf_counter() - t0:.1f} s)")
-            return result
-
-    return _ReportingPlanner(model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device, make_batch=make_batch)
+    def trace_done(self, what: dict, seconds: float) -> None:
+        """Report one new trace (the :attr:`memguard.planner.search.Planner.on_trace` hook)."""
+        self.traces += 1
+        keep, ckpt = what.get("keep"), what.get("ckpt") or 0
+        bits = [what["precision"], "whole model" if keep is None else f"{keep}-block probe"]
+        if ckpt:
+            bits.append(f"{ckpt} block{'s' if ckpt > 1 else ''} checkpointed")
+        if what.get("m") is not None:
+            bits.append(f"micro-batch {what['m']}")
+        self.say(f"  trace {self.traces}: {', '.join(bits)} ({seconds:.1f} s)")
 
 
 def _configure_logging(verbose: int) -> Callable[[], None]:
@@ -610,28 +583,29 @@ def _knobs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _check_target(args: argparse.Namespace) -> None:
-    """The command-line wording of the target problems ``memguard.plan`` would report."""
-    problems = []
-    if args.device == "cpu" and args.gpu:
-        problems.append("--gpu applies to --device cuda only; drop it")
-    if args.gpu:
-        from memguard.estimator.gpus import get_gpu
+def plan_request(args: argparse.Namespace, loaded: "LoadedModel | None" = None) -> PlanRequest:
+    """The :class:`~memguard.planner.request.PlanRequest` the command line asks for.
 
-        try:
-            get_gpu(args.gpu)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-    if args.device == "cuda" and not args.gpu and args.budget is None:
-        import torch
+    Without ``loaded`` (before the model is built) the model's optimizer, loss and ``make_batch``
+    are left at their defaults, so the options can be checked before a slow model build.
+    """
+    return PlanRequest(
+        global_batch_size=args.global_batch_size, gpu=args.gpu, budget_bytes=args.budget,
+        world_size=args.world_size, device=args.device,
+        optimizer=loaded.optimizer if loaded else None, loss_fn=loaded.loss_fn if loaded else None,
+        headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
+        make_batch=loaded.make_batch if loaded else None, cache=args.cache, keep_outputs=args.keep_outputs,
+        **_knobs(args),
+    )
 
-        if not torch.cuda.is_available():
-            problems.append("no CUDA device here: name the target with --gpu (e.g. --gpu A100-80GB; `memguard gpus` "
-                            "lists them) or give --budget, or plan for --device cpu")
-    if args.device == "cpu" and args.budget is None and getattr(args, "command", "") != "estimate":
-        log.info("memguard: --device cpu without --budget: using the host's available memory")
+
+def _check_request(args: argparse.Namespace) -> None:
+    """Raise every problem of the plan options, in the command line's words, before building the model."""
+    problems = plan_request(args).problems(spell=CLI_OPTIONS)
     if problems:
         raise ConfigError(problems)
+    if args.device == "cpu" and args.budget is None:
+        log.info("memguard: --device cpu without --budget: using the host's available memory")
 
 
 def _check_output_path(option: str, path: str | None) -> None:
@@ -642,21 +616,17 @@ def _check_output_path(option: str, path: str | None) -> None:
 
 
 def _plan_with_progress(args, loaded: LoadedModel, progress: _Progress):
-    """Run :func:`memguard.plan`; return (plan or None, InfeasiblePlanError or None, planner)."""
-    import memguard
-    from memguard.planner.search import DEFAULT_HEADROOM
+    """Plan as the command line asks; return (plan or None, InfeasiblePlanError or None, planner)."""
+    from memguard.planner.search import Planner
+    from memguard.planner.search import plan_request as run_plan
 
-    planner = _progress_planner(progress, loaded.model, loaded.batch, optimizer=loaded.optimizer,
-                                loss_fn=loaded.loss_fn, device=args.device, make_batch=loaded.make_batch)
+    request = plan_request(args, loaded)
+    planner = Planner.for_request(loaded.model, loaded.batch, request)
+    planner.on_trace = progress.trace_done
     progress.say(f"planning {loaded.description}: tracing probes on fake tensors (no memory is allocated)")
     progress.restart()
     try:
-        plan = memguard.plan(
-            loaded.model, loaded.batch, global_batch_size=args.global_batch_size, gpu=args.gpu,
-            budget_bytes=args.budget, world_size=args.world_size, device=args.device, optimizer=loaded.optimizer,
-            loss_fn=loaded.loss_fn, headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
-            make_batch=loaded.make_batch, cache=args.cache, _planner=planner, **_knobs(args),
-        )
+        plan = run_plan(loaded.model, loaded.batch, request, planner=planner)
     except InfeasiblePlanError as exc:
         progress.say(f"no plan fits ({progress.traces} traces, {progress.elapsed()})")
         return None, exc, planner
@@ -698,7 +668,7 @@ def _cmd_plan(args: argparse.Namespace, progress: _Progress) -> int:
 
         require_matplotlib()
     _check_output_path("--plot", args.plot)
-    _check_target(args)
+    _check_request(args)
     loaded = load_model(args, progress)
     plan, infeasible, planner = _plan_with_progress(args, loaded, progress)
     if args.plot:
@@ -720,21 +690,12 @@ def _cmd_plan(args: argparse.Namespace, progress: _Progress) -> int:
 
 def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
     import memguard
-    from memguard.estimator.result import format_bytes
-    from memguard.planner.search import DEFAULT_HEADROOM
 
     if args.plot:
         from memguard.plot import require_matplotlib
 
         require_matplotlib()
     _check_output_path("--plot", args.plot)
-    problems = []
-    if args.device == "cpu" and args.gpu:
-        problems.append("--gpu applies to --device cuda only; drop it")
-    if args.offload_optimizer and args.zero_stage == 0:
-        problems.append("--offload-optimizer needs --zero-stage 1, 2 or 3 (ZeRO-Offload)")
-    if problems:
-        raise ConfigError(problems)
     loaded = load_model(args, progress)
     progress.say(f"estimating {loaded.description}: tracing one step on fake tensors")
     progress.restart()
@@ -742,7 +703,7 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
         loaded.model, loaded.batch, optimizer=loaded.optimizer, loss_fn=loaded.loss_fn, device=args.device,
         precision=args.precision, zero_stage=args.zero_stage, world_size=args.world_size, gpu=args.gpu,
         activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
-        offload_optimizer=args.offload_optimizer,
+        offload_optimizer=args.offload_optimizer, **({"keep_outputs": True} if args.keep_outputs else {}),
     )
     progress.say(f"estimated in {progress.elapsed()}")
     budget = args.budget
@@ -797,13 +758,8 @@ def _set_dotted(items: Sequence[str]) -> dict[str, Any]:
 def _cmd_deepspeed(args: argparse.Namespace, progress: _Progress) -> int:
     _check_output_path("--out", args.out)
     overrides = _set_dotted(args.ds_set)
-    _check_target(args)
-    try:
-        from memguard.integrations.deepspeed import to_config
-    except ImportError as exc:
-        if isinstance(exc, MissingDependencyError):
-            raise
-        raise MissingDependencyError("memguard.integrations.deepspeed", "deepspeed") from exc
+    _check_request(args)
+    from memguard.integrations.deepspeed import to_config  # plain data: DeepSpeed itself is not imported
     loaded = load_model(args, progress)
     plan, infeasible, _ = _plan_with_progress(args, loaded, progress)
     if infeasible is not None:
@@ -825,7 +781,6 @@ def _cmd_deepspeed(args: argparse.Namespace, progress: _Progress) -> int:
 
 
 def _catalog_rows() -> list[list[str]]:
-    from memguard.estimator.result import format_bytes
     from memguard.estimator.gpus import GPUS
 
     rows = []
@@ -846,7 +801,6 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def _cmd_gpus(args: argparse.Namespace, progress: _Progress) -> int:
     from memguard.estimator.gpus import GPUS, get_gpu
-    from memguard.estimator.result import format_bytes
 
     has_model = bool(args.model or args.hf)
     problems = []
@@ -880,7 +834,6 @@ def _cmd_gpus(args: argparse.Namespace, progress: _Progress) -> int:
                 print(f"  {s.name}: {s.source}")
         return EXIT_OK
 
-    from memguard.planner.search import DEFAULT_HEADROOM
     from memguard.planner.sizing import fit_gpus
 
     loaded = load_model(args, progress)
@@ -891,7 +844,8 @@ def _cmd_gpus(args: argparse.Namespace, progress: _Progress) -> int:
     fits = fit_gpus(loaded.model, loaded.batch, global_batch_size=args.global_batch_size, gpus=names,
                     max_gpus=args.max_gpus, optimizer=loaded.optimizer, loss_fn=loaded.loss_fn,
                     make_batch=loaded.make_batch,
-                    headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom, **_knobs(args))
+                    headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
+                    keep_outputs=args.keep_outputs, **_knobs(args))
     progress.say(f"sized in {progress.elapsed()}")
     any_fit = any(f.count for f in fits)
     if args.json:

@@ -15,7 +15,8 @@ import numpy as np  # noqa: E402
 import memguard  # noqa: E402
 from memguard import hf, plot  # noqa: E402
 from memguard.errors import ConfigError, MissingDependencyError  # noqa: E402
-from memguard.planner.search import Planner  # noqa: E402
+from memguard.planner.request import PlanRequest  # noqa: E402
+from memguard.planner.search import Planner, plan_request  # noqa: E402
 
 # Block activations dominate this tiny GPT-2 (a 128-token vocabulary keeps the logits small), so
 # checkpointing and precision visibly change the curves.
@@ -27,13 +28,14 @@ GLOBAL_BATCH = 16
 def planned():
     built = hf.build("gpt2", TINY, seq_len=64)
     planner = Planner(built.model, built.batch, device="cuda")
-    plan = memguard.plan(built.model, built.batch, global_batch_size=GLOBAL_BATCH, gpu="A100-40GB", _planner=planner)
+    request = PlanRequest(global_batch_size=GLOBAL_BATCH, gpu="A100-40GB")
+    plan = plan_request(built.model, built.batch, request, planner=planner)
     return built, planner, plan
 
 
 def test_curves_cover_each_precision_and_checkpointing(planned):
     built, planner, plan = planned
-    traces_before = len(planner._traces)
+    traces_before = planner.trace_count
     curves = plot.memory_curves(built.model, built.batch, plan, planner=planner)
     # A100-40GB has bf16: memguard.plan's default choices are bf16-mixed and 32-true, each drawn
     # without checkpointing and with both blocks checkpointed; the plan checkpoints nothing here.
@@ -54,7 +56,7 @@ def test_curves_cover_each_precision_and_checkpointing(planned):
     own = by_key[(plan.precision, 0)]
     assert own.peak_bytes[own.micro_batch_sizes.index(plan.micro_batch_size)] <= plan.usable_bytes
     # drawing reuses the planner: at most the probes of a precision planning skipped are traced
-    assert len(planner._traces) - traces_before <= 4
+    assert planner.trace_count - traces_before <= 4
 
 
 def test_curves_match_a_full_estimate_at_the_example_batch(planned):

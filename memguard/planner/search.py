@@ -26,36 +26,31 @@ allocator model's simplifications).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from memguard.batch import first_dim, resize_batch
 from memguard.errors import ConfigError, InfeasiblePlanError
 from memguard.estimator.analysis import Timeline
-from memguard.estimator.api import (
-    PRECISIONS,
-    _unwrap,
-    batch_size_of,
-    check_common,
-    evaluate,
-    run_trace,
-    traced_precision,
-)
+from memguard.estimator.api import evaluate, run_trace, traced_precision
 from memguard.estimator.blocks import find_blocks, hidden_size
-from memguard.estimator.result import Estimate, format_bytes
+from memguard.estimator.result import Estimate
 from memguard.planner.cost import CPU_TFLOPS, CostInputs, step_seconds
 from memguard.planner.plan import Plan
+from memguard.planner.request import DEFAULT_HEADROOM, PlanRequest
+from memguard.vocab import PRECISIONS, format_bytes
 
-__all__ = ["plan", "DEFAULT_HEADROOM", "Planner"]
+__all__ = ["plan", "plan_request", "DEFAULT_HEADROOM", "Planner", "PROBE_MICRO_BATCH", "unwrap_model"]
 
 log = logging.getLogger("memguard")
 
-DEFAULT_HEADROOM = 0.10
 PROBE_MICRO_BATCH = 8
 _MAX_VERIFY = 6
 
@@ -65,30 +60,28 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def resize_batch(batch: Any, m0: int, n: int) -> Any:
-    """A batch of ``n`` samples shaped like ``batch`` (``m0`` samples): every tensor whose dim 0 is
-    ``m0`` gets dim 0 ``n``. Only shapes and dtypes matter to the tracer, so the new tensors are on
-    the meta device and cost nothing."""
-    if n == m0:
-        return batch
-
-    def resize(x):
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == m0:
-            return torch.empty((n, *x.shape[1:]), dtype=x.dtype, device="meta")
-        return x
-
-    return tree_map(resize, batch)
+def unwrap_model(model: Any) -> Any:
+    """The model inside DistributedDataParallel, DataParallel and similar wrappers (their ``.module``)."""
+    while isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
 
 
-def _as_choices(name: str, value: Any, default: Sequence[Any], allowed: Iterable[Any], problems: list[str]) -> tuple:
-    if value is None:
-        return tuple(default)
-    values = tuple(value) if isinstance(value, (list, tuple, set, frozenset)) else (value,)
-    allowed = tuple(allowed)
-    bad = [v for v in values if v not in allowed]
-    if bad or not values:
-        problems.append(f"{name}={value!r}: each value must be one of {', '.join(map(repr, allowed))}")
-    return values
+def _target_options(keep_outputs: bool, spec: Any) -> dict[str, Any]:
+    """``keep_outputs=`` and ``gpu=`` for ``run_trace``, passed only where it accepts them.
+
+    Raises:
+        ConfigError: ``keep_outputs=True`` with an estimator that cannot trace it.
+    """
+    params = inspect.signature(run_trace).parameters
+    out: dict[str, Any] = {}
+    if "gpu" in params:
+        out["gpu"] = spec
+    if "keep_outputs" in params:
+        out["keep_outputs"] = keep_outputs
+    elif keep_outputs:
+        raise ConfigError("keep_outputs=True is not supported by this memguard's estimator; drop it")
+    return out
 
 
 @dataclass
@@ -169,8 +162,9 @@ class _Candidate:
 class Planner:
     """Traces shared by every question asked about one model and example batch.
 
-    ``plan`` makes one per call; :func:`memguard.planner.sizing.fit_gpus` shares one across
-    GPUs and world sizes, since a trace does not depend on either.
+    :func:`plan_request` makes one per call unless given one; :func:`memguard.planner.sizing.fit_gpus`
+    and the command line share one across budgets, GPUs and world sizes (traces are cached by
+    everything they depend on: precision, checkpointing, kept blocks, micro-batch and the CUDA target).
     """
 
     model: nn.Module
@@ -179,43 +173,86 @@ class Planner:
     loss_fn: Callable | None = None
     device: str = "cuda"
     make_batch: Callable[[int], Any] | None = None
+    keep_outputs: bool = False
+    #: Called after each new trace with what was traced (precision, ckpt, keep, m, grads_present) and
+    #: the seconds it took, e.g. to report progress.
+    on_trace: Callable[[dict, float], None] | None = None
     _traces: dict = field(default_factory=dict)
     _cost: CostInputs | None = None
     _whole: bool = False
     _first_precision: str | None = None
 
+    @classmethod
+    def for_request(cls, model: nn.Module, batch: Any, request: PlanRequest) -> "Planner":
+        """A planner for ``model`` and ``batch`` with the request's tracing options."""
+        return cls(model, batch, optimizer=request.optimizer, loss_fn=request.loss_fn, device=request.device,
+                   make_batch=request.make_batch, keep_outputs=request.keep_outputs)
+
+    def mismatches(self, model: nn.Module, batch: Any, request: PlanRequest) -> list[str]:
+        """Why this planner's traces cannot answer ``request`` for ``model`` and ``batch`` (empty if they can)."""
+        out = []
+        if unwrap_model(model) is not self.model or batch is not self.batch:
+            out.append("planner= was made for another model or example batch; make one with "
+                       "Planner.for_request(model, batch, request)")
+        for name in ("optimizer", "loss_fn", "device", "make_batch", "keep_outputs"):
+            if getattr(request, name) is not getattr(self, name) and getattr(request, name) != getattr(self, name):
+                out.append(f"planner= traces with {name}={getattr(self, name)!r} but the request has "
+                           f"{name}={getattr(request, name)!r}; make the planner with Planner.for_request")
+        return out
+
     def __post_init__(self) -> None:
-        self.model = _unwrap(self.model)
-        self.example_m = batch_size_of(self.batch) or 1
+        self.model = unwrap_model(self.model)
+        self.example_m = first_dim(self.batch) or 1
         # The probes' micro-batch. Activations are affine, not proportional, in the micro-batch (a
         # few buffers do not grow with it); probing at a moderate size keeps that intercept's share
         # small, and costs nothing: fake tensors make a trace's cost independent of sizes.
         self.m0 = max(self.example_m, PROBE_MICRO_BATCH)
         self.num_blocks = len(find_blocks(self.model))
 
+    @property
+    def trace_count(self) -> int:
+        """How many distinct steps this planner has traced so far."""
+        return len(self._traces)
+
     def batch_of(self, n: int) -> Any:
         return self.make_batch(n) if self.make_batch is not None else resize_batch(self.batch, self.example_m, n)
 
     def trace(self, precision: str, *, ckpt: int = 0, keep: int | None = None, m: int | None = None,
-              grads_present: bool = False, flops: bool = False):
-        key = (precision, ckpt, keep, m, grads_present, flops)
+              grads_present: bool = False, flops: bool = False, spec: Any = None):
+        """One step traced as :func:`memguard.estimate` traces it (cached).
+
+        Args:
+            precision: the traced precision (see ``traced_precision``).
+            ckpt: repeated blocks checkpointed.
+            keep: repeated blocks kept (the probes), or None for the whole model.
+            m: the micro-batch, or None for the example batch.
+            grads_present: gradients exist when the micro-batch starts (accumulation).
+            flops: count FLOPs too.
+            spec: the CUDA target's GPU spec (kernel choices depend on it); None on the CPU.
+        """
+        spec = spec if self.device == "cuda" else None
+        key = (precision, ckpt, keep, m, grads_present, flops, getattr(spec, "name", None))
         if key not in self._traces:
+            start = time.perf_counter()
             batch = self.batch if m is None else self.batch_of(m)
             self._traces[key] = run_trace(
                 self.model, batch, optimizer=self.optimizer, loss_fn=self.loss_fn, device=self.device,
                 precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present, keep_blocks=keep,
-                count_flops=flops,
+                count_flops=flops, **_target_options(self.keep_outputs, spec),
             )
             log.debug("memguard traced %s", key)
+            if self.on_trace is not None:
+                self.on_trace(dict(precision=precision, ckpt=ckpt, keep=keep, m=m, grads_present=grads_present),
+                              time.perf_counter() - start)
         return self._traces[key]
 
-    def probe_points(self) -> list[int | None]:
+    def probe_points(self, spec: Any = None) -> list[int | None]:
         """[1, 2] (blocks kept in the probes), or [None] (trace the whole model) when the model
         has no repeated blocks or cannot run with fewer of them."""
         if self.num_blocks < 2 or self._whole:
             return [None]
         try:
-            self.trace(self._first_precision or "32-true", keep=1, m=self.m0, flops=True)
+            self.trace(self._first_precision or "32-true", keep=1, m=self.m0, flops=True, spec=spec)
         except ConfigError as exc:
             log.info("memguard: the model does not run with fewer blocks (%s); probing it whole", exc)
             self._whole = True
@@ -225,13 +262,13 @@ class Planner:
     def features(self, precision: str, ckpt_all: bool, *, zero_stage: int, world_size: int, spec,
                  offload: bool) -> _Features:
         """Features of the full model at the example micro-batch, from the 1- and 2-block probes."""
-        points = self.probe_points()
+        points = self.probe_points(spec)
         feats = []
         for j in points:
             ck = (j or 0) if ckpt_all else 0
             flops = not ckpt_all and precision == (self._first_precision or "32-true")  # FLOPs: once
             tr = self.trace(traced_precision(precision, zero_stage), ckpt=ck, keep=j, m=self.m0,
-                            flops=flops and traced_precision(precision, zero_stage) == precision)
+                            flops=flops and traced_precision(precision, zero_stage) == precision, spec=spec)
             est, tl = evaluate(tr, device=self.device, precision=precision, zero_stage=zero_stage,
                                world_size=world_size, spec=spec, offload_optimizer=offload,
                                micro_batch_size=self.m0)
@@ -243,8 +280,8 @@ class Planner:
     def cost_inputs(self, spec, precision: str) -> CostInputs:
         """FLOPs and op counts (the same for every precision) from ``precision``'s probes."""
         if self._cost is None:
-            pts = self.probe_points()
-            trs = [self.trace(precision, keep=j, m=self.m0, flops=True) for j in pts]
+            pts = self.probe_points(spec)
+            trs = [self.trace(precision, keep=j, m=self.m0, flops=True, spec=spec) for j in pts]
             if len(trs) == 2:
                 def lin(a, b):
                     return a + (self.num_blocks - 1) * (b - a)
@@ -318,7 +355,7 @@ def plan(
     headroom: float = DEFAULT_HEADROOM,
     make_batch: Callable[[int], Any] | None = None,
     cache: bool | Any = False,
-    _planner: Planner | None = None,
+    keep_outputs: bool = False,
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing and ZeRO stage for a budget.
 
@@ -327,6 +364,8 @@ def plan(
     memguard considers ``"32-true"`` and the fastest mixed precision the GPU supports
     (``bf16-mixed`` where bf16 exists, else ``16-mixed``); ``*-true`` precisions are used only
     when you list them. ZeRO stages are considered only when ``world_size > 1``, unless fixed.
+    This is :func:`plan_request` with the options gathered in a
+    :class:`~memguard.planner.request.PlanRequest`.
 
     Args:
         model, batch, optimizer, loss_fn: as for :func:`memguard.estimate`; ``batch`` is one
@@ -340,6 +379,8 @@ def plan(
         make_batch: ``make_batch(n)`` returns an example batch of ``n`` samples.
         cache: True (or a :class:`memguard.planner.cache.PlanCache`) to reuse and store plans on
             disk, keyed by model structure, batch shapes, target and options.
+        keep_outputs: True plans for a hand-written loop (``out = model(**batch)``) that keeps the
+            output object alive through backward, the optimizer step and the next forward.
 
     Returns:
         The :class:`~memguard.Plan`, verified with one full trace.
@@ -348,99 +389,65 @@ def plan(
         ConfigError: bad arguments, all listed at once.
         InfeasiblePlanError: nothing fits; ``.closest`` is the nearest plan, with suggestions.
     """
-    problems: list[str] = []
-    spec = None
-    if not (isinstance(global_batch_size, int) and global_batch_size >= 1):
-        problems.append(f"global_batch_size={global_batch_size!r} must be an integer >= 1")
-    check_common(device=device, world_size=world_size, problems=problems)
-    if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
-        problems.append(f"headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.1 for 10%")
-    if isinstance(global_batch_size, int) and isinstance(world_size, int) and world_size >= 1 and global_batch_size >= 1:
-        if global_batch_size % world_size:
-            problems.append(
-                f"global_batch_size {global_batch_size} cannot be split evenly over world_size {world_size}; "
-                f"use a multiple of {world_size} (e.g. {global_batch_size - global_batch_size % world_size or world_size})"
-            )
-    if batch_size_of(batch) is None:
+    request = PlanRequest(
+        global_batch_size=global_batch_size, gpu=gpu, budget_bytes=budget_bytes, world_size=world_size,
+        device=device, optimizer=optimizer, loss_fn=loss_fn, precision=precision,
+        activation_checkpointing=activation_checkpointing, zero_stage=zero_stage,
+        offload_optimizer=offload_optimizer, headroom=headroom, make_batch=make_batch, cache=cache,
+        keep_outputs=keep_outputs,
+    )
+    return plan_request(model, batch, request)
+
+
+def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, planner: "Planner | None" = None) -> Plan:
+    """:func:`memguard.plan` for a :class:`~memguard.planner.request.PlanRequest`.
+
+    Args:
+        model, batch: as for :func:`memguard.plan`.
+        request: the options.
+        planner: a :class:`Planner` for this model, batch and request (its traces are reused, e.g.
+            across budgets, GPUs and world sizes); default: a new one.
+
+    Returns:
+        The :class:`~memguard.Plan`, verified with one full trace.
+
+    Raises:
+        ConfigError: bad options (all listed at once), a batch without a batch dimension, or a
+            ``planner`` made for another model, batch or tracing options.
+        InfeasiblePlanError: nothing fits; ``.closest`` is the nearest plan, with suggestions.
+    """
+    problems = request.problems()
+    if first_dim(batch) is None:
         problems.append("batch must hold at least one tensor with a batch dimension (dim 0)")
-    if device == "cuda":
-        from memguard.estimator.gpus import current_gpu, get_gpu
-
-        try:
-            spec = get_gpu(gpu) if gpu is not None else current_gpu()
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-        if spec is None and gpu is None and budget_bytes is None:
-            problems.append("no CUDA device is visible: pass gpu='A100-80GB' (see `memguard gpus`) or budget_bytes=")
-        if spec is None and gpu is None and budget_bytes is not None:
-            from memguard.estimator.gpus import GENERIC
-
-            spec = GENERIC
-    elif gpu is not None:
-        problems.append(f"gpu={gpu!r} only applies to device='cuda'")
-    if budget_bytes is not None and not (isinstance(budget_bytes, int) and budget_bytes > 0):
-        problems.append(f"budget_bytes={budget_bytes!r} must be a positive integer")
-
-    if device == "cuda" and spec is not None:
-        default_prec = ("bf16-mixed", "32-true") if spec.bf16 else (("16-mixed", "32-true") if spec.tensor_cores else ("32-true",))
-    else:
-        default_prec = ("32-true", "bf16-mixed")
-    precisions = _as_choices("precision", precision, default_prec, PRECISIONS, problems)
-    if device == "cuda" and spec is not None and not spec.bf16:
-        bad = [p for p in precisions if p.startswith("bf16")]
-        if bad and precision is not None:
-            problems.append(f"{spec.name} has no native bf16: use precision='16-mixed' or '32-true', not {bad}")
-    ckpts = _as_choices("activation_checkpointing", activation_checkpointing, (False, True), (False, True), problems)
-    offloads = _as_choices("offload_optimizer", offload_optimizer, (False, True), (False, True), problems)
-    multi = isinstance(world_size, int) and world_size > 1
-    # ZeRO stages are worth considering on one device only with offload (ZeRO-Offload's use case)
-    default_zeros = (0, 1, 2, 3) if multi else ((1, 2) if offloads == (True,) else (0,))
-    zeros = _as_choices("zero_stage", zero_stage, default_zeros, (0, 1, 2, 3), problems)
-    if offloads == (True,) and zeros == (0,):
-        problems.append("offload_optimizer=True needs a ZeRO stage >= 1: pass zero_stage=1, 2 or 3")
+    if planner is not None:
+        problems.extend(planner.mismatches(model, batch, request))
     if problems:
         raise ConfigError(problems)
-
-    if budget_bytes is None:
-        budget_bytes = _default_budget(device, spec)
-    usable = int(budget_bytes * (1 - headroom))
-
-    planner = _planner or Planner(model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device, make_batch=make_batch)
+    space = request.resolve()
+    if planner is None:
+        planner = Planner.for_request(model, batch, request)
     store = None
-    if cache:
+    if request.cache:
         from memguard.planner.cache import PlanCache, plan_key
 
-        store = cache if isinstance(cache, PlanCache) else PlanCache()
-        key = plan_key(planner.model, batch, optimizer, loss_fn, dict(
-            global_batch_size=global_batch_size, gpu=spec.name if spec else None, budget_bytes=budget_bytes,
-            world_size=world_size, device=device, precision=precisions, ckpt=ckpts, zero=zeros, offload=offloads,
-            headroom=headroom))
+        store = request.cache if isinstance(request.cache, PlanCache) else PlanCache()
+        key = plan_key(planner.model, batch, request.optimizer, request.loss_fn, dict(
+            global_batch_size=request.global_batch_size, gpu=space.spec.name if space.spec else None,
+            budget_bytes=space.budget_bytes, world_size=request.world_size, device=request.device,
+            precision=space.precisions, ckpt=space.checkpointing, zero=space.zero_stages, offload=space.offloads,
+            headroom=request.headroom, keep_outputs=request.keep_outputs))
         hit = store.get(key)
         if hit is not None:
             log.info("memguard: plan read from cache %s", store.path_for(key))
             return hit
 
-    result = _search(planner, spec, global_batch_size=global_batch_size, world_size=world_size, budget=budget_bytes,
-                     usable=usable, headroom=headroom, precisions=precisions, ckpts=ckpts, zeros=zeros,
-                     offloads=offloads, explicit_precision=precision is not None)
+    result = _search(planner, space.spec, global_batch_size=request.global_batch_size,
+                     world_size=request.world_size, budget=space.budget_bytes, usable=space.usable_bytes,
+                     headroom=request.headroom, precisions=space.precisions, ckpts=space.checkpointing,
+                     zeros=space.zero_stages, offloads=space.offloads, explicit_precision=space.explicit_precision)
     if store is not None:
         store.put(key, result)
     return result
-
-
-def _default_budget(device: str, spec) -> int:
-    if device == "cuda":
-        if not spec.memory_bytes:
-            raise ConfigError("the GPU's memory is unknown: pass budget_bytes= or a catalog gpu= name")
-        return spec.memory_bytes - spec.context_bytes
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    raise ConfigError("cannot read the available host memory: pass budget_bytes= for device='cpu'")
 
 
 def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, usable, headroom, precisions, ckpts,
@@ -541,7 +548,7 @@ def _fewest_blocks(f_off, f_on, m, m0, n_blocks, accum, usable) -> list[int]:
 
 def _verify(planner: Planner, spec, cand: _Candidate, world_size: int, usable: int | None = None) -> Estimate:
     tr = planner.trace(traced_precision(cand.precision, cand.zero_stage), ckpt=cand.checkpoint_blocks,
-                       m=cand.micro_batch_size, grads_present=cand.grad_accum_steps > 1)
+                       m=cand.micro_batch_size, grads_present=cand.grad_accum_steps > 1, spec=spec)
     est, _ = evaluate(tr, device=planner.device, precision=cand.precision, zero_stage=cand.zero_stage,
                       world_size=world_size, spec=spec, offload_optimizer=cand.offload_optimizer,
                       micro_batch_size=cand.micro_batch_size, checkpointed=cand.checkpoint_blocks,
@@ -637,15 +644,12 @@ def _infeasible(planner, spec, cand, *, budget, usable, world_size, global_batch
             frac = (usable - states) / act
             if frac < 1:
                 suggestions.append(f"a shorter sequence or smaller inputs: activations must shrink to about {frac:.0%} of now")
-        try:
-            from memguard.estimator.gpus import GPUS
+        from memguard.estimator.gpus import GPUS
 
-            bigger = sorted((g for g in GPUS.values() if g.memory_bytes - g.context_bytes > need / (1 - headroom)),
-                            key=lambda g: g.memory_bytes)
-            if bigger and planner.device == "cuda" and spec is not None and spec.memory_bytes:
-                suggestions.append(f"a GPU with more memory, e.g. {bigger[0].name} ({format_bytes(bigger[0].memory_bytes)})")
-        except ImportError:  # pragma: no cover - the catalog ships with memguard
-            pass
+        bigger = sorted((g for g in GPUS.values() if g.memory_bytes - g.context_bytes > need / (1 - headroom)),
+                        key=lambda g: g.memory_bytes)
+        if bigger and planner.device == "cuda" and spec is not None and spec.memory_bytes:
+            suggestions.append(f"a GPU with more memory, e.g. {bigger[0].name} ({format_bytes(bigger[0].memory_bytes)})")
     msg = (
         f"no configuration fits {format_bytes(usable)} usable per rank ({format_bytes(budget)} budget, "
         f"{headroom:.0%} headroom); the closest needs {format_bytes(need)}"

@@ -7,6 +7,7 @@ trace is reused wherever the same micro-batch and checkpointing come up again.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -14,7 +15,8 @@ from torch import nn
 
 from memguard.errors import ConfigError, InfeasiblePlanError
 from memguard.planner.plan import Plan
-from memguard.planner.search import Planner, plan
+from memguard.planner.request import PlanRequest
+from memguard.planner.search import Planner, plan_request
 
 __all__ = ["GpuFit", "fit_gpus"]
 
@@ -57,7 +59,7 @@ def fit_gpus(
     Args:
         gpus: catalog names (default: the whole catalog).
         max_gpus: the largest world size tried.
-        plan_options: passed to :func:`memguard.plan` (precision, zero_stage, headroom, ...).
+        plan_options: other :func:`memguard.plan` options (precision, zero_stage, headroom, ...).
 
     Returns:
         One :class:`GpuFit` per GPU, cheapest-looking first (fewest GPUs, then least memory).
@@ -73,15 +75,18 @@ def fit_gpus(
     names: Sequence[str] = [get_gpu(g).name for g in gpus] if gpus is not None else [
         g.name for g in GPUS.values() if g.memory_bytes
     ]
-    planner = Planner(model, batch, optimizer=optimizer, loss_fn=loss_fn, device="cuda", make_batch=make_batch)
+    first = names[0] if names else None
+    request = PlanRequest.from_options(global_batch_size=global_batch_size, optimizer=optimizer, loss_fn=loss_fn,
+                                       make_batch=make_batch, device="cuda", gpu=first, **plan_options)
+    request.check()
+    planner = Planner.for_request(model, batch, request)
     sizes = [n for n in (2**i for i in range(0, 31)) if n <= max_gpus and global_batch_size % n == 0]
     fits: list[GpuFit] = []
     for name in names:
         last = ""
         for n in sizes:
             try:
-                p = plan(model, batch, global_batch_size=global_batch_size, gpu=name, world_size=n,
-                         optimizer=optimizer, loss_fn=loss_fn, _planner=planner, **plan_options)
+                p = plan_request(model, batch, dataclasses.replace(request, gpu=name, world_size=n), planner=planner)
             except InfeasiblePlanError as exc:
                 last = str(exc).splitlines()[0]
                 continue

@@ -3,8 +3,8 @@
 Most tests plan for the CPU target with an explicit ``budget_bytes`` on a tiny residual MLP whose
 activations (token dimension 16) dominate its parameters, so the budget really decides the
 micro-batch. Tracing costs ~0.1-1 s, so tests that ask many questions share one
-:class:`~memguard.planner.search.Planner` (``_planner=``): it only caches traces, which depend on
-neither the budget nor the batch arithmetic.
+:class:`~memguard.planner.search.Planner` (``plan_request(..., planner=)``): it only caches traces,
+which depend on neither the budget nor the batch arithmetic.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch import nn
 
 import memguard
 from memguard import ConfigError, InfeasiblePlanError, MemguardError, Plan
-from memguard.planner.search import DEFAULT_HEADROOM, Planner, _predict, resize_batch
+from memguard.planner.request import PlanRequest
+from memguard.planner.search import DEFAULT_HEADROOM, Planner, _predict, plan_request
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -77,6 +78,11 @@ def peaks(model):
     return peak
 
 
+def plan_with(planner: Planner, model, batch, **options) -> Plan:
+    """``memguard.plan(model, batch, **options)``, reusing ``planner``'s traces."""
+    return plan_request(model, batch, PlanRequest.from_options(**options), planner=planner)
+
+
 def _check_invariant(p: Plan, global_batch_size: int, world_size: int) -> None:
     assert p.micro_batch_size * p.grad_accum_steps * p.world_size == global_batch_size
     assert p.world_size == world_size and p.global_batch_size == global_batch_size
@@ -93,8 +99,8 @@ def _check_invariant(p: Plan, global_batch_size: int, world_size: int) -> None:
 @given(local=st.integers(1, 90), world=st.integers(1, 8), budget_kib=st.integers(700, 4000))
 def test_batch_invariant_property(model, batch, planner, local, world, budget_kib):
     # global = local x world is always divisible; the budget ranges from a few samples to all of them
-    p = memguard.plan(model, batch, global_batch_size=local * world, world_size=world, device="cpu",
-                      budget_bytes=budget_kib * KiB, _planner=planner)
+    p = plan_with(planner, model, batch, global_batch_size=local * world, world_size=world, device="cpu",
+                      budget_bytes=budget_kib * KiB)
     _check_invariant(p, local * world, world)
     assert p.estimate.peak_bytes <= p.usable_bytes
 
@@ -143,8 +149,8 @@ def test_non_power_of_two_micro_batches(model, batch, planner, peaks, global_bat
     too_big = peaks(larger_divisor, global_batch // larger_divisor)
     assert fits < too_big
     budget = (fits + too_big) // 2
-    p = memguard.plan(model, batch, global_batch_size=global_batch, device="cpu", budget_bytes=budget, headroom=0.0,
-                      precision="32-true", activation_checkpointing=False, _planner=planner)
+    p = plan_with(planner, model, batch, global_batch_size=global_batch, device="cpu", budget_bytes=budget, headroom=0.0,
+                      precision="32-true", activation_checkpointing=False)
     _check_invariant(p, global_batch, 1)
     assert p.micro_batch_size == expected_micro
     assert p.micro_batch_size & (p.micro_batch_size - 1) != 0  # not a power of two
@@ -158,7 +164,7 @@ def test_non_power_of_two_micro_batches(model, batch, planner, peaks, global_bat
 
 def test_default_headroom_is_documented_value(model, batch, planner):
     assert DEFAULT_HEADROOM == 0.10  # module docstring of memguard.planner.search: 10% by default
-    p = memguard.plan(model, batch, global_batch_size=8, device="cpu", budget_bytes=4 * MiB, _planner=planner)
+    p = plan_with(planner, model, batch, global_batch_size=8, device="cpu", budget_bytes=4 * MiB)
     assert p.headroom == DEFAULT_HEADROOM
 
 
@@ -181,10 +187,9 @@ def test_tighter_budget_never_gives_a_larger_micro_batch(model, batch, planner, 
     # with precision and checkpointing fixed, the feasible micro-batches of a smaller budget are a
     # subset of those of a larger one, and larger micro-batches are never slower in the cost model
     tight, loose = sorted((a * KiB, b * KiB))
-    kw = dict(global_batch_size=120, device="cpu", precision="32-true", activation_checkpointing=False,
-              _planner=planner)
-    p_tight = memguard.plan(model, batch, budget_bytes=tight, **kw)
-    p_loose = memguard.plan(model, batch, budget_bytes=loose, **kw)
+    kw = dict(global_batch_size=120, device="cpu", precision="32-true", activation_checkpointing=False)
+    p_tight = plan_with(planner, model, batch, budget_bytes=tight, **kw)
+    p_loose = plan_with(planner, model, batch, budget_bytes=loose, **kw)
     assert p_tight.micro_batch_size <= p_loose.micro_batch_size
 
 
@@ -206,8 +211,7 @@ def test_tighter_budget_never_gives_a_larger_micro_batch(model, batch, planner, 
     ],
 )
 def test_single_device_knobs(model, batch, planner, knob, value, check):
-    p = memguard.plan(model, batch, global_batch_size=24, device="cpu", budget_bytes=1200 * KiB,
-                      _planner=planner, **{knob: value})
+    p = plan_with(planner, model, batch, global_batch_size=24, device="cpu", budget_bytes=1200 * KiB, **{knob: value})
     _check_invariant(p, 24, 1)
     assert check(p), p.explain()
     assert p.estimate.precision == p.precision
@@ -226,15 +230,15 @@ def test_single_device_knobs(model, batch, planner, knob, value, check):
     ],
 )
 def test_zero_and_offload_knobs(model, batch, planner, options, check):
-    p = memguard.plan(model, batch, global_batch_size=24, world_size=2, device="cpu", budget_bytes=1200 * KiB,
-                      precision="32-true", _planner=planner, **options)
+    p = plan_with(planner, model, batch, global_batch_size=24, world_size=2, device="cpu", budget_bytes=1200 * KiB,
+                      precision="32-true", **options)
     _check_invariant(p, 24, 2)
     assert check(p), p.explain()
     assert p.estimate.zero_stage == p.zero_stage and p.estimate.offload_optimizer == p.offload_optimizer
 
 
 def test_zero_is_off_on_one_device_by_default(model, batch, planner):
-    p = memguard.plan(model, batch, global_batch_size=8, device="cpu", budget_bytes=4 * MiB, _planner=planner)
+    p = plan_with(planner, model, batch, global_batch_size=8, device="cpu", budget_bytes=4 * MiB)
     assert p.zero_stage == 0 and not p.offload_optimizer
 
 
@@ -275,7 +279,8 @@ def meta_mlp():
         m = TinyResidualMLP(dim=512, blocks=3)
     x = torch.empty(1, 256, 512, device="meta")
     y = torch.empty(1, 256, device="meta")
-    return m, (x, y), Planner(m, (x, y), device="cuda")
+    batch = (x, y)
+    return m, batch, Planner(m, batch, device="cuda")
 
 
 @pytest.mark.parametrize("gpu", ["T4", "V100-16GB"])  # Turing (7.5) and Volta (7.0) have no bf16 arithmetic
@@ -287,11 +292,11 @@ def test_bf16_refused_on_gpus_without_it(model, batch, gpu, precision):
 
 def test_bf16_never_chosen_by_default_without_it(meta_mlp):
     model, batch, planner = meta_mlp
-    kw = dict(global_batch_size=64, budget_bytes=4 << 30, activation_checkpointing=False, _planner=planner)
-    on_a100 = memguard.plan(model, batch, gpu="A100-80GB", **kw)
+    kw = dict(global_batch_size=64, budget_bytes=4 << 30, activation_checkpointing=False)
+    on_a100 = plan_with(planner, model, batch, gpu="A100-80GB", **kw)
     assert on_a100.precision == "bf16-mixed"  # the same question on Ampere picks bf16: the test can tell
     for gpu in ("T4", "V100-16GB"):
-        p = memguard.plan(model, batch, gpu=gpu, **kw)
+        p = plan_with(planner, model, batch, gpu=gpu, **kw)
         assert not p.precision.startswith("bf16"), p.explain()
         assert p.precision in ("16-mixed", "32-true")
         assert p.gpu == gpu
@@ -305,7 +310,7 @@ def test_bf16_never_chosen_by_default_without_it(meta_mlp):
 def test_infeasible_has_closest_plan_and_suggestions(model, batch, planner):
     budget = 64 * KiB  # below the parameters + optimizer state of the model alone
     with pytest.raises(InfeasiblePlanError) as info:
-        memguard.plan(model, batch, global_batch_size=16, device="cpu", budget_bytes=budget, _planner=planner)
+        plan_with(planner, model, batch, global_batch_size=16, device="cpu", budget_bytes=budget)
     err = info.value
     assert isinstance(err, MemguardError)
     closest = err.closest
@@ -352,17 +357,8 @@ def test_zero3_over_many_ranks_fits_a_model_one_gpu_cannot_hold():
 
 
 # ---------------------------------------------------------------------------------------------
-# resize_batch and the probe extrapolation
+# the probe extrapolation
 # ---------------------------------------------------------------------------------------------
-
-
-def test_resize_batch_changes_only_dim0_tensors():
-    b = {"x": torch.zeros(4, 3), "y": torch.zeros(4), "table": torch.zeros(7, 2), "k": 5}
-    r = resize_batch(b, 4, 10)
-    assert r["x"].shape == (10, 3) and r["y"].shape == (10,)
-    assert r["table"].shape == (7, 2) and r["k"] == 5  # dim 0 is not the batch: untouched
-    assert r["x"].device.type == "meta"
-    assert resize_batch(b, 4, 4) is b
 
 
 @pytest.fixture(scope="module")
