@@ -351,3 +351,57 @@ def test_target_for_a_catalog_gpu():
     spec = get_gpu("H100-80GB")
     target = CudaTarget.for_spec(spec, sm_count=132)
     assert target.capability == (9, 0) and target.vendor == "nvidia" and target.sm_count == 132
+
+
+# ---------------------------------------------------------------------------------------------
+# through memguard's tracer and estimate
+# ---------------------------------------------------------------------------------------------
+
+
+class _DropNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.drop = nn.Dropout(0.5)
+        self.down = nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.down(self.drop(torch.relu(self.up(x)))).sum()
+
+
+def _live_when_backward_starts(trace) -> int:
+    return sum(n for _, n in trace.events[: trace.phase_starts["backward"]])
+
+
+def test_tracer_with_a_cuda_target_keeps_bool_dropout_masks():
+    from memguard.estimator.trace import trace_step
+
+    torch.manual_seed(0)
+    model, x = _DropNet(), torch.randn(16, 32)
+    plain = trace_step(model, x, device="cpu")
+    cuda = trace_step(model, x, device="cpu", cuda_target=A100)
+    # the only difference before backward: a [16, 64] mask of 1 byte instead of 4 (fp32 noise)
+    assert _live_when_backward_starts(plain) - _live_when_backward_starts(cuda) == 16 * 64 * 3
+
+
+def test_cpu_estimate_is_unchanged_by_the_rules(monkeypatch):
+    import memguard
+
+    ids = torch.randint(0, 50, (2, 8))
+    with_rules = memguard.estimate(_Tiny(), ids, device="cpu")
+    monkeypatch.setattr(cuda_kernels, "RULES", {})
+    without = memguard.estimate(_Tiny(), ids, device="cpu")
+    assert with_rules.peak_bytes == without.peak_bytes
+    assert dict(with_rules.breakdown) == dict(without.breakdown)
+
+
+def test_cuda_estimate_applies_the_rules(monkeypatch):
+    import memguard
+
+    torch.manual_seed(0)
+    x = torch.randn(1024, 32)
+    with_rules = memguard.estimate(_DropNet(), x, device="cuda", gpu="A100-80GB")
+    monkeypatch.setattr(cuda_kernels, "RULES", {})
+    without = memguard.estimate(_DropNet(), x, device="cuda", gpu="A100-80GB")
+    # the [1024, 64] dropout mask: 1 byte instead of 4 per element (each a 512-byte-rounded block)
+    assert without.allocated_peak_bytes - with_rules.allocated_peak_bytes == 1024 * 64 * 3
