@@ -8,7 +8,13 @@ usually a ``torch.autograd.Function`` whose forward and backward create fake ten
 the CUDA kernels create. Every rule cites the PyTorch source it follows.
 
 :class:`CudaKernelModel` is a ``TorchFunctionMode`` that routes each registered function to its
-rule; rules register themselves with :func:`cuda_rule`.
+rule; rules register themselves with :func:`cuda_rule`. :func:`modelled_op_memory` measures one op
+as the trace records it, with or without the model (tests and ``benchmarks/gpu_kernels.py``).
+
+Known limitations:
+    A rule acts on the Python-level function it is registered for; code that reaches the same
+    ATen op another way (C++ composites, a rule of another family that runs library code with
+    the mode off) keeps the CPU's kernel. Values never matter, so rules only create tensors.
 """
 
 from __future__ import annotations
