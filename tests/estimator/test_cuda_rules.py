@@ -405,3 +405,49 @@ def test_cuda_estimate_applies_the_rules(monkeypatch):
     without = memguard.estimate(_DropNet(), x, device="cuda", gpu="A100-80GB")
     # the [1024, 64] dropout mask: 1 byte instead of 4 per element (each a 512-byte-rounded block)
     assert without.allocated_peak_bytes - with_rules.allocated_peak_bytes == 1024 * 64 * 3
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.fc(self.norm(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, dim: int = 64, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(dim) for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_rules_run_again_in_checkpoint_recomputation():
+    # the recomputed forward of a checkpointed block must take the same rules (bool masks, fp32
+    # stats), so checkpointing lowers the CUDA-target peak and every storage is freed by the end
+    from memguard.estimator.trace import trace_step
+
+    torch.manual_seed(0)
+    model, x = _Stack(), torch.randn(200, 64)
+
+    def peak_and_end(trace):
+        live = peak = 0
+        for _, n in trace.events:
+            live += n
+            peak = max(peak, live)
+        return peak, live
+
+    full = trace_step(model, x, device="cpu", cuda_target=A100)
+    ckpt = trace_step(model, x, device="cpu", cuda_target=A100, checkpoint_blocks=4)
+    assert peak_and_end(ckpt)[0] < peak_and_end(full)[0]
+    assert peak_and_end(ckpt)[1] == peak_and_end(full)[1]  # the same state after the step
+    backward = ckpt.events[ckpt.phase_starts["backward"]:ckpt.phase_starts["optimizer"]]
+    mask = 200 * 64  # one bool [200, 64] mask per recomputed block (an fp32 noise would be 4x)
+    assert sum(1 for _, n in backward if n == mask) == 4
