@@ -13,7 +13,8 @@ from memguard.estimator.analysis import scaled_events, scan
 from memguard.estimator.result import Estimate
 from memguard.estimator.sharding import model_state_factors
 from memguard.estimator.trace import TraceSpec, trace_step
-from memguard.vocab import ALL_BLOCKS, PRECISIONS, Device, Precision, precision_spec
+from memguard.estimator.cuda import ROUND_LARGE
+from memguard.vocab import ALL_BLOCKS, PRECISIONS, Device, Precision, precision_spec, round_up
 
 __all__ = [
     "estimate",
@@ -109,9 +110,12 @@ def estimate(
 
     Known limitations:
         On a machine without a GPU the CUDA target is traced on CPU fake tensors: autocast
-        follows CUDA's op lists through memguard's emulation, attention follows the CPU's fused
-        kernels (the same O(sequence) memory as CUDA's flash/memory-efficient kernels), and
-        kernel-internal workspaces other than cuBLAS's are not counted.
+        follows CUDA's op lists through memguard's emulation, functions with a rule in the CUDA
+        kernel model (:mod:`memguard.estimator.cuda_kernels`) allocate what CUDA's kernels
+        allocate for the target GPU, other functions allocate what the CPU's kernels allocate,
+        and kernel-internal workspaces other than cuBLAS's are not counted. The CUDA estimate
+        reads ``PYTORCH_CUDA_ALLOC_CONF`` and ``CUBLAS_WORKSPACE_CONFIG`` from the environment
+        (see ``Estimate.notes``).
     """
     problems: list[str] = []
     check_common(precision=precision, zero_stage=zero_stage, world_size=world_size, device=device, problems=problems)
@@ -302,11 +306,12 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
     allocated_peak = timeline.peak_bytes
     context = 0
     peak = timeline.peak_bytes
+    notes: tuple[str, ...] = ()
     if device == "cuda":
         constant = sum(extra.values())
-        cap = None if limit_bytes is None else max(0, limit_bytes - _round_up(constant, 2 << 20))
-        reserved, allocated_peak, workspace = _cuda_reserved(trace, factors.as_dict(), spec, cap)
-        reserved += _round_up(constant, 2 << 20)  # constant buffers: their own 2 MiB-rounded segments
+        cap = None if limit_bytes is None else max(0, limit_bytes - round_up(constant, ROUND_LARGE))
+        reserved, allocated_peak, workspace, notes = _cuda_reserved(trace, factors.as_dict(), spec, cap)
+        reserved += round_up(constant, ROUND_LARGE)  # constant buffers: their own segments, kRoundLarge-rounded
         allocated_peak += constant
         breakdown["workspace"] = workspace
         breakdown["allocator_overhead"] = max(0, reserved - timeline.peak_bytes - workspace)
@@ -331,6 +336,7 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
         num_trainable_params=trace.num_trainable_params,
         model_state_bytes=int(model_state),
         phase_peaks=timeline.phase_peaks,
+        notes=notes,
     )
     return est, timeline
 
@@ -354,33 +360,43 @@ def _fold_optimizer_temporaries(tl):
     )
 
 
-def _cuda_reserved(trace, factors, spec, limit_bytes=None) -> tuple[int, int, int]:
+def _cuda_reserved(trace, factors, spec, limit_bytes=None) -> tuple[int, int, int, tuple[str, ...]]:
     """Replay the (scaled) trace through the caching-allocator model.
 
     The BLAS workspaces (one per handle: the forward's thread and the autograd thread) already
     exist in a steady-state step; they are fed in as never-freed allocations where the forward
-    starts. Returns (peak reserved, peak allocated, workspace bytes); under ``limit_bytes``, a
-    request that cannot be served reports a reserved peak just over the limit.
+    starts. ``PYTORCH_CUDA_ALLOC_CONF`` and ``CUBLAS_WORKSPACE_CONFIG`` are read from the
+    environment as the real allocator and cuBLAS would read them. Returns (peak reserved, peak
+    allocated, workspace bytes, notes on the settings read); under ``limit_bytes``, a request that
+    cannot be served reports a reserved peak just over the limit.
     """
-    from memguard.estimator.cuda import BLAS_HANDLES_PER_TRAINING_STEP, blas_workspace_allocations, simulate
+    from memguard.estimator.cuda import (
+        BLAS_HANDLES_PER_TRAINING_STEP,
+        allocator_config,
+        blas_workspace_allocations,
+        blas_workspace_config,
+        simulate,
+    )
 
-    sizes = [n for _ in range(BLAS_HANDLES_PER_TRAINING_STEP)
-             for n in blas_workspace_allocations(spec.compute_capability, torch.__version__, vendor=spec.vendor)]
+    config = allocator_config()
+    ws_config = blas_workspace_config(spec.vendor)
+    per_handle = [n for n in blas_workspace_allocations(spec.compute_capability, torch.__version__, vendor=spec.vendor,
+                                                          cublas_workspace_config=ws_config) if n]
+    notes = list(config.notes)
+    if ws_config is not None:
+        notes.append(f"BLAS workspace setting {ws_config!r} read: {sum(per_handle)} bytes per handle")
+    sizes = [n for _ in range(BLAS_HANDLES_PER_TRAINING_STEP) for n in per_handle]
     scaled = scaled_events(trace, factors)
     forward = trace.phase_starts.get("forward", 0)
     at = sum(1 for _, n in scaled[:forward] if n)  # the forward's start once zero-size events are dropped
     events = [(h, n) for h, n in scaled if n]
     first = len(trace.sizes)
     events[at:at] = [(first + i, n) for i, n in enumerate(sizes)]
-    sim = simulate(events, limit_bytes=limit_bytes)
+    sim = simulate(events, limit_bytes=limit_bytes, config=config)
     reserved = sim.peak_reserved
     if sim.oom:
         reserved = max(reserved, limit_bytes + sim.oom_request)
-    return reserved, sim.peak_allocated, sum(sizes)
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to if n else 0
+    return reserved, sim.peak_allocated, sum(sizes), tuple(notes)
 
 
 def _category_totals(trace) -> dict[str, int]:

@@ -10,6 +10,15 @@ allocation, and a weak reference on it records the free when the last tensor usi
 The result is an exact, ordered list of allocations and frees of tensor storages, which the
 analysis (``memguard.estimator.analysis``) turns into a peak and a breakdown.
 
+What is traced is described by a :class:`TraceSpec` (precision, device, checkpointing, ...). The
+model is called through :mod:`memguard.batch` (a mapping as ``**batch``, a tuple or list as
+``*batch``), so every part of memguard reads a batch the same way. With ``keep_outputs`` a
+forward hook on the model keeps its output alive, as ``out = model(**batch)`` does in a
+hand-written loop, and the step starts with the previous step's output still live. With a
+``cuda_target`` (the CUDA target traced on CPU fakes) forward and backward run under
+:class:`~memguard.estimator.cuda_kernels.CudaKernelModel`, so functions whose CUDA kernels
+allocate differently from the CPU's allocate as on CUDA.
+
 Known limitations:
     Memory that kernels allocate internally without creating a tensor (oneDNN scratchpads,
     cuDNN/cuBLAS workspaces) is invisible here; CUDA workspaces are added by the device model.
@@ -28,7 +37,7 @@ import gc
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
