@@ -353,8 +353,176 @@ def build_gpt_scratch(spec: dict[str, Any]) -> nn.Module:
         return ScratchGPT(spec["config"], spec["variant"])
 
 
+# ---- LitGPT's GPT with LoRA, as lit_gpt/model.py and lit_gpt/lora.py compute it (commit 8641822, Oct 2023) ----
+
+
+class _LitRMSNorm(nn.Module):
+    """lit_gpt/rmsnorm.py: ``weight * (x * rsqrt(mean(x * x) + eps))`` in the input dtype (no fp32 upcast)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm_x = torch.mean(x * x, dim=-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(norm_x + self.eps))
+
+
+class _LitLoRAQKV(nn.Module):
+    """lit_gpt/lora.py ``LoRAQKVLinear`` with LoRA on query and value.
+
+    ``lora_A`` (2r x in) on the dropped-out input, a grouped ``conv1d`` with ``lora_B`` (2h x r x 1),
+    then ``zero_pad``: a zero tensor of the fused width into which ``index_copy`` writes the query
+    and value updates (its source is a reshaped, hence copied, view), scaled and added.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, p: float, q_size: int, v_size: int) -> None:
+        super().__init__()
+        self.linear = base
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(2 * r, base.in_features, device=dev))
+        self.lora_B = nn.Parameter(torch.empty(q_size + v_size, r, device=dev))
+        self.lora_dropout = nn.Dropout(p)
+        self.scaling = alpha / r
+        self.width = q_size + v_size
+        # the query columns and the value columns of the fused output (values are irrelevant to memory)
+        self.register_buffer("lora_ind", torch.arange(q_size + v_size, device=dev), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pretrained = self.linear(x)
+        after_a = F.linear(self.lora_dropout(x), self.lora_A)
+        after_b = F.conv1d(after_a.transpose(-2, -1), self.lora_B.unsqueeze(-1), groups=2).transpose(-2, -1)
+        y = after_b.transpose(0, 1)
+        padded = y.new_zeros((*y.shape[:-1], self.linear.out_features)).view(-1, self.linear.out_features)
+        padded = padded.index_copy(1, self.lora_ind, y.reshape(-1, self.width))
+        lora = padded.view((*y.shape[:-1], self.linear.out_features)).transpose(0, 1) * self.scaling
+        return pretrained + lora
+
+
+class _LitAttention(nn.Module):
+    def __init__(self, c: dict[str, Any]) -> None:
+        super().__init__()
+        self.c = c
+        hs = c["n_embd"] // c["n_head"]
+        self.hs, self.rope_n = hs, int(c["rotary_percentage"] * hs)
+        self.attn: nn.Module = nn.Linear(c["n_embd"], 3 * c["n_embd"], bias=c["bias"])
+        self.proj = nn.Linear(c["n_embd"], c["n_embd"], bias=c["bias"])
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.size(-1) // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return ((x * cos) + (rotated * sin)).type_as(x)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        nh, hs, n = self.c["n_head"], self.hs, self.rope_n
+        qkv = self.attn(x).view(b, t, nh, 3, hs).permute(0, 2, 3, 1, 4)
+        q, k, v = qkv.split((1, 1, 1), dim=2)
+        q, k, v = (z.reshape(b, -1, t, hs) for z in (q, k, v))
+        q = torch.cat((self._rope(q[..., :n], cos, sin), q[..., n:]), dim=-1)
+        k = torch.cat((self._rope(k[..., :n], cos, sin), k[..., n:]), dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=1.0 / math.sqrt(hs),
+                                           is_causal=True).transpose(1, 2)
+        return self.proj(y.reshape(b, t, c))
+
+
+class _LitBlock(nn.Module):
+    def __init__(self, c: dict[str, Any]) -> None:
+        super().__init__()
+        self.c = c
+        norm = (lambda: _LitRMSNorm(c["n_embd"], c["norm_eps"])) if c["norm"] == "RMSNorm" else (
+            lambda: nn.LayerNorm(c["n_embd"], eps=c["norm_eps"]))
+        self.norm_1 = norm()
+        self.attn = _LitAttention(c)
+        self.norm_2 = None if c["shared_attention_norm"] else norm()
+        if c["mlp"] == "LLaMAMLP":
+            self.fc_1 = nn.Linear(c["n_embd"], c["intermediate_size"], bias=c["bias"])
+            self.fc_2 = nn.Linear(c["n_embd"], c["intermediate_size"], bias=c["bias"])
+        else:
+            self.fc = nn.Linear(c["n_embd"], c["intermediate_size"], bias=c["bias"])
+        self.mlp_proj = nn.Linear(c["intermediate_size"], c["n_embd"], bias=c["bias"])
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.c["mlp"] == "LLaMAMLP":  # LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x))
+            return self.mlp_proj(F.silu(self.fc_1(x)) * self.fc_2(x))
+        return self.mlp_proj(F.gelu(self.fc(x), approximate=self.c.get("gelu_approximate", "none")))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n_1 = self.norm_1(x)
+        h = self.attn(n_1, cos, sin)
+        if self.c["parallel_residual"]:
+            n_2 = n_1 if self.norm_2 is None else self.norm_2(x)
+            return x + h + self.mlp(n_2)
+        x = x + h
+        return x + self.mlp(self.norm_2(x))
+
+
+class LitGPT(nn.Module):
+    """LitGPT's GPT; ``forward`` returns the lm_head output in 128-token chunks (``lm_head_chunk_size=128``)."""
+
+    def __init__(self, c: dict[str, Any]) -> None:
+        super().__init__()
+        self.c = c
+        self.wte = nn.Embedding(c["padded_vocab_size"], c["n_embd"])
+        self.h = nn.ModuleList(_LitBlock(c) for _ in range(c["n_layer"]))
+        self.ln_f = _LitRMSNorm(c["n_embd"], c["norm_eps"]) if c["norm"] == "RMSNorm" else nn.LayerNorm(
+            c["n_embd"], eps=c["norm_eps"])
+        self.lm_head = nn.Linear(c["n_embd"], c["padded_vocab_size"], bias=c.get("lm_head_bias", False))
+
+    def forward(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        t = idx.size(1)
+        n = self.h[0].attn.rope_n
+        # build_rope_cache: the cache is rebuilt by `model.max_seq_length = longest` after setup, outside
+        # Fabric's init context, so it is float32 (torch's default dtype) while the model is bfloat16
+        theta = 1.0 / (10000 ** (torch.arange(0, n, 2, device=idx.device, dtype=torch.float32) / n))
+        idx_theta = torch.outer(torch.arange(t, device=idx.device, dtype=torch.float32), theta).repeat(1, 2)
+        cos, sin = torch.cos(idx_theta), torch.sin(idx_theta)
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x, cos, sin)
+        x = self.ln_f(x)
+        return [self.lm_head(x_i) for x_i in x.split(128, dim=1)]
+
+
+def build_litgpt(spec: dict[str, Any]) -> nn.Module:
+    with torch.device("meta"):
+        return LitGPT(spec["config"])
+
+
+def apply_litgpt_lora(model: nn.Module, spec: dict[str, Any]) -> None:
+    """lit_gpt/lora.py with ``to_query`` and ``to_value``: freeze all, LoRAQKVLinear on every ``attn``."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, _LitAttention):
+            h = module.attn.in_features
+            module.attn = _LitLoRAQKV(module.attn, int(spec["r"]), float(spec["alpha"]), float(spec["dropout"]), h, h)
+
+
+def _litgpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """finetune/lora.py's step through Fabric: fp32 logits chunks, last position dropped, chunked loss.
+
+    The model runs inside Fabric's ``_FabricModule.forward``, which passes every floating output
+    through ``precision.convert_output``: under ``bf16-true`` that casts to
+    ``torch.get_default_dtype()`` (float32) (lightning/fabric/wrappers.py, plugins/precision/half.py),
+    so each bf16 chunk of logits becomes a float32 copy and ``cross_entropy`` keeps a float32
+    log-softmax. Then ``chunked_cross_entropy`` (lit_gpt/utils.py) as written.
+    """
+    x, y = batch
+    logits = [c.to(torch.get_default_dtype()) for c in model(x)]  # Fabric's convert_output
+    logits[-1] = logits[-1][..., :-1, :]
+    targets = y[..., 1:]
+    flat = [c.reshape(-1, c.size(-1)) for c in logits]
+    target_chunks = [tc.reshape(-1) for tc in targets.split(logits[0].size(1), dim=1)]
+    return torch.cat([F.cross_entropy(c, tc, ignore_index=-1, reduction="none")
+                      for c, tc in zip(flat, target_chunks)]).mean()
+
+
 BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "hf": build_hf, "vit_l16": build_vit_l16, "gpt_scratch": build_gpt_scratch,
+    "litgpt": build_litgpt,
 }
 
 
@@ -408,7 +576,7 @@ def _litgpt_chunked(model: nn.Module, batch: Any) -> torch.Tensor:
 
 LOSSES: dict[str, Callable[[nn.Module, Any], torch.Tensor] | None] = {
     "model_loss": None, "cross_entropy_logits": _ce_logits, "cross_entropy_lm": _ce_lm,
-    "litgpt_chunked": _litgpt_chunked,
+    "litgpt_chunked": _litgpt_chunked, "litgpt_model": _litgpt_loss,
 }
 
 
@@ -447,7 +615,7 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
     setup = row["setup"]
     model = BUILDERS[setup["model"]["builder"]](setup["model"])
     if setup.get("lora"):
-        apply_lora(model, setup["lora"])
+        (apply_litgpt_lora if setup["model"]["builder"] == "litgpt" else apply_lora)(model, setup["lora"])
     batch = make_batch(setup["batch"])
     loop = setup.get("loop", "standard")
     accum = int(setup.get("grad_accum_steps", 1))
