@@ -558,16 +558,17 @@ def _ce_lm(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def _litgpt_chunked(model: nn.Module, batch: Any) -> torch.Tensor:
-    """LitGPT's LoRA step: lm_head in 128-token chunks, every chunk's logits kept, loss per chunk.
+    """LitGPT's step on a transformers model: lm_head in 128-token chunks, Fabric's float32 cast, chunked loss.
 
-    lit_gpt/lora.py ``GPT.forward(..., lm_head_chunk_size=128)`` returns the list of chunk logits
-    and ``chunked_cross_entropy`` (lit_gpt/utils.py) sums ``F.cross_entropy(..., reduction="none")``
-    over the chunks in the model's dtype (no fp32 upcast) and divides by the number of targets.
+    LitGPT's ``GPT.forward(..., lm_head_chunk_size=128)`` returns the list of chunk logits, Fabric
+    casts each to float32 (``convert_output``), and ``chunked_cross_entropy`` (litgpt/utils.py)
+    averages ``F.cross_entropy(..., reduction="none")`` over the chunks.
     """
     x, y = batch
     hidden = model.base_model(input_ids=x).last_hidden_state
     head = model.get_output_embeddings()
-    chunks = [head(h) for h in hidden.split(128, dim=1)]
+    # LitGPT runs the model inside Fabric, whose convert_output casts floating outputs to float32 (see _litgpt_loss)
+    chunks = [head(h).to(torch.get_default_dtype()) for h in hidden.split(128, dim=1)]
     targets = y.split(128, dim=1)
     losses = [F.cross_entropy(c.reshape(-1, c.size(-1)), t.reshape(-1), reduction="none")
               for c, t in zip(chunks, targets)]
