@@ -218,14 +218,10 @@ def trace_spec(
 def cuda_target(gpu: Any = None):
     """The :class:`~memguard.estimator.cuda_kernels.CudaTarget` of a GPU spec (None = generic):
     its compute capability and vendor, and the installed torch's version (whose kernels run)."""
-    from memguard.estimator.cuda import _parse_version
     from memguard.estimator.cuda_kernels import CudaTarget
     from memguard.estimator.gpus import GENERIC
 
-    gpu = gpu if gpu is not None else GENERIC
-    return CudaTarget(
-        capability=tuple(gpu.compute_capability), torch_version=_parse_version(None), vendor=gpu.vendor
-    )
+    return CudaTarget.for_spec(gpu if gpu is not None else GENERIC)
 
 
 def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint_blocks=0, grads_present=False,

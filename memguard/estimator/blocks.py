@@ -15,12 +15,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["find_blocks", "apply_activation_checkpointing", "hidden_size"]
+__all__ = ["find_blocks", "find_container", "apply_activation_checkpointing", "hidden_size"]
 
 _MARK = "_memguard_checkpointed"
 
 
-def _find_container(model: nn.Module) -> nn.Module | None:
+def find_container(model: nn.Module) -> nn.Module | None:
+    """The ``ModuleList``/``Sequential`` holding the model's repeated blocks, or None."""
     best, best_key = None, (0, 0)
     for container in model.modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
@@ -42,7 +43,7 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
     Returns an empty list when the model has no repeated structure.
     """
-    container = _find_container(model)
+    container = find_container(model)
     return list(container.children()) if container is not None else []
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "AllocatorConfig",
     "allocator_config",
     "blas_workspace_config",
+    "parse_torch_version",
 ]
 
 logger = logging.getLogger("memguard")
@@ -685,7 +686,12 @@ _HIPBLAS_GFX94 = 128 * _MiB
 _HIPBLASLT_DEFAULT = 76 * _MiB
 
 
-def _parse_version(torch_version: str | None) -> tuple[int, int]:
+def parse_torch_version(torch_version: str | None) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string such as ``"2.5.1+cu124"``; None = the installed torch.
+
+    Raises:
+        ConfigError: not a version string.
+    """
     if torch_version is None:
         import torch
 
@@ -773,7 +779,7 @@ def blas_workspace_allocations(
         )
     version = (0, 0)
     try:
-        version = _parse_version(torch_version)
+        version = parse_torch_version(torch_version)
     except ConfigError as exc:
         problems.extend(exc.problems)
     if problems:

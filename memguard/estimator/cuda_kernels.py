@@ -25,6 +25,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from memguard.estimator.cuda import parse_torch_version
+
 __all__ = ["CudaTarget", "Rule", "cuda_rule", "CudaKernelModel", "RULES", "load_rules", "OpMemory", "modelled_op_memory"]
 
 
@@ -53,7 +55,7 @@ class CudaTarget:
     def for_spec(cls, spec: Any = None, **overrides: Any) -> "CudaTarget":
         """The target for a catalog GPU (``memguard.estimator.gpus.GPUSpec``, or None for the
         generic one) and the installed torch; ``overrides`` replace single fields."""
-        fields: dict[str, Any] = {"torch_version": _torch_version()}
+        fields: dict[str, Any] = {"torch_version": parse_torch_version(None)}
         if spec is not None:
             fields["capability"] = tuple(spec.compute_capability)
             fields["vendor"] = spec.vendor
@@ -101,10 +103,6 @@ class CudaKernelModel(TorchFunctionMode):
             return rule(self.target, func, args, kwargs)
         return func(*args, **kwargs)
 
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
 
 
 def load_rules() -> None:

@@ -38,7 +38,7 @@ from typing import Literal, Mapping
 from memguard.errors import ConfigError
 from memguard.estimator.cuda import DEFAULT_CONTEXT_BYTES
 
-__all__ = ["GPUSpec", "GPUS", "GENERIC", "get_gpu", "current_gpu", "measure_context_bytes"]
+__all__ = ["GPUSpec", "GPUS", "GENERIC", "get_gpu", "lookup_gpu", "current_gpu", "measure_context_bytes"]
 
 logger = logging.getLogger("memguard")
 
@@ -257,7 +257,9 @@ def _build_aliases() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
 _ALIASES, _AMBIGUOUS = _build_aliases()
 
 
-def _lookup(name: str) -> GPUSpec | None:
+def lookup_gpu(name: str) -> GPUSpec | None:
+    """The catalog entry a GPU name (catalog name, alias or device name) maps to, or None;
+    unlike :func:`get_gpu` it never raises."""
     return GPUS.get(_ALIASES.get(_normalize(name), ""))
 
 
@@ -276,7 +278,7 @@ def get_gpu(name: str) -> GPUSpec:
     """
     if not isinstance(name, str):
         raise ConfigError(f"gpu must be a catalog name string, got {type(name).__name__}")
-    spec = _lookup(name)
+    spec = lookup_gpu(name)
     if spec is not None:
         return spec
     key = _normalize(name)
@@ -330,7 +332,7 @@ def current_gpu(index: int = 0) -> GPUSpec | None:
     total = int(props.total_memory)
     cc = (int(props.major), int(props.minor))
     vendor: Literal["nvidia", "amd"] = "amd" if getattr(torch.version, "hip", None) else "nvidia"
-    spec = _lookup(props.name)
+    spec = lookup_gpu(props.name)
     if spec is not None and abs(total - spec.memory_bytes) <= 0.10 * spec.memory_bytes:
         return replace(spec, memory_bytes=total, compute_capability=cc)
     if spec is not None:

@@ -265,13 +265,13 @@ def _fake_model(
     Returns:
         The copy, a map from fake parameter id to the user's parameter, and the copy's blocks.
     """
-    from memguard.estimator.blocks import _find_container, find_blocks
+    from memguard.estimator.blocks import find_container, find_blocks
 
     memo: dict[int, Any] = {}
     originals: dict[int, torch.Tensor] = {}
     dropped: list[str] = []
     if keep_blocks is not None:
-        container = _find_container(model)
+        container = find_container(model)
         if container is not None:
             placeholder = nn.Module()
             for name, block in list(container._modules.items())[keep_blocks:]:

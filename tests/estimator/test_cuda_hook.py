@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memguard
-from memguard.estimator.cuda import _parse_version
+from memguard.estimator.cuda import parse_torch_version
 from memguard.estimator.cuda_kernels import RULES, CudaTarget, load_rules
 
 
@@ -74,7 +74,7 @@ def test_rules_see_the_target_gpu_and_autocast_inputs(calls):
     _estimate(device="cuda", gpu="H100-80GB", precision="bf16-mixed")
     # three blocks, one linear each, in forward; the H100 is compute capability 9.0 (catalog)
     assert len(calls) == 3
-    assert {t for t, _ in calls} == {CudaTarget(capability=(9, 0), torch_version=_parse_version(None), vendor="nvidia")}
+    assert {t for t, _ in calls} == {CudaTarget(capability=(9, 0), torch_version=parse_torch_version(None), vendor="nvidia")}
     # linear is on CUDA autocast's lower-precision list: the kernel receives bf16 inputs
     assert {d for _, d in calls} == {torch.bfloat16}
 

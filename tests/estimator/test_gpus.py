@@ -13,7 +13,7 @@ from memguard.estimator.gpus import (
     GENERIC,
     GPUS,
     GPUSpec,
-    _lookup,
+    lookup_gpu,
     current_gpu,
     get_gpu,
     measure_context_bytes,
@@ -198,7 +198,7 @@ def test_current_gpu_on_device():
     assert spec.compute_capability == (props.major, props.minor)
     # current_gpu's rule: a catalogue entry matched by name and within 10% of the memory wins,
     # otherwise the spec is named after the device
-    catalogued = _lookup(props.name)
+    catalogued = lookup_gpu(props.name)
     if catalogued is not None and abs(catalogued.memory_bytes - props.total_memory) <= 0.10 * catalogued.memory_bytes:
         assert spec.name == catalogued.name
         # the catalogue's figure is the lowest public observation, within 2% of the real one
