@@ -38,12 +38,12 @@ from torch import nn
 
 from memguard.batch import first_dim, resize_batch
 from memguard.errors import ConfigError, InfeasiblePlanError
-from memguard.estimator.analysis import Timeline
 from memguard.estimator.api import evaluate, run_trace, traced_precision
 from memguard.estimator.blocks import find_blocks, hidden_size
 from memguard.estimator.result import Estimate
 from memguard.planner.cost import CPU_TFLOPS, CostInputs, step_seconds
 from memguard.planner.plan import Plan
+from memguard.planner.probe import ProbeFeatures, ProbeModel, divisors, extend_trace, interpolate_trace
 from memguard.planner.request import DEFAULT_HEADROOM, PlanRequest
 from memguard.vocab import PRECISIONS, format_bytes
 
@@ -53,11 +53,6 @@ log = logging.getLogger("memguard")
 
 PROBE_MICRO_BATCH = 8
 _MAX_VERIFY = 6
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 def unwrap_model(model: Any) -> Any:
@@ -82,57 +77,6 @@ def _target_options(keep_outputs: bool, spec: Any) -> dict[str, Any]:
     elif keep_outputs:
         raise ConfigError("keep_outputs=True is not supported by this memguard's estimator; drop it")
     return out
-
-
-@dataclass
-class _Features:
-    """One probe's quantities for one target, in bytes at the example micro-batch."""
-
-    states: float  # params + optimizer at the forward/backward peak
-    grads_at_peak: float
-    grads_total: float
-    act: float  # activations + temporaries + inputs at the forward/backward peak (∝ batch)
-    opt_peak: float  # peak of the optimizer step and zero_grad (batch-independent)
-    ratio: float  # reserved / allocated (CUDA allocator); 1 on CPU
-    workspace: float
-    act_slope: float = 0.0  # activations added by one more block (0 when not probed by blocks)
-
-    @staticmethod
-    def of(est: Estimate, tl: Timeline) -> "_Features":
-        pb = tl.phase_breakdowns or {}
-        fb_phase = max(("forward", "backward"), key=lambda p: tl.phase_peaks.get(p, -1))
-        bd = pb.get(fb_phase, tl.breakdown)
-        opt_phases = [p for p in ("optimizer", "zero_grad") if p in tl.phase_peaks]
-        grads_total = max([pb.get(p, {}).get("grads", 0) for p in opt_phases] + [bd.get("grads", 0)])
-        workspace = est.breakdown.get("workspace", 0)
-        ratio = (est.peak_bytes - workspace) / tl.peak_bytes if tl.peak_bytes else 1.0
-        return _Features(
-            states=bd.get("params", 0) + bd.get("optimizer", 0),
-            grads_at_peak=bd.get("grads", 0),
-            grads_total=grads_total,
-            act=bd.get("activations", 0) + bd.get("temporaries", 0) + bd.get("inputs", 0),
-            opt_peak=max([tl.phase_peaks.get(p, 0) for p in opt_phases] + [0]),
-            ratio=max(1.0, ratio),
-            workspace=workspace,
-        )
-
-    def extrapolate(self, other: "_Features", j1: int, j2: int, n: int) -> "_Features":
-        """Affine extrapolation from ``j1`` blocks (self) and ``j2`` blocks (other) to ``n``."""
-        t = (n - j1) / (j2 - j1)
-
-        def lin(a: float, b: float) -> float:
-            return a + t * (b - a)
-
-        return _Features(
-            states=lin(self.states, other.states),
-            grads_at_peak=lin(self.grads_at_peak, other.grads_at_peak),
-            grads_total=lin(self.grads_total, other.grads_total),
-            act=lin(self.act, other.act),
-            opt_peak=lin(self.opt_peak, other.opt_peak),
-            ratio=other.ratio,
-            workspace=other.workspace,
-            act_slope=(other.act - self.act) / (j2 - j1),
-        )
 
 
 @dataclass(frozen=True)
@@ -178,6 +122,8 @@ class Planner:
     #: the seconds it took, e.g. to report progress.
     on_trace: Callable[[dict, float], None] | None = None
     _traces: dict = field(default_factory=dict)
+    _extended: dict = field(default_factory=dict)
+    _peaks: dict = field(default_factory=dict)
     _cost: CostInputs | None = None
     _whole: bool = False
     _first_precision: str | None = None
@@ -259,23 +205,87 @@ class Planner:
             return [None]
         return [1, 2]
 
-    def features(self, precision: str, ckpt_all: bool, *, zero_stage: int, world_size: int, spec,
-                 offload: bool) -> _Features:
-        """Features of the full model at the example micro-batch, from the 1- and 2-block probes."""
-        points = self.probe_points(spec)
+    def _probe_trace(self, precision: str, zero_stage: int, ckpt_all: bool, j: int | None, spec: Any):
+        """The probe trace keeping ``j`` blocks (None: the whole model), with all of them checkpointed or none."""
+        traced = traced_precision(precision, zero_stage)
+        ck = (self.num_blocks if j is None else j) if ckpt_all else 0
+        flops = not ckpt_all and traced == precision == (self._first_precision or "32-true")  # FLOPs: once
+        return self.trace(traced, ckpt=ck, keep=j, m=self.m0, flops=flops, spec=spec)
+
+    def _features(self, precision: str, ckpt_all: bool, *, zero_stage: int, world_size: int, spec: Any,
+                  offload: bool) -> ProbeFeatures:
         feats = []
-        for j in points:
-            ck = (j or 0) if ckpt_all else 0
-            flops = not ckpt_all and precision == (self._first_precision or "32-true")  # FLOPs: once
-            tr = self.trace(traced_precision(precision, zero_stage), ckpt=ck, keep=j, m=self.m0,
-                            flops=flops and traced_precision(precision, zero_stage) == precision, spec=spec)
-            est, tl = evaluate(tr, device=self.device, precision=precision, zero_stage=zero_stage,
-                               world_size=world_size, spec=spec, offload_optimizer=offload,
-                               micro_batch_size=self.m0)
-            feats.append(_Features.of(est, tl))
+        for j in self.probe_points(spec):
+            tr = self._probe_trace(precision, zero_stage, ckpt_all, j, spec)
+            # allocated bytes only: the CPU target's evaluation is the sharded timeline without the allocator
+            _, tl = evaluate(tr, device="cpu", precision=precision, zero_stage=zero_stage, world_size=world_size,
+                             spec=None, offload_optimizer=offload, micro_batch_size=self.m0)
+            feats.append(ProbeFeatures.of(tl))
         if len(feats) == 1:
             return feats[0]
         return feats[0].extrapolate(feats[1], 1, 2, self.num_blocks)
+
+    def _whole_trace(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any, m: int | None = None):
+        """A trace of every block at micro-batch ``m`` (default: the probes'): the probes extended, or traced whole."""
+        m = m or self.m0
+        key = ("whole", traced_precision(precision, zero_stage), ckpt_all, spec.name, m)
+        if key not in self._extended:
+            points = self.probe_points(spec)
+            if m == self.m0:
+                trs = [self._probe_trace(precision, zero_stage, ckpt_all, j, spec) for j in points]
+            else:
+                traced = traced_precision(precision, zero_stage)
+                trs = [self.trace(traced, ckpt=((self.num_blocks if j is None else j) if ckpt_all else 0), keep=j, m=m,
+                                  spec=spec) for j in points]
+            whole = trs[0] if len(trs) == 1 else extend_trace(trs[0], trs[1], self.num_blocks)
+            if whole is None:  # the probes do not differ by one block's events: trace every block
+                ck = self.num_blocks if ckpt_all else 0
+                whole = self.trace(traced_precision(precision, zero_stage), ckpt=ck, m=m, spec=spec)
+            self._extended[key] = whole
+        return self._extended[key]
+
+    def _device_trace(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any, m: int):
+        """The whole model's trace at micro-batch ``m``: each tensor's size is affine in the micro-batch
+        (a tensor's shape has the batch as a factor, or not at all), so traces at two micro-batches give
+        every tensor's size at any other; where their events differ, batch-proportional categories scale."""
+        base = self._whole_trace(precision, zero_stage, ckpt_all, spec)
+        if m == self.m0:
+            return base
+        other = self._whole_trace(precision, zero_stage, ckpt_all, spec, 2 * self.m0)
+        return interpolate_trace(base, self.m0, other, 2 * self.m0, m)
+
+    def probe_model(self, precision: str, *, zero_stage: int, world_size: int, spec: Any, offload: bool,
+                    checkpointing: bool) -> ProbeModel:
+        """The probe model of one target (see :mod:`memguard.planner.probe`).
+
+        Args:
+            precision: the precision planned for.
+            zero_stage, world_size, offload: the sharding.
+            spec: the CUDA target's GPU spec (None on the CPU).
+            checkpointing: also probe with every block checkpointed, so that ``predict`` takes ``k > 0``.
+        """
+        common = dict(zero_stage=zero_stage, world_size=world_size, spec=spec, offload=offload)
+        f_off = self._features(precision, False, **common)
+        f_on = self._features(precision, True, **common) if checkpointing and self.num_blocks >= 1 else None
+        model = ProbeModel(f_off, f_on, self.m0, self.num_blocks)
+        if self.device == "cuda" and spec is not None:
+            def device_peak(m: int, ckpt_all: bool) -> int:
+                key = (precision, zero_stage, world_size, spec.name, offload, m, ckpt_all)
+                if key not in self._peaks:
+                    whole = self._device_trace(precision, zero_stage, ckpt_all, spec, m)
+                    est, tl = evaluate(whole, device="cuda", precision=precision, zero_stage=zero_stage,
+                                       world_size=world_size, spec=spec, offload_optimizer=offload,
+                                       micro_batch_size=m, checkpointed=self.num_blocks if ckpt_all else 0)
+                    peak = est.peak_bytes
+                    if ckpt_all and whole.num_blocks > 2:
+                        # recomputation reorders frees that the extension places a block early: keep the
+                        # allocator's overhead over the extended trace, on the probes' allocated bytes
+                        peak = model.allocated(m, self.num_blocks, 1) + peak - tl.peak_bytes
+                    self._peaks[key] = peak
+                return self._peaks[key]
+
+            model.device_peak = device_peak
+        return model
 
     def cost_inputs(self, spec, precision: str) -> CostInputs:
         """FLOPs and op counts (the same for every precision) from ``precision``'s probes."""
@@ -308,33 +318,6 @@ class Planner:
             link = spec.interconnect_gbps
         return CostInputs(c.flops_per_sample, c.ops_per_micro_batch, c.num_params, c.num_blocks, c.device,
                           tflops, link)
-
-
-def _predict(f_off: _Features, f_on: _Features | None, *, m: int, m0: int, k: int, n_blocks: int,
-             accum: int) -> int:
-    """Predicted peak bytes at micro-batch ``m`` with the first ``k`` of ``n_blocks`` blocks checkpointed.
-
-    With checkpointing the peak is the larger of two moments. At the start of backward, the
-    ``n_blocks - k`` plain blocks hold all their activations and the ``k`` checkpointed ones only
-    their inputs: the "none" probe's activations with ``k`` blocks' worth swapped for the "all"
-    probe's per-block cost. Later, while the checkpointed blocks are recomputed (they come first
-    in the model, so last in backward), the plain blocks' activations are gone: the "all" probe
-    cut down to ``k`` blocks, recomputation transient included.
-    """
-    states = f_off.states
-    if f_on is None or k <= 0 or not n_blocks:
-        act = f_off.act
-        grads = f_off.grads_total if accum > 1 else f_off.grads_at_peak
-        fb = states + grads + act * m / m0
-        return int(max(fb, f_off.opt_peak) * f_off.ratio + f_off.workspace)
-    k = min(k, n_blocks)
-    act_start = f_off.act + k * (f_on.act_slope - f_off.act_slope)
-    act_recompute = f_on.act - (n_blocks - k) * f_on.act_slope
-    grads_start = f_off.grads_total if accum > 1 else f_off.grads_at_peak
-    grads_recompute = f_on.grads_total if accum > 1 else f_on.grads_at_peak
-    start = max(states + grads_start + act_start * m / m0, f_off.opt_peak) * f_off.ratio
-    recompute = (states + grads_recompute + act_recompute * m / m0) * f_on.ratio
-    return int(max(start, recompute) + f_off.workspace)
 
 
 def plan(
@@ -453,7 +436,7 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, planner:
 def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, usable, headroom, precisions, ckpts,
             zeros, offloads, explicit_precision) -> Plan:
     local = global_batch_size // world_size
-    divisors = _divisors(local)[::-1]
+    sizes = divisors(local)[::-1]
     n_blocks = planner.num_blocks
     if n_blocks < 1:
         ckpts = tuple(c for c in ckpts if not c) or (False,)
@@ -471,33 +454,32 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
     for p in precisions:
         for ck in ckpts:
             k = 1 if ck else 0
-            best = min(seconds(p, m, k, z, o) for m in divisors[:1] for z, o in configs)
+            best = min(seconds(p, m, k, z, o) for m in sizes[:1] for z, o in configs)
             pairs.append((global_batch_size / best, p, ck))
     pairs.sort(key=lambda t: -t[0])
 
     candidates: list[_Candidate] = []
     closest: _Candidate | None = None
-    feats_off: dict = {}
     for bound, p, ck in pairs:
         if candidates and bound < max(c.throughput for c in candidates):
             continue  # cannot beat what is already found: do not trace it
         for z, o in configs:
-            if (p, z, o) not in feats_off:
-                feats_off[(p, z, o)] = planner.features(p, False, zero_stage=z, world_size=world_size, spec=spec, offload=o)
-            f_off = feats_off[(p, z, o)]
-            f_on = planner.features(p, True, zero_stage=z, world_size=world_size, spec=spec, offload=o) if ck else None
-            for m in divisors:
+            model = planner.probe_model(p, zero_stage=z, world_size=world_size, spec=spec, offload=o,
+                                        checkpointing=ck)
+            for m in sizes:
                 accum = local // m
-                ks = [0] if not ck else _fewest_blocks(f_off, f_on, m, planner.m0, n_blocks, accum, usable)
-                for k in ks:
-                    pred = _predict(f_off, f_on, m=m, m0=planner.m0, k=k, n_blocks=n_blocks, accum=accum)
-                    s = seconds(p, m, k, z, o)
-                    cand = _Candidate(p, m, accum, k, z, o, pred, s, global_batch_size / s)
-                    if closest is None or pred < closest.predicted_bytes:
-                        closest = cand
-                    if pred <= usable:
-                        candidates.append(cand)
-                        break
+                k = _fewest_blocks(model, m, accum, usable) if ck else 0
+                allocated = model.allocated(m, k, accum)
+                if allocated > usable and closest is not None and allocated >= closest.predicted_bytes:
+                    continue  # the device holds at least the allocated bytes: neither fits nor comes closer
+                pred = model.predict(m, k, accum)
+                s = seconds(p, m, k, z, o)
+                cand = _Candidate(p, m, accum, k, z, o, pred, s, global_batch_size / s)
+                if closest is None or pred < closest.predicted_bytes:
+                    closest = cand
+                if pred <= usable:
+                    candidates.append(cand)
+                    break
     if not candidates:
         raise _infeasible(planner, spec, closest, budget=budget, usable=usable, world_size=world_size,
                           global_batch_size=global_batch_size, headroom=headroom, zeros=zeros, offloads=offloads)
@@ -532,18 +514,27 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
                       verified=est)
 
 
-def _fewest_blocks(f_off, f_on, m, m0, n_blocks, accum, usable) -> list[int]:
-    """The fewest checkpointed blocks (>= 1) predicted to fit, or [n_blocks] if none does."""
-    lo, hi = 1, n_blocks
-    if _predict(f_off, f_on, m=m, m0=m0, k=hi, n_blocks=n_blocks, accum=accum) > usable:
-        return [n_blocks]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _predict(f_off, f_on, m=m, m0=m0, k=mid, n_blocks=n_blocks, accum=accum) <= usable:
-            hi = mid
-        else:
-            lo = mid + 1
-    return [lo]
+def _fewest_blocks(model: ProbeModel, m: int, accum: int, usable: int) -> int:
+    """The fewest checkpointed blocks (>= 1) predicted to fit at micro-batch ``m``, or all of them if none does.
+
+    The allocated bytes fall as more blocks are checkpointed, and the device holds at least those:
+    the search starts from the fewest blocks whose allocated bytes fit.
+    """
+    n = model.num_blocks
+
+    def fewest(fits) -> int:
+        lo, hi = 1, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    if model.predict(m, n, accum) > usable:
+        return n
+    return fewest(lambda k: model.allocated(m, k, accum) <= usable and model.predict(m, k, accum) <= usable)
 
 
 def _verify(planner: Planner, spec, cand: _Candidate, world_size: int, usable: int | None = None) -> Estimate:
