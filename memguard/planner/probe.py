@@ -33,13 +33,13 @@ import dataclasses
 import difflib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from memguard.estimator.analysis import Timeline
 from memguard.estimator.result import Estimate
 
 __all__ = ["ProbeFeatures", "ProbeModel", "divisors", "extend_trace", "interpolate_trace", "scale_trace",
-           "BATCH_CATEGORIES"]
+           "with_gradients_present", "BATCH_CATEGORIES"]
 
 #: Categories whose tensors grow with the micro-batch (every other category is model state).
 BATCH_CATEGORIES = frozenset({"activations", "temporaries", "inputs"})
@@ -104,9 +104,10 @@ class ProbeFeatures:
         )
 
 
-#: ``device_peak(m, checkpointed)``: the device's peak (CUDA: reserved, workspaces included) of the whole
-#: model at micro-batch ``m`` with no block (False) or every block (True) checkpointed, one micro-batch.
-DevicePeak = Callable[[int, bool], int]
+#: ``device_peak(m, checkpointed, accumulating)``: the device's peak (CUDA: reserved, workspaces included)
+#: of the whole model at micro-batch ``m`` with no block (False) or every block (True) checkpointed, with
+#: gradients present from the start (accumulating) or not.
+DevicePeak = Callable[[int, bool, bool], int]
 
 
 @dataclass
@@ -156,29 +157,28 @@ class ProbeModel:
         """Predicted peak bytes on the device at micro-batch ``m``, ``k`` blocks checkpointed.
 
         On the CPU this is :meth:`allocated`. On CUDA, with no block or every block checkpointed, it
-        is the allocator model's peak of the extended probe traces, plus the gradients that
-        accumulation keeps alive; in between, the allocated prediction plus the allocator's overhead
-        interpolated between those two ends by the share of blocks checkpointed.
+        is the allocator model's peak of the extended probe traces (with the gradients allocated
+        from the start when micro-batches accumulate); in between, the allocated prediction plus the
+        allocator's overhead interpolated between those two ends by the share of blocks checkpointed.
         """
         base = self.allocated(m, k, accum)
         if self.device_peak is None:
             return base
         n = self.num_blocks
         k = min(max(k, 0), n) if self.features_ckpt is not None else 0
-        grads_kept = base - self.allocated(m, k, 1)  # accumulation: gradients live from the start
+        accumulating = accum > 1
+        if k == 0 or not n:
+            return self.device_peak(m, False, accumulating)
+        if k == n:
+            return self.device_peak(m, True, accumulating)
 
         def overhead(ckpt_all: bool) -> int:
-            kk = n if ckpt_all else 0
-            return self.device_peak(m, ckpt_all) - self.allocated(m, kk, 1)
+            return self.device_peak(m, ckpt_all, accumulating) - self.allocated(m, n if ckpt_all else 0, accum)
 
-        if k == 0 or not n:
-            return self.device_peak(m, False) + grads_kept
-        if k == n:
-            return self.device_peak(m, True) + grads_kept
         return base + int(overhead(False) + (overhead(True) - overhead(False)) * k / n)
 
 
-def extend_trace(one: Any, two: Any, n: int) -> Any:
+def extend_trace(one: Any, two: Any, n: int, *, others: Sequence[Any] = ()) -> Any:
     """The trace of ``n`` blocks from traces of the same step with 1 and 2 blocks.
 
     The two traces are aligned on (allocate or free, category, bytes); the 2-block trace's events
@@ -187,12 +187,22 @@ def extend_trace(one: Any, two: Any, n: int) -> Any:
     tensor handles. A copy frees its own copies of the block's tensors; a tensor of the block freed
     outside the block's events is freed with all its copies.
 
+    Args:
+        one, two: the step traced with 1 and 2 blocks.
+        n: the blocks wanted.
+        others: traces of the 2-block step at other micro-batches (the same events as ``two``, other
+            sizes): they are extended the same way, event for event.
+
     Returns:
-        A trace like ``two`` with ``n`` blocks' events, or None when the alignment finds anything
-        but insertions (the 2-block trace is not the 1-block trace plus one block).
+        A trace like ``two`` with ``n`` blocks' events (a list: that and each of ``others`` extended,
+        when ``others`` are given), or None when the alignment finds anything but insertions (the
+        2-block trace is not the 1-block trace plus one block) or ``others`` differ from ``two``.
     """
+    if others and any(len(o.events) != len(two.events) or any(a[0] != b[0] for a, b in zip(o.events, two.events))
+                      for o in others):
+        return None
     if n <= 2:
-        return two
+        return [two, *others] if others else two
 
     def signature(tr: Any) -> list[tuple[bool, str, int]]:
         return [(nbytes > 0, tr.category[h], abs(nbytes)) for h, nbytes in tr.events]
@@ -224,7 +234,7 @@ def extend_trace(one: Any, two: Any, n: int) -> Any:
         if nbytes < 0 and b in block_allocs and handle_in_two.get(a, b) not in block_allocs:
             relay[handle_in_two[a]] = b
     relayed = set(relay.values())
-    events: list[tuple[int, int]] = []
+    out: list[tuple[int, int]] = []  # (handle, index of the event of `two` it repeats)
     block_handles: set[int] = set()  # handles allocated by the block's events, live now
     starts = {start: name for name, start in two.phase_starts.items()}
     phase_starts: dict[str, int] = {}
@@ -232,49 +242,51 @@ def extend_trace(one: Any, two: Any, n: int) -> Any:
     total = len(two.events)
     while i < total:
         if i in starts:
-            phase_starts[starts[i]] = len(events)
+            phase_starts[starts[i]] = len(out)
         if not inserted[i]:
             h, nbytes = two.events[i]
             if nbytes < 0 and h in relayed:  # the last block's relayed tensor
-                events.append((h + copies * width, nbytes))
+                out.append((h + copies * width, i))
             else:
-                events.append((h, nbytes))
+                out.append((h, i))
                 if nbytes < 0 and h in block_handles:  # a block tensor freed outside the block: free every copy
                     block_handles.discard(h)
-                    events.extend((h + c * width, nbytes) for c in range(1, copies + 1))
+                    out.extend((h + c * width, i) for c in range(1, copies + 1))
             i += 1
             continue
         j = i
         while j < total and inserted[j] and (j == i or j not in starts):
             j += 1
-        run = two.events[i:j]
-        for h, nbytes in run:  # the original run
-            events.append((h, nbytes))
+        for e in range(i, j):  # the original run
+            h, nbytes = two.events[e]
+            out.append((h, e))
             if nbytes > 0:
                 block_handles.add(h)
             else:
                 block_handles.discard(h)
         for c in range(1, copies + 1):
-            for h, nbytes in run:
+            for e in range(i, j):
+                h, nbytes = two.events[e]
                 if nbytes > 0 or h in block_allocs:
-                    events.append((h + c * width, nbytes))
+                    out.append((h + c * width, e))
                 elif h in relay:  # the previous block's relayed tensor
-                    events.append((relay[h] + (c - 1) * width, nbytes))
-                    block_handles.discard(relay[h]) if c == 1 else None
+                    out.append((relay[h] + (c - 1) * width, e))
         i = j
-    category = list(two.category) * (copies + 1)
-    sizes = list(two.sizes) * (copies + 1)
 
     def lin(a: int, b: int) -> int:
         return int(a + (n - 1) * (b - a))
 
-    return dataclasses.replace(
-        two, events=events, category=category, sizes=sizes, phase_starts=phase_starts,
-        num_params=lin(one.num_params, two.num_params),
-        num_trainable_params=lin(one.num_trainable_params, two.num_trainable_params),
-        trainable_param_bytes=lin(one.trainable_param_bytes, two.trainable_param_bytes),
-        num_blocks=n, num_ops=lin(one.num_ops, two.num_ops), flops=lin(one.flops, two.flops),
-    )
+    def extended(tr: Any) -> Any:
+        return dataclasses.replace(
+            tr, events=[(h, tr.events[e][1]) for h, e in out], category=list(tr.category) * (copies + 1),
+            sizes=list(tr.sizes) * (copies + 1), phase_starts=dict(phase_starts),
+            num_params=lin(one.num_params, tr.num_params),
+            num_trainable_params=lin(one.num_trainable_params, tr.num_trainable_params),
+            trainable_param_bytes=lin(one.trainable_param_bytes, tr.trainable_param_bytes),
+            num_blocks=n, num_ops=lin(one.num_ops, tr.num_ops), flops=lin(one.flops, tr.flops),
+        )
+
+    return [extended(t) for t in (two, *others)] if others else extended(two)
 
 
 def scale_trace(trace: Any, factor: float) -> Any:
@@ -301,3 +313,38 @@ def interpolate_trace(a: Any, m_a: int, b: Any, m_b: int, m: int) -> Any:
     events = [(h, sa if sa == sb else (1 if sa > 0 else -1) * max(0, round(abs(sa) + t * (abs(sb) - abs(sa)))))
               for (h, sa), (_, sb) in zip(a.events, b.events)]
     return dataclasses.replace(a, events=events)
+
+
+def with_gradients_present(trace: Any) -> Any:
+    """``trace`` as a micro-batch that starts with every gradient allocated (gradient accumulation).
+
+    Without gradients the backward's gradient of a parameter becomes its ``.grad``; with them, it is
+    a temporary that ``AccumulateGrad`` adds into the existing ``.grad`` and frees
+    (torch/csrc/autograd/functions/accumulate_grad.h: ``variable_grad += new_grad`` when a gradient
+    exists). So each gradient is allocated before the forward, and where the backward made it, a
+    temporary of its size comes and goes.
+    """
+    start = trace.phase_starts.get("forward", 0)
+    grads = [(h, n) for h, n in trace.events[start:] if n > 0 and trace.category[h] == "grads"]
+    if not grads:
+        return trace
+    moved = {h for h, _ in grads}
+    width = len(trace.category)
+    events = list(trace.events[:start]) + grads
+    temporaries: list[int] = []
+    for h, n in trace.events[start:]:
+        if n > 0 and h in moved:
+            t = width + len(temporaries)
+            temporaries.append(n)
+            events += [(t, n), (t, -n)]
+        else:
+            events.append((h, n))
+    # the gradients join the setup; each later phase also moves by one event per temporary before it
+    phase_starts = {
+        name: i if i < start else i + len(grads) + sum(1 for h, n in trace.events[start:i] if n > 0 and h in moved)
+        for name, i in trace.phase_starts.items()
+    }
+    return dataclasses.replace(
+        trace, events=events, category=list(trace.category) + ["temporaries"] * len(temporaries),
+        sizes=list(trace.sizes) + temporaries, phase_starts=phase_starts,
+    )

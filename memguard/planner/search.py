@@ -43,7 +43,14 @@ from memguard.estimator.blocks import find_blocks, hidden_size
 from memguard.estimator.result import Estimate
 from memguard.planner.cost import CPU_TFLOPS, CostInputs, step_seconds
 from memguard.planner.plan import Plan
-from memguard.planner.probe import ProbeFeatures, ProbeModel, divisors, extend_trace, interpolate_trace
+from memguard.planner.probe import (
+    ProbeFeatures,
+    ProbeModel,
+    divisors,
+    extend_trace,
+    interpolate_trace,
+    with_gradients_present,
+)
 from memguard.planner.request import DEFAULT_HEADROOM, PlanRequest
 from memguard.vocab import PRECISIONS, format_bytes
 
@@ -225,33 +232,34 @@ class Planner:
             return feats[0]
         return feats[0].extrapolate(feats[1], 1, 2, self.num_blocks)
 
-    def _whole_trace(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any, m: int | None = None):
-        """A trace of every block at micro-batch ``m`` (default: the probes'): the probes extended, or traced whole."""
-        m = m or self.m0
-        key = ("whole", traced_precision(precision, zero_stage), ckpt_all, spec.name, m)
+    def _whole_traces(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any) -> tuple:
+        """Traces of every block at the probes' micro-batch and at twice it: the probes extended (the
+        2-block probe at twice the micro-batch is extended as the one at the micro-batch is), or the
+        whole model traced where the probes are not one block apart."""
+        key = (traced_precision(precision, zero_stage), ckpt_all, spec.name)
         if key not in self._extended:
+            traced = traced_precision(precision, zero_stage)
+            n = self.num_blocks
             points = self.probe_points(spec)
-            if m == self.m0:
-                trs = [self._probe_trace(precision, zero_stage, ckpt_all, j, spec) for j in points]
-            else:
-                traced = traced_precision(precision, zero_stage)
-                trs = [self.trace(traced, ckpt=((self.num_blocks if j is None else j) if ckpt_all else 0), keep=j, m=m,
-                                  spec=spec) for j in points]
-            whole = trs[0] if len(trs) == 1 else extend_trace(trs[0], trs[1], self.num_blocks)
-            if whole is None:  # the probes do not differ by one block's events: trace every block
-                ck = self.num_blocks if ckpt_all else 0
-                whole = self.trace(traced_precision(precision, zero_stage), ckpt=ck, m=m, spec=spec)
-            self._extended[key] = whole
+            m1 = 2 * self.m0
+            pair = None
+            if len(points) == 2:
+                one, two = (self._probe_trace(precision, zero_stage, ckpt_all, j, spec) for j in points)
+                two_m1 = self.trace(traced, ckpt=2 if ckpt_all else 0, keep=2, m=m1, spec=spec)
+                pair = extend_trace(one, two, n, others=[two_m1])
+            if pair is None:  # no blocks, or the probes are not one block apart: trace every block
+                ck = n if ckpt_all else 0
+                pair = [self._probe_trace(precision, zero_stage, ckpt_all, None, spec) if points == [None] else
+                        self.trace(traced, ckpt=ck, m=self.m0, spec=spec),
+                        self.trace(traced, ckpt=ck, m=m1, spec=spec)]
+            self._extended[key] = tuple(pair)
         return self._extended[key]
 
     def _device_trace(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any, m: int):
         """The whole model's trace at micro-batch ``m``: each tensor's size is affine in the micro-batch
         (a tensor's shape has the batch as a factor, or not at all), so traces at two micro-batches give
-        every tensor's size at any other; where their events differ, batch-proportional categories scale."""
-        base = self._whole_trace(precision, zero_stage, ckpt_all, spec)
-        if m == self.m0:
-            return base
-        other = self._whole_trace(precision, zero_stage, ckpt_all, spec, 2 * self.m0)
+        every tensor's size at any other (:func:`memguard.planner.probe.interpolate_trace`)."""
+        base, other = self._whole_traces(precision, zero_stage, ckpt_all, spec)
         return interpolate_trace(base, self.m0, other, 2 * self.m0, m)
 
     def probe_model(self, precision: str, *, zero_stage: int, world_size: int, spec: Any, offload: bool,
@@ -269,10 +277,12 @@ class Planner:
         f_on = self._features(precision, True, **common) if checkpointing and self.num_blocks >= 1 else None
         model = ProbeModel(f_off, f_on, self.m0, self.num_blocks)
         if self.device == "cuda" and spec is not None:
-            def device_peak(m: int, ckpt_all: bool) -> int:
-                key = (precision, zero_stage, world_size, spec.name, offload, m, ckpt_all)
+            def device_peak(m: int, ckpt_all: bool, accumulating: bool) -> int:
+                key = (precision, zero_stage, world_size, spec.name, offload, m, ckpt_all, accumulating)
                 if key not in self._peaks:
                     whole = self._device_trace(precision, zero_stage, ckpt_all, spec, m)
+                    if accumulating:
+                        whole = with_gradients_present(whole)
                     est, tl = evaluate(whole, device="cuda", precision=precision, zero_stage=zero_stage,
                                        world_size=world_size, spec=spec, offload_optimizer=offload,
                                        micro_batch_size=m, checkpointed=self.num_blocks if ckpt_all else 0)
@@ -280,7 +290,8 @@ class Planner:
                     if ckpt_all and whole.num_blocks > 2:
                         # recomputation reorders frees that the extension places a block early: keep the
                         # allocator's overhead over the extended trace, on the probes' allocated bytes
-                        peak = model.allocated(m, self.num_blocks, 1) + peak - tl.peak_bytes
+                        accum = 2 if accumulating else 1
+                        peak = model.allocated(m, self.num_blocks, accum) + peak - tl.peak_bytes
                     self._peaks[key] = peak
                 return self._peaks[key]
 
