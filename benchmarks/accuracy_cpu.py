@@ -11,6 +11,9 @@ Usage::
     python benchmarks/accuracy_cpu.py                       # all cases, estimate + ground truth
     python benchmarks/accuracy_cpu.py --no-estimate         # ground truth only
     python benchmarks/accuracy_cpu.py --cases gpt2,mlp --out my-results --repeat 3
+    python benchmarks/accuracy_cpu.py --truth-from benchmarks/results/accuracy_cpu.json --out new
+        # new estimates against the ground truth of an earlier run (the real steps do not depend
+        # on memguard's code, so after a change to the estimator only the estimates need rerunning)
 
 Writes ``accuracy_cpu.json`` and ``accuracy_cpu.md`` to ``--out`` (default
 ``benchmarks/results``) and prints the Markdown table.
@@ -109,7 +112,8 @@ def render_markdown(rows: list[dict[str, Any]], summary: dict[str, Any], meta: d
         f"- software: Python {m.get('python')}, torch {m.get('torch')}, transformers {m.get('transformers', '—')}; "
         "1 intra-op thread",
         f"- ground truth: {meta['steps']} real steps under torch.profiler (profile_memory), peak of the last step; "
-        f"{meta['repeat']} independent measurement(s) per case, spread = max - min",
+        f"{meta['repeat']} independent measurement(s) per case, spread = max - min"
+        + (f" (reused from {meta['truth_from']})" if meta.get("truth_from") else ""),
         "",
         "| case | real peak (MiB) | estimated (MiB) | error % | peak phase real / est | estimate s | "
         "real spread (B) | residual (B) | step peaks (MiB) |",
@@ -154,11 +158,19 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run(names: list[str], *, estimate: bool, repeat: int, steps: int, timeout: float) -> list[dict[str, Any]]:
-    """Measure (and estimate) every named case in its own subprocesses; one row per case."""
+def run(names: list[str], *, estimate: bool, repeat: int, steps: int, timeout: float,
+        truth_from: dict[str, list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
+    """Measure (and estimate) every named case in its own subprocesses; one row per case.
+
+    With ``truth_from`` (case -> the ``truth_runs`` of an earlier report) the ground truth is
+    taken from there instead of measured again.
+    """
     rows = []
     for name in names:
-        truths = [_run_worker("truth", name, steps, timeout) for _ in range(max(repeat, 1))]
+        if truth_from is not None:
+            truths = truth_from[name]
+        else:
+            truths = [_run_worker("truth", name, steps, timeout) for _ in range(max(repeat, 1))]
         row: dict[str, Any] = {"case": name, "truth_runs": truths}
         bad = [t["error"] for t in truths if "error" in t]
         if bad:
@@ -199,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="independent ground-truth runs per case")
     parser.add_argument("--steps", type=int, default=2, help="training steps per measurement")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
+    parser.add_argument("--truth-from", default="", help="reuse the ground truth of an earlier accuracy_cpu.json")
     parser.add_argument("--worker", choices=["truth", "estimate"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -215,8 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
 
+    truth_from = None
+    if args.truth_from:
+        earlier = json.loads(Path(args.truth_from).read_text())
+        truth_from = {r["case"]: r["truth_runs"] for r in earlier["cases"]}
+        missing = [n for n in names if n not in truth_from]
+        if missing:
+            parser.error(f"{args.truth_from} has no ground truth for {missing}")
+        args.steps, args.repeat = earlier["steps"], earlier["repeat"]
+
     t0 = time.perf_counter()
-    rows = run(names, estimate=not args.no_estimate, repeat=args.repeat, steps=args.steps, timeout=args.timeout)
+    rows = run(names, estimate=not args.no_estimate, repeat=args.repeat, steps=args.steps, timeout=args.timeout,
+               truth_from=truth_from)
     meta = {
         "command": "python benchmarks/accuracy_cpu.py" + ("" if not argv else " " + shlex.join(argv)),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -225,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "wall_seconds": time.perf_counter() - t0,
     }
+    if args.truth_from:
+        meta["truth_from"] = args.truth_from
     summary = _summary(rows)
     md = render_markdown(rows, summary, meta)
     out = Path(args.out)

@@ -7,7 +7,8 @@ precisions, the script runs two real training steps on the GPU (forward + loss, 
 second (steady-state) step's ``torch.cuda.max_memory_reserved()`` with the estimate's
 ``peak_bytes`` and ``torch.cuda.max_memory_allocated()`` with its ``allocated_peak_bytes``.
 The estimate is asked with ``gpu=None`` (the visible device's constants) for the same model
-built on the ``meta`` device. It also records the CUDA context the driver reports
+built on the ``meta`` device, and once more as a machine without a GPU makes it (traced on CPU
+fake tensors with CUDA's autocast emulated and the CUDA kernel model; ``est_cpu_fakes_*``). It also records the CUDA context the driver reports
 (``memguard.estimator.gpus.measure_context_bytes``) next to the estimate's ``context_bytes``.
 
 Precisions follow Lightning's meaning: ``*-mixed`` = fp32 weights and ``torch.autocast``
@@ -331,7 +332,7 @@ def estimate_case(case: Case, precision: str, dry_run: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     est = memguard.estimate(model, case.batch(dry_run), optimizer=adamw, loss_fn=case.loss_fn,
                             device="cpu" if dry_run else "cuda", precision=precision)
-    return {
+    row = {
         "est_peak_bytes": est.peak_bytes,
         "est_allocated_bytes": est.allocated_peak_bytes,
         "est_context_bytes": est.context_bytes,
@@ -339,7 +340,37 @@ def estimate_case(case: Case, precision: str, dry_run: bool) -> dict[str, Any]:
         "est_gpu": est.gpu,
         "est_breakdown": dict(est.breakdown),
         "est_seconds": time.perf_counter() - t0,
+        "est_cpu_fakes_peak_bytes": None,
+        "est_cpu_fakes_allocated_bytes": None,
     }
+    if not dry_run:
+        fakes = estimate_on_cpu_fakes(case, precision)
+        row["est_cpu_fakes_peak_bytes"] = fakes.peak_bytes
+        row["est_cpu_fakes_allocated_bytes"] = fakes.allocated_peak_bytes
+    return row
+
+
+def estimate_on_cpu_fakes(case: Case, precision: str):
+    """The CUDA estimate as a machine without a GPU makes it: traced on CPU fake tensors (CUDA's
+    autocast emulated, the CUDA kernel model applied), with this GPU's catalog constants.
+
+    memguard traces on fake CUDA tensors whenever a GPU is visible; hiding it from that one check
+    (``torch.cuda.is_available``) selects the CPU-fake path without changing anything else.
+    """
+    from unittest import mock
+
+    import memguard
+    from memguard.estimator.gpus import current_gpu, get_gpu
+
+    spec = current_gpu()
+    try:
+        gpu = get_gpu(spec.name).name if spec is not None else None
+    except Exception:  # noqa: BLE001 - a GPU outside the catalog: generic constants
+        gpu = None
+    model = case.build("meta", False)
+    with mock.patch.object(torch.cuda, "is_available", lambda: False):
+        return memguard.estimate(model, case.batch(False), optimizer=adamw, loss_fn=case.loss_fn, device="cuda",
+                                 precision=precision, gpu=gpu)
 
 
 def _pct(est: int | None, real: int | None) -> float | None:
@@ -360,6 +391,7 @@ def run_case(case: Case, precision: str, dry_run: bool) -> dict[str, Any]:
         row["error"] = (row.get("error", "") + f" real: {type(exc).__name__}: {exc}")[:600].strip()
     row["reserved_error_pct"] = _pct(row.get("est_peak_bytes"), row.get("real_reserved_bytes"))
     row["allocated_error_pct"] = _pct(row.get("est_allocated_bytes"), row.get("real_allocated_bytes"))
+    row["reserved_error_cpu_fakes_pct"] = _pct(row.get("est_cpu_fakes_peak_bytes"), row.get("real_reserved_bytes"))
     return row
 
 
@@ -370,7 +402,7 @@ def run_case(case: Case, precision: str, dry_run: bool) -> dict[str, Any]:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"cases": len(rows), "errors": sum(1 for r in rows if r.get("error"))}
-    for key in ("reserved_error_pct", "allocated_error_pct"):
+    for key in ("reserved_error_pct", "allocated_error_pct", "reserved_error_cpu_fakes_pct"):
         errs = [abs(r[key]) for r in rows if r.get(key) is not None]
         if errs:
             out[key] = {"n": len(errs), "median_abs": statistics.median(errs), "max_abs": max(errs)}
@@ -423,7 +455,9 @@ def render_markdown(rows: list[dict[str, Any]], summary: dict[str, Any], meta: d
     alloc_label = ("allocated_peak_bytes vs the profiler's live tensor bytes" if meta["dry_run"]
                    else "allocated_peak_bytes vs max_memory_allocated")
     for key, label in (("reserved_error_pct", "peak_bytes vs max_memory_reserved"),
-                       ("allocated_error_pct", alloc_label)):
+                       ("allocated_error_pct", alloc_label),
+                       ("reserved_error_cpu_fakes_pct",
+                        "peak_bytes traced on CPU fakes (as without a GPU) vs max_memory_reserved")):
         s = summary.get(key)
         if s:
             lines.append(f"- {label}: |error| median {s['median_abs']:.1f}%, max {s['max_abs']:.1f}% "

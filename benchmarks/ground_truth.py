@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from memguard.batch import call_model, loss_from_output
+
 __all__ = [
     "GroundTruth",
     "PHASES",
@@ -221,11 +223,16 @@ def measure_cpu_peak(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
     optimizer: torch.optim.Optimizer,
     steps: int = 2,
+    *,
+    keep_outputs: bool = False,
 ) -> GroundTruth:
     """Run ``steps`` real CPU training steps and measure the peak of live tensor bytes.
 
     Each step: ``loss = loss_fn(model, batch)`` (or :func:`default_loss`), ``loss.backward()``,
-    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``. Python's cyclic garbage
+    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``. With ``keep_outputs`` the
+    step is the hand-written loop ``out = model(**batch); loss = out.loss; loss.backward(); ...``,
+    whose ``out`` lives until the next step's ``out = ...`` rebinds it (what
+    ``memguard.estimate(..., keep_outputs=True)`` models). Python's cyclic garbage
     collector is paused during the steps so frees happen deterministically, by reference count.
     Gradients left on the parameters are dropped first (as the previous step's
     ``zero_grad(set_to_none=True)`` would have), because the profiler cannot see the size of
@@ -237,12 +244,14 @@ def measure_cpu_peak(
         loss_fn: ``loss_fn(model, batch) -> scalar``, or None to call the model directly.
         optimizer: a constructed optimizer over the model's parameters.
         steps: steps to run; the last one is the steady state when ``steps >= 2``.
+        keep_outputs: keep the model's output object between steps, as above (needs
+            ``loss_fn=None``: the loss is read from the output).
 
     Returns:
         A :class:`GroundTruth`. The model's weights and the optimizer state are updated.
 
     Raises:
-        ValueError: ``steps < 1`` or a tensor is not on the CPU.
+        ValueError: ``steps < 1``, a tensor is not on the CPU, or ``keep_outputs`` with a ``loss_fn``.
 
     Known limitations:
         Counts what goes through PyTorch's CPU allocator (every tensor); memory that libraries
@@ -254,6 +263,8 @@ def measure_cpu_peak(
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if keep_outputs and loss_fn is not None:
+        raise ValueError("keep_outputs=True reads the loss from the model's output; pass loss_fn=None")
     _check_cpu(model, batch)
     compute = loss_fn if loss_fn is not None else default_loss
 
@@ -269,10 +280,15 @@ def measure_cpu_peak(
         baseline = live_state_bytes(model, batch, optimizer)
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = None
             for i in range(steps):
                 with record_function(f"{_PREFIX}step{i}"):
                     with record_function(f"{_PREFIX}forward"):
-                        loss = compute(model, batch)
+                        if keep_outputs:
+                            out = call_model(model, batch)  # rebinding frees the previous step's output
+                            loss = loss_from_output(out)
+                        else:
+                            loss = compute(model, batch)
                     with record_function(f"{_PREFIX}backward"):
                         loss.backward()
                     with record_function(f"{_PREFIX}optimizer"):
@@ -280,6 +296,7 @@ def measure_cpu_peak(
                     with record_function(f"{_PREFIX}zero_grad"):
                         optimizer.zero_grad(set_to_none=True)
                     del loss
+            del out
         seconds = time.perf_counter() - t0
         end = live_state_bytes(model, batch, optimizer)
     finally:

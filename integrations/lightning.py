@@ -29,7 +29,8 @@ What the callback does, in Lightning's hooks:
   the plan's accumulation, and the plan's activation checkpointing is applied to the module's
   repeated blocks. The plan is logged at INFO on the ``memguard`` logger.
 * During ``fit`` the callback stands in for ``training_step`` (an attribute on the module
-  instance). Each dataloader batch goes through :class:`memguard.guard.window.MicroBatchWindow`:
+  instance). Each dataloader batch goes through the guard core (:class:`memguard.guard.core.Guard`,
+  whose OOM engine is :class:`memguard.guard.window.MicroBatchWindow`):
   the batch is split into micro-batches of the current size, the user's ``training_step`` runs on
   each, and each loss, weighted by its share of samples and by ``1/accumulate_grad_batches`` (as
   Lightning weights it), is back-propagated at once (scaled by the ``16-mixed`` GradScaler). The
@@ -43,6 +44,8 @@ What the callback does, in Lightning's hooks:
   micro-batch halved, and every batch of the current optimizer step so far run again from its
   first sample, on every rank together (one small all-reduce per batch). Later batches keep the
   halved micro-batch (they are still split, since the dataloader's batches keep their size).
+* ``status()`` reports what the guard does (:class:`memguard.guard.core.GuardStatus`), as
+  :func:`memguard.guard.guard_status` does for ``prepare``/``step``.
 * ``teardown`` and ``on_exception`` restore ``training_step``, ``optimizer_zero_grad``, the
   ``batch_size`` attribute, ``accumulate_grad_batches`` and the checkpointed blocks.
 
@@ -78,13 +81,19 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from memguard.batch import batch_size
 from memguard.errors import ConfigError, MissingDependencyError
-from memguard.guard.distributed import plan_on_rank_zero, rank_group_of
-from memguard.guard.precision import PRECISIONS
-from memguard.guard.runner import _plan_problems, _planning_options_problems, _synced_params
-from memguard.guard.split import batch_size as _batch_size
-from memguard.guard.window import DEFAULT_MAX_RETRIES, MicroBatchWindow
+from memguard.guard.core import (
+    DEFAULT_MAX_RETRIES,
+    Constraints,
+    Guard,
+    GuardStatus,
+    option_problems,
+    plan_problems,
+)
+from memguard.guard.distributed import rank_group_of
 from memguard.planner.plan import Plan
+from memguard.vocab import PRECISIONS
 
 __all__ = ["MemguardCallback"]
 
@@ -92,6 +101,17 @@ logger = logging.getLogger("memguard")
 
 # Options the callback takes from the Trainer instead of from the user.
 _FROM_TRAINER = ("world_size", "device", "optimizer", "loss_fn", "batch")
+
+
+def _constraints(trainer: Any = None) -> Constraints:
+    """What the Trainer fixes: its precision (Lightning runs it) and world size; DDP runs ZeRO stage 0."""
+    return Constraints(
+        source="the Trainer", taken=_FROM_TRAINER, precision_role="framework",
+        precisions=(str(trainer.precision),) if trainer is not None else None,
+        world_size=trainer.world_size if trainer is not None else None,
+        fix_plan="plan again with memguard.plan() for this Trainer",
+        fix_precision="set Trainer(precision=...)",
+    )
 
 
 def _import_lightning() -> ModuleType:
@@ -160,27 +180,10 @@ class MemguardCallback(_pl.Callback):
     def __init__(self, global_batch_size: int | None = None, *, plan: Plan | None = None,
                  batch_arg_name: str = "batch_size", max_retries: int = DEFAULT_MAX_RETRIES,
                  **plan_options: Any) -> None:
-        problems: list[str] = []
-        if global_batch_size is not None and (isinstance(global_batch_size, bool)
-                                              or not isinstance(global_batch_size, int) or global_batch_size < 1):
-            problems.append(f"global_batch_size must be a positive int, got {global_batch_size!r}")
-        if plan is not None and not isinstance(plan, Plan):
-            problems.append(f"plan must be a memguard.Plan, got {type(plan).__name__}; build it with memguard.plan()")
-        if isinstance(plan, Plan):
-            problems += _plan_problems(plan)
-            if plan_options:
-                problems.append(f"{', '.join(sorted(plan_options))} only apply when memguard plans; drop them or plan=")
-            if global_batch_size is not None and global_batch_size != plan.global_batch_size:
-                problems.append(f"global_batch_size {global_batch_size} differs from the plan's "
-                                f"{plan.global_batch_size}")
-        taken = sorted(k for k in plan_options if k in _FROM_TRAINER)
-        if taken:
-            problems.append(f"{', '.join(taken)} come from the Trainer and the LightningModule; drop them")
-        problems += _planning_options_problems({k: v for k, v in plan_options.items() if k not in _FROM_TRAINER})
+        problems = option_problems(_constraints(), plan=plan, global_batch_size=global_batch_size,
+                                   max_retries=max_retries, plan_options=plan_options)
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             problems.append(f"batch_arg_name must be an attribute name, got {batch_arg_name!r}")
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-            problems.append(f"max_retries must be an int >= 0, got {max_retries!r}")
         if problems:
             raise ConfigError(problems)
         self.global_batch_size = global_batch_size
@@ -189,8 +192,7 @@ class MemguardCallback(_pl.Callback):
         self.plan_options = dict(plan_options)
         self.plan: Plan | None = plan
         self._given_plan = plan
-        self._window: MicroBatchWindow | None = None
-        self._restore: list[Callable[[], None]] = []
+        self._guard: Guard | None = None
         self._checked_first_batch = False
 
     # ----------------------------------------------------------------------------------------------
@@ -199,14 +201,18 @@ class MemguardCallback(_pl.Callback):
     @property
     def micro_batch_size(self) -> int | None:
         """The micro-batch in force (None before ``fit`` starts)."""
-        if self._window is not None:
-            return self._window.micro_batch_size
+        if self._guard is not None:
+            return self._guard.micro_batch_size
         return self.plan.micro_batch_size if self.plan is not None else None
 
     @property
     def oom_retries(self) -> int:
         """Halvings of the micro-batch so far in this ``fit``."""
-        return self._window.oom_retries if self._window is not None else 0
+        return self._guard.oom_retries if self._guard is not None else 0
+
+    def status(self) -> GuardStatus | None:
+        """What the guard does in this ``fit`` (None before it starts)."""
+        return self._guard.status() if self._guard is not None else None
 
     # ----------------------------------------------------------------------------------------------
     # hooks
@@ -244,10 +250,12 @@ class MemguardCallback(_pl.Callback):
         if schedulers:
             problems.append("GradientAccumulationScheduler changes accumulate_grad_batches during fit, which memguard "
                             "sets from the plan; remove one of the two callbacks")
-        problems += self._precision_problems(trainer.precision)
-        if self._given_plan is not None and self._given_plan.world_size != trainer.world_size:
-            problems.append(f"the plan was made for world size {self._given_plan.world_size} but the Trainer runs "
-                            f"{trainer.world_size} processes; plan with world_size={trainer.world_size}")
+        precision = str(trainer.precision)
+        if precision not in PRECISIONS:
+            problems.append(f"the Trainer's precision {precision!r} is not one memguard plans for; use one of "
+                            f"{', '.join(PRECISIONS)}")
+        else:  # the precision option and a given plan against the Trainer's precision and world size
+            problems += option_problems(_constraints(trainer), plan=self._given_plan, plan_options=self.plan_options)
         device = trainer.strategy.root_device.type
         if device not in ("cuda", "cpu"):
             problems.append(f"memguard plans for 'cuda' or 'cpu' devices, not {device!r}")
@@ -264,28 +272,30 @@ class MemguardCallback(_pl.Callback):
         """
         pkg = _package_of(trainer)
         parsing = pkg.utilities.parsing
-        self._restore = []
         self._checked_first_batch = False
         user_batch = parsing.lightning_getattr(pl_module, self.batch_arg_name)
         user_accum = trainer.accumulate_grad_batches
-        rg = rank_group_of(trainer.strategy.model)
+        guard = Guard(pl_module, _constraints(trainer), world_size=trainer.world_size,
+                      rank_group=rank_group_of(trainer.strategy.model), max_retries=self.max_retries,
+                      grad_scaler=getattr(trainer.precision_plugin, "scaler", None), sync_gradients=False,
+                      global_batch_size=self.global_batch_size, plan_options=self.plan_options)
+        self._guard = guard
         plan = self._given_plan
         if plan is None:
             trainer.fit_loop.setup_data()  # every rank: it holds a barrier
-
-            def make_plan() -> Plan:
-                return self._make_plan(trainer, pl_module, pkg, user_batch, user_accum)
-
-            plan = plan_on_rank_zero(rg, make_plan)
-        problems = _plan_problems(plan) + self._precision_problems(trainer.precision, plan)
-        if problems:
-            raise ConfigError(problems)
+            plan = guard.agree_on_plan(lambda: self._make_plan(trainer, pl_module, pkg, user_batch, user_accum))
+        else:
+            problems = plan_problems(plan, guard.constraints)
+            if problems:
+                raise ConfigError(problems)
         self.plan = plan
 
-        # Apply the plan; every change is undone by _restore_all, in reverse order.
+        # Apply the plan (checkpointing by the guard, the rest through the Trainer); every change is undone
+        # by the guard, in reverse order.
+        guard.apply(plan, trainer.optimizers[0] if trainer.optimizers else None)
         if plan.micro_batch_size != user_batch:
             parsing.lightning_setattr(pl_module, self.batch_arg_name, plan.micro_batch_size)
-            self._restore.append(lambda: parsing.lightning_setattr(pl_module, self.batch_arg_name, user_batch))
+            guard.on_undo(lambda: parsing.lightning_setattr(pl_module, self.batch_arg_name, user_batch))
             # Lightning's BatchSizeFinder forces the rebuild the same way (tuner/batch_size_scaling.py,
             # _reset_dataloaders): the fit loop calls setup_data() again and builds a new DataLoader.
             trainer.fit_loop._combined_loader = None
@@ -294,13 +304,7 @@ class MemguardCallback(_pl.Callback):
         def restore_accum() -> None:
             trainer.accumulate_grad_batches = user_accum
 
-        self._restore.append(restore_accum)
-        if plan.activation_checkpointing and plan.checkpoint_blocks > 0:
-            from memguard.estimator.blocks import apply_activation_checkpointing
-
-            self._restore.append(apply_activation_checkpointing(pl_module, plan.checkpoint_blocks))
-        self._window = MicroBatchWindow(plan.micro_batch_size, rank_group=rg, sync_gradients=False,
-                                        max_retries=self.max_retries, plan=plan, precision=trainer.precision)
+        guard.on_undo(restore_accum)
         self._patch_module(trainer, pl_module)
         if trainer.is_global_zero:
             logger.info("memguard applies this plan to the Trainer (%s %d -> %d, accumulate_grad_batches %d -> %d):\n%s",
@@ -308,9 +312,9 @@ class MemguardCallback(_pl.Callback):
                         plan.explain())
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        """The window's batches have all run: let them go."""
-        if self._window is not None:
-            self._window.finish()
+        """The window's batches have all run: let them go (Lightning steps the optimizer itself)."""
+        if self._guard is not None:
+            self._guard.end_window()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Undo every change the callback made."""
@@ -324,39 +328,15 @@ class MemguardCallback(_pl.Callback):
     # ----------------------------------------------------------------------------------------------
     # internals
 
-    def _precision_problems(self, precision: str, plan: Plan | None = None) -> list[str]:
-        precision = str(precision)
-        if precision not in PRECISIONS:
-            return [f"the Trainer's precision {precision!r} is not one memguard plans for; use one of "
-                    f"{', '.join(PRECISIONS)}"]
-        out = []
-        wanted = self.plan_options.get("precision")
-        if wanted is not None:
-            allowed = tuple(wanted) if isinstance(wanted, (list, tuple, set, frozenset)) else (wanted,)
-            if precision not in allowed:
-                out.append(f"precision={wanted!r} was asked for but the Trainer runs precision={precision!r}; memguard "
-                           "does not change the Trainer's precision: set Trainer(precision=...) or drop the option")
-        if plan is not None and plan.precision != precision:
-            out.append(f"the plan's precision {plan.precision!r} differs from the Trainer's {precision!r}; set "
-                       f"Trainer(precision={plan.precision!r}) or plan with precision={precision!r}")
-        return out
-
     def _make_plan(self, trainer: Any, pl_module: Any, pkg: ModuleType, user_batch: Any, user_accum: int) -> Plan:
         """Plan from one example batch of the train dataloader (rank 0 only under DDP)."""
-        import memguard
-
+        assert self._guard is not None
         batch = self._example_batch(trainer, pl_module, pkg)
-        n = _batch_size(batch)
+        n = batch_size(batch)
         if n != user_batch:
             raise ConfigError(f"the train dataloader yields batches of {n} samples but {self.batch_arg_name} is "
                               f"{user_batch!r}; memguard sets the micro-batch through {self.batch_arg_name}, so build "
                               f"the train DataLoader with batch_size=self.{self.batch_arg_name}")
-        global_batch = self.global_batch_size or n * user_accum * trainer.world_size
-        options = dict(self.plan_options)
-        options["precision"] = str(trainer.precision)  # constrained to the Trainer's precision
-        options.setdefault("zero_stage", 0)
-        options.setdefault("offload_optimizer", False)
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
 
         def loss_fn(model: nn.Module, micro: Any) -> torch.Tensor:
             return _loss_of_output(model.training_step(micro, 0))[0]
@@ -367,9 +347,8 @@ class MemguardCallback(_pl.Callback):
         pl_module.log = _no_log
         pl_module.log_dict = _no_log
         try:
-            return memguard.plan(pl_module, batch, global_batch_size=global_batch, optimizer=optimizer,
-                                 loss_fn=loss_fn, world_size=trainer.world_size,
-                                 device=trainer.strategy.root_device.type, **options)
+            return self._guard.make_plan(batch, trainer.optimizers[0] if trainer.optimizers else None, loss_fn,
+                                         accumulation=user_accum, device=trainer.strategy.root_device.type)
         finally:
             for name, was in had.items():
                 if not was:
@@ -414,15 +393,15 @@ class MemguardCallback(_pl.Callback):
                 else:
                     pl_module.__dict__[name] = previous
 
-            self._restore.append(undo)
+            self._guard.on_undo(undo)
 
     def _training_step(self, trainer: Any, pl_module: Any, user_step: Callable[..., Any], batch: Any, batch_idx: int,
                        args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        window = self._window
-        assert window is not None and self.plan is not None  # set in on_fit_start, before any training_step
+        guard = self._guard
+        assert guard is not None and self.plan is not None  # set in on_fit_start, before any training_step
         accumulate = trainer.accumulate_grad_batches
         if not self._checked_first_batch:
-            n = _batch_size(batch)
+            n = batch_size(batch)
             if n > self.plan.micro_batch_size:
                 raise ConfigError(f"the train dataloader still yields batches of {n} samples after memguard set "
                                   f"{self.batch_arg_name}={self.plan.micro_batch_size}; build the train DataLoader "
@@ -430,10 +409,8 @@ class MemguardCallback(_pl.Callback):
             self._checked_first_batch = True
         # Lightning zeroes the gradients at the first batch of each accumulation window
         # (loops/optimization/automatic.py, _make_zero_grad_fn: batch_idx % accumulate_grad_batches == 0).
-        if batch_idx % accumulate == 0 or not window.is_open:
-            window.start(pl_module, _synced_params(trainer.strategy.model, pl_module), trainer.optimizers)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        device_type = pl_module.device.type
+        if batch_idx % accumulate == 0 or guard.window is None or not guard.window.is_open:
+            guard.open_window(trainer.strategy.model, trainer.optimizers)
         extras: dict[str, Any] = {}
 
         def loss_of(micro: Any) -> torch.Tensor:
@@ -442,21 +419,11 @@ class MemguardCallback(_pl.Callback):
             extras.update(extra)
             return loss
 
-        def backward(weighted: torch.Tensor) -> None:
-            # backward outside autocast, as PyTorch's AMP recipe does; the training step runs inside it
-            with torch.autocast(device_type=device_type, enabled=False):
-                (scaler.scale(weighted) if scaler is not None else weighted).backward()
-
-        loss = window.run(batch, loss_of, backward, weight=1.0 / accumulate)
-        out = window.anchor(loss)
+        # the backward runs outside autocast, through the Trainer's GradScaler (the guard's backward)
+        loss = guard.run(batch, loss_of, weight=1.0 / accumulate)
+        out = guard.anchor(loss)
         return {"loss": out, **extras} if extras else out
 
     def _restore_all(self) -> None:
-        while self._restore:
-            undo = self._restore.pop()
-            try:
-                undo()
-            except Exception as exc:  # restore the rest whatever happens
-                logger.warning("memguard could not undo a change to the Trainer: %s", exc)
-        if self._window is not None:
-            self._window.finish()
+        if self._guard is not None:
+            self._guard.undo()

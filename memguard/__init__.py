@@ -14,6 +14,7 @@ from memguard.errors import (
     MemguardError,
     MissingDependencyError,
     OOMRecoveryError,
+    PeerFailedError,
 )
 from memguard.estimator.api import estimate
 from memguard.estimator.result import Estimate
@@ -30,6 +31,7 @@ __all__ = [
     "MemguardError",
     "MissingDependencyError",
     "OOMRecoveryError",
+    "PeerFailedError",
     "Plan",
     "__version__",
     "estimate",

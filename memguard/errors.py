@@ -9,6 +9,9 @@ The tree::
     │                              plan, ``.suggestions`` what would make it fit
     ├── OOMRecoveryError           an out-of-memory error that halving cannot fix (micro-batch 1
     │                              already, or retries exhausted); carries the predicted breakdown
+    ├── PeerFailedError            under DistributedDataParallel, another rank failed (``.rank``);
+    │                              this rank stops too so that none waits forever; the failing
+    │                              rank raises its own error
     └── MissingDependencyError     an optional framework is not installed; also an ImportError,
                                    and the message holds the exact ``pip install`` line
 
@@ -25,6 +28,7 @@ __all__ = [
     "ConfigError",
     "InfeasiblePlanError",
     "OOMRecoveryError",
+    "PeerFailedError",
     "MissingDependencyError",
 ]
 
@@ -58,9 +62,11 @@ class InfeasiblePlanError(MemguardError):
         closest: the plan that came nearest (a :class:`memguard.Plan`), or None when not even
             one configuration could be evaluated.
         suggestions: what would make it fit, most effective first.
+        reason: the message without the suggestions.
     """
 
     def __init__(self, message: str, *, closest: Any = None, suggestions: Iterable[str] = ()):
+        self.reason = message
         self.closest = closest
         self.suggestions: list[str] = list(suggestions)
         if self.suggestions:
@@ -79,6 +85,21 @@ class OOMRecoveryError(MemguardError):
     def __init__(self, message: str, *, micro_batch_size: int, breakdown: Any = None):
         self.micro_batch_size = micro_batch_size
         self.breakdown = breakdown
+        super().__init__(message)
+
+
+class PeerFailedError(MemguardError):
+    """Another rank of the process group failed; this rank stops too, so that no rank waits forever.
+
+    The rank that failed raises its own error (see its log); under DistributedDataParallel the other
+    ranks raise this one.
+
+    Attributes:
+        rank: the rank that failed, in the process group.
+    """
+
+    def __init__(self, message: str, *, rank: int):
+        self.rank = rank
         super().__init__(message)
 
 

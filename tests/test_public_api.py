@@ -17,6 +17,7 @@ EXPECTED = {
     "MemguardError",
     "MissingDependencyError",
     "OOMRecoveryError",
+    "PeerFailedError",
     "Plan",
     "__version__",
     "estimate",
@@ -33,7 +34,7 @@ def test_all_is_exactly_the_contract():
 
 
 def test_every_error_is_a_memguard_error():
-    for name in ("ConfigError", "InfeasiblePlanError", "OOMRecoveryError", "MissingDependencyError"):
+    for name in ("ConfigError", "InfeasiblePlanError", "OOMRecoveryError", "PeerFailedError", "MissingDependencyError"):
         assert issubclass(getattr(memguard, name), memguard.MemguardError)
 
 

@@ -2,38 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, get_args
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from memguard.batch import first_dim
 from memguard.errors import ConfigError
 from memguard.estimator.analysis import scaled_events, scan
 from memguard.estimator.result import Estimate
 from memguard.estimator.sharding import model_state_factors
-from memguard.estimator.trace import trace_step
+from memguard.estimator.trace import TraceSpec, trace_step
+from memguard.estimator.cuda import ROUND_LARGE
+from memguard.vocab import ALL_BLOCKS, PRECISIONS, Device, Precision, precision_spec, round_up
 
-__all__ = ["estimate", "evaluate", "run_trace", "Precision", "Device", "PRECISIONS", "check_common", "batch_size_of", "traced_precision"]
+__all__ = [
+    "estimate",
+    "evaluate",
+    "run_trace",
+    "trace_spec",
+    "Precision",
+    "Device",
+    "PRECISIONS",
+    "check_common",
+    "batch_size_of",
+    "traced_precision",
+]
 
-Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
-Device = Literal["cuda", "cpu"]
-PRECISIONS: tuple[str, ...] = get_args(Precision)
-
-#: precision -> (parameter dtype, autocast dtype, loss scaling); Lightning's precision names.
-_PRECISION = {
-    "32-true": (None, None, False),
-    "16-mixed": (None, torch.float16, True),
-    "bf16-mixed": (None, torch.bfloat16, False),
-    "16-true": (torch.float16, None, False),
-    "bf16-true": (torch.bfloat16, None, False),
-}
+#: Dim 0 of the first tensor of a batch; kept under this name for existing callers.
+batch_size_of = first_dim
 
 
 def check_common(
     *, precision: Any = "32-true", zero_stage: Any = 0, world_size: Any = 1, device: Any = "cuda", problems: list[str]
 ) -> None:
     """Append a sentence to ``problems`` for each invalid target argument."""
-    if precision not in _PRECISION:
+    if precision not in PRECISIONS:  # full names only: an Estimate records exactly what was asked
         problems.append(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     if not (isinstance(zero_stage, int) and 0 <= zero_stage <= 3):
         problems.append(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
@@ -50,16 +54,6 @@ def _unwrap(model: Any) -> Any:
     return model
 
 
-def batch_size_of(batch: Any) -> int | None:
-    """Dim 0 of the first tensor in ``batch`` (a tensor or a tuple/list/dict of them)."""
-    from torch.utils._pytree import tree_flatten
-
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
-
-
 def estimate(
     model: nn.Module,
     batch: Any,
@@ -74,6 +68,7 @@ def estimate(
     activation_checkpointing: int | bool = 0,
     grad_accum_steps: int = 1,
     offload_optimizer: bool = False,
+    keep_outputs: bool = False,
 ) -> Estimate:
     """Predict the peak memory of one steady-state training step.
 
@@ -83,7 +78,8 @@ def estimate(
 
     Args:
         model: the model, on any device (``meta`` included). A DDP wrapper is unwrapped.
-        batch: one example micro-batch: a tensor or a tuple/list/dict of tensors, batch dim 0.
+        batch: one example micro-batch: a tensor, or any nesting of mappings (``dict``, HF's
+            ``BatchEncoding``), tuples and lists of tensors, batch dim 0 (see :mod:`memguard.batch`).
         optimizer: an optimizer instance (its class and hyperparameters are reused), a callable
             ``params -> Optimizer``, or None for ``torch.optim.AdamW``.
         loss_fn: ``loss_fn(model, batch) -> scalar``; None calls the model with the batch and uses
@@ -98,6 +94,12 @@ def estimate(
         activation_checkpointing: checkpoint this many of the model's repeated blocks (True: all).
         grad_accum_steps: > 1 means gradients are already allocated when a micro-batch starts.
         offload_optimizer: ZeRO-Offload: optimizer state lives in host memory.
+        keep_outputs: model a hand-written loop ``out = model(**batch); out.loss.backward();
+            opt.step()`` whose output object stays alive through backward, the optimizer step and
+            the next step's forward (on a GPT-2-style language model the logits add about a sixth
+            to the peak). False models ``memguard.step``, Lightning and the HF ``Trainer``, which
+            drop the output once they have the loss. The output is whatever the model (the module
+            passed in) returns, captured with a forward hook, so any ``loss_fn`` works.
 
     Returns:
         An :class:`~memguard.Estimate`.
@@ -108,21 +110,26 @@ def estimate(
 
     Known limitations:
         On a machine without a GPU the CUDA target is traced on CPU fake tensors: autocast
-        follows CUDA's op lists through memguard's emulation, attention follows the CPU's fused
-        kernels (the same O(sequence) memory as CUDA's flash/memory-efficient kernels), and
-        kernel-internal workspaces other than cuBLAS's are not counted.
+        follows CUDA's op lists through memguard's emulation, functions with a rule in the CUDA
+        kernel model (:mod:`memguard.estimator.cuda_kernels`) allocate what CUDA's kernels
+        allocate for the target GPU, other functions allocate what the CPU's kernels allocate,
+        and kernel-internal workspaces other than cuBLAS's are not counted. The CUDA estimate
+        reads ``PYTORCH_CUDA_ALLOC_CONF`` and ``CUBLAS_WORKSPACE_CONFIG`` from the environment
+        (see ``Estimate.notes``).
     """
     problems: list[str] = []
     check_common(precision=precision, zero_stage=zero_stage, world_size=world_size, device=device, problems=problems)
     if not isinstance(model, nn.Module):
         problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
     model = _unwrap(model)
-    micro = batch_size_of(batch)
+    micro = first_dim(batch)
     if micro is None:
         problems.append(
-            "batch must be a tensor or a tuple/list/dict holding at least one tensor with a batch "
+            "batch must be a tensor or a mapping/tuple/list holding at least one tensor with a batch "
             f"dimension, got {type(batch).__name__}"
         )
+    if not isinstance(keep_outputs, bool):
+        problems.append(f"keep_outputs={keep_outputs!r} must be True or False")
     if isinstance(model, nn.Module) and not any(p.requires_grad for p in model.parameters()):
         problems.append("the model has no trainable parameters (every parameter has requires_grad=False)")
     if not (isinstance(grad_accum_steps, int) and grad_accum_steps >= 1):
@@ -144,11 +151,12 @@ def estimate(
 
     blocks = activation_checkpointing
     if blocks is True:
-        blocks = 1 << 30
+        blocks = ALL_BLOCKS
     trace = run_trace(
         model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device,
         precision=traced_precision(precision, zero_stage),
-        checkpoint_blocks=int(blocks or 0), grads_present=grad_accum_steps > 1,
+        checkpoint_blocks=int(blocks or 0), grads_present=grad_accum_steps > 1, keep_outputs=keep_outputs,
+        gpu=spec,
     )
     from memguard.estimator.blocks import find_blocks
 
@@ -168,24 +176,93 @@ def traced_precision(precision: str, zero_stage: int) -> str:
     return precision
 
 
+def trace_spec(
+    *,
+    device: str,
+    precision: str,
+    checkpoint_blocks: int = 0,
+    grads_present: bool = False,
+    keep_blocks: int | None = None,
+    count_flops: bool = False,
+    keep_outputs: bool = False,
+    gpu: Any = None,
+    on_gpu: bool = False,
+) -> TraceSpec:
+    """The :class:`~memguard.estimator.trace.TraceSpec` that :func:`run_trace` traces with.
+
+    Args:
+        on_gpu: the CUDA target traced on fake CUDA tensors (a GPU is present); False traces
+            the CUDA target on CPU fakes, with CUDA's autocast emulated and CUDA's kernels
+            modelled for ``gpu`` (a :class:`~memguard.estimator.gpus.GPUSpec`; None = generic).
+        The other arguments: see :func:`run_trace`.
+    """
+    p = precision_spec(precision)
+    common = dict(
+        param_dtype=p.param_dtype, autocast_dtype=p.autocast_dtype, loss_scale=p.loss_scale,
+        checkpoint_blocks=checkpoint_blocks, grads_present=grads_present, keep_blocks=keep_blocks,
+        count_flops=count_flops, keep_outputs=keep_outputs,
+    )
+    if device != "cuda":
+        return TraceSpec(device="cpu", **common)
+    if on_gpu:
+        return TraceSpec(device="cuda", **common)
+    return TraceSpec(
+        device="cpu",
+        foreach=True,  # torch.optim defaults to foreach on CUDA tensors (optim/optimizer.py _default_to_fused_or_foreach)
+        cuda_autocast=True,
+        cuda_target=cuda_target(gpu),
+        **common,
+    )
+
+
+def cuda_target(gpu: Any = None):
+    """The :class:`~memguard.estimator.cuda_kernels.CudaTarget` of a GPU spec (None = generic):
+    its compute capability and vendor, and the installed torch's version (whose kernels run)."""
+    from memguard.estimator.cuda import _parse_version
+    from memguard.estimator.cuda_kernels import CudaTarget
+    from memguard.estimator.gpus import GENERIC
+
+    gpu = gpu if gpu is not None else GENERIC
+    return CudaTarget(
+        capability=tuple(gpu.compute_capability), torch_version=_parse_version(None), vendor=gpu.vendor
+    )
+
+
 def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint_blocks=0, grads_present=False,
-              keep_blocks=None, count_flops=False):
+              keep_blocks=None, count_flops=False, keep_outputs=False, gpu=None):
     """Trace one step for ``device`` and ``precision`` (arguments already validated).
 
     For the CUDA target on a machine with a GPU the step is traced on fake CUDA tensors, so
     CUDA's own autocast and kernel selection apply (nothing is allocated on the device); if that
     fails for a reason other than the model itself, it falls back to CPU fake tensors with
-    CUDA's autocast emulated, as on machines without a GPU.
+    CUDA's autocast emulated and CUDA's kernels modelled, as on machines without a GPU.
+
+    Args:
+        model, batch, optimizer, loss_fn: as for :func:`estimate`.
+        device: ``"cuda"`` or ``"cpu"``.
+        precision: a precision name (see :mod:`memguard.vocab`), as traced
+            (:func:`traced_precision`).
+        checkpoint_blocks: checkpoint this many repeated blocks (:data:`memguard.vocab.ALL_BLOCKS`: all).
+        grads_present: gradients exist when the step starts (gradient accumulation).
+        keep_blocks: keep only this many repeated blocks (the planner's probes), or None.
+        count_flops: count forward and backward FLOPs.
+        keep_outputs: the loop keeps the model's output alive (see :func:`estimate`).
+        gpu: the CUDA target's :class:`~memguard.estimator.gpus.GPUSpec`; None = generic. Decides
+            the kernels modelled on CPU fakes; ignored for ``device="cpu"``.
+
+    Returns:
+        A :class:`~memguard.estimator.trace.Trace`.
+
+    Raises:
+        ConfigError: the model, batch or loss cannot be traced.
     """
-    param_dtype, autocast_dtype, loss_scale = _PRECISION[precision]
     kwargs = dict(
-        optimizer=optimizer, loss_fn=loss_fn, param_dtype=param_dtype, autocast_dtype=autocast_dtype,
-        loss_scale=loss_scale, checkpoint_blocks=checkpoint_blocks, grads_present=grads_present,
-        keep_blocks=keep_blocks, count_flops=count_flops,
+        device=device, precision=precision, checkpoint_blocks=checkpoint_blocks, grads_present=grads_present,
+        keep_blocks=keep_blocks, count_flops=count_flops, keep_outputs=keep_outputs, gpu=gpu,
     )
     if device == "cuda" and torch.cuda.is_available():
         try:
-            return trace_step(model, batch, foreach=None, cuda_autocast=False, device="cuda", **kwargs)
+            return trace_step(model, batch, trace_spec(on_gpu=True, **kwargs), optimizer=optimizer, loss_fn=loss_fn)
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the GPU path: use the CPU path
@@ -195,13 +272,7 @@ def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint
                 "memguard: tracing on fake CUDA tensors failed (%s: %s); tracing on CPU fake tensors instead",
                 type(exc).__name__, exc,
             )
-    return trace_step(
-        model,
-        batch,
-        foreach=True if device == "cuda" else None,  # torch.optim defaults to foreach on CUDA tensors
-        cuda_autocast=device == "cuda",
-        **kwargs,
-    )
+    return trace_step(model, batch, trace_spec(**kwargs), optimizer=optimizer, loss_fn=loss_fn)
 
 
 def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_optimizer=False,
@@ -235,11 +306,12 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
     allocated_peak = timeline.peak_bytes
     context = 0
     peak = timeline.peak_bytes
+    notes: tuple[str, ...] = ()
     if device == "cuda":
         constant = sum(extra.values())
-        cap = None if limit_bytes is None else max(0, limit_bytes - _round_up(constant, 2 << 20))
-        reserved, allocated_peak, workspace = _cuda_reserved(trace, factors.as_dict(), spec, cap)
-        reserved += _round_up(constant, 2 << 20)  # constant buffers: their own 2 MiB-rounded segments
+        cap = None if limit_bytes is None else max(0, limit_bytes - round_up(constant, ROUND_LARGE))
+        reserved, allocated_peak, workspace, notes = _cuda_reserved(trace, factors.as_dict(), spec, cap)
+        reserved += round_up(constant, ROUND_LARGE)  # constant buffers: their own segments, kRoundLarge-rounded
         allocated_peak += constant
         breakdown["workspace"] = workspace
         breakdown["allocator_overhead"] = max(0, reserved - timeline.peak_bytes - workspace)
@@ -264,6 +336,7 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
         num_trainable_params=trace.num_trainable_params,
         model_state_bytes=int(model_state),
         phase_peaks=timeline.phase_peaks,
+        notes=notes,
     )
     return est, timeline
 
@@ -287,33 +360,43 @@ def _fold_optimizer_temporaries(tl):
     )
 
 
-def _cuda_reserved(trace, factors, spec, limit_bytes=None) -> tuple[int, int, int]:
+def _cuda_reserved(trace, factors, spec, limit_bytes=None) -> tuple[int, int, int, tuple[str, ...]]:
     """Replay the (scaled) trace through the caching-allocator model.
 
     The BLAS workspaces (one per handle: the forward's thread and the autograd thread) already
     exist in a steady-state step; they are fed in as never-freed allocations where the forward
-    starts. Returns (peak reserved, peak allocated, workspace bytes); under ``limit_bytes``, a
-    request that cannot be served reports a reserved peak just over the limit.
+    starts. ``PYTORCH_CUDA_ALLOC_CONF`` and ``CUBLAS_WORKSPACE_CONFIG`` are read from the
+    environment as the real allocator and cuBLAS would read them. Returns (peak reserved, peak
+    allocated, workspace bytes, notes on the settings read); under ``limit_bytes``, a request that
+    cannot be served reports a reserved peak just over the limit.
     """
-    from memguard.estimator.cuda import BLAS_HANDLES_PER_TRAINING_STEP, blas_workspace_allocations, simulate
+    from memguard.estimator.cuda import (
+        BLAS_HANDLES_PER_TRAINING_STEP,
+        allocator_config,
+        blas_workspace_allocations,
+        blas_workspace_config,
+        simulate,
+    )
 
-    sizes = [n for _ in range(BLAS_HANDLES_PER_TRAINING_STEP)
-             for n in blas_workspace_allocations(spec.compute_capability, torch.__version__, vendor=spec.vendor)]
+    config = allocator_config()
+    ws_config = blas_workspace_config(spec.vendor)
+    per_handle = [n for n in blas_workspace_allocations(spec.compute_capability, torch.__version__, vendor=spec.vendor,
+                                                          cublas_workspace_config=ws_config) if n]
+    notes = list(config.notes)
+    if ws_config is not None:
+        notes.append(f"BLAS workspace setting {ws_config!r} read: {sum(per_handle)} bytes per handle")
+    sizes = [n for _ in range(BLAS_HANDLES_PER_TRAINING_STEP) for n in per_handle]
     scaled = scaled_events(trace, factors)
     forward = trace.phase_starts.get("forward", 0)
     at = sum(1 for _, n in scaled[:forward] if n)  # the forward's start once zero-size events are dropped
     events = [(h, n) for h, n in scaled if n]
     first = len(trace.sizes)
     events[at:at] = [(first + i, n) for i, n in enumerate(sizes)]
-    sim = simulate(events, limit_bytes=limit_bytes)
+    sim = simulate(events, limit_bytes=limit_bytes, config=config)
     reserved = sim.peak_reserved
     if sim.oom:
         reserved = max(reserved, limit_bytes + sim.oom_request)
-    return reserved, sim.peak_allocated, sum(sizes)
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to if n else 0
+    return reserved, sim.peak_allocated, sum(sizes), tuple(notes)
 
 
 def _category_totals(trace) -> dict[str, int]:

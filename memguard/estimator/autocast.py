@@ -98,10 +98,10 @@ class CudaAutocastEmulation(TorchFunctionMode):
                 elif not (name in ("sum", "prod", "cumsum", "cumprod") and len(args) > 2):
                     kwargs = {**kwargs, "dtype": torch.float32}
         elif name == "cross_entropy":
-            # CompositeImplicit: log_softmax (fp32 result, SET_OPT_DTYPE) then nll_loss (fp32)
+            # CompositeImplicit: autocast acts on the ops it is made of (see _cross_entropy_autocast)
             first = args[0] if args else kwargs.get("input")
             if isinstance(first, torch.Tensor) and first.dtype in _LOW:
-                return _cross_entropy_fp32(*args, **kwargs)
+                return _cross_entropy_autocast(*args, **kwargs)
         elif name in PROMOTE:
             floats = [x.dtype for x in args if isinstance(x, torch.Tensor) and x.is_floating_point()]
             if len(set(floats)) > 1:
@@ -110,13 +110,30 @@ class CudaAutocastEmulation(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _cross_entropy_fp32(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                        reduction="mean", label_smoothing=0.0):
+def _cross_entropy_autocast(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                           reduction="mean", label_smoothing=0.0):
+    """``F.cross_entropy`` of 16-bit logits under CUDA autocast, op by op.
+
+    ATen's ``cross_entropy_loss`` (aten/src/ATen/native/LossNLL.cpp, torch 2.13) calls
+    ``log_softmax(self, class_dim, self.scalar_type())``: the dtype is given, so autocast's
+    ``fp32_set_opt_dtype`` policy (ATen/autocast_mode.h) leaves the log-probabilities 16-bit, and
+    ``log_softmax`` saves them for backward. ``nll_loss`` is on autocast's fp32 list, so it runs on an
+    fp32 copy of them, which it saves too (``nll_loss_backward`` takes ``self``; derivatives.yaml).
+    With label smoothing the extra term sums the 16-bit log-probabilities over the classes with an
+    fp32 result (``sum`` is ``fp32_set_opt_dtype`` as well). Probability targets take ATen's
+    ``cross_entropy_loss_prob_target``, which has no op on autocast's lists: it runs unchanged.
+    """
     import torch.nn.functional as F
 
-    if label_smoothing or (target.is_floating_point()):
-        return F.cross_entropy(input.float(), target, weight, size_average, ignore_index, reduce, reduction,
-                               label_smoothing)
+    if target.is_floating_point():
+        return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
     dim = 1 if input.dim() > 1 else 0
-    logp = F.log_softmax(input, dim=dim, dtype=torch.float32)
-    return F.nll_loss(logp, target, weight, size_average, ignore_index, reduce, reduction)
+    logp = F.log_softmax(input, dim=dim, dtype=input.dtype)
+    loss = F.nll_loss(logp.float(), target, weight, size_average, ignore_index, reduce, reduction)
+    if label_smoothing:
+        smooth = -logp.sum(dim, dtype=torch.float32)
+        smooth = smooth.masked_fill(target == ignore_index, 0.0)
+        smooth = smooth.sum() / (target != ignore_index).sum().clamp(min=1) if reduction == "mean" else (
+            smooth.sum() if reduction == "sum" else smooth)
+        loss = (1 - label_smoothing) * loss + label_smoothing * smooth / input.shape[dim]
+    return loss

@@ -34,6 +34,7 @@ are not (they only show in ``nvidia-smi`` / ``torch.cuda.mem_get_info``):
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from bisect import bisect_left, insort
@@ -58,7 +59,9 @@ __all__ = [
     "cublas_workspace_bytes",
     "BLAS_HANDLES_PER_TRAINING_STEP",
     "DEFAULT_CONTEXT_BYTES",
-    "allocator_conf_warnings",
+    "AllocatorConfig",
+    "allocator_config",
+    "blas_workspace_config",
 ]
 
 logger = logging.getLogger("memguard")
@@ -79,16 +82,183 @@ MIN_LARGE_ALLOC = 10 * _MiB
 ROUND_LARGE = 2 * _MiB
 
 
-def round_size(nbytes: int) -> int:
+def round_size(nbytes: int, config: "AllocatorConfig | None" = None) -> int:
     """Size of the block a request of ``nbytes`` occupies (``round_size`` in the allocator).
 
-    Known limitations:
-        The ``roundup_power2_divisions`` option of ``PYTORCH_CUDA_ALLOC_CONF`` is not modelled.
+    With ``roundup_power2_divisions`` in ``config`` (``PYTORCH_CUDA_ALLOC_CONF``), sizes are
+    rounded up to the next of that many equal divisions of their power-of-two interval.
     """
     if nbytes < MIN_BLOCK_SIZE:
         return MIN_BLOCK_SIZE
+    divisions = config.divisions_for(nbytes) if config is not None else 0
+    # CUDACachingAllocator.cpp round_size: power-2 divisions when configured and size > kMinBlockSize * divisions
+    if divisions > 1 and nbytes > MIN_BLOCK_SIZE * divisions:
+        return _roundup_power2_next_division(nbytes, divisions)
     # CUDACachingAllocator.cpp round_size: kMinBlockSize * ceil(size / kMinBlockSize).
     return -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+
+
+def _roundup_power2_next_division(size: int, divisions: int) -> int:
+    # CUDACachingAllocator.cpp roundup_power2_next_division: split [2^k, 2^(k+1)) into
+    # `divisions` equal steps and round up to the next step (1200 with 4 divisions -> 1280).
+    if size & (size - 1) == 0:
+        return size
+    floor = 1 << (size.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    rounded = size & ~(step - 1)
+    return size if rounded == size else rounded + step
+
+
+#: c10/core/AllocatorConfig.cpp: roundup_power2_divisions has one entry per power-of-two interval
+#: from 1 MiB (kRoundUpPowerOfTwoStart) to 64 GiB (kRoundUpPowerOfTwoEnd), 16 in all.
+ROUNDUP_INTERVALS = 16
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` options the allocator model follows.
+
+    Attributes:
+        roundup_power2_divisions: divisions per size interval (index ``i`` covers sizes in
+            ``[2^i MiB, 2^(i+1) MiB)``, index 0 everything below 2 MiB, the last everything from
+            32 GiB); 0 or 1 = plain 512-byte rounding (the default).
+        max_split_size: blocks at least this large are never split, and requests below it never
+            take one (``max_split_size_mb``); None = unlimited (the default).
+        max_non_split_rounding_size: a request of at least ``max_split_size`` may take a cached
+            block at most this much larger (``max_non_split_rounding_mb``, default 20 MiB).
+        notes: one sentence per option that was read, or set but not modelled.
+    """
+
+    roundup_power2_divisions: tuple[int, ...] = (0,) * ROUNDUP_INTERVALS
+    max_split_size: int | None = None
+    # c10/core/AllocatorConfig.cpp: max_non_split_rounding_size_ defaults to kLargeBuffer
+    max_non_split_rounding_size: int = 20 * _MiB
+    notes: tuple[str, ...] = ()
+
+    def divisions_for(self, size: int) -> int:
+        """``roundup_power2_divisions(size)`` of c10/core/AllocatorConfig.cpp."""
+        # index = log2(size) - log2(1 MiB), clamped to [0, 15]
+        index = min(max(size.bit_length() - 1 - 20, 0), ROUNDUP_INTERVALS - 1)
+        return self.roundup_power2_divisions[index]
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def allocator_config(conf: str | None = None) -> AllocatorConfig:
+    """Read ``PYTORCH_CUDA_ALLOC_CONF`` the way the caching allocator does.
+
+    Like ``CUDAAllocatorConfig::instance()`` (c10/cuda/CUDAAllocatorConfig.h) the variable is
+    ``PYTORCH_CUDA_ALLOC_CONF``, else ``PYTORCH_HIP_ALLOC_CONF`` (ROCm), else
+    ``PYTORCH_ALLOC_CONF``; the options and their syntax are ``AllocatorConfig::parseArgs``'s
+    (c10/core/AllocatorConfig.cpp). Modelled: ``roundup_power2_divisions`` (a number, or a list
+    ``[256:1,512:2,>:4]`` of interval-in-MiB:divisions pairs), ``max_split_size_mb`` and
+    ``max_non_split_rounding_mb``. Set but not modelled (said in ``notes``):
+    ``expandable_segments:True``, ``garbage_collection_threshold`` and a non-native ``backend``.
+
+    Args:
+        conf: the option string; None reads the environment.
+
+    Raises:
+        ConfigError: a value the real allocator would also reject (every problem listed).
+    """
+    if conf is None:
+        import os
+
+        env = os.environ
+        conf = env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_HIP_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
+    return _parse_allocator_config(conf)
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_allocator_config(conf: str) -> AllocatorConfig:
+    text = conf.replace(" ", "")
+    # the options are comma-separated key:value pairs; a list value [a:b,c:d] holds commas itself
+    items = re.findall(r"([^,:\[\]]+):(\[[^\]]*\]|[^,]*)", text)
+    problems: list[str] = []
+    notes: list[str] = []
+    divisions = [0] * ROUNDUP_INTERVALS
+    max_split: int | None = None
+    non_split = 20 * _MiB
+
+    def mib_option(key: str, value: str) -> int | None:
+        # AllocatorConfig.cpp parseMaxSplitSize / parseMaxNonSplitRoundingSize: >= kLargeBuffer / 1 MiB
+        if not value.isdigit() or int(value) < 20:
+            problems.append(f"{key}:{value} must be a whole number of MiB >= 20 (the allocator's minimum)")
+            return None
+        return int(value) * _MiB
+
+    for key, value in items:
+        if key == "max_split_size_mb":
+            max_split = mib_option(key, value)
+            if max_split is not None:
+                notes.append(f"PYTORCH_CUDA_ALLOC_CONF max_split_size_mb:{value} read: blocks of "
+                             f"{value} MiB or more are not split")
+        elif key == "max_non_split_rounding_mb":
+            got = mib_option(key, value)
+            if got is not None:
+                non_split = got
+                notes.append(f"PYTORCH_CUDA_ALLOC_CONF max_non_split_rounding_mb:{value} read")
+        elif key == "roundup_power2_divisions":
+            if _parse_divisions(value, divisions, problems):
+                notes.append(f"PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions:{value} read: sizes are "
+                             "rounded to power-of-two divisions")
+        elif key == "expandable_segments":
+            if value == "True":
+                notes.append(
+                    "PYTORCH_CUDA_ALLOC_CONF expandable_segments:True is not modelled: the prediction follows "
+                    "fixed segments, which usually waste more than an expandable segment, so it errs high"
+                )
+        elif key == "garbage_collection_threshold":
+            notes.append(
+                f"PYTORCH_CUDA_ALLOC_CONF garbage_collection_threshold:{value} is not modelled; it only acts "
+                "under set_per_process_memory_fraction, where it can lower reserved bytes"
+            )
+        elif key == "backend" and value != "native":
+            notes.append(
+                f"PYTORCH_CUDA_ALLOC_CONF backend:{value} replaces the caching allocator; the prediction models "
+                "the native one"
+            )
+    if problems:
+        raise ConfigError([f"PYTORCH_CUDA_ALLOC_CONF={conf!r}: {p}" for p in problems])
+    return AllocatorConfig(
+        roundup_power2_divisions=tuple(divisions), max_split_size=max_split,
+        max_non_split_rounding_size=non_split, notes=tuple(notes),
+    )
+
+
+def _parse_divisions(value: str, divisions: list[int], problems: list[str]) -> bool:
+    """Fill ``divisions`` from a ``roundup_power2_divisions`` value (AllocatorConfig.cpp
+    parseRoundUpPower2Divisions); return False (and add a problem) when it is malformed."""
+    if not value.startswith("["):  # one number for every interval ("kept for backwards compatibility")
+        if not (value.isdigit() and _power_of_two(int(value))):
+            problems.append(f"roundup_power2_divisions:{value} must be a power of two")
+            return False
+        divisions[:] = [int(value)] * ROUNDUP_INTERVALS
+        return True
+    first, last = True, 0
+    for pair in filter(None, value.strip("[]").split(",")):
+        interval, _, count = pair.partition(":")
+        if not count.isdigit() or not (int(count) == 0 or _power_of_two(int(count))):
+            problems.append(f"roundup_power2_divisions entry {pair!r}: divisions must be 0 or a power of two")
+            return False
+        n = int(count)
+        if interval == ">":  # every interval from the last one named on
+            divisions[last:] = [n] * (ROUNDUP_INTERVALS - last)
+            continue
+        if not (interval.isdigit() and _power_of_two(int(interval))):
+            problems.append(f"roundup_power2_divisions entry {pair!r}: the interval (MiB) must be a power of two")
+            return False
+        index = min(int(interval).bit_length() - 1, ROUNDUP_INTERVALS - 1)
+        if first:  # the first entry also covers every smaller interval
+            divisions[:index] = [n] * index
+            first = False
+        divisions[index] = n
+        last = index
+    return True
 
 
 def segment_size(rounded: int) -> int:
@@ -155,18 +325,21 @@ class CachingAllocatorModel:
     Args:
         limit_bytes: cap on reserved bytes, like ``torch.cuda.set_per_process_memory_fraction``;
             None means unlimited (segments are always obtained).
+        config: the ``PYTORCH_CUDA_ALLOC_CONF`` options to follow (:func:`allocator_config`);
+            None = the defaults.
 
     Raises:
         ConfigError: ``limit_bytes`` is not a positive int.
 
     Known limitations:
-        One stream, no ``record_stream``, no CUDA graph pools; the ``PYTORCH_CUDA_ALLOC_CONF``
-        options ``expandable_segments``, ``max_split_size_mb``, ``roundup_power2_divisions`` and
-        ``garbage_collection_threshold`` are not modelled (see :func:`allocator_conf_warnings`).
+        One stream, no ``record_stream``, no CUDA graph pools; ``expandable_segments`` and
+        ``garbage_collection_threshold`` are not modelled. Under a cap with ``max_split_size_mb``
+        the real allocator first frees just enough oversize cached blocks
+        (``release_available_cached_blocks``); the model releases every free segment at once.
         Real ``cudaMalloc`` can also fail below the cap when other processes hold memory.
     """
 
-    def __init__(self, *, limit_bytes: int | None = None) -> None:
+    def __init__(self, *, limit_bytes: int | None = None, config: AllocatorConfig | None = None) -> None:
         if limit_bytes is not None and (
             isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0
         ):
@@ -174,6 +347,8 @@ class CachingAllocatorModel:
                 f"limit_bytes must be a positive int number of bytes or None, got {limit_bytes!r}"
             )
         self._limit = limit_bytes
+        self._config = config
+        self._max_split = config.max_split_size if config is not None and config.max_split_size else None
         self._blocks: dict[int, list] = {}
         self._free_small: list[tuple[int, int]] = []
         self._free_large: list[tuple[int, int]] = []
@@ -267,14 +442,26 @@ class CachingAllocatorModel:
                 f"handle {handle} is allocated twice without a free in between; every "
                 "allocation event needs a handle that is not live"
             )
-        # CUDACachingAllocator.cpp round_size: multiple of kMinBlockSize, at least kMinBlockSize.
-        size = -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE  # >= MIN_BLOCK_SIZE as nbytes > 0
+        if self._config is None:
+            # CUDACachingAllocator.cpp round_size: multiple of kMinBlockSize, at least kMinBlockSize.
+            size = -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE  # >= MIN_BLOCK_SIZE as nbytes > 0
+        else:
+            size = round_size(nbytes, self._config)
         small = size <= SMALL_SIZE  # CUDACachingAllocator.cpp get_pool: size <= kSmallSize
         free_list = self._free_small if small else self._free_large
         blocks = self._blocks
+        max_split = self._max_split
 
         # get_free_block: lower_bound on (size, address) = smallest fitting block, lowest address.
         i = bisect_left(free_list, (size, -1))
+        if i < len(free_list) and max_split is not None:
+            found = free_list[i][0]
+            # get_free_block: no oversize block (>= max_split_size) for a request below it, and an
+            # oversize request takes a block at most max_non_split_rounding_size larger
+            if (size < max_split <= found) or (
+                size >= max_split and found >= size + self._config.max_non_split_rounding_size
+            ):
+                i = len(free_list)
         if i < len(free_list):
             bsize, addr = free_list.pop(i)
             blk = blocks[addr]
@@ -308,8 +495,11 @@ class CachingAllocatorModel:
                 self._alloc_at_peak_reserved = -1
 
         remaining = bsize - size
-        # CUDACachingAllocator.cpp should_split: small pool >= kMinBlockSize, large > kSmallSize.
-        if (remaining >= MIN_BLOCK_SIZE) if small else (remaining > SMALL_SIZE):
+        # CUDACachingAllocator.cpp should_split: small pool >= kMinBlockSize; large pool > kSmallSize
+        # and the request below max_split_size.
+        if (remaining >= MIN_BLOCK_SIZE) if small else (
+            remaining > SMALL_SIZE and (max_split is None or size < max_split)
+        ):
             rest = addr + size
             nxt = blk[_NEXT]
             blocks[rest] = [remaining, addr, nxt, small, False]
@@ -434,7 +624,7 @@ def _remove(free_list: list[tuple[int, int]], size: int, addr: int) -> None:
 
 
 def simulate(
-    events: Iterable[tuple[int, int]], *, limit_bytes: int | None = None
+    events: Iterable[tuple[int, int]], *, limit_bytes: int | None = None, config: AllocatorConfig | None = None
 ) -> AllocatorResult:
     """Replay allocation events through :class:`CachingAllocatorModel`.
 
@@ -444,6 +634,7 @@ def simulate(
             minus the size allocated); ``nbytes == 0`` is a no-op.
         limit_bytes: cap on reserved bytes; the replay stops at the first request that cannot
             be served, and the result has ``oom=True``.
+        config: ``PYTORCH_CUDA_ALLOC_CONF`` options (:func:`allocator_config`); None = defaults.
 
     Returns:
         The allocator statistics, see :class:`AllocatorResult`.
@@ -453,7 +644,7 @@ def simulate(
             minus its allocated size, or allocates a handle that is already live; or
             ``limit_bytes`` is not a positive int.
     """
-    model = CachingAllocatorModel(limit_bytes=limit_bytes)
+    model = CachingAllocatorModel(limit_bytes=limit_bytes, config=config)
     malloc = model.malloc
     free = model.free
     for handle, nbytes in events:
@@ -641,44 +832,13 @@ def cublas_workspace_bytes(
     )
 
 
-def allocator_conf_warnings(conf: str | None = None) -> list[str]:
-    """Options of ``PYTORCH_CUDA_ALLOC_CONF`` that the allocator model does not reproduce.
+def blas_workspace_config(vendor: Literal["nvidia", "amd"] = "nvidia") -> str | None:
+    """The BLAS workspace setting in the environment, read as PyTorch reads it, or None.
 
-    Args:
-        conf: the option string; None reads ``PYTORCH_CUDA_ALLOC_CONF`` (and its successor
-            ``PYTORCH_ALLOC_CONF``) from the environment.
-
-    Returns:
-        One sentence per option that makes the prediction less exact; empty when the model
-        matches the configured allocator.
+    ``CUBLAS_WORKSPACE_CONFIG``; on ROCm also ``HIPBLAS_WORKSPACE_CONFIG`` and then
+    ``ROCBLAS_WORKSPACE_CONFIG`` (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize).
     """
-    if conf is None:
-        import os
+    import os
 
-        env = os.environ
-        conf = env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
-    warnings = []
-    for item in conf.split(","):
-        key, _, value = item.partition(":")
-        key, value = key.strip(), value.strip()
-        if not key:
-            continue
-        if key == "expandable_segments" and value.lower() in ("true", "1"):
-            warnings.append(
-                "expandable_segments:True grows one segment per stream instead of caching "
-                "fixed segments; memguard's CUDA prediction models the default and overestimates "
-                "fragmentation under this setting"
-            )
-        elif key in (
-            "max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold"
-        ):
-            warnings.append(
-                f"{key} is set; memguard's allocator model ignores it, so reserved bytes may "
-                "differ from the prediction"
-            )
-        elif key == "backend" and value != "native":
-            warnings.append(
-                f"backend:{value} replaces the caching allocator; memguard's allocator model "
-                "does not apply to it"
-            )
-    return warnings
+    names = ["CUBLAS_WORKSPACE_CONFIG"] + (["HIPBLAS_WORKSPACE_CONFIG", "ROCBLAS_WORKSPACE_CONFIG"] if vendor == "amd" else [])
+    return next((os.environ[n] for n in names if os.environ.get(n)), None)

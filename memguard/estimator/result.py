@@ -1,4 +1,4 @@
-"""The :class:`Estimate` result and the byte formatting shared by every report."""
+"""The :class:`Estimate` result (and :func:`~memguard.vocab.format_bytes`, re-exported for reports)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
+
+from memguard.vocab import format_bytes  # re-exported: reports have always imported it from here
 
 __all__ = ["Estimate", "format_bytes", "CATEGORIES"]
 
@@ -22,19 +24,6 @@ CATEGORIES = (
     "allocator_overhead",
     "workspace",
 )
-
-_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
-
-
-def format_bytes(n: int) -> str:
-    """Render a byte count with a binary unit, e.g. ``format_bytes(3 << 30) == '3.00 GiB'``."""
-    sign = "-" if n < 0 else ""
-    n = abs(int(n))
-    for unit, size in _UNITS:
-        if n >= size:
-            return f"{sign}{n / size:.2f} {unit}"
-    return f"{sign}{n} B"
-
 
 @dataclass(frozen=True)
 class Estimate:
@@ -58,6 +47,8 @@ class Estimate:
         model_state_bytes: params + grads + optimizer bytes per rank, the quantity DeepSpeed's
             estimators report.
         phase_peaks: the peak of live tensor bytes inside each phase.
+        notes: environment settings the CUDA prediction read (``PYTORCH_CUDA_ALLOC_CONF``,
+            ``CUBLAS_WORKSPACE_CONFIG``) or found set but does not model, one sentence each.
     """
 
     peak_bytes: int
@@ -77,10 +68,12 @@ class Estimate:
     num_trainable_params: int = 0
     model_state_bytes: int = 0
     phase_peaks: Mapping[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "breakdown", MappingProxyType(dict(self.breakdown)))
         object.__setattr__(self, "phase_peaks", MappingProxyType(dict(self.phase_peaks)))
+        object.__setattr__(self, "notes", tuple(self.notes))  # a JSON round trip gives a list
 
     @property
     def total_bytes(self) -> int:
@@ -92,6 +85,7 @@ class Estimate:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["breakdown"] = dict(self.breakdown)
         d["phase_peaks"] = dict(self.phase_peaks)
+        d["notes"] = list(self.notes)
         return d
 
     @classmethod
@@ -108,6 +102,7 @@ class Estimate:
         lines.append(f"  {'peak':<{width}}  {format_bytes(self.peak_bytes):>11}  (during {self.peak_phase})")
         if self.context_bytes:
             lines.append(f"  {'+ context':<{width}}  {format_bytes(self.context_bytes):>11}")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -10,6 +10,15 @@ allocation, and a weak reference on it records the free when the last tensor usi
 The result is an exact, ordered list of allocations and frees of tensor storages, which the
 analysis (``memguard.estimator.analysis``) turns into a peak and a breakdown.
 
+What is traced is described by a :class:`TraceSpec` (precision, device, checkpointing, ...). The
+model is called through :mod:`memguard.batch` (a mapping as ``**batch``, a tuple or list as
+``*batch``), so every part of memguard reads a batch the same way. With ``keep_outputs`` a
+forward hook on the model keeps its output alive, as ``out = model(**batch)`` does in a
+hand-written loop, and the step starts with the previous step's output still live. With a
+``cuda_target`` (the CUDA target traced on CPU fakes) forward and backward run under
+:class:`~memguard.estimator.cuda_kernels.CudaKernelModel`, so functions whose CUDA kernels
+allocate differently from the CPU's allocate as on CUDA.
+
 Known limitations:
     Memory that kernels allocate internally without creating a tensor (oneDNN scratchpads,
     cuDNN/cuBLAS workspaces) is invisible here; CUDA workspaces are added by the device model.
@@ -23,21 +32,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
+from memguard.batch import LossFn, compute_loss, map_tensors, tensor_leaves
 from memguard.errors import ConfigError
+from memguard.estimator.cuda_kernels import CudaTarget
 from memguard.estimator.kernels import CORRECTIONS
 
-__all__ = ["Trace", "trace_step", "default_loss", "PHASES", "OPTIMIZER_TEMPORARIES"]
+__all__ = ["Trace", "TraceSpec", "trace_step", "PHASES", "OPTIMIZER_TEMPORARIES"]
 
 PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
 
@@ -45,6 +57,51 @@ PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
 #: shrinks them with the optimizer state (each ZeRO rank updates only its partition); reports fold
 #: them into "temporaries".
 OPTIMIZER_TEMPORARIES = "optimizer_temporaries"
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """How one training step is traced: everything but the model, batch, optimizer and loss.
+
+    Frozen and hashable, so a set of traces can be keyed by it (the planner's trace cache).
+    :func:`memguard.estimator.api.trace_spec` builds the spec for a target and precision.
+
+    Attributes:
+        param_dtype: cast floating parameters, buffers and inputs to this dtype (``*-true``
+            16-bit precisions), or None.
+        autocast_dtype: run forward and loss under autocast to this dtype (``*-mixed``), or None.
+        loss_scale: multiply the loss by a scale before backward (``GradScaler``'s extra op).
+        foreach: force the optimizer's ``foreach`` flag where the user left it at None.
+        device: the fake tensors' device: ``"cpu"``, or ``"cuda"`` where a GPU is present (then
+            CUDA's own autocast and kernels apply, and nothing is allocated on it).
+        cuda_autocast: apply CUDA's autocast op lists (emulated on CPU fakes) instead of
+            ``torch.autocast(device)``.
+        checkpoint_blocks: wrap this many repeated blocks in activation checkpointing.
+        grads_present: start the step with every gradient already allocated (a micro-batch after
+            the first under gradient accumulation).
+        keep_blocks: trace a shortened model that keeps only this many of its repeated blocks
+            (the planner's probes; memory is affine in the number of identical blocks).
+        count_flops: count forward and backward FLOPs with ``torch.utils.flop_counter``.
+        keep_outputs: the training loop keeps the model's output (``out = model(**batch)``)
+            through backward, the optimizer step and the next step's forward.
+        cuda_target: run forward and backward under
+            :class:`~memguard.estimator.cuda_kernels.CudaKernelModel` for this GPU, so that
+            functions whose CUDA kernels allocate differently from the CPU's allocate as on CUDA
+            (for the CUDA target traced on CPU fakes); None traces the device's own kernels.
+    """
+
+    param_dtype: torch.dtype | None = None
+    autocast_dtype: torch.dtype | None = None
+    loss_scale: bool = False
+    foreach: bool | None = None
+    device: str = "cpu"
+    cuda_autocast: bool = False
+    checkpoint_blocks: int = 0
+    grads_present: bool = False
+    keep_blocks: int | None = None
+    count_flops: bool = False
+    keep_outputs: bool = False
+    cuda_target: CudaTarget | None = None
 
 
 @dataclass
@@ -119,6 +176,11 @@ class _Recorder(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self.phase = "setup"
         self.alloc_phase: list[str] = []
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop recording: storages of the traced copy that die after the step are not events."""
+        self._closed = True
 
     def register(self, tensor: torch.Tensor, category: str | None) -> int | None:
         """Start tracking ``tensor``'s storage (if new); return its handle."""
@@ -146,6 +208,8 @@ class _Recorder(TorchDispatchMode):
         return handle
 
     def _free(self, handle: int, key: int) -> None:
+        if self._closed:
+            return
         if self._by_key.get(key) == handle:
             del self._by_key[key]
         self._refs.pop(handle, None)
@@ -168,33 +232,6 @@ class _Recorder(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 self.register(leaf, None)
         return out
-
-
-def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """Call ``model`` with ``batch`` (dict -> ``**batch``, tuple/list -> ``*batch``, else the
-    batch itself) and return ``output.loss`` if present, else the output if it is a scalar.
-
-    Raises:
-        ConfigError: the output has no loss and is not a scalar.
-    """
-    if isinstance(batch, dict):
-        out = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        out = model(*batch)
-    else:
-        out = model(batch)
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
-    if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
-        loss = out
-    if loss is None:
-        raise ConfigError(
-            f"the model returned {type(out).__name__}, which has no .loss and is not a scalar; "
-            "pass loss_fn=lambda model, batch: <scalar loss> (for example "
-            "lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))"
-        )
-    return loss
 
 
 def _fake_like(t: torch.Tensor, mode, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
@@ -277,14 +314,14 @@ def _find_container_like(clone: nn.Module, dropped: list[str]) -> nn.Module:
 
 
 def _fake_batch(batch: Any, mode, dtype, device) -> Any:
-    def convert(x):
-        if isinstance(x, torch.Tensor):
-            target = dtype if (dtype is not None and x.is_floating_point()) else x.dtype
-            with mode:
-                return torch.empty_strided(x.shape, x.stride(), dtype=target, device=device)
-        return x
+    """``batch`` with every tensor leaf replaced by a fake one (any ``Mapping``, tuple or list kept)."""
 
-    return tree_map(convert, batch)
+    def convert(x: torch.Tensor) -> torch.Tensor:
+        target = dtype if (dtype is not None and x.is_floating_point()) else x.dtype
+        with mode:
+            return torch.empty_strided(x.shape, x.stride(), dtype=target, device=device)
+
+    return map_tensors(batch, convert)
 
 
 def _rebuild(cls, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
@@ -470,176 +507,262 @@ def _engine_backward(loss: torch.Tensor) -> None:
 def trace_step(
     model: nn.Module,
     batch: Any,
+    spec: TraceSpec | None = None,
     *,
     optimizer=None,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    param_dtype: torch.dtype | None = None,
-    autocast_dtype: torch.dtype | None = None,
-    loss_scale: bool = False,
-    foreach: bool | None = None,
-    checkpoint_blocks: int = 0,
-    grads_present: bool = False,
-    cuda_autocast: bool = False,
-    keep_blocks: int | None = None,
-    count_flops: bool = False,
-    device: str = "cpu",
+    loss_fn: LossFn | None = None,
+    **fields: Any,
 ) -> Trace:
     """Trace one steady-state training step of ``model`` on ``batch``; see the module docstring.
 
     Args:
-        param_dtype: cast floating parameters and inputs to this dtype (``*-true`` precisions).
-        autocast_dtype: run forward and loss under ``torch.autocast("cpu", autocast_dtype)``.
-        loss_scale: multiply the loss by a scale before backward (GradScaler's extra op).
-        foreach: force the optimizer's ``foreach`` flag where the user left it at None.
-        checkpoint_blocks: wrap this many repeated blocks in activation checkpointing.
-        grads_present: start the step with every gradient already allocated (a micro-batch
-            after the first under gradient accumulation).
-        cuda_autocast: apply CUDA's autocast op lists (emulated) instead of the CPU's.
-        keep_blocks: trace a shortened model that keeps only this many of its repeated blocks
-            (the planner's cheap probes; memory is affine in the number of identical blocks).
-        count_flops: count forward and backward FLOPs with ``torch.utils.flop_counter``.
-        device: the fake tensors' device: ``"cpu"``, or ``"cuda"`` where a GPU is present (then
-            CUDA's own autocast and kernel choices apply, and nothing is allocated on it).
+        model: the user's model (never moved, mutated or allocated).
+        batch: one micro-batch (see :mod:`memguard.batch`).
+        spec: how to trace (default: ``TraceSpec()``, fp32 on the CPU).
+        optimizer: an optimizer instance, a callable ``params -> Optimizer``, or None (AdamW).
+        loss_fn: ``loss_fn(model, batch) -> scalar``, or None for the model's own loss.
+        **fields: :class:`TraceSpec` fields that override ``spec``'s (a shorthand for
+            ``dataclasses.replace(spec, ...)``).
 
     Raises:
         ConfigError: the model cannot be copied, called with the batch, or gives no usable loss.
     """
+    spec = dataclasses.replace(spec or TraceSpec(), **fields) if fields else (spec or TraceSpec())
     gc_was_enabled = gc.isenabled()
     gc.disable()  # frees happen at deterministic points (reference counting only)
     try:
         with _quiet_fake_tensor_log():
-            return _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, loss_scale, foreach,
-                               checkpoint_blocks, grads_present, cuda_autocast, keep_blocks, count_flops, device)
+            return _StepTracer(model, batch, optimizer, loss_fn, spec).run()
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _trace_step(model, batch, optimizer, loss_fn, param_dtype, autocast_dtype, loss_scale, foreach,
-                checkpoint_blocks, grads_present, cuda_autocast, keep_blocks, count_flops, device_type) -> Trace:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+class _StepTracer:
+    """One traced step, in the order a training loop runs it: :meth:`setup` (fake model, batch and
+    optimizer, outside the recorder), then under the recorder :meth:`register` (the state that
+    exists before the step), :meth:`forward`, :meth:`backward`, :meth:`optimizer_step` and
+    :meth:`categorise`; last, :meth:`carry_outputs` for ``keep_outputs``."""
 
-    from memguard.estimator.blocks import apply_activation_checkpointing
+    def __init__(self, model: nn.Module, batch: Any, optimizer: Any, loss_fn: LossFn | None, spec: TraceSpec) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-    device = torch.device(device_type)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    trace = Trace()
-    with _preserved_rng():
-        fmodel, originals, blocks = _fake_model(model, mode, param_dtype, device, keep_blocks)
+        self.model, self.batch, self.optimizer, self.loss_fn, self.spec = model, batch, optimizer, loss_fn, spec
+        self.device = torch.device(spec.device)
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.trace = Trace()
+        self.recorder = _Recorder(self.trace)
+        self.emulation = None
+        self.kernel_model = None
+        self.flops = [contextlib.nullcontext(), contextlib.nullcontext()]  # forward, backward
+        self.output: Any = None  # the model's output, kept alive with keep_outputs
+        self.output_at = -1  # the event index at which the output was returned
+
+    def run(self) -> Trace:
+        with _preserved_rng():
+            self.setup()
+            with self.mode:
+                if self.spec.grads_present:
+                    for p in self.trainable:
+                        p.grad = torch.zeros_like(p)
+            with self.mode, self.recorder:
+                self.register()
+                loss = self.forward()
+                self.backward(loss)
+                self.optimizer_step()
+                del loss  # a training loop keeps its loss until the step ends
+                self.categorise()
+                self.carry_outputs()
+            self.recorder.close()
+        return self.trace
+
+    # ------------------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from memguard.estimator.blocks import apply_activation_checkpointing
+
+        spec, trace = self.spec, self.trace
+        fmodel, originals, blocks = _fake_model(self.model, self.mode, spec.param_dtype, self.device, spec.keep_blocks)
         fmodel.train()
-        if checkpoint_blocks:
-            apply_activation_checkpointing(fmodel, checkpoint_blocks, blocks)
+        if spec.checkpoint_blocks:
+            apply_activation_checkpointing(fmodel, spec.checkpoint_blocks, blocks)
         trace.num_blocks = len(blocks)
-        params = list(fmodel.parameters())
-        trainable = [p for p in params if p.requires_grad]
-        trace.num_params = sum(p.numel() for p in params)
-        trace.num_trainable_params = sum(p.numel() for p in trainable)
-        trace.trainable_param_bytes = sum(p.numel() * p.element_size() for p in trainable)
+        self.fmodel = fmodel
+        self.params = list(fmodel.parameters())
+        self.trainable = [p for p in self.params if p.requires_grad]
+        trace.num_params = sum(p.numel() for p in self.params)
+        trace.num_trainable_params = sum(p.numel() for p in self.trainable)
+        trace.trainable_param_bytes = sum(p.numel() * p.element_size() for p in self.trainable)
         # DeepSpeed's largest layer (estimate_zero3_model_states_mem_needs_all_live): the most
         # parameters any single module holds itself
         trace.largest_layer_params = max(
             (sum(p.numel() for p in m.parameters(recurse=False)) for m in fmodel.modules()), default=0
         )
-        fbatch = _fake_batch(batch, mode, param_dtype, device)
-        opt = _make_optimizer(optimizer, params, originals, foreach)
-        call = loss_fn or default_loss
-        _warm_up(opt, trainable, mode)  # outside the fake mode: its fast path runs on meta
+        self.fbatch = _fake_batch(self.batch, self.mode, spec.param_dtype, self.device)
+        self.opt = _make_optimizer(self.optimizer, self.params, originals, spec.foreach)
+        _warm_up(self.opt, self.trainable, self.mode)  # outside the fake mode: its fast path runs on meta
+        if spec.count_flops:
+            from torch.utils.flop_counter import FlopCounterMode
 
-        with mode:
-            if grads_present:
-                for p in trainable:
-                    p.grad = torch.zeros_like(p)
+            # one counter per pass: entering a FlopCounterMode again resets its counts
+            self.flops = [FlopCounterMode(display=False), FlopCounterMode(display=False)]
+        if spec.autocast_dtype and spec.cuda_autocast:
+            from memguard.estimator.autocast import CudaAutocastEmulation
 
-            recorder = _Recorder(trace)
-            flop_counter = backward_flops = contextlib.nullcontext()
-            if count_flops:
-                from torch.utils.flop_counter import FlopCounterMode
+            self.emulation = CudaAutocastEmulation(spec.autocast_dtype)
+        if spec.cuda_target is not None:
+            from memguard.estimator.cuda_kernels import CudaKernelModel, load_rules
 
-                # one counter per pass: entering a FlopCounterMode again resets its counts
-                flop_counter = FlopCounterMode(display=False)
-                backward_flops = FlopCounterMode(display=False)
-            with recorder:
-                for p in params:
-                    recorder.register(p, "params")
-                for b in fmodel.buffers():
-                    recorder.register(b, "params")
-                for t in _optimizer_state_tensors(opt):
-                    recorder.register(t, "optimizer")
-                for p in trainable:
-                    if p.grad is not None:
-                        recorder.register(p.grad, "grads")
-                for t in _tensor_leaves(fbatch):
-                    recorder.register(t, "inputs")
-                trace.phase_starts["forward"] = len(trace.events)
-                recorder.phase = "forward"
-                emulation = None
-                if autocast_dtype and cuda_autocast:
-                    from memguard.estimator.autocast import CudaAutocastEmulation
+            load_rules()
+            self.kernel_model = CudaKernelModel(spec.cuda_target)
 
-                    emulation = CudaAutocastEmulation(autocast_dtype)
-                    ctx = emulation
-                elif autocast_dtype:
-                    ctx = torch.autocast(device.type, dtype=autocast_dtype)
-                else:
-                    ctx = contextlib.nullcontext()
-                try:
-                    with flop_counter, ctx:
-                        loss = call(fmodel, fbatch)
-                        if emulation is not None:
-                            emulation.clear_cache()  # autocast empties its cast cache on exit
-                except ConfigError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - report any failure of the user's call
-                    how = "loss_fn(model, batch)" if loss_fn else "the model with the batch (dict -> model(**batch), tuple -> model(*batch), tensor -> model(batch))"
-                    raise ConfigError(
-                        f"calling {how} failed while tracing: {type(exc).__name__}: {exc}. Check that the "
-                        "batch is what the model takes, or pass loss_fn=lambda model, batch: <scalar loss>"
-                    ) from exc
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                    raise ConfigError(
-                        f"the loss must be a scalar tensor, got {shape}; make loss_fn return the mean "
-                        "loss over the micro-batch (e.g. loss.mean())"
-                    )
-                if not loss.requires_grad:
-                    raise ConfigError(
-                        "the loss does not require grad: the model has no trainable parameters that "
-                        "the loss depends on; unfreeze some parameters or check loss_fn"
-                    )
-                if loss_scale:
-                    loss = loss * 65536.0  # GradScaler's default init_scale (torch.amp.GradScaler)
-                trace.phase_starts["backward"] = len(trace.events)
-                recorder.phase = "backward"
-                with backward_flops:
-                    if emulation is not None:
-                        emulation.caching = False
-                        with emulation:  # checkpointed blocks recompute under the same policy
-                            _engine_backward(loss)
-                    else:
-                        loss.backward()
-                if count_flops:
-                    trace.flops = int(flop_counter.get_total_flops() + backward_flops.get_total_flops())
-                grad_handles = {recorder.handle_of(p.grad) for p in trainable if p.grad is not None}
-                for h in grad_handles:
-                    if h is not None:
-                        trace.category[h] = "grads"
-                trace.phase_starts["optimizer"] = len(trace.events)
-                recorder.phase = "optimizer"
-                with _uncached(mode):
-                    opt.step()
-                for t in _optimizer_state_tensors(opt):
-                    h = recorder.handle_of(t)
-                    if h is not None and not trace.category[h]:
-                        trace.category[h] = "optimizer"
-                trace.phase_starts["zero_grad"] = len(trace.events)
-                recorder.phase = "zero_grad"
-                opt.zero_grad(set_to_none=True)
-                del loss  # a training loop keeps its loss until the next step replaces it
-                for h, cat in enumerate(trace.category):
-                    if not cat:
-                        phase = recorder.alloc_phase[h]
-                        trace.category[h] = (
-                            "activations" if phase == "forward"
-                            else OPTIMIZER_TEMPORARIES if phase == "optimizer" else "temporaries"
-                        )
-    return trace
+    # ------------------------------------------------------------------------------ register
+    def register(self) -> None:
+        """Record the state that exists when the step starts: parameters and buffers, optimizer
+        state, gradients (under accumulation) and the batch."""
+        rec = self.recorder
+        for p in self.params:
+            rec.register(p, "params")
+        for b in self.fmodel.buffers():
+            rec.register(b, "params")
+        for t in _optimizer_state_tensors(self.opt):
+            rec.register(t, "optimizer")
+        for p in self.trainable:
+            if p.grad is not None:
+                rec.register(p.grad, "grads")
+        for t in tensor_leaves(self.fbatch):
+            rec.register(t, "inputs")
+
+    # ------------------------------------------------------------------------------ forward
+    def _modes(self) -> contextlib.ExitStack:
+        """The CUDA kernel model, then (inside it) autocast: real CUDA autocast casts a call's
+        inputs before the kernel runs, so the innermost mode, which sees a call first, must be the
+        autocast emulation, and its inner call must reach the kernel model."""
+        stack = contextlib.ExitStack()
+        if self.kernel_model is not None:
+            stack.enter_context(self.kernel_model)
+        if self.emulation is not None:
+            stack.enter_context(self.emulation)
+        elif self.spec.autocast_dtype:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.spec.autocast_dtype))
+        return stack
+
+    def _keep_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.output = output
+        self.output_at = len(self.trace.events)
+
+    def forward(self) -> torch.Tensor:
+        trace, spec = self.trace, self.spec
+        trace.phase_starts["forward"] = len(trace.events)
+        self.recorder.phase = "forward"
+        hook = self.fmodel.register_forward_hook(self._keep_output) if spec.keep_outputs else None
+        modes = self._modes()  # outside the try: a mode that cannot start is not the user's call failing
+        try:
+            with modes, self.flops[0]:
+                loss = compute_loss(self.fmodel, self.fbatch, self.loss_fn)
+                if self.emulation is not None:
+                    self.emulation.clear_cache()  # autocast empties its cast cache on exit
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - report any failure of the user's call
+            how = "loss_fn(model, batch)" if self.loss_fn else (
+                "the model with the batch (mapping -> model(**batch), tuple/list -> model(*batch), "
+                "tensor -> model(batch))")
+            raise ConfigError(
+                f"calling {how} failed while tracing: {type(exc).__name__}: {exc}. Check that the "
+                "batch is what the model takes, or pass loss_fn=lambda model, batch: <scalar loss>"
+            ) from exc
+        finally:
+            if hook is not None:
+                hook.remove()
+        if not loss.requires_grad:
+            raise ConfigError(
+                "the loss does not require grad: the model has no trainable parameters that "
+                "the loss depends on; unfreeze some parameters or check loss_fn"
+            )
+        if spec.keep_outputs and self.output_at < 0:
+            raise ConfigError(
+                "keep_outputs=True but loss_fn never called the model itself (the output is captured "
+                "by a forward hook on the model passed in); call model(...) in loss_fn or drop keep_outputs"
+            )
+        if spec.loss_scale:
+            loss = loss * 65536.0  # GradScaler's default init_scale (torch.amp.GradScaler)
+        return loss
+
+    # ------------------------------------------------------------------------------ backward
+    def backward(self, loss: torch.Tensor) -> None:
+        trace, rec = self.trace, self.recorder
+        trace.phase_starts["backward"] = len(trace.events)
+        rec.phase = "backward"
+        with self.flops[1]:
+            if self.emulation is not None or self.kernel_model is not None:
+                if self.emulation is not None:
+                    self.emulation.caching = False
+                with self._modes():  # checkpointed blocks recompute under the same modes
+                    _engine_backward(loss)
+            else:
+                loss.backward()
+        if self.spec.count_flops:
+            trace.flops = int(self.flops[0].get_total_flops() + self.flops[1].get_total_flops())
+        for p in self.trainable:
+            h = rec.handle_of(p.grad) if p.grad is not None else None
+            if h is not None:
+                trace.category[h] = "grads"
+
+    # ------------------------------------------------------------------------------ optimizer
+    def optimizer_step(self) -> None:
+        trace, rec = self.trace, self.recorder
+        trace.phase_starts["optimizer"] = len(trace.events)
+        rec.phase = "optimizer"
+        with _uncached(self.mode):
+            self.opt.step()
+        for t in _optimizer_state_tensors(self.opt):
+            h = rec.handle_of(t)
+            if h is not None and not trace.category[h]:
+                trace.category[h] = "optimizer"
+        trace.phase_starts["zero_grad"] = len(trace.events)
+        rec.phase = "zero_grad"
+        self.opt.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------------------ categorise
+    def categorise(self) -> None:
+        """Storages no earlier step named: forward's are activations, the optimizer step's are
+        its temporaries, the rest (backward, zero_grad) temporaries."""
+        trace, alloc_phase = self.trace, self.recorder.alloc_phase
+        for h, cat in enumerate(trace.category):
+            if not cat:
+                phase = alloc_phase[h]
+                trace.category[h] = (
+                    "activations" if phase == "forward"
+                    else OPTIMIZER_TEMPORARIES if phase == "optimizer" else "temporaries"
+                )
+
+    # ------------------------------------------------------------------------------ outputs
+    def carry_outputs(self) -> None:
+        """With ``keep_outputs``: the storages that only the model's output keeps alive at the end
+        of the step (found by dropping it and watching what is freed) are still live when the next
+        step starts, and are freed only when ``out = model(...)`` rebinds the name, right after the
+        next forward returns. In the steady state this step therefore starts with a copy of them
+        (added just before the forward) that is freed where this step's output is returned."""
+        if not self.spec.keep_outputs:
+            return
+        trace = self.trace
+        before = len(trace.events)
+        self.output = None  # the next step's rebinding of `out`
+        carried = [(h, -n) for h, n in trace.events[before:] if n < 0]
+        if not carried:
+            return
+        start, at = trace.phase_starts["forward"], self.output_at
+        first = len(trace.sizes)
+        allocs, frees = [], []
+        for i, (h, n) in enumerate(carried):
+            trace.sizes.append(n)
+            trace.category.append(trace.category[h])
+            allocs.append((first + i, n))
+            frees.append((first + i, -n))
+        trace.events[at:at] = frees
+        trace.events[start:start] = allocs
+        for name, index in list(trace.phase_starts.items()):
+            if index >= start:
+                trace.phase_starts[name] = (
+                    index + len(allocs) + (len(frees) if index >= at and name != "forward" else 0)
+                )

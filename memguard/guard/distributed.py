@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["RankGroup", "rank_group_of", "agree", "reserve_buckets", "all_reduce_gradients", "broadcast_buffers",
-           "plan_on_rank_zero", "OK", "OOM", "ERROR"]
+           "plan_on_rank_zero", "planning_error_payload", "rebuild_planning_error", "OK", "OOM", "ERROR"]
 
 #: Outcome codes one rank reports to :func:`agree`; MAX picks the worst.
 OK, OOM, ERROR = 0, 1, 2
@@ -174,14 +174,14 @@ def broadcast_buffers(rg: RankGroup, buffers: Sequence[torch.Tensor]) -> None:
 def plan_on_rank_zero(rg: RankGroup | None, make_plan: Callable[[], Any]) -> Any:
     """``make_plan()`` on rank 0, broadcast to every rank of ``rg`` (or just ``make_plan()`` without one).
 
-    Every rank must call it. A failure on rank 0 is broadcast too: rank 0 raises its own error, the
-    others a :class:`memguard.ConfigError` or :class:`memguard.InfeasiblePlanError` (or a
-    :class:`memguard.MemguardError` for any other error) with rank 0's message, so that none waits.
+    Every rank must call it. A failure on rank 0 is broadcast too, so that none waits: rank 0 raises
+    its own error; the others rebuild a :class:`memguard.ConfigError` (same ``.problems``) or
+    :class:`memguard.InfeasiblePlanError` (same ``.closest`` and ``.suggestions``), and raise a
+    :class:`memguard.PeerFailedError` naming rank 0's error for anything else.
 
     Returns:
         The :class:`memguard.Plan`.
     """
-    from memguard.errors import ConfigError, InfeasiblePlanError, MemguardError
     from memguard.planner.plan import Plan
 
     if rg is None or rg.world_size == 1:
@@ -193,12 +193,39 @@ def plan_on_rank_zero(rg: RankGroup | None, make_plan: Callable[[], Any]) -> Any
             payload = [{"plan": make_plan().to_dict()}]
         except Exception as exc:  # every rank must hear of it, or the others wait forever
             failure = exc
-            payload = [{"error": str(exc), "type": type(exc).__name__}]
+            payload = [planning_error_payload(exc)]
     dist.broadcast_object_list(payload, src=rg.src, group=rg.group)
     if failure is not None:
         raise failure
     if "error" in payload[0]:
-        cls = {"ConfigError": ConfigError, "InfeasiblePlanError": InfeasiblePlanError}.get(payload[0]["type"])
-        message = f"planning failed on rank 0: {payload[0]['error']}"
-        raise cls(message) if cls is not None else MemguardError(message)
+        raise rebuild_planning_error(payload[0])
     return Plan.from_dict(payload[0]["plan"])
+
+
+def planning_error_payload(exc: BaseException) -> dict[str, Any]:
+    """What the other ranks need to raise rank 0's planning error as it was (plain data only)."""
+    from memguard.errors import ConfigError, InfeasiblePlanError
+
+    out: dict[str, Any] = {"error": str(exc), "type": type(exc).__name__}
+    if isinstance(exc, ConfigError):
+        out["problems"] = list(exc.problems)
+    elif isinstance(exc, InfeasiblePlanError):
+        out.update(reason=exc.reason, suggestions=list(exc.suggestions),
+                   closest=exc.closest.to_dict() if exc.closest is not None else None)
+    return out
+
+
+def rebuild_planning_error(payload: dict[str, Any]) -> Exception:
+    """Rank 0's planning error, rebuilt on another rank from :func:`planning_error_payload`: a
+    ConfigError with the same ``.problems``, an InfeasiblePlanError with the same ``.closest`` and
+    ``.suggestions``, else a :class:`memguard.PeerFailedError` naming rank 0's error."""
+    from memguard.errors import ConfigError, InfeasiblePlanError, PeerFailedError
+    from memguard.planner.plan import Plan
+
+    if "problems" in payload:
+        return ConfigError(payload["problems"])
+    if "reason" in payload:
+        closest = Plan.from_dict(payload["closest"]) if payload["closest"] is not None else None
+        return InfeasiblePlanError(payload["reason"], closest=closest, suggestions=payload["suggestions"])
+    return PeerFailedError(f"planning failed on rank 0 with {payload['type']}: {payload['error']} (see rank 0's log); "
+                           "this rank stops too", rank=0)

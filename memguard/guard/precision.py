@@ -1,18 +1,10 @@
-"""Applying a precision, named as Lightning names them.
+"""Applying a precision, named as Lightning names them (:mod:`memguard.vocab` says what each means).
 
-=============  ====================================================================================
-``32-true``    nothing changes
-``16-mixed``   forward and loss under ``torch.autocast(dtype=float16)``, loss scaled by a
-               ``torch.amp.GradScaler``
-``bf16-mixed`` forward and loss under ``torch.autocast(dtype=bfloat16)``; no scaler (bf16 has fp32's
-               exponent range)
-``16-true``    the model's floating-point parameters and buffers cast to float16, floating-point
-               inputs cast as they are used
-``bf16-true``  the same with bfloat16
-=============  ====================================================================================
-
-These are the semantics of Lightning's ``MixedPrecision`` and ``HalfPrecision`` plugins
-(lightning/fabric/plugins/precision/amp.py and half.py).
+``32-true`` changes nothing; ``*-mixed`` runs the forward and loss under ``torch.autocast`` with the
+precision's dtype, and ``16-mixed`` scales the loss with a ``torch.amp.GradScaler``; ``16-true`` and
+``bf16-true`` cast the model's floating-point parameters and buffers, and floating-point inputs as
+they are used. These are the semantics of Lightning's ``MixedPrecision`` and ``HalfPrecision``
+plugins (lightning/fabric/plugins/precision/amp.py and half.py).
 """
 
 from __future__ import annotations
@@ -25,13 +17,9 @@ import torch
 from torch import nn
 
 from memguard.errors import ConfigError
+from memguard.vocab import precision_spec
 
-__all__ = ["PRECISIONS", "PrecisionSetup", "setup_precision"]
-
-#: The precision names memguard accepts (Lightning's).
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
-
-_DTYPES = {"16": torch.float16, "bf16": torch.bfloat16, "32": torch.float32}
+__all__ = ["PrecisionSetup", "setup_precision"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +64,7 @@ def setup_precision(
     """Apply ``precision`` to ``module`` (casting it for ``*-true``) and return the step's setup.
 
     Args:
-        precision: one of :data:`PRECISIONS`.
+        precision: one of :data:`memguard.vocab.PRECISIONS` (or Lightning's short aliases).
         module: the model (the inner module when it is wrapped in DistributedDataParallel).
         optimizer: the optimizer over its parameters; it must hold no state yet if a cast is needed.
         wrapped: whether ``module`` sits inside DistributedDataParallel (which cannot be cast after
@@ -87,20 +75,18 @@ def setup_precision(
         ConfigError: unknown precision; a cast is needed but the optimizer already holds state or the
             module is wrapped in DistributedDataParallel.
     """
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    spec = precision_spec(precision)  # raises ConfigError for an unknown name
+    precision = spec.name
     first = next((p for p in module.parameters()), None)
     device_type = first.device.type if first is not None else "cpu"
-    kind, mode = precision.split("-")
-    dtype = _DTYPES[kind]
-    if mode == "mixed":
-        if precision == "16-mixed":
-            if scaler is None:
-                scaler = torch.amp.GradScaler(device_type)
-        else:
+    if spec.mixed:
+        if not spec.loss_scale:
             scaler = None
-        return PrecisionSetup(precision, device_type, autocast_dtype=dtype, scaler=scaler)
-    if dtype is torch.float32:
+        elif scaler is None:
+            scaler = torch.amp.GradScaler(device_type)
+        return PrecisionSetup(precision, device_type, autocast_dtype=spec.autocast_dtype, scaler=scaler)
+    dtype = spec.param_dtype
+    if dtype is None:  # 32-true
         return PrecisionSetup(precision, device_type)
     floating = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
     if any(t.dtype != dtype for t in floating):

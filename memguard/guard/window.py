@@ -46,11 +46,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from memguard.errors import ConfigError, MemguardError, OOMRecoveryError
+from memguard.batch import batch_size, split_batch
+from memguard.errors import ConfigError, OOMRecoveryError, PeerFailedError
 from memguard.guard import distributed as ddp_sync
 from memguard.guard.distributed import ERROR, OK, OOM, RankGroup
 from memguard.guard.oom import free_memory, is_oom_error, oom_summary, release_exception
-from memguard.guard.split import batch_size, split_batch
 
 __all__ = ["MicroBatchWindow", "run_micro_batches", "recovery_error", "agreed_optimizer_step", "gradient_anchor",
            "DEFAULT_MAX_RETRIES"]
@@ -86,7 +86,7 @@ def run_micro_batches(batch: Any, micro_batch_size: int, loss_of: LossOf, backwa
         n: the batch's sample count, if already known.
 
     Raises:
-        ConfigError: the batch cannot be split (see :func:`memguard.guard.split.batch_size`).
+        ConfigError: the batch cannot be split (see :func:`memguard.batch.batch_size`).
     """
     n = batch_size(batch) if n is None else n
     total: torch.Tensor | None = None
@@ -142,7 +142,7 @@ def agreed_optimizer_step(step_fn: Callable[[], Any], rank_group: RankGroup | No
 
     Raises:
         OOMRecoveryError: this rank ran out of memory in the step (a smaller micro-batch would not help).
-        MemguardError: a peer failed in its step (its weights now differ from this rank's).
+        PeerFailedError: a peer failed in its step (its weights now differ from this rank's).
         Exception: this rank's own error in the step, unchanged.
     """
     code, failure = OK, None
@@ -162,8 +162,8 @@ def agreed_optimizer_step(step_fn: Callable[[], Any], rank_group: RankGroup | No
     if failure is not None:
         raise failure
     bad = next(r for r, c in enumerate(codes) if c != OK)
-    raise MemguardError(f"rank {bad} failed in optimizer.step() (see that rank's log); the ranks' weights now differ, "
-                        "so this rank stops too")
+    raise PeerFailedError(f"rank {bad} failed in optimizer.step() (see that rank's log); the ranks' weights now "
+                          "differ, so this rank stops too", rank=bad)
 
 
 class _Anchor(torch.autograd.Function):
@@ -293,11 +293,6 @@ class MicroBatchWindow:
         self.is_open = False
 
     @property
-    def batches(self) -> int:
-        """How many batches the open window has run."""
-        return len(self._batches)
-
-    @property
     def params(self) -> list[nn.Parameter]:
         """The parameters of the open window (empty once it is finished)."""
         return list(self._params)
@@ -319,7 +314,7 @@ class MicroBatchWindow:
         Raises:
             ConfigError: the batch cannot be split (peers are told, so they raise too).
             OOMRecoveryError: an OOM at micro-batch 1 or after ``max_retries`` halvings.
-            MemguardError: under DDP, a peer failed with an error that is not an OOM.
+            PeerFailedError: under DDP, a peer failed with an error that is not an OOM.
             Exception: this rank's own error that is not an OOM, unchanged.
         """
         if not self.is_open:
@@ -354,8 +349,9 @@ class MicroBatchWindow:
             if worst == ERROR:
                 if code == ERROR:
                     raise info
-                raise MemguardError(f"rank {codes.index(ERROR)} failed with an error that is not an out-of-memory "
-                                    "error (see that rank's log); this rank stops too so that no rank waits forever")
+                bad = codes.index(ERROR)
+                raise PeerFailedError(f"rank {bad} failed with an error that is not an out-of-memory error (see that "
+                                      "rank's log); this rank stops too so that no rank waits forever", rank=bad)
             if code != OOM:
                 free_memory()
             self.retried = True
@@ -420,10 +416,6 @@ class MicroBatchWindow:
         self._local_had = [False] * len(self._params)
 
     # ----------------------------------------------------------------------------------------------
-
-    def had_gradient(self) -> list[bool]:
-        """Per parameter of the window: whether some rank has a gradient for it (after the last :meth:`run`)."""
-        return list(self._had)
 
     def anchor(self, value: torch.Tensor) -> torch.Tensor:
         """:func:`gradient_anchor` over the window's parameters that have a gradient on some rank."""

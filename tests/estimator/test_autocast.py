@@ -67,12 +67,25 @@ def test_fp32_ops_upcast_low_precision_inputs(low):
         assert F.cross_entropy(y, torch.tensor([0, 1, 2, 3])).dtype == torch.float32
 
 
-def test_cross_entropy_value_is_computed_in_fp32():
-    logits = rand(8, 10).to(torch.bfloat16)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_follows_the_composite_under_autocast(smoothing):
+    # LossNLL.cpp: log_softmax with the input's own dtype (autocast leaves a given dtype alone),
+    # then nll_loss, which autocast runs in fp32 (AT_FORALL_FP32)
+    logits = rand(8, 10).to(torch.bfloat16).requires_grad_()
     target = torch.arange(8)
-    with CudaAutocastEmulation(torch.bfloat16):
-        emulated = F.cross_entropy(logits, target)
-    assert torch.allclose(emulated, F.cross_entropy(logits.float(), target))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with CudaAutocastEmulation(torch.bfloat16):
+            emulated = F.cross_entropy(logits, target, label_smoothing=smoothing)
+    logp = F.log_softmax(logits.detach(), 1)
+    expected = F.nll_loss(logp.float(), target)
+    if smoothing:
+        expected = (1 - smoothing) * expected + smoothing * (-logp.float().sum(1)).mean() / 10
+    assert emulated.dtype == torch.float32
+    assert torch.allclose(emulated, expected, rtol=1e-3)
+    # what backward keeps of the logits' size: the 16-bit log-probabilities and their fp32 copy
+    big = sorted(str(t.dtype) for t in saved if t.shape == (8, 10))
+    assert big == ["torch.bfloat16", "torch.float32"]
 
 
 def test_other_ops_keep_their_input_dtype():

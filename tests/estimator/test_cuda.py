@@ -24,8 +24,9 @@ from memguard.estimator.cuda import (
     SMALL_BUFFER,
     AllocatorResult,
     CachingAllocatorModel,
-    allocator_conf_warnings,
+    allocator_config,
     blas_workspace_allocations,
+    blas_workspace_config,
     cublas_workspace_bytes,
     round_size,
     segment_size,
@@ -509,8 +510,9 @@ def test_cublas_workspace_config(config, expected):
 
 
 def test_installed_torch_version_is_default():
-    # None reads torch.__version__; the installed torch must parse.
-    assert cublas_workspace_bytes((8, 0)) > 0
+    # None reads torch.__version__; the installed torch must parse and give the same answer
+    assert cublas_workspace_bytes((8, 0)) == cublas_workspace_bytes((8, 0), torch.__version__)
+    assert cublas_workspace_bytes((9, 0)) == 32 * MiB  # Hopper: 32 MiB on every torch >= 2.0
 
 
 def test_workspace_bad_arguments_listed_together():
@@ -531,19 +533,86 @@ def test_constants():
     assert SMALL_BUFFER == 2 * MiB
 
 
+# ------------------------------------------------------------------------------ PYTORCH_CUDA_ALLOC_CONF
 @pytest.mark.parametrize(
-    "conf, count",
+    "size, divisions, expected",
     [
-        ("", 0),
-        ("expandable_segments:False", 0),
-        ("expandable_segments:True", 1),
-        ("max_split_size_mb:128,garbage_collection_threshold:0.6", 2),
-        ("backend:cudaMallocAsync", 1),
-        ("backend:native", 0),
+        # the allocator's own example (CUDACachingAllocator.cpp): 1200 in 4 divisions of [1024, 2048)
+        (1200 * 1024, 4, 1280 * 1024),
+        (1024 * 1024, 4, 1024 * 1024),  # a power of two stays
+        (1281 * 1024, 4, 1536 * 1024),
+        (3 * MiB + 1, 2, 4 * MiB),  # [2, 4) MiB in halves: the next step is 4 MiB
+        (1000, 4, 1024),  # small: 512-byte rounding (size <= kMinBlockSize * divisions = 2048)
     ],
 )
-def test_allocator_conf_warnings(conf, count):
-    assert len(allocator_conf_warnings(conf)) == count
+def test_roundup_power2_divisions(size, divisions, expected):
+    assert round_size(size, allocator_config(f"roundup_power2_divisions:{divisions}")) == expected
+
+
+def test_roundup_power2_divisions_list_follows_the_allocator_parser():
+    cfg = allocator_config("roundup_power2_divisions:[256:1,512:2,>:8]")
+    # AllocatorConfig.cpp parseRoundUpPower2Divisions: "256" is interval index log2(256) = 8 and
+    # also fills every smaller one; "512" sets index 9; ">" fills from the last index named (9) on
+    assert cfg.roundup_power2_divisions == (1,) * 9 + (8,) * 7
+    assert cfg.divisions_for(300 * MiB) == 1  # index log2(300 MiB) - 20 = 8
+    assert cfg.divisions_for(600 * MiB) == 8  # index 9
+    assert "roundup_power2_divisions" in cfg.notes[0]
+
+
+def test_max_split_size_keeps_small_requests_out_of_big_blocks():
+    cfg = allocator_config("max_split_size_mb:20")
+    # a 40 MiB block is freed; a 12 MiB request would split it by default, but with
+    # max_split_size 20 MiB it may not take an oversize block and gets its own segment
+    events = [(0, 40 * MiB), (0, -40 * MiB), (1, 12 * MiB)]
+    assert simulate(events).peak_reserved == 40 * MiB
+    assert simulate(events, config=cfg).peak_reserved == 40 * MiB + 12 * MiB  # 12 MiB >= kMinLargeAlloc: rounded to 2 MiB
+    # an oversize request takes a cached block at most max_non_split_rounding_size (20 MiB) larger,
+    # and does not split it: all of it counts as allocated
+    assert simulate([(0, 40 * MiB), (0, -40 * MiB), (1, 30 * MiB)], config=cfg).peak_allocated == 40 * MiB
+    assert simulate([(0, 60 * MiB), (0, -60 * MiB), (1, 30 * MiB)], config=cfg).peak_reserved == 90 * MiB
+
+
+def test_allocator_config_notes_and_errors():
+    assert allocator_config("") == allocator_config("expandable_segments:False")  # the defaults, no notes
+    assert allocator_config("").notes == ()
+    assert "not modelled" in allocator_config("expandable_segments:True").notes[0]
+    assert len(allocator_config("max_split_size_mb:128,garbage_collection_threshold:0.6").notes) == 2
+    assert "replaces the caching allocator" in allocator_config("backend:cudaMallocAsync").notes[0]
+    # values the real allocator rejects at start-up are errors, all listed
+    with pytest.raises(ConfigError) as info:
+        allocator_config("max_split_size_mb:8,roundup_power2_divisions:3")
+    assert len(info.value.problems) == 2
+
+
+def test_the_environment_is_read_as_the_allocator_reads_it(monkeypatch):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    assert allocator_config().max_split_size == 64 * MiB
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:32")  # takes precedence
+    assert allocator_config().max_split_size == 32 * MiB
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert blas_workspace_config() is None
+    monkeypatch.setenv("HIPBLAS_WORKSPACE_CONFIG", ":1024:1")
+    assert blas_workspace_config() is None  # hipBLAS's name is read on ROCm only
+    assert blas_workspace_config("amd") == ":1024:1"
+
+
+def test_estimate_reads_the_workspace_setting_and_says_so(monkeypatch):
+    import memguard
+
+    nn = torch.nn
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    model, batch = nn.Linear(64, 64), torch.ones(8, 64)
+    plain = memguard.estimate(model, batch, loss_fn=lambda m, b: m(b).sum(), gpu="A100-80GB")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # 32 MiB per handle instead of 8519680 B
+    big = memguard.estimate(model, batch, loss_fn=lambda m, b: m(b).sum(), gpu="A100-80GB")
+    assert plain.notes == ()
+    assert big.breakdown["workspace"] - plain.breakdown["workspace"] == BLAS_HANDLES_PER_TRAINING_STEP * (32 * MiB - 8519680)
+    assert "':4096:8'" in big.notes[0] and str(32 * MiB) in big.notes[0]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert any("expandable_segments" in n for n in memguard.estimate(model, batch, loss_fn=lambda m, b: m(b).sum()).notes)
 
 
 # ------------------------------------------------------------------------------ real GPU

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import memguard
 from memguard import ConfigError, Estimate
+from memguard.estimator.cuda import BLAS_HANDLES_PER_TRAINING_STEP, blas_workspace_config, cublas_workspace_bytes
 from memguard.estimator.gpus import GENERIC, current_gpu, get_gpu
 from memguard.estimator.result import CATEGORIES
 
@@ -169,7 +170,10 @@ def test_cuda_target_result_without_a_gpu_name():
     spec = current_gpu() or GENERIC  # none named: the visible device's constants, else generic ones
     assert est.gpu == spec.name
     assert est.context_bytes == spec.context_bytes > 0
-    assert est.breakdown["workspace"] > 0  # cuBLAS/cuBLASLt workspaces always exist in a training step
+    # one cuBLAS (and, on some versions, cuBLASLt) workspace per handle, two handles per step
+    expected = BLAS_HANDLES_PER_TRAINING_STEP * cublas_workspace_bytes(
+        spec.compute_capability, vendor=spec.vendor, cublas_workspace_config=blas_workspace_config(spec.vendor))
+    assert est.breakdown["workspace"] == expected
     assert est.breakdown["allocator_overhead"] >= 0
     assert est.peak_bytes >= est.allocated_peak_bytes
     assert sum(est.breakdown.values()) == est.peak_bytes
@@ -373,9 +377,23 @@ def test_tensor_batch():
     assert est.micro_batch_size == 32
 
 
+def test_a_batch_encoding_like_mapping_is_a_batch():
+    from collections import UserDict
+
+    class Encoding(UserDict):
+        """HF's BatchEncoding is a UserDict, not a dict."""
+
+    # any Mapping is passed as **batch and faked leaf by leaf, so it is the same step as a dict
+    plain = memguard.estimate(gpt2(), lm_batch(), device="cpu")
+    assert memguard.estimate(gpt2(), Encoding(lm_batch()), device="cpu") == plain
+
+
 def test_hf_model_output_loss_is_used():
     est = memguard.estimate(gpt2(), lm_batch(), device="cpu")
-    assert est.breakdown["activations"] > 0 and est.micro_batch_size == 2
+    # without loss_fn the model is called with **batch and its output's .loss is the loss: the very
+    # same step as the explicit loss_fn, so the same estimate
+    assert est == memguard.estimate(gpt2(), lm_batch(), device="cpu", loss_fn=lambda m, b: m(**b).loss)
+    assert est.micro_batch_size == 2
 
 
 # -------------------------------------------------------------------------- optimizers

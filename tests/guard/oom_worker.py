@@ -153,7 +153,7 @@ def main() -> None:
                 zero_stage=0, budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu")
     scaler = torch.amp.GradScaler("cpu", **SCALER) if precision == "16-mixed" else None
     if cfg.get("use_planner"):  # memguard plans on the first step (rank 0 plans and broadcasts under DDP)
-        prepare(guarded, opt, budget_bytes=1 << 30, precision=precision, grad_scaler=scaler)
+        prepare(guarded, opt, budget_bytes=cfg.get("plan_budget", 1 << 30), precision=precision, grad_scaler=scaler)
     else:
         prepare(guarded, opt, plan=plan, grad_scaler=scaler)
 
@@ -171,7 +171,10 @@ def main() -> None:
     except Exception as exc:  # reported to the test, which decides whether it was expected
         result["error"] = {"type": type(exc).__name__, "message": str(exc),
                            "micro_batch_size": getattr(exc, "micro_batch_size", None),
-                           "breakdown": getattr(exc, "breakdown", None)}
+                           "breakdown": getattr(exc, "breakdown", None), "rank": getattr(exc, "rank", None),
+                           "problems": getattr(exc, "problems", None),
+                           "suggestions": getattr(exc, "suggestions", None),
+                           "closest": exc.closest.to_dict() if getattr(exc, "closest", None) is not None else None}
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     status = guard_status(guarded)
     result.update(events=events, messages=messages, micro_batch_size=status.micro_batch_size,

@@ -34,20 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from worker_common import LR, MOMENTUM, Net, Samples  # noqa: E402 - this folder is on sys.path
-
-
-def _traced(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.is_meta or is_fake(t)
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
+from worker_common import LR, MOMENTUM, Net, Samples, traced, vm_size  # noqa: E402 - this folder is on sys.path
 
 
 def main() -> None:
@@ -93,7 +80,7 @@ def main() -> None:
         torch.save(ref.state_dict(), out / "reference.pt")
 
     def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
-        if not _traced(batch["idx"]):  # the planner traces this on fake tensors: skip those
+        if not traced(batch["idx"]):  # the planner traces this on fake tensors: skip those
             events.append(batch["idx"].tolist())
         return ((model(batch["x"]).float() - batch["y"]) ** 2).mean()
 

@@ -32,24 +32,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from worker_common import LR, MOMENTUM, Net, Samples  # noqa: E402 - this folder is on sys.path
+from worker_common import LR, MOMENTUM, Net, Samples, traced, vm_size  # noqa: E402 - this folder is on sys.path
 
 
 def mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((pred.float() - y) ** 2).mean()
-
-
-def _traced(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.is_meta or is_fake(t)
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def rank_order(data: Samples, cfg: dict) -> list[list[int]]:
@@ -109,7 +96,7 @@ def main() -> None:
             self.batch_size = cfg["batch"]
 
         def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-            if not _traced(batch["idx"]):  # the planner traces this on fake tensors: skip those
+            if not traced(batch["idx"]):  # the planner traces this on fake tensors: skip those
                 events.append(batch["idx"].tolist())  # the samples of this micro-batch
             return mse(self.net(batch["x"]), batch["y"])
 

@@ -112,7 +112,9 @@ def test_a_plan_runs_with_accelerates_accumulation_and_matches_full_batch() -> N
     assert isinstance(opt, accelerate.optimizer.AcceleratedOptimizer) and isinstance(model, nn.Module)
     loader = acc.prepare(DataLoader(TensorDataset(X, Y), batch_size=plan.micro_batch_size))
     losses = [step(acc, model, opt, b) for b in loader]
-    assert len(losses) == 8 and all(loss > 0 for loss in losses)
+    # one loss per dataloader batch; the first is the untrained model's mean loss on the first 16 samples
+    assert len(losses) == 8
+    assert losses[0] == pytest.approx(loss_fn(initial, (X[:16], Y[:16])).item(), rel=1e-6)
     st = status(model)
     assert (st.steps, st.micro_batch_size, st.oom_retries, st.precision) == (2, 16, 0, "32-true")
     # fp32, 64 samples per step summed in four micro-batches: ~1e-7 observed, 1e-5 allowed
@@ -188,7 +190,7 @@ def test_planning_from_an_example_batch_applies_checkpointing() -> None:
     model, _ = prepare(acc, net, torch.optim.SGD(net.parameters(), lr=0.1), example_batch=(X[:32], Y[:32]),
                        loss_fn=loss_fn, budget_bytes=1 << 30, activation_checkpointing=True)
     plan = status(model).plan
-    assert plan.activation_checkpointing and plan.checkpoint_blocks >= 1
+    assert plan.activation_checkpointing and plan.checkpoint_blocks in (1, 2, 3)  # some of the 3 blocks
     marked = [getattr(b, "_memguard_checkpointed", False) for b in net.blocks]
     assert sum(marked) == plan.checkpoint_blocks and marked[0]
 

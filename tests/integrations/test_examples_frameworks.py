@@ -6,6 +6,7 @@ subprocess (about ten seconds each on an idle machine, mostly imports).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -38,7 +39,8 @@ def _check(out: str) -> None:
 
 
 def test_lightning_example_runs() -> None:
-    pytest.importorskip("memguard.integrations.lightning")
+    if not any(importlib.util.find_spec(name) for name in ("lightning", "pytorch_lightning")):
+        pytest.skip("Lightning is not installed")  # only a missing Lightning skips, not a broken adapter
     out = _run("lightning_example.py")
     _check(out)
     assert "batch_size is back to 256" in out

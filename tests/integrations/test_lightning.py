@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -30,9 +31,14 @@ from torch.utils.data import DataLoader, TensorDataset
 from memguard import ConfigError, MissingDependencyError
 from worker_common import check_samples  # this folder is on sys.path under pytest
 
-lightning_mod = pytest.importorskip("memguard.integrations.lightning")
-MemguardCallback = lightning_mod.MemguardCallback
-pl = lightning_mod._pl  # the Lightning package the callback is built on (lightning.pytorch or pytorch_lightning)
+# The Lightning package the callback is built on: lightning.pytorch, else pytorch_lightning (the adapter's
+# order). Only a missing Lightning skips; a broken adapter fails the import below.
+_found = [name for name in ("lightning", "pytorch_lightning") if importlib.util.find_spec(name) is not None]
+if not _found:
+    pytest.skip("Lightning is not installed", allow_module_level=True)
+pl = importlib.import_module("lightning.pytorch" if _found[0] == "lightning" else "pytorch_lightning")
+
+from memguard.integrations.lightning import MemguardCallback  # noqa: E402 - after the skip
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 ROOT = Path(__file__).resolve().parents[2]

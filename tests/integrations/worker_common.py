@@ -1,8 +1,10 @@
-"""What the Lightning and Accelerate OOM tests share: the workers' data and model, and the check
-that every sample ran exactly once per optimizer step (imported by the workers, which run as
+"""What the Lightning and Accelerate OOM tests share: the workers' data, model and memory probes, and
+the check that every sample ran exactly once per optimizer step (imported by the workers, which run as
 scripts from this folder, and by the tests)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -38,6 +40,21 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x))).mean(dim=(1, 2))
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of the planner's fake or meta tensors (not a sample the loop delivered)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_meta or is_fake(t)
+
+
+def vm_size() -> int:
+    """This process's virtual memory size in bytes (``VmSize`` of /proc/self/status, in kB = KiB: proc(5))."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def check_samples(result: dict, steps: int, per_step: int, *, skip_until_first_batch: bool = False) -> None:

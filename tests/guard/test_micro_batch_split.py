@@ -1,4 +1,4 @@
-"""Splitting batches along dim 0."""
+"""Splitting batches along dim 0, as the guard does it (memguard.batch)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memguard.errors import ConfigError
-from memguard.guard.split import batch_size, map_tensors, split_batch
+from memguard.batch import batch_size, map_tensors, split_batch
 
 Pair = namedtuple("Pair", "x y")
 

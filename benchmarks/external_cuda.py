@@ -1,0 +1,839 @@
+"""memguard's CUDA estimate against peak memory that others measured on real GPUs and published.
+
+Each row of ``benchmarks/data/external_cuda.json`` is one real training run on a real GPU whose
+peak was printed by its authors (``torch.cuda.max_memory_allocated()``,
+``max_memory_reserved()``, ``memory_reserved()`` after training, or an NVML/nvidia-smi total),
+with a citation, the setup written out and a confidence note. This script rebuilds each row's
+model on the ``meta`` device from its config, asks ``memguard.estimate(device="cuda", gpu=...)``
+for the same step and compares like with like:
+
+* ``allocated_peak`` against ``Estimate.allocated_peak_bytes``;
+* ``reserved_peak`` / ``reserved_after`` against ``Estimate.peak_bytes``;
+* ``nvidia_smi_total`` against ``Estimate.peak_bytes`` plus a CUDA context: the one the source
+  measured on its own machine where it printed one, else ``Estimate.context_bytes`` (the
+  catalog's typical value for that GPU; real contexts range over 300-1,300 MB).
+
+Nothing is downloaded and nothing is fitted to these rows: every model is built from the shapes
+written in the data file. Rows that differ only in batch size (``slope_group``) also give the
+published bytes per extra sample, compared with memguard's.
+
+Usage::
+
+    python benchmarks/external_cuda.py                      # every row
+    python benchmarks/external_cuda.py --rows llmfs-gpt124m-fp32-b8,hf-bert-large-fp32-b4
+    python benchmarks/external_cuda.py --quick              # the rows with the smallest models
+    python benchmarks/external_cuda.py --out some/folder
+
+Writes ``external_cuda.json`` and ``external_cuda.md`` to ``--out`` (default
+``benchmarks/results``) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import inspect
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))  # `memguard` and `benchmarks` from this checkout
+from benchmarks._common import machine_description  # noqa: E402
+
+DATA = _REPO / "benchmarks" / "data" / "external_cuda.json"
+# bytes per published unit; "GB" as the sources print it (x / 1e9), "GiB"/"MiB" where they divide by 1024**k
+_UNITS = {"B": 1, "MB": 10**6, "GB": 10**9, "MiB": 1 << 20, "GiB": 1 << 30}
+_MIB = 1 << 20
+# goals of the issue for this set
+GOAL_MEDIAN, GOAL_MAX, GOAL_UNDER = 0.03, 0.08, -0.05
+
+
+# --------------------------------------------------------------------------------------------
+# the data file
+# --------------------------------------------------------------------------------------------
+
+
+def load_rows(path: Path = DATA) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The data file's sources and its rows, each row's ``setup`` resolved through ``same_as``.
+
+    A row's ``setup`` may name ``same_as`` (an earlier row); the resolved setup is that row's
+    setup with this row's keys laid over it (one level deep).
+    """
+    data = json.loads(Path(path).read_text())
+    by_id: dict[str, dict[str, Any]] = {}
+    rows = []
+    for raw in data["rows"]:
+        row = copy.deepcopy(raw)
+        setup = row["setup"]
+        if "same_as" in setup:
+            base = copy.deepcopy(by_id[setup["same_as"]]["setup"])
+            base.update({k: v for k, v in setup.items() if k != "same_as"})
+            row["setup"] = base
+        by_id[row["id"]] = row
+        rows.append(row)
+    return data["sources"], rows
+
+
+def published_bytes(value: dict[str, Any]) -> int:
+    """A ``{"value": x, "unit": u}`` figure in bytes."""
+    return int(round(float(value["value"]) * _UNITS[value["unit"]]))
+
+
+# --------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------
+
+
+class _SharedDropout(nn.Module):
+    """One dropout of a block's input shared by the LoRA branches that read that same tensor.
+
+    LitGPT's ``LoRAQKVLinear`` (lit_gpt/lora.py, 2023) applies ``lora_dropout`` once to the block
+    input and feeds the result to the query and value adapters of its fused qkv projection; with
+    separate ``q_proj``/``v_proj`` modules the same computation is one dropout whose output both
+    adapters reuse. The last input and output are held through weak references only, so nothing
+    is kept alive beyond what autograd saves.
+    """
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self._last: tuple[Any, Any] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._last is not None and self._last[0]() is x and self._last[1]() is not None:
+            return self._last[1]()
+        out = F.dropout(x, self.p, self.training)
+        self._last = (weakref.ref(x), weakref.ref(out))
+        return out
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + lora_B(lora_A(dropout(x))) * alpha / r``: the forward of peft's and LitGPT's LoRA Linear.
+
+    peft (tuners/lora/layer.py ``Linear.forward``) and LitGPT (lit_gpt/lora.py) compute exactly
+    this sum with the base weight frozen; only ``lora_A`` and ``lora_B`` train.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, device=base.weight.device)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, device=base.weight.device)
+        self.dropout = dropout
+        self.scaling = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+
+class FusedQKVLoRA(nn.Module):
+    """LoRA on the query and value thirds of a fused qkv Linear, as LitGPT's ``LoRAQKVLinear``.
+
+    One dropout of the input, one ``lora_A`` of rank 2r (query and value), two ``lora_B``; the
+    two low-rank outputs are zero-padded to the fused width (LitGPT's ``zero_pad``) and added.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, p: float) -> None:
+        super().__init__()
+        self.base = base
+        dev = base.weight.device
+        third = base.out_features // 3
+        self.lora_A = nn.Linear(base.in_features, 2 * r, bias=False, device=dev)
+        self.lora_B_q = nn.Linear(r, third, bias=False, device=dev)
+        self.lora_B_v = nn.Linear(r, third, bias=False, device=dev)
+        self.dropout = nn.Dropout(p)
+        self.r, self.third, self.scaling = r, third, alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.lora_A(self.dropout(x))
+        q = self.lora_B_q(a[..., : self.r])
+        v = self.lora_B_v(a[..., self.r:])
+        pad = q.new_zeros(q.shape)
+        return self.base(x) + torch.cat([q, pad, v], dim=-1) * self.scaling
+
+
+def apply_lora(model: nn.Module, spec: dict[str, Any]) -> None:
+    """Freeze ``model`` and add LoRA adapters where ``spec["targets"]`` says (query and value)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    r, alpha, p = int(spec["r"]), float(spec["alpha"]), float(spec["dropout"])
+    if set(spec["targets"]) != {"query", "value"}:
+        raise ValueError(f"unsupported LoRA targets {spec['targets']}")
+    for module in list(model.modules()):
+        if isinstance(getattr(module, "query_key_value", None), nn.Linear):  # GPT-NeoX: fused qkv
+            module.query_key_value = FusedQKVLoRA(module.query_key_value, r, alpha, p)
+        elif isinstance(getattr(module, "q_proj", None), nn.Linear) and isinstance(getattr(module, "v_proj", None),
+                                                                                  nn.Linear):
+            drop = _SharedDropout(p) if spec.get("shared_dropout") else None
+            module.q_proj = LoRALinear(module.q_proj, r, alpha, drop or nn.Dropout(p))
+            module.v_proj = LoRALinear(module.v_proj, r, alpha, drop or nn.Dropout(p))
+
+
+def build_hf(spec: dict[str, Any]) -> nn.Module:
+    """A transformers model from ``model_type`` and config fields, on the meta device."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(spec["model_type"], **spec["config"])
+    auto = getattr(transformers, spec["auto_class"])
+    with torch.device("meta"):
+        model = auto.from_config(cfg, attn_implementation=spec.get("attn_implementation", "sdpa"))
+    model.train()
+    return model
+
+
+# ---- ViT-L/16 as torchvision builds it (torchvision/models/vision_transformer.py) ----
+
+
+class _ViTBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int, mlp: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden, eps=1e-6)  # torchvision: partial(nn.LayerNorm, eps=1e-6)
+        self.self_attention = nn.MultiheadAttention(hidden, heads, dropout=0.0, batch_first=True)
+        self.ln_2 = nn.LayerNorm(hidden, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp), nn.GELU(), nn.Dropout(0.0), nn.Linear(mlp, hidden),
+                                 nn.Dropout(0.0))
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        x = self.ln_1(inp)
+        x, _ = self.self_attention(x, x, x, need_weights=False)
+        x = x + inp
+        return x + self.mlp(self.ln_2(x))
+
+
+class ViT(nn.Module):
+    """torchvision's VisionTransformer forward: conv patches, class token, positions, blocks, head."""
+
+    def __init__(self, *, image_size: int = 224, patch: int = 16, layers: int = 24, hidden: int = 1024,
+                 heads: int = 16, mlp: int = 4096, num_classes: int = 10) -> None:
+        super().__init__()
+        self.patch, self.hidden = patch, hidden
+        self.conv_proj = nn.Conv2d(3, hidden, kernel_size=patch, stride=patch)
+        self.class_token = nn.Parameter(torch.zeros(1, 1, hidden))
+        seq = (image_size // patch) ** 2 + 1
+        self.pos_embedding = nn.Parameter(torch.empty(1, seq, hidden))
+        self.layers = nn.Sequential(*[_ViTBlock(hidden, heads, mlp) for _ in range(layers)])
+        self.ln = nn.LayerNorm(hidden, eps=1e-6)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        x = self.conv_proj(x).reshape(n, self.hidden, -1).permute(0, 2, 1)
+        x = torch.cat([self.class_token.expand(n, -1, -1), x], dim=1)
+        x = self.ln(self.layers(x + self.pos_embedding))
+        return self.head(x[:, 0])
+
+
+def build_vit_l16(spec: dict[str, Any]) -> nn.Module:
+    with torch.device("meta"):
+        return ViT(num_classes=int(spec.get("num_classes", 1000)))
+
+
+# ---- the GPT of "Build a Large Language Model (From Scratch)", ch. 4 and ch05/10 ----
+
+
+class _ScratchLayerNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.eps = 1e-5
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.shift = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(dim=-1, keepdim=True)
+        var = x.var(dim=-1, keepdim=True, unbiased=False)
+        return self.scale * ((x - mean) / torch.sqrt(var + self.eps)) + self.shift
+
+
+class _ScratchGELU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1 + torch.tanh(torch.sqrt(torch.tensor(2.0 / torch.pi)) * (x + 0.044715 * torch.pow(x, 3))))
+
+
+class _ScratchMHA(nn.Module):
+    """Softmax attention with a causal mask: a registered fp32 buffer ("orig") or a bool per forward."""
+
+    def __init__(self, d: int, ctx: int, heads: int, drop: float, bias: bool, buffer_mask: bool) -> None:
+        super().__init__()
+        self.heads, self.hd = heads, d // heads
+        self.W_query = nn.Linear(d, d, bias=bias)
+        self.W_key = nn.Linear(d, d, bias=bias)
+        self.W_value = nn.Linear(d, d, bias=bias)
+        self.out_proj = nn.Linear(d, d)
+        self.dropout = nn.Dropout(drop)
+        self.buffer_mask = buffer_mask
+        if buffer_mask:
+            self.register_buffer("mask", torch.triu(torch.ones(ctx, ctx), diagonal=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        k = self.W_key(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        q = self.W_query(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        v = self.W_value(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        scores = q @ k.transpose(2, 3)
+        if self.buffer_mask:
+            mask = self.mask.bool()[:t, :t]
+        else:
+            mask = torch.triu(torch.ones(t, t, device=x.device, dtype=torch.bool), diagonal=1)
+        scores.masked_fill_(mask, -torch.inf)
+        w = self.dropout(torch.softmax(scores / k.shape[-1] ** 0.5, dim=-1))
+        ctx = (w @ v).transpose(1, 2).contiguous().view(b, t, d)
+        return self.out_proj(ctx)
+
+
+class _SdpaMHA(nn.Module):
+    """The attention of 01_opt_single_gpu.py: one qkv Linear and ``scaled_dot_product_attention``."""
+
+    def __init__(self, d: int, heads: int, drop: float, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.hd, self.d, self.drop = heads, d // heads, d, drop
+        self.qkv = nn.Linear(d, 3 * d, bias=bias)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.drop if self.training else 0.0,
+                                           is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, self.d))
+
+
+class _ScratchBlock(nn.Module):
+    def __init__(self, cfg: dict[str, Any], variant: str) -> None:
+        super().__init__()
+        d = cfg["emb_dim"]
+        native = variant in ("native_norm_gelu", "sdpa")
+        if variant == "sdpa":
+            self.att: nn.Module = _SdpaMHA(d, cfg["n_heads"], cfg["drop_rate"], cfg["qkv_bias"])
+        else:
+            self.att = _ScratchMHA(d, cfg["context_length"], cfg["n_heads"], cfg["drop_rate"], cfg["qkv_bias"],
+                                   buffer_mask=(variant == "orig"))
+        gelu = nn.GELU(approximate="tanh") if native else _ScratchGELU()
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), gelu, nn.Linear(4 * d, d))
+        self.norm1 = nn.LayerNorm(d) if native else _ScratchLayerNorm(d)
+        self.norm2 = nn.LayerNorm(d) if native else _ScratchLayerNorm(d)
+        self.drop_shortcut = nn.Dropout(cfg["drop_rate"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_shortcut(self.att(self.norm1(x)))
+        return x + self.drop_shortcut(self.ff(self.norm2(x)))
+
+
+class ScratchGPT(nn.Module):
+    def __init__(self, cfg: dict[str, Any], variant: str) -> None:
+        super().__init__()
+        native = variant in ("native_norm_gelu", "sdpa")
+        self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"])
+        self.pos_emb = nn.Embedding(cfg["context_length"], cfg["emb_dim"])
+        self.drop_emb = nn.Dropout(cfg["drop_rate"])
+        self.trf_blocks = nn.Sequential(*[_ScratchBlock(cfg, variant) for _ in range(cfg["n_layers"])])
+        self.final_norm = nn.LayerNorm(cfg["emb_dim"]) if native else _ScratchLayerNorm(cfg["emb_dim"])
+        self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
+        return self.out_head(self.final_norm(self.trf_blocks(self.drop_emb(x))))
+
+
+def build_gpt_scratch(spec: dict[str, Any]) -> nn.Module:
+    with torch.device("meta"):
+        return ScratchGPT(spec["config"], spec["variant"])
+
+
+# ---- LitGPT's GPT with LoRA, as lit_gpt/model.py and lit_gpt/lora.py compute it (commit 8641822, Oct 2023) ----
+
+
+class _LitRMSNorm(nn.Module):
+    """lit_gpt/rmsnorm.py: ``weight * (x * rsqrt(mean(x * x) + eps))`` in the input dtype (no fp32 upcast)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm_x = torch.mean(x * x, dim=-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(norm_x + self.eps))
+
+
+class _LitLoRAQKV(nn.Module):
+    """lit_gpt/lora.py ``LoRAQKVLinear`` with LoRA on query and value.
+
+    ``lora_A`` (2r x in) on the dropped-out input, a grouped ``conv1d`` with ``lora_B`` (2h x r x 1),
+    then ``zero_pad``: a zero tensor of the fused width into which ``index_copy`` writes the query
+    and value updates (its source is a reshaped, hence copied, view), scaled and added.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, p: float, q_size: int, v_size: int) -> None:
+        super().__init__()
+        self.linear = base
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(2 * r, base.in_features, device=dev))
+        self.lora_B = nn.Parameter(torch.empty(q_size + v_size, r, device=dev))
+        self.lora_dropout = nn.Dropout(p)
+        self.scaling = alpha / r
+        self.width = q_size + v_size
+        # the query columns and the value columns of the fused output (values are irrelevant to memory)
+        self.register_buffer("lora_ind", torch.arange(q_size + v_size, device=dev), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pretrained = self.linear(x)
+        after_a = F.linear(self.lora_dropout(x), self.lora_A)
+        after_b = F.conv1d(after_a.transpose(-2, -1), self.lora_B.unsqueeze(-1), groups=2).transpose(-2, -1)
+        y = after_b.transpose(0, 1)
+        padded = y.new_zeros((*y.shape[:-1], self.linear.out_features)).view(-1, self.linear.out_features)
+        padded = padded.index_copy(1, self.lora_ind, y.reshape(-1, self.width))
+        lora = padded.view((*y.shape[:-1], self.linear.out_features)).transpose(0, 1) * self.scaling
+        return pretrained + lora
+
+
+class _LitAttention(nn.Module):
+    def __init__(self, c: dict[str, Any]) -> None:
+        super().__init__()
+        self.c = c
+        hs = c["n_embd"] // c["n_head"]
+        self.hs, self.rope_n = hs, int(c["rotary_percentage"] * hs)
+        self.attn: nn.Module = nn.Linear(c["n_embd"], 3 * c["n_embd"], bias=c["bias"])
+        self.proj = nn.Linear(c["n_embd"], c["n_embd"], bias=c["bias"])
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.size(-1) // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return ((x * cos) + (rotated * sin)).type_as(x)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        nh, hs, n = self.c["n_head"], self.hs, self.rope_n
+        qkv = self.attn(x).view(b, t, nh, 3, hs).permute(0, 2, 3, 1, 4)
+        q, k, v = qkv.split((1, 1, 1), dim=2)
+        q, k, v = (z.reshape(b, -1, t, hs) for z in (q, k, v))
+        q = torch.cat((self._rope(q[..., :n], cos, sin), q[..., n:]), dim=-1)
+        k = torch.cat((self._rope(k[..., :n], cos, sin), k[..., n:]), dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=1.0 / math.sqrt(hs),
+                                           is_causal=True).transpose(1, 2)
+        return self.proj(y.reshape(b, t, c))
+
+
+class _LitBlock(nn.Module):
+    def __init__(self, c: dict[str, Any]) -> None:
+        super().__init__()
+        self.c = c
+        norm = (lambda: _LitRMSNorm(c["n_embd"], c["norm_eps"])) if c["norm"] == "RMSNorm" else (
+            lambda: nn.LayerNorm(c["n_embd"], eps=c["norm_eps"]))
+        self.norm_1 = norm()
+        self.attn = _LitAttention(c)
+        self.norm_2 = None if c["shared_attention_norm"] else norm()
+        if c["mlp"] == "LLaMAMLP":
+            self.fc_1 = nn.Linear(c["n_embd"], c["intermediate_size"], bias=c["bias"])
+            self.fc_2 = nn.Linear(c["n_embd"], c["intermediate_size"], bias=c["bias"])
+        else:
+            self.fc = nn.Linear(c["n_embd"], c["intermediate_size"], bias=c["bias"])
+        self.mlp_proj = nn.Linear(c["intermediate_size"], c["n_embd"], bias=c["bias"])
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.c["mlp"] == "LLaMAMLP":  # LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x))
+            return self.mlp_proj(F.silu(self.fc_1(x)) * self.fc_2(x))
+        return self.mlp_proj(F.gelu(self.fc(x), approximate=self.c.get("gelu_approximate", "none")))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n_1 = self.norm_1(x)
+        h = self.attn(n_1, cos, sin)
+        if self.c["parallel_residual"]:
+            n_2 = n_1 if self.norm_2 is None else self.norm_2(x)
+            return x + h + self.mlp(n_2)
+        x = x + h
+        return x + self.mlp(self.norm_2(x))
+
+
+class LitGPT(nn.Module):
+    """LitGPT's GPT; ``forward`` returns the lm_head output in 128-token chunks (``lm_head_chunk_size=128``)."""
+
+    def __init__(self, c: dict[str, Any]) -> None:
+        super().__init__()
+        self.c = c
+        self.wte = nn.Embedding(c["padded_vocab_size"], c["n_embd"])
+        self.h = nn.ModuleList(_LitBlock(c) for _ in range(c["n_layer"]))
+        self.ln_f = _LitRMSNorm(c["n_embd"], c["norm_eps"]) if c["norm"] == "RMSNorm" else nn.LayerNorm(
+            c["n_embd"], eps=c["norm_eps"])
+        self.lm_head = nn.Linear(c["n_embd"], c["padded_vocab_size"], bias=c.get("lm_head_bias", False))
+
+    def forward(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        t = idx.size(1)
+        n = self.h[0].attn.rope_n
+        # build_rope_cache: the cache is rebuilt by `model.max_seq_length = longest` after setup, outside
+        # Fabric's init context, so it is float32 (torch's default dtype) while the model is bfloat16
+        theta = 1.0 / (10000 ** (torch.arange(0, n, 2, device=idx.device, dtype=torch.float32) / n))
+        idx_theta = torch.outer(torch.arange(t, device=idx.device, dtype=torch.float32), theta).repeat(1, 2)
+        cos, sin = torch.cos(idx_theta), torch.sin(idx_theta)
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x, cos, sin)
+        x = self.ln_f(x)
+        return [self.lm_head(x_i) for x_i in x.split(128, dim=1)]
+
+
+def build_litgpt(spec: dict[str, Any]) -> nn.Module:
+    with torch.device("meta"):
+        return LitGPT(spec["config"])
+
+
+def apply_litgpt_lora(model: nn.Module, spec: dict[str, Any]) -> None:
+    """lit_gpt/lora.py with ``to_query`` and ``to_value``: freeze all, LoRAQKVLinear on every ``attn``."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, _LitAttention):
+            h = module.attn.in_features
+            module.attn = _LitLoRAQKV(module.attn, int(spec["r"]), float(spec["alpha"]), float(spec["dropout"]), h, h)
+
+
+def _litgpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """finetune/lora.py's step through Fabric: fp32 logits chunks, last position dropped, chunked loss.
+
+    The model runs inside Fabric's ``_FabricModule.forward``, which passes every floating output
+    through ``precision.convert_output``: under ``bf16-true`` that casts to
+    ``torch.get_default_dtype()`` (float32) (lightning/fabric/wrappers.py, plugins/precision/half.py),
+    so each bf16 chunk of logits becomes a float32 copy and ``cross_entropy`` keeps a float32
+    log-softmax. Then ``chunked_cross_entropy`` (lit_gpt/utils.py) as written.
+    """
+    x, y = batch
+    logits = [c.to(torch.get_default_dtype()) for c in model(x)]  # Fabric's convert_output
+    logits[-1] = logits[-1][..., :-1, :]
+    targets = y[..., 1:]
+    flat = [c.reshape(-1, c.size(-1)) for c in logits]
+    target_chunks = [tc.reshape(-1) for tc in targets.split(logits[0].size(1), dim=1)]
+    return torch.cat([F.cross_entropy(c, tc, ignore_index=-1, reduction="none")
+                      for c, tc in zip(flat, target_chunks)]).mean()
+
+
+BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
+    "hf": build_hf, "vit_l16": build_vit_l16, "gpt_scratch": build_gpt_scratch,
+    "litgpt": build_litgpt,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# batches, losses, optimizers
+# --------------------------------------------------------------------------------------------
+
+
+def make_batch(spec: dict[str, Any]) -> Any:
+    """An example micro-batch of the row's shapes (values are irrelevant to memory)."""
+    b = int(spec["batch_size"])
+    kind = spec["kind"]
+    if kind == "seq_cls":
+        return {"input_ids": torch.randint(100, 30000, (b, int(spec["seq_len"]))),
+                "labels": torch.zeros(b, dtype=torch.long)}
+    if kind == "lm_shifted":
+        ids = torch.randint(0, int(spec["vocab_size"]), (b, int(spec["seq_len"])))
+        return (ids, torch.roll(ids, -1, dims=1))
+    if kind == "image":
+        s = int(spec["image_size"])
+        return (torch.randn(b, 3, s, s), torch.randint(0, int(spec["num_classes"]), (b,)))
+    raise ValueError(f"unknown batch kind {kind!r}")
+
+
+def _ce_logits(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _ce_lm(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _litgpt_chunked(model: nn.Module, batch: Any) -> torch.Tensor:
+    """LitGPT's step on a transformers model: lm_head in 128-token chunks, Fabric's float32 cast, chunked loss.
+
+    LitGPT's ``GPT.forward(..., lm_head_chunk_size=128)`` returns the list of chunk logits, Fabric
+    casts each to float32 (``convert_output``), and ``chunked_cross_entropy`` (litgpt/utils.py)
+    averages ``F.cross_entropy(..., reduction="none")`` over the chunks.
+    """
+    x, y = batch
+    hidden = model.base_model(input_ids=x).last_hidden_state
+    head = model.get_output_embeddings()
+    # LitGPT runs the model inside Fabric, whose convert_output casts floating outputs to float32 (see _litgpt_loss)
+    chunks = [head(h).to(torch.get_default_dtype()) for h in hidden.split(128, dim=1)]
+    targets = y.split(128, dim=1)
+    losses = [F.cross_entropy(c.reshape(-1, c.size(-1)), t.reshape(-1), reduction="none")
+              for c, t in zip(chunks, targets)]
+    return torch.cat(losses).sum() / y.numel()
+
+
+LOSSES: dict[str, Callable[[nn.Module, Any], torch.Tensor] | None] = {
+    "model_loss": None, "cross_entropy_logits": _ce_logits, "cross_entropy_lm": _ce_lm,
+    "litgpt_chunked": _litgpt_chunked, "litgpt_model": _litgpt_loss,
+}
+
+
+def make_optimizer(spec: dict[str, Any]) -> Callable[[Any], torch.optim.Optimizer]:
+    """A ``params -> Optimizer`` callable over the trainable parameters only."""
+    name, kwargs = spec["name"], dict(spec.get("kwargs", {}))
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+
+    def factory(params: Any) -> torch.optim.Optimizer:
+        trainable = [p for p in params if p.requires_grad]
+        if name == "Adafactor":
+            from transformers.optimization import Adafactor
+
+            return Adafactor(trainable, **kwargs)
+        return getattr(torch.optim, name)(trainable, **kwargs)
+
+    return factory
+
+
+# --------------------------------------------------------------------------------------------
+# one row
+# --------------------------------------------------------------------------------------------
+
+
+def _accepts(name: str) -> bool:
+    import memguard
+
+    return name in inspect.signature(memguard.estimate).parameters
+
+
+def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Rebuild the row's step, ask memguard, return the comparison."""
+    import memguard
+
+    setup = row["setup"]
+    model = BUILDERS[setup["model"]["builder"]](setup["model"])
+    if setup.get("lora"):
+        (apply_litgpt_lora if setup["model"]["builder"] == "litgpt" else apply_lora)(model, setup["lora"])
+    batch = make_batch(setup["batch"])
+    loop = setup.get("loop", "standard")
+    accum = int(setup.get("grad_accum_steps", 1))
+    notes = []
+    if loop == "zero_grad_after_forward" and accum == 1:
+        # forward -> zero_grad(set_to_none) -> backward -> step: last step's gradients are alive through
+        # the forward, which is the state memguard models for a micro-batch under accumulation
+        accum = 2
+        notes.append("zero_grad after forward: last step's gradients alive in the forward (modelled as accumulation)")
+    kwargs: dict[str, Any] = dict(
+        optimizer=make_optimizer(setup["optimizer"]), loss_fn=LOSSES[setup.get("loss", "model_loss")],
+        device="cuda", gpu=row["gpu"], precision=setup["precision"],
+        activation_checkpointing=bool(setup.get("activation_checkpointing", False)), grad_accum_steps=accum,
+    )
+    if loop in ("keeps_outputs", "zero_grad_after_forward") and _accepts("keep_outputs"):
+        kwargs["keep_outputs"] = True
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    t0 = time.perf_counter()
+    est = memguard.estimate(model, batch, **kwargs)
+    seconds = time.perf_counter() - t0
+
+    published = published_bytes(row["published"])
+    measured = row["measured"]
+    context = None
+    if measured == "allocated_peak":
+        predicted = est.allocated_peak_bytes
+    elif measured in ("reserved_peak", "reserved_after"):
+        predicted = est.peak_bytes
+    elif measured == "nvidia_smi_total":
+        context = published_bytes(row["context_published"]) if row.get("context_published") else est.context_bytes
+        predicted = est.peak_bytes + context
+    else:
+        raise ValueError(f"unknown measured kind {measured!r}")
+    return {
+        "id": row["id"], "source": row["source"], "gpu": row["gpu"], "measured": measured,
+        "precision": setup["precision"], "batch_size": int(setup["batch"]["batch_size"]),
+        "checkpointing": bool(setup.get("activation_checkpointing", False)), "lora": bool(setup.get("lora")),
+        "published_bytes": published, "predicted_bytes": int(predicted),
+        "error": (predicted - published) / published,
+        "estimate": {"peak_bytes": est.peak_bytes, "allocated_peak_bytes": est.allocated_peak_bytes,
+                     "context_bytes": est.context_bytes, "peak_phase": est.peak_phase,
+                     "breakdown": dict(est.breakdown), "num_params": est.num_params},
+        "context_used_bytes": context, "trainable_params": trainable, "grad_accum_steps_passed": accum,
+        "keep_outputs_passed": bool(kwargs.get("keep_outputs", False)), "slope_group": row.get("slope_group"),
+        "confidence": row["confidence"], "estimate_seconds": round(seconds, 2), "notes": notes,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# summary and reports
+# --------------------------------------------------------------------------------------------
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in results if "error" in r]
+    if not ok:
+        return {"rows": 0}
+    errs = [r["error"] for r in ok]
+    worst = max(ok, key=lambda r: abs(r["error"]))
+    under = min(ok, key=lambda r: r["error"])
+    s = {
+        "rows": len(ok), "failed": len(results) - len(ok),
+        "median_abs_error": statistics.median(abs(e) for e in errs), "max_abs_error": abs(worst["error"]),
+        "max_abs_error_row": worst["id"], "worst_under_prediction": under["error"],
+        "worst_under_prediction_row": under["id"], "mean_error": statistics.fmean(errs),
+    }
+    s["goals"] = {"median_abs_error<=3%": s["median_abs_error"] <= GOAL_MEDIAN,
+                  "max_abs_error<=8%": s["max_abs_error"] <= GOAL_MAX,
+                  "no_under_prediction_beyond_-5%": s["worst_under_prediction"] >= GOAL_UNDER}
+    return s
+
+
+def slopes(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Bytes per extra sample between rows of one ``slope_group``: published against predicted."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r.get("slope_group") and "error" in r:
+            groups.setdefault(r["slope_group"], []).append(r)
+    out = []
+    for name, rs in sorted(groups.items()):
+        rs.sort(key=lambda r: r["batch_size"])
+        for a, b in zip(rs, rs[1:]):
+            db = b["batch_size"] - a["batch_size"]
+            pub = (b["published_bytes"] - a["published_bytes"]) / db
+            pred = (b["predicted_bytes"] - a["predicted_bytes"]) / db
+            out.append({"group": name, "from": a["id"], "to": b["id"], "published_per_sample": pub,
+                        "predicted_per_sample": pred, "ratio_published_over_predicted": pub / pred if pred else None})
+    return out
+
+
+def _gb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
+def render_markdown(results: list[dict[str, Any]], summary: dict[str, Any], slope_rows: list[dict[str, Any]],
+                    meta: dict[str, Any], sources: dict[str, Any]) -> str:
+    lines = [
+        "# memguard's CUDA estimate against published GPU measurements",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Date: {meta['date']}  ",
+        f"memguard commit: {meta.get('git_commit') or 'unknown'}  ",
+        "Machine (where the estimates ran; the measurements ran on the GPUs named per row): "
+        f"{meta['machine'].get('cpu_model', '')}, {meta['machine'].get('cores')} cores, torch {meta['machine'].get('torch')}, "
+        f"transformers {meta['machine'].get('transformers')}",
+        "",
+        "Published value vs memguard, like with like: allocated peak vs `allocated_peak_bytes`, reserved vs "
+        "`peak_bytes`, nvidia-smi totals vs `peak_bytes` + CUDA context (the source's own context measurement "
+        "where it printed one). GB = 1e9 bytes. Error = (predicted - published) / published.",
+        "",
+        "| row | GPU | measured | precision | batch | ckpt | LoRA | published GB | predicted GB | error | conf. |",
+        "|---|---|---|---|---:|---|---|---:|---:|---:|---|",
+    ]
+    for r in results:
+        if "error" not in r:
+            lines.append(f"| {r['id']} | {r.get('gpu', '')} | | | | | | | | failed: {r.get('failure', '')[:80]} | |")
+            continue
+        lines.append(
+            f"| {r['id']} | {r['gpu']} | {r['measured']} | {r['precision']} | {r['batch_size']} | "
+            f"{'yes' if r['checkpointing'] else 'no'} | {'yes' if r['lora'] else 'no'} | {_gb(r['published_bytes'])} | "
+            f"{_gb(r['predicted_bytes'])} | {100 * r['error']:+.1f}% | {r['confidence']} |")
+    if summary.get("rows"):
+        lines += [
+            "",
+            f"Rows: {summary['rows']} (failed: {summary['failed']}). Median |error| "
+            f"{100 * summary['median_abs_error']:.1f}% (goal <= 3%), max |error| {100 * summary['max_abs_error']:.1f}% "
+            f"({summary['max_abs_error_row']}; goal <= 8%), worst under-prediction "
+            f"{100 * summary['worst_under_prediction']:+.1f}% ({summary['worst_under_prediction_row']}; goal >= -5%).",
+        ]
+    if slope_rows:
+        lines += ["", "## Bytes per extra sample (rows that differ only in batch size)", "",
+                  "| group | from -> to | published GB/sample | predicted GB/sample | published / predicted |",
+                  "|---|---|---:|---:|---:|"]
+        for s in slope_rows:
+            ratio = "-" if s["ratio_published_over_predicted"] is None else f"{s['ratio_published_over_predicted']:.2f}"
+            lines.append(f"| {s['group']} | {s['from']} -> {s['to']} | {_gb(s['published_per_sample'])} | "
+                         f"{_gb(s['predicted_per_sample'])} | {ratio} |")
+    lines += ["", "## Sources", ""]
+    for key, src in sources.items():
+        lines.append(f"- **{key}**: {src['title']} <{src['url']}>. Measured: {src['measured_as_published']}. "
+                     f"GPU: {src['gpu_as_published']}. torch: {src['torch']}.")
+    if meta.get("analysis"):
+        lines += ["", "## Analysis", "", meta["analysis"].strip()]
+    return "\n".join(lines) + "\n"
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001 - a missing git is reported as unknown
+        return None
+
+
+QUICK = ("llmfs-gpt124m-fp32-b8", "llmfs-gpt124m-bf16-sdpa-b8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", help="comma-separated row ids (default: all)")
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--data", default=str(DATA), help="the data file")
+    parser.add_argument("--out", default=str(Path("benchmarks") / "results"), help="folder for the .json/.md")
+    parser.add_argument("--analysis", help="a Markdown file whose text is appended to the report")
+    args = parser.parse_args(argv)
+
+    sources, rows = load_rows(Path(args.data))
+    wanted = None
+    if args.rows:
+        wanted = [x.strip() for x in args.rows.split(",") if x.strip()]
+    elif args.quick:
+        wanted = list(QUICK)
+    if wanted is not None:
+        unknown = sorted(set(wanted) - {r["id"] for r in rows})
+        if unknown:
+            parser.error(f"unknown row ids: {', '.join(unknown)}")
+        rows = [r for r in rows if r["id"] in wanted]
+
+    results = []
+    for row in rows:
+        try:
+            res = estimate_row(row)
+        except Exception as exc:  # noqa: BLE001 - one failing row is reported, the others still run
+            res = {"id": row["id"], "gpu": row["gpu"], "failure": f"{type(exc).__name__}: {exc}"}
+        results.append(res)
+        if "error" in res:
+            print(f"{res['id']:<42} published {_gb(res['published_bytes']):>7} GB  predicted "
+                  f"{_gb(res['predicted_bytes']):>7} GB  error {100 * res['error']:+6.1f}%  ({res['estimate_seconds']} s)",
+                  flush=True)
+        else:
+            print(f"{res['id']:<42} FAILED {res['failure']}", flush=True)
+
+    summary = summarize(results)
+    slope_rows = slopes(results)
+    meta = {
+        "command": "python " + " ".join(shlex.quote(a) for a in ([Path(sys.argv[0]).as_posix()] + list(
+            sys.argv[1:] if argv is None else argv))).replace(str(_REPO) + "/", ""),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "git_commit": _git_commit(),
+        "machine": machine_description(gpu=False),
+        "estimate_accepts_keep_outputs": _accepts("keep_outputs"),
+    }
+    if args.analysis:
+        meta["analysis"] = Path(args.analysis).read_text()
+    md = render_markdown(results, summary, slope_rows, meta, sources)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "external_cuda.json").write_text(json.dumps(
+        {**{k: v for k, v in meta.items() if k != "analysis"}, "summary": summary, "slopes": slope_rows,
+         "rows": results}, indent=2) + "\n")
+    (out / "external_cuda.md").write_text(md)
+    print()
+    print(md)
+    return 0 if summary.get("rows") and not summary.get("failed") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""The published-GPU-measurement benchmark: its data file's schema, and one end-to-end run.
+
+The data file is the benchmark: every row must say where its number comes from, what the number
+is, how to rebuild the step and how far to trust it, or the comparison means nothing. The
+end-to-end run rebuilds the smallest row (a 163M-parameter GPT at 8 x 1024 tokens, traced on
+fake tensors) in a subprocess, as a user would run the script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "external_cuda.py"
+DATA = REPO / "benchmarks" / "data" / "external_cuda.json"
+
+sys.path.insert(0, str(REPO))
+from benchmarks.external_cuda import BUILDERS, LOSSES, load_rows, published_bytes  # noqa: E402
+
+MEASURED = {"allocated_peak", "reserved_peak", "reserved_after", "nvidia_smi_total"}
+PRECISIONS = {"32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"}
+
+
+@pytest.fixture(scope="module")
+def data():
+    return json.loads(DATA.read_text())
+
+
+def test_at_least_20_rows_from_5_sources(data):
+    # the issue's floor for a benchmark worth reporting
+    assert len(data["rows"]) >= 20
+    assert len({r["source"] for r in data["rows"]}) >= 5
+    assert len({r["id"] for r in data["rows"]}) == len(data["rows"]), "row ids must be unique"
+
+
+def test_every_source_is_cited(data):
+    for key, src in data["sources"].items():
+        for field in ("title", "url", "gpu_as_published", "measured_as_published", "torch"):
+            assert src.get(field), f"source {key} lacks {field}"
+        assert src["url"].startswith("https://"), key
+
+
+def test_every_row_has_citation_setup_value_and_confidence(data):
+    from memguard.estimator.gpus import GPUS
+
+    for row in data["rows"]:
+        rid = row["id"]
+        assert row["source"] in data["sources"], rid
+        assert row.get("where"), f"{rid}: no place in the source"
+        assert row["gpu"] in GPUS, f"{rid}: GPU {row['gpu']!r} is not a catalog name"
+        assert row["measured"] in MEASURED, rid
+        assert published_bytes(row["published"]) > 0, rid
+        assert row["confidence"] in {"high", "medium", "low"}, rid
+        assert len(row.get("confidence_note", "")) > 20, f"{rid}: confidence note too thin"
+        if row["measured"] == "nvidia_smi_total":
+            assert "context_published" in row or "nvidia-smi" in row["confidence_note"], rid
+
+
+def test_resolved_setups_are_complete():
+    _, rows = load_rows(DATA)
+    for row in rows:
+        setup, rid = row["setup"], row["id"]
+        assert setup["model"]["builder"] in BUILDERS, rid
+        assert setup["precision"] in PRECISIONS, rid
+        assert setup["batch"]["batch_size"] >= 1, rid
+        assert setup.get("loss", "model_loss") in LOSSES, rid
+        assert setup["optimizer"]["name"], rid
+        assert isinstance(setup.get("activation_checkpointing", False), bool), rid
+
+
+def test_units_are_the_sources_units():
+    # "GB" as printed by x / 1e9, "GiB"/"MiB" where the source divides by 1024**k
+    assert published_bytes({"value": 1.5, "unit": "GB"}) == 1_500_000_000
+    assert published_bytes({"value": 2, "unit": "GiB"}) == 2 << 30
+    assert published_bytes({"value": 1341, "unit": "MiB"}) == 1341 << 20
+
+
+def test_same_as_lays_the_row_over_its_base():
+    _, rows = load_rows(DATA)
+    by_id = {r["id"]: r for r in rows}
+    # hf-bert-large-fp16-b4 only changes the precision of hf-bert-large-fp32-b4
+    base, row = by_id["hf-bert-large-fp32-b4"]["setup"], by_id["hf-bert-large-fp16-b4"]["setup"]
+    assert row["precision"] == "16-mixed" and base["precision"] == "32-true"
+    assert row["model"] == base["model"] and row["batch"] == base["batch"]
+
+
+def test_script_runs_one_row_end_to_end(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the estimate must not need a GPU
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--rows", "llmfs-gpt124m-fp32-b8", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "external_cuda.json").read_text())
+    (row,) = report["rows"]
+    assert row["id"] == "llmfs-gpt124m-fp32-b8"
+    # the source printed memory_reserved(), so the comparison must use the reserved peak
+    assert row["measured"] == "reserved_after"
+    assert row["predicted_bytes"] == row["estimate"]["peak_bytes"]
+    assert row["published_bytes"] == round(26.2617 * (1 << 30))
+    assert row["error"] == pytest.approx((row["predicted_bytes"] - row["published_bytes"]) / row["published_bytes"])
+    # 163M parameters with AdamW in fp32 hold 16 bytes per parameter before any activation
+    assert row["estimate"]["num_params"] == 163_009_536
+    assert row["predicted_bytes"] > 16 * 163_009_536
+    assert report["summary"]["rows"] == 1
+    md = (tmp_path / "external_cuda.md").read_text()
+    assert "llmfs-gpt124m-fp32-b8" in md and "Command:" in md
