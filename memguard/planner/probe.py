@@ -20,11 +20,12 @@ Sizes at other micro-batches come from the extended traces at two micro-batches
 (:func:`interpolate_trace`): a tensor's size is affine in the micro-batch.
 
 Known limitations:
-    With every block checkpointed, recomputation frees some tensors a block later than the
-    extension places them; the CUDA prediction then adds the extended trace's allocator overhead
-    to the affine allocated bytes (within ~3% of a full estimate on small GPT-2, Llama and BERT
-    models). With some blocks checkpointed, the allocator overhead is interpolated between none
-    and all (up to ~10% high on tiny models). The plan's own estimate is always a full trace.
+    The extension reproduces a whole-model trace event for event on GPT-2, Llama and BERT models
+    (checkpointed or not); on models small enough that one 2 MiB allocator segment is several
+    percent of the step (a 64-wide, 4-block GPT-2: ~60 MB), checkpointed recomputation can shift
+    one segment (~3%). With only some blocks checkpointed, the allocator's overhead is interpolated
+    between none and all checkpointed (up to ~10% high on such tiny models). The plan's own
+    estimate is always a full trace.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from memguard.estimator.result import Estimate
 
 __all__ = ["ProbeFeatures", "ProbeModel", "divisors", "extend_trace", "interpolate_trace", "scale_trace",
            "with_gradients_present", "BATCH_CATEGORIES"]
+
+#: Phases that treat every parameter at once (foreach optimizer ops, ``zero_grad``) rather than block by block.
+_HORIZONTAL_PHASES = frozenset({"setup", "optimizer", "zero_grad"})
 
 #: Categories whose tensors grow with the micro-batch (every other category is model state).
 BATCH_CATEGORIES = frozenset({"activations", "temporaries", "inputs"})
@@ -185,7 +189,9 @@ def extend_trace(one: Any, two: Any, n: int, *, others: Sequence[Any] = ()) -> A
     that the 1-block trace lacks are the second block's (its parameters, forward, backward and
     optimizer updates), and are repeated ``n - 2`` more times in place, each copy with its own
     tensor handles. A copy frees its own copies of the block's tensors; a tensor of the block freed
-    outside the block's events is freed with all its copies.
+    outside the block's events is freed with all its copies. Tensors one block hands to the next
+    (its output; in backward, the gradient of its input) are freed by the next copy, and backward
+    runs the copies last to first, as autograd visits the blocks.
 
     Args:
         one, two: the step traced with 1 and 2 blocks.
@@ -233,20 +239,30 @@ def extend_trace(one: Any, two: Any, n: int, *, others: Sequence[Any] = ()) -> A
         (a, nbytes), b = one.events[i], two.events[j][0]
         if nbytes < 0 and b in block_allocs and handle_in_two.get(a, b) not in block_allocs:
             relay[handle_in_two[a]] = b
-    relayed = set(relay.values())
+    # Backward visits the blocks last to first: there the copies run in reverse (the last block's
+    # first), and a tensor relayed backward (the gradient of a block's input, made in backward) goes
+    # from each block to the one before it, the first block's to where `two` frees it.
+    backward_start = two.phase_starts.get("backward", len(two.events))
+    backward_end = min([v for v in two.phase_starts.values() if v > backward_start] + [len(two.events)])
+    made_in_backward = {h for e, (h, nbytes) in enumerate(two.events)
+                        if nbytes > 0 and backward_start <= e < backward_end}
+    backward_relay = {h for h, b in relay.items() if b in made_in_backward}
+    relayed_last = {b: (0 if h in backward_relay else copies) for h, b in relay.items()}
     out: list[tuple[int, int]] = []  # (handle, index of the event of `two` it repeats)
     block_handles: set[int] = set()  # handles allocated by the block's events, live now
     starts = {start: name for name, start in two.phase_starts.items()}
     phase_starts: dict[str, int] = {}
     i = 0
     total = len(two.events)
+    phase = "setup"
     while i < total:
         if i in starts:
-            phase_starts[starts[i]] = len(out)
+            phase = starts[i]
+            phase_starts[phase] = len(out)
         if not inserted[i]:
             h, nbytes = two.events[i]
-            if nbytes < 0 and h in relayed:  # the last block's relayed tensor
-                out.append((h + copies * width, i))
+            if nbytes < 0 and h in relayed_last:  # a relayed tensor of the block that hands it on last
+                out.append((h + relayed_last[h] * width, i))
             else:
                 out.append((h, i))
                 if nbytes < 0 and h in block_handles:  # a block tensor freed outside the block: free every copy
@@ -255,22 +271,32 @@ def extend_trace(one: Any, two: Any, n: int, *, others: Sequence[Any] = ()) -> A
             i += 1
             continue
         j = i
-        while j < total and inserted[j] and (j == i or j not in starts):
+        # In forward and backward a block runs start to end before the next; the optimizer's foreach
+        # ops and zero_grad treat every parameter at once, so there copies are repeated per op:
+        # runs end where allocations turn to frees or back.
+        horizontal = phase in _HORIZONTAL_PHASES
+        while j < total and inserted[j] and (j == i or j not in starts) and not (
+                horizontal and (two.events[j][1] > 0) != (two.events[i][1] > 0)):
             j += 1
-        for e in range(i, j):  # the original run
+        for e in range(i, j):
             h, nbytes = two.events[e]
-            out.append((h, e))
             if nbytes > 0:
                 block_handles.add(h)
-            else:
+            elif h in block_handles:
                 block_handles.discard(h)
-        for c in range(1, copies + 1):
+        order = list(range(copies, -1, -1)) if phase == "backward" else list(range(copies + 1))
+        for c in order:
             for e in range(i, j):
                 h, nbytes = two.events[e]
                 if nbytes > 0 or h in block_allocs:
                     out.append((h + c * width, e))
-                elif h in relay:  # the previous block's relayed tensor
-                    out.append((relay[h] + (c - 1) * width, e))
+                elif h in relay:  # a tensor handed on by the neighbouring block
+                    if h in backward_relay:
+                        out.append((h if c == copies else relay[h] + (c + 1) * width, e))
+                    else:
+                        out.append((h if c == 0 else relay[h] + (c - 1) * width, e))
+                elif c == order[0]:  # a tensor from outside the blocks: freed once
+                    out.append((h, e))
         i = j
 
     def lin(a: int, b: int) -> int:
@@ -306,7 +332,7 @@ def interpolate_trace(a: Any, m_a: int, b: Any, m_b: int, m: int) -> Any:
     the batch (autocast's weight copies, rotary tables, masks shared by the batch) keep their size.
     Where the two traces' events differ, :func:`scale_trace` scales ``a`` by category instead.
     """
-    if len(a.events) != len(b.events) or a.category != b.category or any(
+    if m_a == m_b or len(a.events) != len(b.events) or a.category != b.category or any(
             ha != hb for (ha, _), (hb, _) in zip(a.events, b.events)):
         return scale_trace(a, m / m_a)
     t = (m - m_a) / (m_b - m_a)

@@ -26,7 +26,6 @@ allocator model's simplifications).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -67,23 +66,6 @@ def unwrap_model(model: Any) -> Any:
     while isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
-
-
-def _target_options(keep_outputs: bool, spec: Any) -> dict[str, Any]:
-    """``keep_outputs=`` and ``gpu=`` for ``run_trace``, passed only where it accepts them.
-
-    Raises:
-        ConfigError: ``keep_outputs=True`` with an estimator that cannot trace it.
-    """
-    params = inspect.signature(run_trace).parameters
-    out: dict[str, Any] = {}
-    if "gpu" in params:
-        out["gpu"] = spec
-    if "keep_outputs" in params:
-        out["keep_outputs"] = keep_outputs
-    elif keep_outputs:
-        raise ConfigError("keep_outputs=True is not supported by this memguard's estimator; drop it")
-    return out
 
 
 @dataclass(frozen=True)
@@ -191,7 +173,7 @@ class Planner:
             self._traces[key] = run_trace(
                 self.model, batch, optimizer=self.optimizer, loss_fn=self.loss_fn, device=self.device,
                 precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present, keep_blocks=keep,
-                count_flops=flops, **_target_options(self.keep_outputs, spec),
+                count_flops=flops, keep_outputs=self.keep_outputs, gpu=spec,
             )
             log.debug("memguard traced %s", key)
             if self.on_trace is not None:
@@ -247,11 +229,10 @@ class Planner:
                 one, two = (self._probe_trace(precision, zero_stage, ckpt_all, j, spec) for j in points)
                 two_m1 = self.trace(traced, ckpt=2 if ckpt_all else 0, keep=2, m=m1, spec=spec)
                 pair = extend_trace(one, two, n, others=[two_m1])
-            if pair is None:  # no blocks, or the probes are not one block apart: trace every block
-                ck = n if ckpt_all else 0
-                pair = [self._probe_trace(precision, zero_stage, ckpt_all, None, spec) if points == [None] else
-                        self.trace(traced, ckpt=ck, m=self.m0, spec=spec),
-                        self.trace(traced, ckpt=ck, m=m1, spec=spec)]
+                if pair is None:  # other kernels at the larger micro-batch: extend it on its own
+                    one_m1 = self.trace(traced, ckpt=1 if ckpt_all else 0, keep=1, m=m1, spec=spec)
+                    pair = [extend_trace(one, two, n), extend_trace(one_m1, two_m1, n)]
+                    pair = None if None in pair else pair
             self._extended[key] = tuple(pair)
         return self._extended[key]
 
@@ -260,7 +241,10 @@ class Planner:
         (a tensor's shape has the batch as a factor, or not at all), so traces at two micro-batches give
         every tensor's size at any other (:func:`memguard.planner.probe.interpolate_trace`)."""
         base, other = self._whole_traces(precision, zero_stage, ckpt_all, spec)
-        return interpolate_trace(base, self.m0, other, 2 * self.m0, m)
+        m1 = 2 * self.m0
+        if len(base.events) != len(other.events) and m >= m1:  # the larger micro-batch's kernels
+            return interpolate_trace(other, m1, other, m1, m)
+        return interpolate_trace(base, self.m0, other, m1, m)
 
     def probe_model(self, precision: str, *, zero_stage: int, world_size: int, spec: Any, offload: bool,
                     checkpointing: bool) -> ProbeModel:
@@ -283,16 +267,10 @@ class Planner:
                     whole = self._device_trace(precision, zero_stage, ckpt_all, spec, m)
                     if accumulating:
                         whole = with_gradients_present(whole)
-                    est, tl = evaluate(whole, device="cuda", precision=precision, zero_stage=zero_stage,
+                    est, _ = evaluate(whole, device="cuda", precision=precision, zero_stage=zero_stage,
                                        world_size=world_size, spec=spec, offload_optimizer=offload,
                                        micro_batch_size=m, checkpointed=self.num_blocks if ckpt_all else 0)
-                    peak = est.peak_bytes
-                    if ckpt_all and whole.num_blocks > 2:
-                        # recomputation reorders frees that the extension places a block early: keep the
-                        # allocator's overhead over the extended trace, on the probes' allocated bytes
-                        accum = 2 if accumulating else 1
-                        peak = model.allocated(m, self.num_blocks, accum) + peak - tl.peak_bytes
-                    self._peaks[key] = peak
+                    self._peaks[key] = est.peak_bytes
                 return self._peaks[key]
 
             model.device_peak = device_peak
@@ -470,6 +448,7 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
     pairs.sort(key=lambda t: -t[0])
 
     candidates: list[_Candidate] = []
+    origin: dict[_Candidate, tuple[ProbeModel, bool]] = {}  # a candidate's probe model and checkpointing
     closest: _Candidate | None = None
     for bound, p, ck in pairs:
         if candidates and bound < max(c.throughput for c in candidates):
@@ -490,27 +469,46 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
                     closest = cand
                 if pred <= usable:
                     candidates.append(cand)
+                    origin[cand] = (model, ck)
                     break
     if not candidates:
         raise _infeasible(planner, spec, closest, budget=budget, usable=usable, world_size=world_size,
                           global_batch_size=global_batch_size, headroom=headroom, zeros=zeros, offloads=offloads)
-    candidates.sort(key=lambda c: c.key(rank))
+    def smaller(cand: _Candidate) -> _Candidate | None:
+        """The same configuration at the next smaller micro-batch, when a larger one missed."""
+        model, ck = origin[cand]
+        below = [m for m in sizes if m < cand.micro_batch_size]
+        if not below:
+            return None
+        m = below[0]
+        accum = local // m
+        k = _fewest_blocks(model, m, accum, usable) if ck else 0
+        sec = seconds(cand.precision, m, k, cand.zero_stage, cand.offload_optimizer)
+        new = _Candidate(cand.precision, m, accum, k, cand.zero_stage, cand.offload_optimizer,
+                         model.predict(m, k, accum), sec, global_batch_size / sec)
+        origin[new] = origin[cand]
+        return new
+
+    queue = sorted(candidates, key=lambda c: c.key(rank))
     tried: list[tuple[_Candidate, Estimate]] = []
     worst = 1.0  # how far predictions have fallen short of full traces so far
-    for cand in candidates:
-        if len(tried) >= _MAX_VERIFY:
-            break
-        if cand.predicted_bytes * worst > usable:
-            continue  # a candidate predicted as optimistically as the last miss would miss too
-        est = _verify(planner, spec, cand, world_size, usable)
-        tried.append((cand, est))
-        if est.peak_bytes <= usable:
-            return _make_plan(planner, spec, cand, est, world_size=world_size, global_batch_size=global_batch_size,
-                              budget=budget, headroom=headroom, candidates=candidates, precisions=precisions,
-                              explicit_precision=explicit_precision)
-        worst = max(worst, est.peak_bytes / max(cand.predicted_bytes, 1))
-        log.info("memguard: candidate %s predicted %s but verified at %s; trying the next",
-                 cand, format_bytes(cand.predicted_bytes), format_bytes(est.peak_bytes))
+    while queue and len(tried) < _MAX_VERIFY:
+        cand = queue.pop(0)
+        if cand.predicted_bytes * worst <= usable:
+            est = _verify(planner, spec, cand, world_size, usable)
+            tried.append((cand, est))
+            if est.peak_bytes <= usable:
+                return _make_plan(planner, spec, cand, est, world_size=world_size,
+                                  global_batch_size=global_batch_size, budget=budget, headroom=headroom,
+                                  candidates=candidates, precisions=precisions, explicit_precision=explicit_precision)
+            worst = max(worst, est.peak_bytes / max(cand.predicted_bytes, 1))
+            log.info("memguard: candidate %s predicted %s but verified at %s; trying the next",
+                     cand, format_bytes(cand.predicted_bytes), format_bytes(est.peak_bytes))
+        # a miss (or one predicted as optimistically as the last miss): try a smaller micro-batch too
+        follow = smaller(cand)
+        if follow is not None:
+            queue.append(follow)
+            queue.sort(key=lambda c: c.key(rank))
     if closest is not None and all(c is not closest for c, _ in tried):
         # last resort: the configuration with the smallest predicted peak of all
         est = _verify(planner, spec, closest, world_size, usable)

@@ -78,7 +78,6 @@ _CASES = [
     pytest.param("cuda", "A100-80GB", "32-true", 0, 1, id="cuda-a100-32-true"),
     pytest.param("cuda", "A100-80GB", "32-true", 0, 4, id="cuda-a100-32-true-accum"),
     pytest.param("cuda", "A100-80GB", "bf16-mixed", 0, 1, id="cuda-a100-bf16"),
-    pytest.param("cuda", "A100-80GB", "bf16-mixed", 4, 1, id="cuda-a100-bf16-ckpt-all"),
     pytest.param("cuda", "T4", "16-mixed", 0, 1, id="cuda-t4-16-mixed"),
 ]
 
@@ -96,12 +95,29 @@ def test_probe_model_matches_the_full_estimate(tiny_gpt2, device, gpu, precision
     predicted = model.predict(m, k, accum)
     full = memguard.estimate(tiny_gpt2, _lm(m), device=device, gpu=gpu, precision=precision,
                              activation_checkpointing=k, grad_accum_steps=accum).peak_bytes
-    # 3% with checkpointing: partial checkpointing interpolates between the "none" and "all" probes,
-    # and on CUDA recomputation frees tensors in an order the block-by-block extension does not
-    # reproduce, so the allocator's overhead comes from an approximate trace (Known limitations of
-    # memguard.planner.probe); without checkpointing every case is within 2%
-    tolerance = 0.03 if k > 0 else 0.02
+    # 3% for partial checkpointing on the CPU: it interpolates between the "none" and "all" probes
+    # (the bound the probe model has met since it was written); every other case is within 2%
+    tolerance = 0.03 if 0 < k < planner.num_blocks else 0.02
     assert math.isclose(predicted, full, rel_tol=tolerance), f"predicted {predicted}, full estimate {full}"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("accum", [1, 4])
+def test_cuda_checkpointing_every_block_matches_the_full_estimate(precision, accum):
+    # A 256-wide, 6-block GPT-2 at sequence 256 (~0.5-2 GB steps, where one 2 MiB allocator segment
+    # is well under the tolerance): with every block checkpointed the extended probe traces replay
+    # recomputation as a trace of all 6 blocks does (Known limitations of memguard.planner.probe:
+    # on the 64-wide model above one segment can shift).
+    config = transformers.GPT2Config(n_embd=256, n_layer=6, n_head=4, vocab_size=8192, n_positions=512)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    planner = Planner(model, _lm(2, 256), device="cuda")
+    probe = planner.probe_model(precision, zero_stage=0, world_size=1, spec=get_gpu("A100-80GB"), offload=False,
+                                checkpointing=True)
+    predicted = probe.predict(24, 6, accum)
+    full = memguard.estimate(model, _lm(24, 256), device="cuda", gpu="A100-80GB", precision=precision,
+                             activation_checkpointing=6, grad_accum_steps=accum).peak_bytes
+    assert math.isclose(predicted, full, rel_tol=0.02), f"predicted {predicted}, full estimate {full}"
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
