@@ -460,9 +460,9 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
                 accum = local // m
                 k = _fewest_blocks(model, m, accum, usable) if ck else 0
                 allocated = model.allocated(m, k, accum)
-                if allocated > usable and closest is not None and allocated >= closest.predicted_bytes:
-                    continue  # the device holds at least the allocated bytes: neither fits nor comes closer
-                pred = model.predict(m, k, accum)
+                # the device holds at least the allocated bytes: past the budget they are the closeness
+                # measure, and the allocator model need not run
+                pred = allocated if allocated > usable else model.predict(m, k, accum)
                 s = seconds(p, m, k, z, o)
                 cand = _Candidate(p, m, accum, k, z, o, pred, s, global_batch_size / s)
                 if closest is None or pred < closest.predicted_bytes:
@@ -541,7 +541,7 @@ def _fewest_blocks(model: ProbeModel, m: int, accum: int, usable: int) -> int:
                 lo = mid + 1
         return lo
 
-    if model.predict(m, n, accum) > usable:
+    if model.allocated(m, n, accum) > usable or model.predict(m, n, accum) > usable:
         return n
     return fewest(lambda k: model.allocated(m, k, accum) <= usable and model.predict(m, k, accum) <= usable)
 
