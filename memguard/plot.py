@@ -109,6 +109,7 @@ def memory_curves(
     precisions: Sequence[str] | None = None,
     make_batch: Callable[[int], Any] | None = None,
     planner: Any = None,
+    keep_outputs: bool = False,
 ) -> list[MemoryCurve]:
     """The planner's predicted peak at every candidate micro-batch of ``plan``.
 
@@ -123,6 +124,7 @@ def memory_curves(
             default for the plan's target, plus the plan's own.
         planner: the :class:`memguard.planner.search.Planner` that made the plan, to reuse its
             traces; a new one traces the probes again.
+        keep_outputs: as given to :func:`memguard.plan` (used when ``planner`` is None).
 
     Returns:
         The curves, the plan's precision first.
@@ -136,7 +138,7 @@ def memory_curves(
 
     if planner is None:
         planner = Planner(model, batch, optimizer=optimizer, loss_fn=loss_fn, device=plan.device,
-                          make_batch=make_batch)
+                          make_batch=make_batch, keep_outputs=keep_outputs)
     spec = None
     if plan.device == "cuda":
         spec = get_gpu(plan.gpu) if plan.gpu else GENERIC

@@ -9,6 +9,8 @@ How the search works (and why it traces so little):
    (dim 0), while parameters, gradients and optimizer state are not. So one probe pair predicts
    the peak at any micro-batch, any number of checkpointed blocks (interpolating between the
    "none" and "all" probes) and any ZeRO stage (a re-scan of the same traces with other factors).
+   For the CUDA target, whose caching allocator is affine in nothing, the probes are extended into
+   a trace of every block and replayed through the allocator model (:mod:`memguard.planner.probe`).
 2. **Search.** Every divisor of the per-rank batch is a micro-batch candidate; for each
    precision x ZeRO stage x offload, the fewest checkpointed blocks that fit are solved for, and
    the cost model (``memguard.planner.cost``) ranks the candidates by predicted samples/s. Ties
@@ -16,7 +18,8 @@ How the search works (and why it traces so little):
    micro-batch). Probes of a precision or checkpointing mode whose best conceivable throughput
    cannot beat the best plan found are never traced.
 3. **Verification.** The winner is estimated with one full trace; if it does not fit after all,
-   the next candidate is verified, and so on.
+   the next candidate is verified (and the configuration that missed is queued one micro-batch
+   smaller), and so on.
 
 The budget is per rank: the GPU's memory less its CUDA context (or ``budget_bytes``), and the
 plan keeps ``headroom`` of it free (default 10%: the estimator is within ~1% of the real CPU
