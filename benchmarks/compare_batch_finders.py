@@ -77,7 +77,6 @@ from typing import Any, Callable
 
 _REPO = Path(__file__).resolve().parent.parent
 _MARKER = "@@COMPARE_BATCH_FINDERS_RESULT@@ "  # prefix of the worker's one JSON line on stdout
-_MIB = 1 << 20
 
 TOOLS = ("memguard", "accelerate", "lightning-power", "lightning-binsearch")
 
@@ -498,6 +497,7 @@ def _run_lightning(case: FinderCase, model, data, mode: str, steps: int, log: _L
 
 
 def _worker(tool: str, case_name: str, room_mib: int, batch: int, steps: int, samples: int) -> dict[str, Any]:
+    from memguard.vocab import MiB
     import torch
 
     torch.set_num_threads(1)  # one intra-op thread: comparable timings on a shared machine
@@ -525,7 +525,7 @@ def _worker(tool: str, case_name: str, room_mib: int, batch: int, steps: int, sa
     del warm
     gc.collect()
 
-    room = room_mib * _MIB
+    room = room_mib * MiB
     cap = cap_address_space(room)
     log = _Log()
     if tool == "memguard":
@@ -551,6 +551,7 @@ def _worker(tool: str, case_name: str, room_mib: int, batch: int, steps: int, sa
 
 
 def _run_worker(tool: str, case: str, room_mib: int, args: argparse.Namespace) -> dict[str, Any]:
+    from memguard.vocab import MiB
     cmd = [sys.executable, "-m", "benchmarks.compare_batch_finders", "--worker", tool, "--models", case,
            "--rooms", str(room_mib), "--steps", str(args.steps)]
     cmd += ["--batch", str(args.batch)] if args.batch else []
@@ -562,7 +563,7 @@ def _run_worker(tool: str, case: str, room_mib: int, args: argparse.Namespace) -
     try:
         proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        return {"tool": tool, "case": case, "room_bytes": room_mib * _MIB, "ok": False,
+        return {"tool": tool, "case": case, "room_bytes": room_mib * MiB, "ok": False,
                 "error": f"timed out after {args.timeout:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith(_MARKER):
@@ -574,7 +575,7 @@ def _run_worker(tool: str, case: str, room_mib: int, args: argparse.Namespace) -
     if proc.returncode < 0:
         how = f"killed by {signal.Signals(-proc.returncode).name}"  # subprocess: -N means signal N
     said = [ln for ln in lines if "Batch size" in ln]  # the finder's own progress lines, if any
-    return {"tool": tool, "case": case, "room_bytes": room_mib * _MIB, "ok": False,
+    return {"tool": tool, "case": case, "room_bytes": room_mib * MiB, "ok": False,
             "error": f"process {how} after {time.perf_counter() - t0:.0f} s" + (f"; last: {said[-1]}" if said else ""),
             "stderr_tail": lines[-25:]}
 
@@ -590,6 +591,7 @@ def _fmt_s(x: float | None) -> str:
 
 def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The report: header, how each tool was used, one row per run, notes on failures."""
+    from memguard.vocab import MiB
     m = meta["machine"]
     lines = [
         "# Batch-size finders under a real CPU memory cap",
@@ -626,7 +628,7 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             mb = f"{mb} ({r['planned_micro_batch']})"
         result = "ok" if r.get("ok") else "failed: " + str(r.get("error", "?"))[:160].replace("|", "/")
         lines.append(
-            f"| {r['case']} | {r['room_bytes'] // _MIB} | {r['tool']} | {mb if mb is not None else '—'} | "
+            f"| {r['case']} | {r['room_bytes'] // MiB} | {r['tool']} | {mb if mb is not None else '—'} | "
             f"{r.get('samples_per_step', '—')} | {r.get('ooms', '—')} | {r.get('samples_lost', '—')} | "
             f"{r.get('undone_samples', '—')} | {r.get('wasted_sample_passes', '—')} | "
             f"{_fmt_s(r.get('time_to_working_s'))} | {_fmt_s(r.get('total_s'))} | {result} |"
@@ -647,9 +649,9 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   "plan s | micro-batch that ran |", "|---|---:|---:|---|---:|---:|---:|"]
         for r in plans:
             est = r.get("plan_estimate_bytes")
-            lines.append(f"| {r['case']} | {r['room_bytes'] // _MIB} | {r['budget_bytes'] / _MIB:.1f} | "
+            lines.append(f"| {r['case']} | {r['room_bytes'] // MiB} | {r['budget_bytes'] / MiB:.1f} | "
                          f"{r['planned_micro_batch']} x {r.get('grad_accum')} | "
-                         f"{'—' if est is None else f'{est / _MIB:.1f}'} | {_fmt_s(r.get('plan_seconds'))} | "
+                         f"{'—' if est is None else f'{est / MiB:.1f}'} | {_fmt_s(r.get('plan_seconds'))} | "
                          f"{r.get('micro_batch')} |")
     return "\n".join(lines) + "\n"
 

@@ -79,7 +79,6 @@ from benchmarks import _common  # noqa: E402
 from benchmarks._common import run_worker  # noqa: E402
 
 _MARKER = "@@COMPARE_ESTIMATORS_RESULT@@ "  # prefix of the worker's one JSON line on stdout
-_MIB = 1 << 20
 
 #: Tools in report order, with the one-line description used in the Markdown legend.
 TOOLS: dict[str, str] = {
@@ -387,18 +386,20 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _cell(row: dict[str, Any], tool: str) -> str:
+    from memguard.vocab import MiB
     t = row.get("tools", {}).get(tool)
     if t is None:
         return "—"
     if "error" in t:
         return "fails"
     err = row.get("errors", {}).get(tool)
-    mib = f"{t['bytes'] / _MIB:.1f}"
+    mib = f"{t['bytes'] / MiB:.1f}"
     return mib if err is None else f"{mib} ({err:+.1f}%)"
 
 
 def render_markdown(rows: list[dict[str, Any]], summary: dict[str, Any], meta: dict[str, Any]) -> str:
     """The report: header, legend, one row per case, the per-tool summary, failures."""
+    from memguard.vocab import MiB
     m = meta["machine"]
     lines = [
         f"# Memory estimators compared ({meta['target']} target)",
@@ -430,7 +431,7 @@ def render_markdown(rows: list[dict[str, Any]], summary: dict[str, Any], meta: d
             lines.append(f"| {r['case']} | | error: {msg[:120]} |" + " |" * len(TOOLS))
             continue
         lines.append(
-            f"| {r['case']} | {r.get('optimizer', '')} | {r['real_bytes'] / _MIB:.1f} | "
+            f"| {r['case']} | {r.get('optimizer', '')} | {r['real_bytes'] / MiB:.1f} | "
             + " | ".join(_cell(r, t) for t in TOOLS) + " |"
         )
     lines += ["", "## |error| per tool", "", "| tool | cases | failed | median abs error % | max abs error % (case) |",

@@ -69,7 +69,6 @@ if str(_REPO) not in sys.path:
 from benchmarks._common import machine_description, run_worker  # noqa: E402
 
 _MARKER = "@@PLAN_QUALITY_RESULT@@ "
-_MIB = 1 << 20
 GLOBAL_BATCH = 240  # 2^4 x 3 x 5: 20 divisors, many of them not powers of two
 GOAL_RATIO = 0.95
 
@@ -106,10 +105,6 @@ CASES: dict[str, QualityCase] = {
 # --------------------------------------------------------------------------------------------
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _resize(batch: Any, n0: int, m: int) -> Any:
     """A real batch of ``m`` samples made of the example's rows (repeated as needed)."""
     import torch
@@ -134,11 +129,11 @@ class RealPeaks:
     def __init__(self, model, batch, loss_fn, optimizer, global_batch: int) -> None:
         from benchmarks.ground_truth import default_loss
 
-        from memguard.estimator.api import batch_size_of
+        from memguard.batch import batch_size
 
         self.model, self.batch, self.optimizer = model, batch, optimizer
         self.compute = loss_fn if loss_fn is not None else default_loss
-        self.n0 = batch_size_of(batch)
+        self.n0 = batch_size(batch)
         self.global_batch = global_batch
         self.peaks: dict[int, int] = {}
         self.measure_seconds = 0.0
@@ -221,7 +216,9 @@ class RealPeaks:
 
     def largest_divisor(self, budget: int) -> int | None:
         """The largest divisor of the global batch whose real step fits (binary search)."""
-        divs = _divisors(self.global_batch)
+        from memguard.planner.probe import divisors
+
+        divs = divisors(self.global_batch)
         below = [d for d in divs if d < self.global_batch]
         if self.fits(self.global_batch, budget):
             return self.global_batch
@@ -271,9 +268,11 @@ def accelerate_backoff(fits: Callable[[int], bool], start: int) -> tuple[int | N
 
 
 def _round_to_divisor(m: int | None, g: int) -> int | None:
+    from memguard.planner.probe import divisors
+
     if m is None:
         return None
-    divs = _divisors(g)
+    divs = divisors(g)
     i = bisect.bisect_right(divs, m)
     return divs[i - 1] if i else None
 
@@ -389,6 +388,7 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _markdown(report: dict[str, Any]) -> str:
+    from memguard.vocab import MiB
     m = report["machine"]
     s = report["summary"]
     lines = [
@@ -426,9 +426,9 @@ def _markdown(report: dict[str, Any]) -> str:
             chosen = f"{mg['micro_batch_size']} x {mg['grad_accum_steps']}" if mg.get("micro_batch_size") else \
                 f"infeasible ({mg.get('error', '')[:60]})"
             lines.append(
-                f"| {res['model']} | {r['budget_bytes'] / _MIB:.1f} | {r['truth_largest_divisor']} | {chosen} | "
+                f"| {res['model']} | {r['budget_bytes'] / MiB:.1f} | {r['truth_largest_divisor']} | {chosen} | "
                 f"{mg.get('ratio', '—')} | "
-                f"{(mg['real_peak_bytes'] / _MIB) if mg.get('real_peak_bytes') else float('nan'):.1f} | "
+                f"{(mg['real_peak_bytes'] / MiB) if mg.get('real_peak_bytes') else float('nan'):.1f} | "
                 f"{'OVER' if mg.get('over_budget') else 'no'} | {mg['plan_seconds']:.1f} | "
                 f"{lt['batch_size']} ({lt['divisor']}) | {lt['trials']} | {ac['batch_size']} ({ac['divisor']}) | "
                 f"{ac['trials']} |"
@@ -437,7 +437,7 @@ def _markdown(report: dict[str, Any]) -> str:
               "|---|---:|---:|---:|---:|---:|"]
     for res in report["results"]:
         if "error" not in res:
-            lines.append(f"| {res['model']} | {res['peak_m1_bytes'] / _MIB:.1f} | {res['measurements']} | "
+            lines.append(f"| {res['model']} | {res['peak_m1_bytes'] / MiB:.1f} | {res['measurements']} | "
                          f"{res['inferred_by_line']} | "
                          f"{res['measure_seconds']:.1f} | {res.get('wall_seconds', 0):.1f} |")
     return "\n".join(lines)

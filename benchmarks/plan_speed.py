@@ -52,7 +52,7 @@ if str(_REPO) not in sys.path:
 from benchmarks._common import machine_description, run_worker  # noqa: E402
 
 _MARKER = "@@PLAN_SPEED_RESULT@@ "  # prefix of the worker's one JSON line on stdout
-_GIB = 1 << 30
+_GIB = 1 << 30  # memguard.vocab.GiB; not imported here: it imports torch, which each case times
 
 
 @dataclass(frozen=True)

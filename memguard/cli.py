@@ -703,7 +703,7 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
         loaded.model, loaded.batch, optimizer=loaded.optimizer, loss_fn=loaded.loss_fn, device=args.device,
         precision=args.precision, zero_stage=args.zero_stage, world_size=args.world_size, gpu=args.gpu,
         activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
-        offload_optimizer=args.offload_optimizer, **({"keep_outputs": True} if args.keep_outputs else {}),
+        offload_optimizer=args.offload_optimizer, keep_outputs=args.keep_outputs,
     )
     progress.say(f"estimated in {progress.elapsed()}")
     budget = args.budget

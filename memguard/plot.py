@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from memguard.errors import MissingDependencyError
-from memguard.estimator.result import CATEGORIES, Estimate, format_bytes
+from memguard.estimator.result import CATEGORIES, Estimate
 from memguard.planner.plan import Plan
+from memguard.vocab import PRECISIONS, GiB, KiB, MiB, TiB, default_precisions, format_bytes
 
 __all__ = ["MemoryCurve", "memory_curves", "plot_plan", "plot_estimate", "require_matplotlib", "FIGSIZE", "DPI"]
 
@@ -35,7 +36,7 @@ FIGSIZE = (12.0, 5.0)
 FIGSIZE_SINGLE = (6.0, 5.0)
 DPI = 100
 
-_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+_UNITS = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB), ("B", 1))
 
 
 def _unit(reference: float) -> tuple[str, float]:
@@ -45,15 +46,14 @@ def _unit(reference: float) -> tuple[str, float]:
             return name, float(size)
     return "B", 1.0
 
+
 # One colour per breakdown category (matplotlib's "tab10" palette, in CATEGORIES order).
 _CATEGORY_COLORS = dict(zip(CATEGORIES, (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#7f7f7f", "#bcbd22",
 )))
 _SHORT_NAMES = {"allocator_overhead": "allocator"}
-_PRECISION_COLORS = {
-    "32-true": "#1f77b4", "bf16-mixed": "#ff7f0e", "16-mixed": "#2ca02c", "bf16-true": "#9467bd",
-    "16-true": "#8c564b",
-}
+# One colour per precision (matplotlib's "tab10" palette, in PRECISIONS order).
+_PRECISION_COLORS = dict(zip(PRECISIONS, ("#1f77b4", "#2ca02c", "#ff7f0e", "#8c564b", "#9467bd")))
 
 
 def require_matplotlib() -> Any:
@@ -99,16 +99,6 @@ class MemoryCurve:
         return f"{self.precision}, {ckpt}"
 
 
-def _default_precisions(device: str, spec: Any) -> tuple[str, ...]:
-    # The same default as memguard.plan (memguard/planner/search.py): 32-true and the fastest
-    # mixed precision the GPU supports.
-    if device == "cuda" and spec is not None:
-        if spec.bf16:
-            return ("bf16-mixed", "32-true")
-        return ("16-mixed", "32-true") if spec.tensor_cores else ("32-true",)
-    return ("32-true", "bf16-mixed")
-
-
 def memory_curves(
     model: Any,
     batch: Any,
@@ -119,6 +109,7 @@ def memory_curves(
     precisions: Sequence[str] | None = None,
     make_batch: Callable[[int], Any] | None = None,
     planner: Any = None,
+    keep_outputs: bool = False,
 ) -> list[MemoryCurve]:
     """The planner's predicted peak at every candidate micro-batch of ``plan``.
 
@@ -133,6 +124,7 @@ def memory_curves(
             default for the plan's target, plus the plan's own.
         planner: the :class:`memguard.planner.search.Planner` that made the plan, to reuse its
             traces; a new one traces the probes again.
+        keep_outputs: as given to :func:`memguard.plan` (used when ``planner`` is None).
 
     Returns:
         The curves, the plan's precision first.
@@ -141,15 +133,16 @@ def memory_curves(
         ConfigError: the plan names a GPU that is not in the catalog.
     """
     from memguard.estimator.gpus import GENERIC, get_gpu
-    from memguard.planner.search import Planner, _divisors, _predict
+    from memguard.planner.probe import divisors
+    from memguard.planner.search import Planner
 
     if planner is None:
         planner = Planner(model, batch, optimizer=optimizer, loss_fn=loss_fn, device=plan.device,
-                          make_batch=make_batch)
+                          make_batch=make_batch, keep_outputs=keep_outputs)
     spec = None
     if plan.device == "cuda":
         spec = get_gpu(plan.gpu) if plan.gpu else GENERIC
-    chosen = list(precisions) if precisions else list(_default_precisions(plan.device, spec))
+    chosen = list(precisions) if precisions else list(default_precisions(plan.device, spec))
     if plan.precision not in chosen:
         chosen.insert(0, plan.precision)
     chosen.sort(key=lambda p: p != plan.precision)
@@ -157,20 +150,17 @@ def memory_curves(
         chosen = [p for p in chosen if not p.startswith("bf16") or p == plan.precision]
 
     local = plan.global_batch_size // plan.world_size
-    sizes = _divisors(local)
+    sizes = divisors(local)
     n = planner.num_blocks
     curves: list[MemoryCurve] = []
     for p in chosen:
-        common = dict(zero_stage=plan.zero_stage, world_size=plan.world_size, spec=spec, offload=plan.offload_optimizer)
-        f_off = planner.features(p, False, **common)
-        f_on = planner.features(p, True, **common) if n >= 1 else None
+        probe = planner.probe_model(p, zero_stage=plan.zero_stage, world_size=plan.world_size, spec=spec,
+                                    offload=plan.offload_optimizer, checkpointing=n >= 1)
         ks = [0] + ([n] if n >= 1 else [])
         if p == plan.precision and 0 < plan.checkpoint_blocks < n:
             ks.insert(1, plan.checkpoint_blocks)
         for k in ks:
-            ys = tuple(
-                _predict(f_off, f_on, m=m, m0=planner.m0, k=k, n_blocks=n, accum=local // m) for m in sizes
-            )
+            ys = tuple(probe.predict(m, k, local // m) for m in sizes)
             curves.append(MemoryCurve(p, k, n, tuple(sizes), ys))
     return curves
 

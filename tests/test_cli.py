@@ -178,6 +178,37 @@ def test_estimate_json_matches_the_python_api(capsys):
     assert json.loads(captured.out) == as_json(want.to_dict())
 
 
+def test_keep_outputs_is_passed_to_estimate_and_plan(capsys):
+    # --keep-outputs models `out = model(**batch)` keeping the logits alive through backward and the
+    # step: the estimate is the Python API's with keep_outputs=True, and larger than without it (on
+    # the CPU target, whose peak is live bytes: on CUDA these tiny logits vanish in a 2 MiB segment)
+    argv = ["estimate", *TINY, "--device", "cpu", "--micro-batch-size", "4", "--json", "-q"]
+    assert main([*argv, "--keep-outputs"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    model, batch = tiny_model(batch_size=4)
+    assert kept == as_json(memguard.estimate(model, batch, device="cpu", keep_outputs=True).to_dict())
+    assert main(argv) == 0
+    assert kept["peak_bytes"] > json.loads(capsys.readouterr().out)["peak_bytes"]
+
+    plan_argv = ["plan", *TINY, *FIXED, "--gpu", "A100-40GB", "--global-batch-size", "8", "--json", "-q"]
+    assert main([*plan_argv, "--keep-outputs"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    model, batch = tiny_model()
+    want = memguard.plan(model, batch, global_batch_size=8, gpu="A100-40GB", precision="32-true",
+                         activation_checkpointing=False, keep_outputs=True)
+    assert planned == as_json(want.to_dict())
+
+
+def test_plan_options_are_checked_before_the_model_is_built(capsys):
+    # PlanRequest's problems in the command line's words; --model x:y would fail to import if built
+    rc = main(["plan", "--model", "x:y", "--device", "cpu", "--gpu", "T4", "--global-batch-size", "6",
+               "--world-size", "4", "-q"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--gpu T4 only applies to --device cuda" in err and "cannot be split evenly over world_size 4" in err
+    assert "cannot import" not in err
+
+
 def test_estimate_readable_says_whether_it_fits(capsys):
     assert main(["estimate", *TINY, "--device", "cpu", "--budget", "2MiB", "-q"]) == 0
     out = capsys.readouterr().out

@@ -64,13 +64,13 @@ def test_curves_match_a_full_estimate_at_the_example_batch(planned):
     curves = plot.memory_curves(built.model, built.batch, plan, planner=planner, precisions=["32-true"])
     (flat,) = [c for c in curves if c.precision == "32-true" and c.checkpoint_blocks == 0]
     # With 2 blocks, the 2-block probe is the whole model, traced at the planner's probe
-    # micro-batch (8). Extrapolated down to micro-batch 1 (16 accumulation steps), the prediction
-    # must agree with memguard.estimate of that configuration to within a few of the allocator
-    # model's 2 MiB segments: the probe scales by m/8 a few small buffers that do not grow with
-    # the micro-batch, and the planner's reserved/allocated ratio is an approximation.
+    # micro-batch (8) and at 16. Interpolated down to micro-batch 1 (16 accumulation steps) and
+    # replayed through the allocator model, the prediction must agree with memguard.estimate of
+    # that configuration within 2% (the probe model's bound on CUDA without checkpointing; what
+    # remains is accumulation's gradients, added as bytes rather than replayed).
     est = memguard.estimate(built.model, built.batch, gpu="A100-40GB", precision="32-true",
                             grad_accum_steps=GLOBAL_BATCH)
-    assert abs(flat.peak_bytes[0] - est.peak_bytes) <= max(6 << 20, 0.15 * est.peak_bytes)
+    assert abs(flat.peak_bytes[0] - est.peak_bytes) <= 0.02 * est.peak_bytes, (flat.peak_bytes[0], est.peak_bytes)
 
 
 def _read_png(path):

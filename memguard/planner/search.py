@@ -9,6 +9,8 @@ How the search works (and why it traces so little):
    (dim 0), while parameters, gradients and optimizer state are not. So one probe pair predicts
    the peak at any micro-batch, any number of checkpointed blocks (interpolating between the
    "none" and "all" probes) and any ZeRO stage (a re-scan of the same traces with other factors).
+   For the CUDA target, whose caching allocator is affine in nothing, the probes are extended into
+   a trace of every block and replayed through the allocator model (:mod:`memguard.planner.probe`).
 2. **Search.** Every divisor of the per-rank batch is a micro-batch candidate; for each
    precision x ZeRO stage x offload, the fewest checkpointed blocks that fit are solved for, and
    the cost model (``memguard.planner.cost``) ranks the candidates by predicted samples/s. Ties
@@ -16,7 +18,8 @@ How the search works (and why it traces so little):
    micro-batch). Probes of a precision or checkpointing mode whose best conceivable throughput
    cannot beat the best plan found are never traced.
 3. **Verification.** The winner is estimated with one full trace; if it does not fit after all,
-   the next candidate is verified, and so on.
+   the next candidate is verified (and the configuration that missed is queued one micro-batch
+   smaller), and so on.
 
 The budget is per rank: the GPU's memory less its CUDA context (or ``budget_bytes``), and the
 plan keeps ``headroom`` of it free (default 10%: the estimator is within ~1% of the real CPU
@@ -26,7 +29,6 @@ allocator model's simplifications).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -38,12 +40,19 @@ from torch import nn
 
 from memguard.batch import first_dim, resize_batch
 from memguard.errors import ConfigError, InfeasiblePlanError
-from memguard.estimator.analysis import Timeline
 from memguard.estimator.api import evaluate, run_trace, traced_precision
 from memguard.estimator.blocks import find_blocks, hidden_size
 from memguard.estimator.result import Estimate
 from memguard.planner.cost import CPU_TFLOPS, CostInputs, step_seconds
 from memguard.planner.plan import Plan
+from memguard.planner.probe import (
+    ProbeFeatures,
+    ProbeModel,
+    divisors,
+    extend_trace,
+    interpolate_trace,
+    with_gradients_present,
+)
 from memguard.planner.request import DEFAULT_HEADROOM, PlanRequest
 from memguard.vocab import PRECISIONS, format_bytes
 
@@ -55,84 +64,11 @@ PROBE_MICRO_BATCH = 8
 _MAX_VERIFY = 6
 
 
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
 def unwrap_model(model: Any) -> Any:
     """The model inside DistributedDataParallel, DataParallel and similar wrappers (their ``.module``)."""
     while isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
-
-
-def _target_options(keep_outputs: bool, spec: Any) -> dict[str, Any]:
-    """``keep_outputs=`` and ``gpu=`` for ``run_trace``, passed only where it accepts them.
-
-    Raises:
-        ConfigError: ``keep_outputs=True`` with an estimator that cannot trace it.
-    """
-    params = inspect.signature(run_trace).parameters
-    out: dict[str, Any] = {}
-    if "gpu" in params:
-        out["gpu"] = spec
-    if "keep_outputs" in params:
-        out["keep_outputs"] = keep_outputs
-    elif keep_outputs:
-        raise ConfigError("keep_outputs=True is not supported by this memguard's estimator; drop it")
-    return out
-
-
-@dataclass
-class _Features:
-    """One probe's quantities for one target, in bytes at the example micro-batch."""
-
-    states: float  # params + optimizer at the forward/backward peak
-    grads_at_peak: float
-    grads_total: float
-    act: float  # activations + temporaries + inputs at the forward/backward peak (∝ batch)
-    opt_peak: float  # peak of the optimizer step and zero_grad (batch-independent)
-    ratio: float  # reserved / allocated (CUDA allocator); 1 on CPU
-    workspace: float
-    act_slope: float = 0.0  # activations added by one more block (0 when not probed by blocks)
-
-    @staticmethod
-    def of(est: Estimate, tl: Timeline) -> "_Features":
-        pb = tl.phase_breakdowns or {}
-        fb_phase = max(("forward", "backward"), key=lambda p: tl.phase_peaks.get(p, -1))
-        bd = pb.get(fb_phase, tl.breakdown)
-        opt_phases = [p for p in ("optimizer", "zero_grad") if p in tl.phase_peaks]
-        grads_total = max([pb.get(p, {}).get("grads", 0) for p in opt_phases] + [bd.get("grads", 0)])
-        workspace = est.breakdown.get("workspace", 0)
-        ratio = (est.peak_bytes - workspace) / tl.peak_bytes if tl.peak_bytes else 1.0
-        return _Features(
-            states=bd.get("params", 0) + bd.get("optimizer", 0),
-            grads_at_peak=bd.get("grads", 0),
-            grads_total=grads_total,
-            act=bd.get("activations", 0) + bd.get("temporaries", 0) + bd.get("inputs", 0),
-            opt_peak=max([tl.phase_peaks.get(p, 0) for p in opt_phases] + [0]),
-            ratio=max(1.0, ratio),
-            workspace=workspace,
-        )
-
-    def extrapolate(self, other: "_Features", j1: int, j2: int, n: int) -> "_Features":
-        """Affine extrapolation from ``j1`` blocks (self) and ``j2`` blocks (other) to ``n``."""
-        t = (n - j1) / (j2 - j1)
-
-        def lin(a: float, b: float) -> float:
-            return a + t * (b - a)
-
-        return _Features(
-            states=lin(self.states, other.states),
-            grads_at_peak=lin(self.grads_at_peak, other.grads_at_peak),
-            grads_total=lin(self.grads_total, other.grads_total),
-            act=lin(self.act, other.act),
-            opt_peak=lin(self.opt_peak, other.opt_peak),
-            ratio=other.ratio,
-            workspace=other.workspace,
-            act_slope=(other.act - self.act) / (j2 - j1),
-        )
 
 
 @dataclass(frozen=True)
@@ -178,6 +114,8 @@ class Planner:
     #: the seconds it took, e.g. to report progress.
     on_trace: Callable[[dict, float], None] | None = None
     _traces: dict = field(default_factory=dict)
+    _extended: dict = field(default_factory=dict)
+    _peaks: dict = field(default_factory=dict)
     _cost: CostInputs | None = None
     _whole: bool = False
     _first_precision: str | None = None
@@ -238,7 +176,7 @@ class Planner:
             self._traces[key] = run_trace(
                 self.model, batch, optimizer=self.optimizer, loss_fn=self.loss_fn, device=self.device,
                 precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present, keep_blocks=keep,
-                count_flops=flops, **_target_options(self.keep_outputs, spec),
+                count_flops=flops, keep_outputs=self.keep_outputs, gpu=spec,
             )
             log.debug("memguard traced %s", key)
             if self.on_trace is not None:
@@ -259,23 +197,87 @@ class Planner:
             return [None]
         return [1, 2]
 
-    def features(self, precision: str, ckpt_all: bool, *, zero_stage: int, world_size: int, spec,
-                 offload: bool) -> _Features:
-        """Features of the full model at the example micro-batch, from the 1- and 2-block probes."""
-        points = self.probe_points(spec)
+    def _probe_trace(self, precision: str, zero_stage: int, ckpt_all: bool, j: int | None, spec: Any):
+        """The probe trace keeping ``j`` blocks (None: the whole model), with all of them checkpointed or none."""
+        traced = traced_precision(precision, zero_stage)
+        ck = (self.num_blocks if j is None else j) if ckpt_all else 0
+        flops = not ckpt_all and traced == precision == (self._first_precision or "32-true")  # FLOPs: once
+        return self.trace(traced, ckpt=ck, keep=j, m=self.m0, flops=flops, spec=spec)
+
+    def _features(self, precision: str, ckpt_all: bool, *, zero_stage: int, world_size: int, spec: Any,
+                  offload: bool) -> ProbeFeatures:
         feats = []
-        for j in points:
-            ck = (j or 0) if ckpt_all else 0
-            flops = not ckpt_all and precision == (self._first_precision or "32-true")  # FLOPs: once
-            tr = self.trace(traced_precision(precision, zero_stage), ckpt=ck, keep=j, m=self.m0,
-                            flops=flops and traced_precision(precision, zero_stage) == precision, spec=spec)
-            est, tl = evaluate(tr, device=self.device, precision=precision, zero_stage=zero_stage,
-                               world_size=world_size, spec=spec, offload_optimizer=offload,
-                               micro_batch_size=self.m0)
-            feats.append(_Features.of(est, tl))
+        for j in self.probe_points(spec):
+            tr = self._probe_trace(precision, zero_stage, ckpt_all, j, spec)
+            # allocated bytes only: the CPU target's evaluation is the sharded timeline without the allocator
+            _, tl = evaluate(tr, device="cpu", precision=precision, zero_stage=zero_stage, world_size=world_size,
+                             spec=None, offload_optimizer=offload, micro_batch_size=self.m0)
+            feats.append(ProbeFeatures.of(tl))
         if len(feats) == 1:
             return feats[0]
         return feats[0].extrapolate(feats[1], 1, 2, self.num_blocks)
+
+    def _whole_traces(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any) -> tuple:
+        """Traces of every block at the probes' micro-batch and at twice it: the probes extended (the
+        2-block probe at twice the micro-batch is extended as the one at the micro-batch is), or the
+        whole model traced where the probes are not one block apart."""
+        key = (traced_precision(precision, zero_stage), ckpt_all, spec.name)
+        if key not in self._extended:
+            traced = traced_precision(precision, zero_stage)
+            n = self.num_blocks
+            points = self.probe_points(spec)
+            m1 = 2 * self.m0
+            pair = None
+            if len(points) == 2:
+                one, two = (self._probe_trace(precision, zero_stage, ckpt_all, j, spec) for j in points)
+                two_m1 = self.trace(traced, ckpt=2 if ckpt_all else 0, keep=2, m=m1, spec=spec)
+                pair = extend_trace(one, two, n, others=[two_m1])
+                if pair is None:  # other kernels at the larger micro-batch: extend it on its own
+                    one_m1 = self.trace(traced, ckpt=1 if ckpt_all else 0, keep=1, m=m1, spec=spec)
+                    pair = [extend_trace(one, two, n), extend_trace(one_m1, two_m1, n)]
+                    pair = None if None in pair else pair
+            self._extended[key] = tuple(pair)
+        return self._extended[key]
+
+    def _device_trace(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any, m: int):
+        """The whole model's trace at micro-batch ``m``: each tensor's size is affine in the micro-batch
+        (a tensor's shape has the batch as a factor, or not at all), so traces at two micro-batches give
+        every tensor's size at any other (:func:`memguard.planner.probe.interpolate_trace`)."""
+        base, other = self._whole_traces(precision, zero_stage, ckpt_all, spec)
+        m1 = 2 * self.m0
+        if len(base.events) != len(other.events) and m >= m1:  # the larger micro-batch's kernels
+            return interpolate_trace(other, m1, other, m1, m)
+        return interpolate_trace(base, self.m0, other, m1, m)
+
+    def probe_model(self, precision: str, *, zero_stage: int, world_size: int, spec: Any, offload: bool,
+                    checkpointing: bool) -> ProbeModel:
+        """The probe model of one target (see :mod:`memguard.planner.probe`).
+
+        Args:
+            precision: the precision planned for.
+            zero_stage, world_size, offload: the sharding.
+            spec: the CUDA target's GPU spec (None on the CPU).
+            checkpointing: also probe with every block checkpointed, so that ``predict`` takes ``k > 0``.
+        """
+        common = dict(zero_stage=zero_stage, world_size=world_size, spec=spec, offload=offload)
+        f_off = self._features(precision, False, **common)
+        f_on = self._features(precision, True, **common) if checkpointing and self.num_blocks >= 1 else None
+        model = ProbeModel(f_off, f_on, self.m0, self.num_blocks)
+        if self.device == "cuda" and spec is not None:
+            def device_peak(m: int, ckpt_all: bool, accumulating: bool) -> int:
+                key = (precision, zero_stage, world_size, spec.name, offload, m, ckpt_all, accumulating)
+                if key not in self._peaks:
+                    whole = self._device_trace(precision, zero_stage, ckpt_all, spec, m)
+                    if accumulating:
+                        whole = with_gradients_present(whole)
+                    est, _ = evaluate(whole, device="cuda", precision=precision, zero_stage=zero_stage,
+                                       world_size=world_size, spec=spec, offload_optimizer=offload,
+                                       micro_batch_size=m, checkpointed=self.num_blocks if ckpt_all else 0)
+                    self._peaks[key] = est.peak_bytes
+                return self._peaks[key]
+
+            model.device_peak = device_peak
+        return model
 
     def cost_inputs(self, spec, precision: str) -> CostInputs:
         """FLOPs and op counts (the same for every precision) from ``precision``'s probes."""
@@ -308,33 +310,6 @@ class Planner:
             link = spec.interconnect_gbps
         return CostInputs(c.flops_per_sample, c.ops_per_micro_batch, c.num_params, c.num_blocks, c.device,
                           tflops, link)
-
-
-def _predict(f_off: _Features, f_on: _Features | None, *, m: int, m0: int, k: int, n_blocks: int,
-             accum: int) -> int:
-    """Predicted peak bytes at micro-batch ``m`` with the first ``k`` of ``n_blocks`` blocks checkpointed.
-
-    With checkpointing the peak is the larger of two moments. At the start of backward, the
-    ``n_blocks - k`` plain blocks hold all their activations and the ``k`` checkpointed ones only
-    their inputs: the "none" probe's activations with ``k`` blocks' worth swapped for the "all"
-    probe's per-block cost. Later, while the checkpointed blocks are recomputed (they come first
-    in the model, so last in backward), the plain blocks' activations are gone: the "all" probe
-    cut down to ``k`` blocks, recomputation transient included.
-    """
-    states = f_off.states
-    if f_on is None or k <= 0 or not n_blocks:
-        act = f_off.act
-        grads = f_off.grads_total if accum > 1 else f_off.grads_at_peak
-        fb = states + grads + act * m / m0
-        return int(max(fb, f_off.opt_peak) * f_off.ratio + f_off.workspace)
-    k = min(k, n_blocks)
-    act_start = f_off.act + k * (f_on.act_slope - f_off.act_slope)
-    act_recompute = f_on.act - (n_blocks - k) * f_on.act_slope
-    grads_start = f_off.grads_total if accum > 1 else f_off.grads_at_peak
-    grads_recompute = f_on.grads_total if accum > 1 else f_on.grads_at_peak
-    start = max(states + grads_start + act_start * m / m0, f_off.opt_peak) * f_off.ratio
-    recompute = (states + grads_recompute + act_recompute * m / m0) * f_on.ratio
-    return int(max(start, recompute) + f_off.workspace)
 
 
 def plan(
@@ -453,7 +428,7 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, planner:
 def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, usable, headroom, precisions, ckpts,
             zeros, offloads, explicit_precision) -> Plan:
     local = global_batch_size // world_size
-    divisors = _divisors(local)[::-1]
+    sizes = divisors(local)[::-1]
     n_blocks = planner.num_blocks
     if n_blocks < 1:
         ckpts = tuple(c for c in ckpts if not c) or (False,)
@@ -471,53 +446,72 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
     for p in precisions:
         for ck in ckpts:
             k = 1 if ck else 0
-            best = min(seconds(p, m, k, z, o) for m in divisors[:1] for z, o in configs)
+            best = min(seconds(p, m, k, z, o) for m in sizes[:1] for z, o in configs)
             pairs.append((global_batch_size / best, p, ck))
     pairs.sort(key=lambda t: -t[0])
 
     candidates: list[_Candidate] = []
+    origin: dict[_Candidate, tuple[ProbeModel, bool]] = {}  # a candidate's probe model and checkpointing
     closest: _Candidate | None = None
-    feats_off: dict = {}
     for bound, p, ck in pairs:
         if candidates and bound < max(c.throughput for c in candidates):
             continue  # cannot beat what is already found: do not trace it
         for z, o in configs:
-            if (p, z, o) not in feats_off:
-                feats_off[(p, z, o)] = planner.features(p, False, zero_stage=z, world_size=world_size, spec=spec, offload=o)
-            f_off = feats_off[(p, z, o)]
-            f_on = planner.features(p, True, zero_stage=z, world_size=world_size, spec=spec, offload=o) if ck else None
-            for m in divisors:
+            model = planner.probe_model(p, zero_stage=z, world_size=world_size, spec=spec, offload=o,
+                                        checkpointing=ck)
+            for m in sizes:
                 accum = local // m
-                ks = [0] if not ck else _fewest_blocks(f_off, f_on, m, planner.m0, n_blocks, accum, usable)
-                for k in ks:
-                    pred = _predict(f_off, f_on, m=m, m0=planner.m0, k=k, n_blocks=n_blocks, accum=accum)
-                    s = seconds(p, m, k, z, o)
-                    cand = _Candidate(p, m, accum, k, z, o, pred, s, global_batch_size / s)
-                    if closest is None or pred < closest.predicted_bytes:
-                        closest = cand
-                    if pred <= usable:
-                        candidates.append(cand)
-                        break
+                k = _fewest_blocks(model, m, accum, usable) if ck else 0
+                allocated = model.allocated(m, k, accum)
+                # the device holds at least the allocated bytes: past the budget they are the closeness
+                # measure, and the allocator model need not run
+                pred = allocated if allocated > usable else model.predict(m, k, accum)
+                s = seconds(p, m, k, z, o)
+                cand = _Candidate(p, m, accum, k, z, o, pred, s, global_batch_size / s)
+                if closest is None or pred < closest.predicted_bytes:
+                    closest = cand
+                if pred <= usable:
+                    candidates.append(cand)
+                    origin[cand] = (model, ck)
+                    break
     if not candidates:
         raise _infeasible(planner, spec, closest, budget=budget, usable=usable, world_size=world_size,
                           global_batch_size=global_batch_size, headroom=headroom, zeros=zeros, offloads=offloads)
-    candidates.sort(key=lambda c: c.key(rank))
+    def smaller(cand: _Candidate) -> _Candidate | None:
+        """The same configuration at the next smaller micro-batch, when a larger one missed."""
+        model, ck = origin[cand]
+        below = [m for m in sizes if m < cand.micro_batch_size]
+        if not below:
+            return None
+        m = below[0]
+        accum = local // m
+        k = _fewest_blocks(model, m, accum, usable) if ck else 0
+        sec = seconds(cand.precision, m, k, cand.zero_stage, cand.offload_optimizer)
+        new = _Candidate(cand.precision, m, accum, k, cand.zero_stage, cand.offload_optimizer,
+                         model.predict(m, k, accum), sec, global_batch_size / sec)
+        origin[new] = origin[cand]
+        return new
+
+    queue = sorted(candidates, key=lambda c: c.key(rank))
     tried: list[tuple[_Candidate, Estimate]] = []
     worst = 1.0  # how far predictions have fallen short of full traces so far
-    for cand in candidates:
-        if len(tried) >= _MAX_VERIFY:
-            break
-        if cand.predicted_bytes * worst > usable:
-            continue  # a candidate predicted as optimistically as the last miss would miss too
-        est = _verify(planner, spec, cand, world_size, usable)
-        tried.append((cand, est))
-        if est.peak_bytes <= usable:
-            return _make_plan(planner, spec, cand, est, world_size=world_size, global_batch_size=global_batch_size,
-                              budget=budget, headroom=headroom, candidates=candidates, precisions=precisions,
-                              explicit_precision=explicit_precision)
-        worst = max(worst, est.peak_bytes / max(cand.predicted_bytes, 1))
-        log.info("memguard: candidate %s predicted %s but verified at %s; trying the next",
-                 cand, format_bytes(cand.predicted_bytes), format_bytes(est.peak_bytes))
+    while queue and len(tried) < _MAX_VERIFY:
+        cand = queue.pop(0)
+        if cand.predicted_bytes * worst <= usable:
+            est = _verify(planner, spec, cand, world_size, usable)
+            tried.append((cand, est))
+            if est.peak_bytes <= usable:
+                return _make_plan(planner, spec, cand, est, world_size=world_size,
+                                  global_batch_size=global_batch_size, budget=budget, headroom=headroom,
+                                  candidates=candidates, precisions=precisions, explicit_precision=explicit_precision)
+            worst = max(worst, est.peak_bytes / max(cand.predicted_bytes, 1))
+            log.info("memguard: candidate %s predicted %s but verified at %s; trying the next",
+                     cand, format_bytes(cand.predicted_bytes), format_bytes(est.peak_bytes))
+        # a miss (or one predicted as optimistically as the last miss): try a smaller micro-batch too
+        follow = smaller(cand)
+        if follow is not None:
+            queue.append(follow)
+            queue.sort(key=lambda c: c.key(rank))
     if closest is not None and all(c is not closest for c, _ in tried):
         # last resort: the configuration with the smallest predicted peak of all
         est = _verify(planner, spec, closest, world_size, usable)
@@ -532,18 +526,27 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
                       verified=est)
 
 
-def _fewest_blocks(f_off, f_on, m, m0, n_blocks, accum, usable) -> list[int]:
-    """The fewest checkpointed blocks (>= 1) predicted to fit, or [n_blocks] if none does."""
-    lo, hi = 1, n_blocks
-    if _predict(f_off, f_on, m=m, m0=m0, k=hi, n_blocks=n_blocks, accum=accum) > usable:
-        return [n_blocks]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _predict(f_off, f_on, m=m, m0=m0, k=mid, n_blocks=n_blocks, accum=accum) <= usable:
-            hi = mid
-        else:
-            lo = mid + 1
-    return [lo]
+def _fewest_blocks(model: ProbeModel, m: int, accum: int, usable: int) -> int:
+    """The fewest checkpointed blocks (>= 1) predicted to fit at micro-batch ``m``, or all of them if none does.
+
+    The allocated bytes fall as more blocks are checkpointed, and the device holds at least those:
+    the search starts from the fewest blocks whose allocated bytes fit.
+    """
+    n = model.num_blocks
+
+    def fewest(fits) -> int:
+        lo, hi = 1, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    if model.allocated(m, n, accum) > usable or model.predict(m, n, accum) > usable:
+        return n
+    return fewest(lambda k: model.allocated(m, k, accum) <= usable and model.predict(m, k, accum) <= usable)
 
 
 def _verify(planner: Planner, spec, cand: _Candidate, world_size: int, usable: int | None = None) -> Estimate:

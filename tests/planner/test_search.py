@@ -9,8 +9,6 @@ which depend on neither the budget nor the batch arithmetic.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +19,7 @@ from torch import nn
 import memguard
 from memguard import ConfigError, InfeasiblePlanError, MemguardError, Plan
 from memguard.planner.request import PlanRequest
-from memguard.planner.search import DEFAULT_HEADROOM, Planner, _predict, plan_request
+from memguard.planner.search import DEFAULT_HEADROOM, Planner, plan_request
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -188,9 +186,14 @@ def test_tighter_budget_never_gives_a_larger_micro_batch(model, batch, planner, 
     # subset of those of a larger one, and larger micro-batches are never slower in the cost model
     tight, loose = sorted((a * KiB, b * KiB))
     kw = dict(global_batch_size=120, device="cpu", precision="32-true", activation_checkpointing=False)
-    p_tight = plan_with(planner, model, batch, budget_bytes=tight, **kw)
-    p_loose = plan_with(planner, model, batch, budget_bytes=loose, **kw)
-    assert p_tight.micro_batch_size <= p_loose.micro_batch_size
+
+    def micro_batch(budget: int) -> int:  # 0 when nothing fits (micro-batch 1 needs ~790 KiB)
+        try:
+            return plan_with(planner, model, batch, budget_bytes=budget, **kw).micro_batch_size
+        except InfeasiblePlanError:
+            return 0
+
+    assert micro_batch(tight) <= micro_batch(loose)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,68 +357,3 @@ def test_zero3_over_many_ranks_fits_a_model_one_gpu_cannot_hold():
                       activation_checkpointing=False, loss_fn=lambda m, b: m(b).float().pow(2).mean())
     assert p.zero_stage == 3
     assert p.estimate.peak_bytes < 4 << 30
-
-
-# ---------------------------------------------------------------------------------------------
-# the probe extrapolation
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_gpt2():
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    config = transformers.GPT2Config(vocab_size=1024, n_positions=128, n_embd=64, n_layer=4, n_head=4)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _lm(n: int) -> dict[str, torch.Tensor]:
-    ids = torch.zeros(n, 64, dtype=torch.long)
-    return {"input_ids": ids, "labels": ids}
-
-
-_PROBE_PLANNERS: dict = {}
-
-# The probe model (search.py, module docstring): peak(m, k) = states + grads + act(m0) * m / m0,
-# with act linear in the number of blocks between the 1- and 2-block probes and, for k of n blocks
-# checkpointed, a combination of the "none" and "all" probes. Each case compares with
-# memguard.estimate of the same configuration at micro-batch 16 (the example batch holds 2).
-_PROBE_CASES = [
-    # 32-true, no checkpointing: every activation and temporary grows with the batch
-    pytest.param("cpu", None, "32-true", 0, 1, id="cpu-32-true"),
-    pytest.param("cpu", None, "32-true", 0, 4, id="cpu-32-true-accum"),
-    # k of n blocks checkpointed: between the "none" and "all" probes
-    pytest.param("cpu", None, "32-true", 2, 1, id="cpu-32-true-ckpt2"),
-    # autocast's 16-bit weight copies do not grow with the batch
-    pytest.param("cpu", None, "bf16-mixed", 0, 1, id="cpu-bf16"),
-    # every block checkpointed, inside accumulation: the peak moves to the loss / recomputation
-    pytest.param("cpu", None, "bf16-mixed", 4, 2, id="cpu-bf16-ckpt-all-accum"),
-    pytest.param(
-        "cuda", "A100-80GB", "32-true", 0, 1, id="cuda-a100-32-true",
-        marks=pytest.mark.xfail(strict=True, reason=(
-            "probe prediction ~50% over the full estimate: the reserved/allocated ratio measured at the "
-            "probe (dominated by 2 MiB / 20 MiB segment granularity on a tiny model) multiplies the whole "
-            "extrapolated peak instead of only the part the allocator rounds")),
-    ),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("device, gpu, precision, k, accum", _PROBE_CASES)
-def test_probe_extrapolation_matches_full_estimate(tiny_gpt2, device, gpu, precision, k, accum):
-    from memguard.estimator.gpus import get_gpu
-
-    m, n = 16, 4
-    if device not in _PROBE_PLANNERS:
-        _PROBE_PLANNERS[device] = Planner(tiny_gpt2, _lm(2), device=device)
-    planner = _PROBE_PLANNERS[device]
-    m0 = planner.m0  # the probes' micro-batch (the planner may probe above the example's 2)
-    assert planner.num_blocks == n
-    spec = get_gpu(gpu) if gpu else None
-    f_off = planner.features(precision, False, zero_stage=0, world_size=1, spec=spec, offload=False)
-    f_on = planner.features(precision, True, zero_stage=0, world_size=1, spec=spec, offload=False) if k else None
-    predicted = _predict(f_off, f_on, m=m, m0=m0, k=k, n_blocks=n, accum=accum)
-    full = memguard.estimate(tiny_gpt2, _lm(m), device=device, gpu=gpu, precision=precision,
-                             activation_checkpointing=k, grad_accum_steps=accum).peak_bytes
-    assert math.isclose(predicted, full, rel_tol=0.03), f"predicted {predicted}, full estimate {full}"
