@@ -47,6 +47,7 @@ from typing import Any, Mapping
 
 from memguard.errors import ConfigError
 from memguard.planner.plan import Plan
+from memguard.vocab import PRECISIONS
 
 __all__ = ["to_config", "fill_auto", "AUTO"]
 
@@ -55,7 +56,6 @@ logger = logging.getLogger("memguard")
 #: The placeholder value that :func:`fill_auto` replaces (the Hugging Face convention).
 AUTO = "auto"
 
-_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
 # DeepSpeed's dynamic loss-scaling defaults: DeepSpeedFP16Config in
 # deepspeed/runtime/precision_config.py (loss_scale 0 = dynamic, initial scale 2**16).
@@ -91,8 +91,8 @@ def _plan_problems(plan: Any) -> list[str]:
     if not isinstance(plan, Plan):
         return [f"expected a memguard.Plan, got {type(plan).__name__}; build one with memguard.plan()"]
     problems = []
-    if plan.precision not in _PRECISIONS:
-        problems.append(f"plan.precision {plan.precision!r} is not one of {', '.join(_PRECISIONS)}")
+    if plan.precision not in PRECISIONS:
+        problems.append(f"plan.precision {plan.precision!r} is not one of {', '.join(PRECISIONS)}")
     if plan.zero_stage not in (0, 1, 2, 3):
         problems.append(f"plan.zero_stage {plan.zero_stage!r} is not a DeepSpeed ZeRO stage (0-3)")
     if plan.precision == "16-true":

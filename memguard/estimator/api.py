@@ -27,6 +27,7 @@ __all__ = [
     "check_common",
     "batch_size_of",
     "traced_precision",
+    "unwrap_model",
 ]
 
 #: Dim 0 of the first tensor of a batch; kept under this name for existing callers.
@@ -47,9 +48,9 @@ def check_common(
         problems.append(f"device={device!r} must be 'cuda' or 'cpu'")
 
 
-def _unwrap(model: Any) -> Any:
-    # DistributedDataParallel, DataParallel and similar keep the real model in .module
-    while isinstance(model, nn.Module) and hasattr(model, "module") and isinstance(model.module, nn.Module):
+def unwrap_model(model: Any) -> Any:
+    """The model inside DistributedDataParallel, DataParallel and similar wrappers (their ``.module``)."""
+    while isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
 
@@ -121,7 +122,7 @@ def estimate(
     check_common(precision=precision, zero_stage=zero_stage, world_size=world_size, device=device, problems=problems)
     if not isinstance(model, nn.Module):
         problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    model = _unwrap(model)
+    model = unwrap_model(model)
     micro = first_dim(batch)
     if micro is None:
         problems.append(

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from memguard.estimator.analysis import Timeline
-from memguard.estimator.result import Estimate
 
 __all__ = ["ProbeFeatures", "ProbeModel", "divisors", "extend_trace", "interpolate_trace", "scale_trace",
            "with_gradients_present", "BATCH_CATEGORIES"]

@@ -30,17 +30,15 @@ allocator model's simplifications).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
-import torch
 from torch import nn
 
 from memguard.batch import first_dim, resize_batch
 from memguard.errors import ConfigError, InfeasiblePlanError
-from memguard.estimator.api import evaluate, run_trace, traced_precision
+from memguard.estimator.api import evaluate, run_trace, traced_precision, unwrap_model
 from memguard.estimator.blocks import find_blocks, hidden_size
 from memguard.estimator.result import Estimate
 from memguard.planner.cost import CPU_TFLOPS, CostInputs, step_seconds
@@ -56,19 +54,12 @@ from memguard.planner.probe import (
 from memguard.planner.request import DEFAULT_HEADROOM, PlanRequest
 from memguard.vocab import PRECISIONS, format_bytes
 
-__all__ = ["plan", "plan_request", "DEFAULT_HEADROOM", "Planner", "PROBE_MICRO_BATCH", "unwrap_model"]
+__all__ = ["plan", "plan_request", "DEFAULT_HEADROOM", "Planner", "PROBE_MICRO_BATCH"]
 
 log = logging.getLogger("memguard")
 
 PROBE_MICRO_BATCH = 8
 _MAX_VERIFY = 6
-
-
-def unwrap_model(model: Any) -> Any:
-    """The model inside DistributedDataParallel, DataParallel and similar wrappers (their ``.module``)."""
-    while isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
 
 
 @dataclass(frozen=True)
