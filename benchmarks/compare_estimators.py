@@ -75,8 +75,8 @@ from torch import nn
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
-from benchmarks import _common  # noqa: E402
-from benchmarks._common import run_worker  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import run_worker  # noqa: E402
 
 _MARKER = "@@COMPARE_ESTIMATORS_RESULT@@ "  # prefix of the worker's one JSON line on stdout
 
@@ -362,7 +362,7 @@ def _run_worker(name: str, mode: str, device: str, timeout: float) -> dict[str, 
 
 def machine_description() -> dict[str, Any]:
     """Cores, RAM, CPU model, library versions (the compared tools too) and the load average now."""
-    return _common.machine_description(packages=("accelerate", "deepspeed", "torchinfo"), torch_threads=1)
+    return common.machine_description(packages=("accelerate", "deepspeed", "torchinfo"), torch_threads=1)
 
 
 def error_pct(estimate: int, real: int) -> float:

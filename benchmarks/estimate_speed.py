@@ -47,7 +47,7 @@ from typing import Any
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
-from benchmarks._common import machine_description, run_worker  # noqa: E402
+from benchmarks.common import machine_description, run_worker  # noqa: E402
 
 _MARKER = "@@ESTIMATE_SPEED_RESULT@@ "  # prefix of the worker's one JSON line on stdout
 _GiB = 1 << 30

@@ -51,7 +51,7 @@ from torch import nn
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `memguard` and `benchmarks` from this checkout
-from benchmarks._common import machine_description  # noqa: E402
+from benchmarks.common import machine_description  # noqa: E402
 
 DATA = _REPO / "benchmarks" / "data" / "external_cuda.json"
 # bytes per published unit; "GB" as the sources print it (x / 1e9), "GiB"/"MiB" where they divide by 1024**k

@@ -55,7 +55,7 @@ from torch import nn
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `memguard` and `benchmarks` from this checkout
-from benchmarks._common import machine_description  # noqa: E402
+from benchmarks.common import machine_description  # noqa: E402
 
 _MiB = 1 << 20
 _GiB = 1 << 30

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `memguard` and `benchmarks` from this checkout
-from benchmarks._common import machine_description  # noqa: E402
+from benchmarks.common import machine_description  # noqa: E402
 from memguard.estimator.cuda_kernels import CudaTarget, load_rules, modelled_op_memory  # noqa: E402
 
 BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: memory_allocated counts whole blocks

@@ -145,16 +145,16 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside nested dicts, lists, tuples and sets."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, Mapping):
         for value in obj.values():
-            yield from _tensors(value)
+            yield from tensors_in(value)
     elif isinstance(obj, (list, tuple, set, frozenset)):
         for value in obj:
-            yield from _tensors(value)
+            yield from tensors_in(value)
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -191,16 +191,16 @@ def live_state_bytes(model: nn.Module, batch: Any, optimizer: torch.optim.Optimi
             if p.grad is not None:
                 yield p.grad
         yield from model.buffers()
-        yield from _tensors(batch)
+        yield from tensors_in(batch)
         if optimizer is not None:
-            yield from _tensors(list(optimizer.state.values()))
-            yield from _tensors([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+            yield from tensors_in(list(optimizer.state.values()))
+            yield from tensors_in([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
 
     return _unique_storage_bytes(everything())
 
 
 def _check_cpu(model: nn.Module, batch: Any) -> None:
-    devices = {t.device.type for t in [*model.parameters(), *model.buffers(), *_tensors(batch)]}
+    devices = {t.device.type for t in [*model.parameters(), *model.buffers(), *tensors_in(batch)]}
     if devices - {"cpu"}:
         raise ValueError(f"measure_cpu_peak needs a model and batch on the CPU, found {sorted(devices)}")
 

@@ -66,7 +66,7 @@ from typing import Any, Callable
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
-from benchmarks._common import machine_description, run_worker  # noqa: E402
+from benchmarks.common import machine_description, run_worker  # noqa: E402
 
 _MARKER = "@@PLAN_QUALITY_RESULT@@ "
 GLOBAL_BATCH = 240  # 2^4 x 3 x 5: 20 divisors, many of them not powers of two

@@ -49,7 +49,7 @@ from typing import Any, Callable
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
-from benchmarks._common import machine_description, run_worker  # noqa: E402
+from benchmarks.common import machine_description, run_worker  # noqa: E402
 
 _MARKER = "@@PLAN_SPEED_RESULT@@ "  # prefix of the worker's one JSON line on stdout
 _GIB = 1 << 30  # memguard.vocab.GiB; not imported here: it imports torch, which each case times

@@ -12,7 +12,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `benchmarks`
 
-from benchmarks.ground_truth import _tensors, default_loss  # noqa: E402
+from benchmarks.ground_truth import tensors_in, default_loss  # noqa: E402
 from benchmarks.zoo import CASES, ZooCase  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def test_case_builds_on_meta_with_a_cpu_batch(name, meta_builds):
     assert isinstance(model, nn.Module) and model.training
     params = list(model.parameters())
     assert params and all(p.device.type == "meta" for p in params)
-    tensors = list(_tensors(batch))
+    tensors = list(tensors_in(batch))
     assert tensors and all(t.device.type == "cpu" for t in tensors)
     assert len({t.shape[0] for t in tensors}) == 1  # one batch dimension, dim 0
     assert loss_fn is None or callable(loss_fn)
@@ -50,7 +50,7 @@ def test_batches_are_deterministic():
     for name in ("gpt2", "resnet-bn", "bert-mlm"):
         _, a, _ = CASES[name].build("meta")
         _, b, _ = CASES[name].build("meta")
-        for x, y in zip(_tensors(a), _tensors(b)):
+        for x, y in zip(tensors_in(a), tensors_in(b)):
             assert torch.equal(x, y)
 
 

@@ -1,6 +1,6 @@
 """Pieces every benchmark shares: a description of the machine, and a worker in a fresh interpreter.
 
-A benchmark script imports this as ``benchmarks._common``; a script run by path first puts the
+A benchmark script imports this as ``benchmarks.common``; a script run by path first puts the
 repository root on ``sys.path`` (see the top of each script).
 """
 
