@@ -247,11 +247,11 @@ def model_adamw() -> dict[str, int]:
     """The foreach step traced on CPU fake tensors, as memguard's trace records it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memguard.estimator.trace import Trace, _Recorder
+    from memguard.estimator.trace import Trace, Recorder
 
     def on_step(step):
         trace = Trace()
-        with _Recorder(trace):
+        with Recorder(trace):
             step()
         live = peak = 0
         for _, n in trace.events:

@@ -161,14 +161,14 @@ def modelled_op_memory(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memguard.estimator.trace import Trace, _Recorder
+    from memguard.estimator.trace import Trace, Recorder
 
     load_rules()
     trace = Trace()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         inputs = make_inputs("cpu")
-        recorder = _Recorder(trace)
+        recorder = Recorder(trace)
         with recorder:
             for t in inputs:
                 if isinstance(t, torch.Tensor):

@@ -49,7 +49,7 @@ from memguard.errors import ConfigError
 from memguard.estimator.cuda_kernels import CudaTarget
 from memguard.estimator.kernels import CORRECTIONS
 
-__all__ = ["Trace", "TraceSpec", "trace_step", "PHASES", "OPTIMIZER_TEMPORARIES"]
+__all__ = ["Trace", "TraceSpec", "Recorder", "trace_step", "PHASES", "OPTIMIZER_TEMPORARIES"]
 
 PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
 
@@ -166,7 +166,7 @@ class _ScalarStub(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _Recorder(TorchDispatchMode):
+class Recorder(TorchDispatchMode):
     """Records the birth (first sight as an op output) and death (weakref) of storages."""
 
     def __init__(self, trace: Trace) -> None:
@@ -551,7 +551,7 @@ class _StepTracer:
         self.device = torch.device(spec.device)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.trace = Trace()
-        self.recorder = _Recorder(self.trace)
+        self.recorder = Recorder(self.trace)
         self.emulation = None
         self.kernel_model = None
         self.flops = [contextlib.nullcontext(), contextlib.nullcontext()]  # forward, backward

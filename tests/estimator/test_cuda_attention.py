@@ -15,7 +15,7 @@ from torch._subclasses import FakeTensorMode
 from memguard.errors import ConfigError
 from memguard.estimator import cuda_attention as ca
 from memguard.estimator.cuda_kernels import RULES, CudaKernelModel, CudaTarget, load_rules
-from memguard.estimator.trace import Trace, _Recorder
+from memguard.estimator.trace import Trace, Recorder
 
 load_rules()
 
@@ -162,7 +162,7 @@ def _allocations(cap, dtype, *, b=2, h=4, s=100, d=64, dropout=0.1, mask=False):
             x = torch.empty(b, s, 3 * h * d, dtype=dtype, requires_grad=True)
             m = torch.zeros(b, 1, 1, s, dtype=dtype) if mask else None
             trace = Trace()
-            rec = _Recorder(trace)
+            rec = Recorder(trace)
             with rec:
                 rec.register(x, "inputs")
                 if m is not None:
@@ -300,7 +300,7 @@ def test_multihead_attention_without_weights_runs_the_chosen_kernel():
             mha = torch.nn.MultiheadAttention(e, h, dropout=0.1, batch_first=True, dtype=torch.bfloat16)
             x = torch.empty(b, s, e, dtype=torch.bfloat16, requires_grad=True)
             trace = Trace()
-            with _Recorder(trace), CudaKernelModel(CudaTarget(A100)):
+            with Recorder(trace), CudaKernelModel(CudaTarget(A100)):
                 mha(x, x, x, need_weights=False)
         sizes = [n for _, n in trace.events if n > 0]
         assert b * h * s * 4 in sizes  # flash's softmax_lse
@@ -333,7 +333,7 @@ def test_math_upcast_follows_the_torch_version():
             with FakeTensorMode():
                 q = torch.empty(b, h, s, d, dtype=torch.bfloat16, requires_grad=True)
                 trace = Trace()
-                with _Recorder(trace) as rec, CudaKernelModel(CudaTarget(V100, version)):
+                with Recorder(trace) as rec, CudaKernelModel(CudaTarget(V100, version)):
                     rec.register(q, "inputs")
                     n0 = len(trace.events)
                     F.scaled_dot_product_attention(q, q, q)
@@ -372,7 +372,7 @@ def test_flash_gqa_backward_ignores_the_trace_modes():
             k = torch.empty(b, h_k, s, d, dtype=torch.bfloat16, requires_grad=True)
             v = torch.empty(b, h_k, s, d, dtype=torch.bfloat16, requires_grad=True)
             trace = Trace()
-            with _Recorder(trace):
+            with Recorder(trace):
                 with CudaKernelModel(CudaTarget(A100)):
                     out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
                 grad = torch.empty_like(out)
@@ -398,7 +398,7 @@ def _sizes(fn, dtype, b=2, h=3, s=40, d=16):
             x = torch.empty(b, s, 3 * h * d, dtype=dtype, requires_grad=True)
             q, k, v = x.view(b, s, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
             trace = Trace()
-            with _Recorder(trace):
+            with Recorder(trace):
                 fn(q, k, v)
         return Counter(n for _, n in trace.events if n > 0)
     finally:
