@@ -241,6 +241,82 @@ def build_vit_l16(spec: dict[str, Any]) -> nn.Module:
         return ViT(num_classes=int(spec.get("num_classes", 1000)))
 
 
+# ---- timm's VisionTransformer (timm/models/vision_transformer.py, timm 1.0, 2024) ----
+
+
+class _TimmAttention(nn.Module):
+    """timm ``Attention`` with ``fused_attn``: one qkv Linear, ``F.scaled_dot_product_attention``, proj."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0)
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+
+class _TimmGluMlp(nn.Module):
+    """timm ``GluMlp`` as ``SwiGLUPacked`` (gate_last=False): fc1 to 2h, ``silu(x1) * x2``, fc2 from h."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden // 2, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(F.silu(x1) * x2)
+
+
+class _TimmBlock(nn.Module):
+    """timm ``Block``: pre-norm attention and MLP, each scaled by a ``LayerScale`` (``x * gamma``)."""
+
+    def __init__(self, dim: int, heads: int, mlp_hidden: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = _TimmAttention(dim, heads)
+        self.ls1 = nn.Parameter(torch.empty(dim))
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = _TimmGluMlp(dim, mlp_hidden)
+        self.ls2 = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x)) * self.ls1
+        return x + self.mlp(self.norm2(x)) * self.ls2
+
+
+class TimmViT(nn.Module):
+    """timm ``VisionTransformer.forward``: conv patches, class token, positions, blocks, final norm, token pool, head."""
+
+    def __init__(self, *, image_size: int, patch: int, layers: int, dim: int, heads: int, mlp_hidden: int,
+                 num_classes: int) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.empty(1, (image_size // patch) ** 2 + 1, dim))
+        self.blocks = nn.Sequential(*[_TimmBlock(dim, heads, mlp_hidden) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        x = self.norm(self.blocks(x))
+        return self.head(x[:, 0])
+
+
+def build_timm_vit(spec: dict[str, Any]) -> nn.Module:
+    with torch.device("meta"):
+        return TimmViT(image_size=int(spec["image_size"]), patch=int(spec["patch"]), layers=int(spec["layers"]),
+                       dim=int(spec["dim"]), heads=int(spec["heads"]), mlp_hidden=int(spec["mlp_hidden"]),
+                       num_classes=int(spec["num_classes"]))
+
+
 # ---- the GPT of "Build a Large Language Model (From Scratch)", ch. 4 and ch05/10 ----
 
 
@@ -501,17 +577,50 @@ def apply_litgpt_lora(model: nn.Module, spec: dict[str, Any]) -> None:
             module.attn = _LitLoRAQKV(module.attn, int(spec["r"]), float(spec["alpha"]), float(spec["dropout"]), h, h)
 
 
-def _litgpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """finetune/lora.py's step through Fabric: fp32 logits chunks, last position dropped, chunked loss.
+class FabricOutputCast(nn.Module):
+    """The model as LitGPT's loop calls it: through Fabric's ``_FabricModule``.
 
-    The model runs inside Fabric's ``_FabricModule.forward``, which passes every floating output
-    through ``precision.convert_output``: under ``bf16-true`` that casts to
-    ``torch.get_default_dtype()`` (float32) (lightning/fabric/wrappers.py, plugins/precision/half.py),
-    so each bf16 chunk of logits becomes a float32 copy and ``cross_entropy`` keeps a float32
-    log-softmax. Then ``chunked_cross_entropy`` (lit_gpt/utils.py) as written.
+    ``_FabricModule.forward`` passes every floating output through ``precision.convert_output``;
+    under ``bf16-true``/``16-true`` that casts to ``torch.get_default_dtype()`` (float32)
+    (lightning/fabric/wrappers.py, plugins/precision/half.py). The 16-bit originals are dropped
+    right away (``to`` saves nothing for backward); what the loop holds as ``logits`` is the float32
+    copy, so the cast belongs inside the forward whose output the loop keeps.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        # not named ``module``: memguard.estimate unwraps DDP-style ``.module`` wrappers, which would drop the cast
+        self.inner = module
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = self.inner(x)
+        dtype = torch.get_default_dtype()
+        if isinstance(out, (list, tuple)):
+            return [o.to(dtype) if o.is_floating_point() else o for o in out]
+        return out.to(dtype) if out.is_floating_point() else out
+
+
+class HFChunkedHead(nn.Module):
+    """LitGPT's ``GPT.forward(..., lm_head_chunk_size=128)`` on a transformers model: the list of chunk logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        hidden = self.model.base_model(input_ids=x).last_hidden_state
+        head = self.model.get_output_embeddings()
+        return [head(h) for h in hidden.split(128, dim=1)]
+
+
+def _litgpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """finetune/lora.py's step: float32 logit chunks (``FabricOutputCast``), last position dropped, chunked loss.
+
+    ``cross_entropy`` on the float32 chunks keeps a float32 log-softmax; then
+    ``chunked_cross_entropy`` (lit_gpt/utils.py) as written.
     """
     x, y = batch
-    logits = [c.to(torch.get_default_dtype()) for c in model(x)]  # Fabric's convert_output
+    logits = list(model(x))
     logits[-1] = logits[-1][..., :-1, :]
     targets = y[..., 1:]
     flat = [c.reshape(-1, c.size(-1)) for c in logits]
@@ -522,7 +631,7 @@ def _litgpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "hf": build_hf, "vit_l16": build_vit_l16, "gpt_scratch": build_gpt_scratch,
-    "litgpt": build_litgpt,
+    "litgpt": build_litgpt, "timm_vit": build_timm_vit,
 }
 
 
@@ -558,26 +667,36 @@ def _ce_lm(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def _litgpt_chunked(model: nn.Module, batch: Any) -> torch.Tensor:
-    """LitGPT's step on a transformers model: lm_head in 128-token chunks, Fabric's float32 cast, chunked loss.
+    """LitGPT's 2024 step: the float32 chunk logits of ``FabricOutputCast(HFChunkedHead(...))``, chunked loss.
 
-    LitGPT's ``GPT.forward(..., lm_head_chunk_size=128)`` returns the list of chunk logits, Fabric
-    casts each to float32 (``convert_output``), and ``chunked_cross_entropy`` (litgpt/utils.py)
-    averages ``F.cross_entropy(..., reduction="none")`` over the chunks.
+    ``chunked_cross_entropy`` (litgpt/utils.py) averages ``F.cross_entropy(..., reduction="none")``
+    over the chunks.
     """
     x, y = batch
-    hidden = model.base_model(input_ids=x).last_hidden_state
-    head = model.get_output_embeddings()
-    # LitGPT runs the model inside Fabric, whose convert_output casts floating outputs to float32 (see _litgpt_loss)
-    chunks = [head(h).to(torch.get_default_dtype()) for h in hidden.split(128, dim=1)]
+    chunks = model(x)
     targets = y.split(128, dim=1)
     losses = [F.cross_entropy(c.reshape(-1, c.size(-1)), t.reshape(-1), reduction="none")
               for c, t in zip(chunks, targets)]
     return torch.cat(losses).sum() / y.numel()
 
 
+def _torchtune_lm(model: nn.Module, batch: Any) -> torch.Tensor:
+    """torchtune's 2024 LoRA recipe step on a transformers Llama.
+
+    torchtune's ``TransformerDecoder.forward`` returns ``self.output(h).float()``; the recipe
+    (recipes/lora_finetune_single_device.py, April 2024) then takes
+    ``logits[..., :-1, :].contiguous()``, transposes to (B, vocab, T) and applies
+    ``nn.CrossEntropyLoss``.
+    """
+    x, y = batch
+    logits = model(input_ids=x).logits.float()
+    logits = logits[..., :-1, :].contiguous().transpose(1, 2)
+    return F.cross_entropy(logits, y[..., 1:].contiguous())
+
+
 LOSSES: dict[str, Callable[[nn.Module, Any], torch.Tensor] | None] = {
     "model_loss": None, "cross_entropy_logits": _ce_logits, "cross_entropy_lm": _ce_lm,
-    "litgpt_chunked": _litgpt_chunked, "litgpt_model": _litgpt_loss,
+    "litgpt_chunked": _litgpt_chunked, "litgpt_model": _litgpt_loss, "torchtune_lm": _torchtune_lm,
 }
 
 
@@ -617,6 +736,11 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
     model = BUILDERS[setup["model"]["builder"]](setup["model"])
     if setup.get("lora"):
         (apply_litgpt_lora if setup["model"]["builder"] == "litgpt" else apply_lora)(model, setup["lora"])
+    loss_name = setup.get("loss", "model_loss")
+    if loss_name == "litgpt_chunked":
+        model = HFChunkedHead(model)
+    if loss_name in ("litgpt_chunked", "litgpt_model"):
+        model = FabricOutputCast(model)  # LitGPT runs the model inside Fabric
     batch = make_batch(setup["batch"])
     loop = setup.get("loop", "standard")
     accum = int(setup.get("grad_accum_steps", 1))
@@ -627,7 +751,7 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
         accum = 2
         notes.append("zero_grad after forward: last step's gradients alive in the forward (modelled as accumulation)")
     kwargs: dict[str, Any] = dict(
-        optimizer=make_optimizer(setup["optimizer"]), loss_fn=LOSSES[setup.get("loss", "model_loss")],
+        optimizer=make_optimizer(setup["optimizer"]), loss_fn=LOSSES[loss_name],
         device="cuda", gpu=row["gpu"], precision=setup["precision"],
         activation_checkpointing=bool(setup.get("activation_checkpointing", False)), grad_accum_steps=accum,
     )

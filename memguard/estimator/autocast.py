@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["CudaAutocastEmulation", "LOWER", "FP32", "FP32_SET_DTYPE", "PROMOTE"]
+__all__ = ["CudaAutocastEmulation", "active_emulation", "LOWER", "FP32", "FP32_SET_DTYPE", "PROMOTE"]
 
 # ATen/autocast_mode.h, AT_FORALL_LOWER_PRECISION_FP
 LOWER = frozenset(
@@ -42,6 +42,18 @@ FP32 = frozenset(
 FP32_SET_DTYPE = frozenset("prod softmax log_softmax cumprod cumsum sum".split())
 # ATen/autocast_mode.h, AT_FORALL_PROMOTE
 PROMOTE = frozenset("addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split())
+
+#: the emulations entered and not yet exited, innermost last (see ``active_emulation``)
+_ACTIVE: list = []
+
+
+def active_emulation():
+    """The innermost :class:`CudaAutocastEmulation` entered and not exited, or None.
+
+    Unlike torch's mode stack, this does not change while the emulation's own handler runs.
+    """
+    return _ACTIVE[-1] if _ACTIVE else None
+
 
 _ALIASES = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow"}
 _LOW = (torch.float16, torch.bfloat16)
@@ -81,6 +93,26 @@ class CudaAutocastEmulation(TorchFunctionMode):
     @staticmethod
     def _up(x):
         return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if _ACTIVE and _ACTIVE[-1] is self:
+                _ACTIVE.pop()
+
+    def call(self, func, args=(), kwargs=None):
+        """Run ``func`` under CUDA autocast's policy: what ``__torch_function__`` does for a call it sees.
+
+        For torch functions called from inside a Python-composite function that the trace
+        reroutes (``F.multi_head_attention_forward``: a ``TorchFunctionMode`` never sees those nested
+        calls), whereas real autocast, a dispatcher key, casts every ATen op the composite calls.
+        """
+        return self.__torch_function__(func, (), args, kwargs)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -667,27 +667,67 @@ _MHA_LOCK = threading.Lock()
 _MHA_CLONES: dict[tuple, Callable] = {}
 
 
-def _rerouted(func: Callable, target: CudaTarget) -> Callable:
+#: torch.nn.functional helpers that ``F.multi_head_attention_forward`` calls and that call torch
+#: functions themselves (the in-projection's ``linear``): rerouted like the function itself
+_MHA_HELPERS = ("_in_projection_packed", "_in_projection")
+
+
+def _autocast_call(func: Callable, run: Callable) -> Callable:
+    """``run`` with CUDA autocast's policy for ``func`` applied first, when the trace emulates autocast.
+
+    Real autocast is a dispatcher key: it casts every ATen op that a Python composite such as
+    ``F.multi_head_attention_forward`` calls (its in- and out-projection ``linear`` and its
+    ``scaled_dot_product_attention`` run in float16/bfloat16, ATen/autocast_mode.h). The trace's
+    emulation is a ``TorchFunctionMode`` that does not see those nested calls, so the rerouted
+    composite applies the policy itself.
+    """
+    from memguard.estimator.autocast import active_emulation
+
+    def stand_in(*a: Any, **kw: Any) -> Any:
+        return run(*a, **kw)
+
+    stand_in.__name__ = getattr(func, "__name__", "")  # the emulation decides by the function's name
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        emulation = active_emulation()
+        if emulation is None:
+            return run(*args, **kwargs)
+        return emulation.call(stand_in, args, kwargs)
+
+    return call
+
+
+def _rerouted(func: Callable, target: CudaTarget, helpers: bool = True) -> Callable:
     """``func`` with every module-level name that refers to a ruled torch function bound to its
     rule instead: the same code object, other globals (nothing of torch is modified).
 
     ``F.multi_head_attention_forward`` calls ``dropout``, ``softmax``, ``linear`` and
     ``scaled_dot_product_attention`` by their bare names in ``torch.nn.functional``; a
     TorchFunctionMode never sees those nested calls (``handle_torch_function`` switches the mode off
-    while it runs the function), so without this the CPU's kernels would run inside.
+    while it runs the function), so without this the CPU's kernels would run inside. For the same
+    reason the CUDA autocast emulation would not cast them: every such name (and ``linear`` in the
+    in-projection helpers, rerouted the same way) also goes through the emulation's policy.
     """
-    key = (func, target, tuple(sorted(id(f) for f in RULES)))
+    key = (func, target, helpers, tuple(sorted(id(f) for f in RULES)))
     with _MHA_LOCK:
         clone = _MHA_CLONES.get(key)
-        if clone is None:
-            g = dict(func.__globals__)
-            for name, value in func.__globals__.items():
-                if callable(value) and value is not func and _is_ruled(value):
-                    # look the rule up at call time: rules registered later (or replaced) apply
-                    g[name] = (lambda f: (lambda *a, **kw: RULES[f](target, f, a, kw)))(value)
-            clone = types.FunctionType(func.__code__, g, func.__name__, func.__defaults__, func.__closure__)
-            clone.__kwdefaults__ = func.__kwdefaults__
-            _MHA_CLONES[key] = clone
+    if clone is not None:
+        return clone
+    g = dict(func.__globals__)
+    for name, value in func.__globals__.items():
+        if not callable(value) or value is func:
+            continue
+        if _is_ruled(value):
+            # look the rule up at call time: rules registered later (or replaced) apply
+            g[name] = _autocast_call(value, (lambda f: (lambda *a, **kw: RULES[f](target, f, a, kw)))(value))
+        elif name == "linear":
+            g[name] = _autocast_call(value, value)
+        elif helpers and name in _MHA_HELPERS and isinstance(value, types.FunctionType):
+            g[name] = _rerouted(value, target, helpers=False)
+    clone = types.FunctionType(func.__code__, g, func.__name__, func.__defaults__, func.__closure__)
+    clone.__kwdefaults__ = func.__kwdefaults__
+    with _MHA_LOCK:
+        _MHA_CLONES[key] = clone
     return clone
 
 

@@ -36,6 +36,9 @@ def test_at_least_20_rows_from_5_sources(data):
     # the floor for a benchmark worth reporting
     assert len(data["rows"]) >= 20
     assert len({r["source"] for r in data["rows"]}) >= 5
+    # sources by the same author or organisation are not independent: count authors, not source keys
+    authors = {data["sources"][r["source"]]["independent_author"] for r in data["rows"]}
+    assert len(authors) >= 5, sorted(authors)
     assert len({r["id"] for r in data["rows"]}) == len(data["rows"]), "row ids must be unique"
 
 
