@@ -17,7 +17,11 @@ model, says little about the whole model. So for CUDA the probe traces are *exte
 trace has every block, scales the batch-proportional tensors to the micro-batch, and the allocator
 model (``memguard.estimator.cuda``, through ``memguard.estimator.api.evaluate``) replays the result.
 Sizes at other micro-batches come from the extended traces at two micro-batches
-(:func:`interpolate_trace`): a tensor's size is affine in the micro-batch.
+(:func:`interpolate_trace`): a tensor's size is affine in the micro-batch. The CPU target uses the
+same extended traces (its peak is their live bytes, with no allocator): the moment of the peak
+moves with the micro-batch (a small model's optimizer step at micro-batch 8, its backward at 256),
+which one set of features at one micro-batch cannot follow. Models without repeated blocks are
+traced whole at the two micro-batches.
 
 Known limitations:
     The extension reproduces a whole-model trace event for event on GPT-2, Llama and BERT models
@@ -122,8 +126,9 @@ class ProbeModel:
         features_ckpt: with every block checkpointed, or None when not probed.
         m0: the probes' micro-batch.
         num_blocks: the model's repeated blocks.
-        device_peak: for the CUDA target, the allocator model's peak of the extended probe traces
-            (see the module docstring); None on the CPU, whose peak is the allocated bytes.
+        device_peak: the target's peak of the extended probe traces (CUDA: the allocator model's
+            reserved bytes; CPU: live bytes; see the module docstring), or None to predict from the
+            features alone.
     """
 
     features: ProbeFeatures
@@ -159,10 +164,11 @@ class ProbeModel:
     def predict(self, m: int, k: int = 0, accum: int = 1) -> int:
         """Predicted peak bytes on the device at micro-batch ``m``, ``k`` blocks checkpointed.
 
-        On the CPU this is :meth:`allocated`. On CUDA, with no block or every block checkpointed, it
-        is the allocator model's peak of the extended probe traces (with the gradients allocated
-        from the start when micro-batches accumulate); in between, the allocated prediction plus the
-        allocator's overhead interpolated between those two ends by the share of blocks checkpointed.
+        Without ``device_peak`` this is :meth:`allocated`. With it, for no block or every block
+        checkpointed, it is the target's peak of the extended probe traces (with the gradients
+        allocated from the start when micro-batches accumulate); in between, the allocated prediction
+        plus the difference between the two, interpolated between those two ends by the share of
+        blocks checkpointed.
         """
         base = self.allocated(m, k, accum)
         if self.device_peak is None:

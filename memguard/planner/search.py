@@ -212,7 +212,7 @@ class Planner:
         """Traces of every block at the probes' micro-batch and at twice it: the probes extended (the
         2-block probe at twice the micro-batch is extended as the one at the micro-batch is), or the
         whole model traced where the probes are not one block apart."""
-        key = (traced_precision(precision, zero_stage), ckpt_all, spec.name)
+        key = (traced_precision(precision, zero_stage), ckpt_all, getattr(spec, "name", None))
         if key not in self._extended:
             traced = traced_precision(precision, zero_stage)
             n = self.num_blocks
@@ -227,6 +227,9 @@ class Planner:
                     one_m1 = self.trace(traced, ckpt=1 if ckpt_all else 0, keep=1, m=m1, spec=spec)
                     pair = [extend_trace(one, two, n), extend_trace(one_m1, two_m1, n)]
                     pair = None if None in pair else pair
+            if pair is None:  # no repeated blocks, probes that do not line up: trace the whole model
+                ck = n if ckpt_all else 0
+                pair = [self.trace(traced, ckpt=ck, m=m, spec=spec) for m in (self.m0, m1)]
             self._extended[key] = tuple(pair)
         return self._extended[key]
 
@@ -254,14 +257,15 @@ class Planner:
         f_off = self._features(precision, False, **common)
         f_on = self._features(precision, True, **common) if checkpointing and self.num_blocks >= 1 else None
         model = ProbeModel(f_off, f_on, self.m0, self.num_blocks)
-        if self.device == "cuda" and spec is not None:
+        if self.device == "cpu" or spec is not None:
             def device_peak(m: int, ckpt_all: bool, accumulating: bool) -> int:
-                key = (precision, zero_stage, world_size, spec.name, offload, m, ckpt_all, accumulating)
+                key = (precision, zero_stage, world_size, getattr(spec, "name", None), offload, m, ckpt_all,
+                       accumulating)
                 if key not in self._peaks:
                     whole = self._device_trace(precision, zero_stage, ckpt_all, spec, m)
                     if accumulating:
                         whole = with_gradients_present(whole)
-                    est, _ = evaluate(whole, device="cuda", precision=precision, zero_stage=zero_stage,
+                    est, _ = evaluate(whole, device=self.device, precision=precision, zero_stage=zero_stage,
                                        world_size=world_size, spec=spec, offload_optimizer=offload,
                                        micro_batch_size=m, checkpointed=self.num_blocks if ckpt_all else 0)
                     self._peaks[key] = est.peak_bytes
