@@ -57,7 +57,7 @@ DATA = _REPO / "benchmarks" / "data" / "external_cuda.json"
 # bytes per published unit; "GB" as the sources print it (x / 1e9), "GiB"/"MiB" where they divide by 1024**k
 _UNITS = {"B": 1, "MB": 10**6, "GB": 10**9, "MiB": 1 << 20, "GiB": 1 << 30}
 _MIB = 1 << 20
-# goals of the issue for this set
+# the accuracy goals for this set: median, worst |error|, worst under-prediction
 GOAL_MEDIAN, GOAL_MAX, GOAL_UNDER = 0.03, 0.08, -0.05
 
 

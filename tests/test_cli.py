@@ -197,6 +197,11 @@ def test_keep_outputs_is_passed_to_estimate_and_plan(capsys):
     want = memguard.plan(model, batch, global_batch_size=8, gpu="A100-40GB", precision="32-true",
                          activation_checkpointing=False, keep_outputs=True)
     assert planned == as_json(want.to_dict())
+    # the kept logits vanish in the CUDA allocator's 2 MiB segments, not in the allocated bytes
+    without = memguard.plan(model, batch, global_batch_size=8, gpu="A100-40GB", precision="32-true",
+                            activation_checkpointing=False)
+    assert planned["micro_batch_size"] == without.micro_batch_size
+    assert planned["estimate"]["allocated_peak_bytes"] > without.estimate.allocated_peak_bytes
 
 
 def test_plan_options_are_checked_before_the_model_is_built(capsys):

@@ -55,11 +55,20 @@ def apply_activation_checkpointing(
     Non-reentrant checkpointing keeps only each block's inputs and recomputes the rest in
     backward. Blocks already wrapped by memguard are left alone.
 
+    When a block is wrapped, transformers' KV cache is turned off (every ``config.use_cache`` in the
+    model), as transformers does under its own gradient checkpointing ("Caching is incompatible with
+    gradient checkpointing": ``GradientCheckpointingLayer`` sets ``use_cache=False`` before
+    checkpointing a layer, transformers/modeling_layers.py, 5.x; 4.x models did the same in their
+    ``forward``): the backward replay would otherwise append each recomputed layer's keys and values
+    to the cache a second time, and the copies stay alive until the step ends. The estimate and the
+    guard both checkpoint through this function, so they train the model the same way.
+
     Args:
         blocks: the blocks to choose from (default: :func:`find_blocks`).
 
     Returns:
-        A function that restores the original ``forward`` of every block wrapped here.
+        A function that restores the original ``forward`` of every block wrapped here and the
+        ``use_cache`` settings it turned off.
     """
     wrapped: list[nn.Module] = []
     for block in (find_blocks(model) if blocks is None else blocks)[: max(0, num_blocks)]:
@@ -77,10 +86,20 @@ def apply_activation_checkpointing(
         setattr(block, _MARK, True)
         wrapped.append(block)
 
+    caching = []
+    if wrapped:
+        for module in model.modules():
+            cfg = getattr(module, "config", None)
+            if getattr(cfg, "use_cache", False) is True:
+                cfg.use_cache = False
+                caching.append(cfg)
+
     def undo() -> None:
         for block in wrapped:
             block.__dict__.pop("forward", None)
             block.__dict__.pop(_MARK, None)
+        for cfg in caching:
+            cfg.use_cache = True
 
     return undo
 

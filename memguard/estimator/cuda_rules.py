@@ -53,6 +53,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from memguard.errors import ConfigError
 from memguard.estimator.cuda_kernels import CudaTarget, cuda_rule
 
 __all__ = [
@@ -459,7 +460,10 @@ def conv_workspace_cap_bytes(target: CudaTarget) -> int | None:
         try:
             return int(raw) * 1024 * 1024
         except ValueError:
-            return None
+            raise ConfigError(
+                f"CUDNN_CONV_WSCAP_DBG={raw!r} is not a whole number of MiB (cuDNN reads it as one); set it "
+                "to e.g. 4096, or unset it"
+            ) from None
     return None
 
 

@@ -254,23 +254,6 @@ def _kept_modules(model: nn.Module, dropped: set[int]) -> Iterator[nn.Module]:
         stack.extend(m.children())
 
 
-def _drop_kv_cache(model: nn.Module) -> None:
-    """Turn off transformers' KV cache in the (copied) model whose blocks memguard checkpoints.
-
-    transformers drops the cache under its own gradient checkpointing ("Caching is incompatible
-    with gradient checkpointing": ``GradientCheckpointingLayer`` sets ``use_cache=False`` /
-    ``cache=None`` before checkpointing a layer, transformers/modeling_layers.py, 5.x; 4.x models
-    did the same in their ``forward``), because the backward replay would update the cache a second
-    time: each recomputed layer appends its keys and values again, and the concatenated copies stay
-    alive until the step ends. memguard's own checkpoint wrapper must train the model the same way,
-    so every ``config.use_cache`` of the copy is turned off. The copy's config is its own (deep copy).
-    """
-    for module in model.modules():
-        cfg = getattr(module, "config", None)
-        if getattr(cfg, "use_cache", False) is True:
-            cfg.use_cache = False
-
-
 def _fake_model(
     model: nn.Module, mode, param_dtype, device, keep_blocks: int | None = None
 ) -> tuple[nn.Module, dict[int, torch.Tensor], list[nn.Module]]:
@@ -601,8 +584,7 @@ class _StepTracer:
         fmodel, originals, blocks = _fake_model(self.model, self.mode, spec.param_dtype, self.device, spec.keep_blocks)
         fmodel.train()
         if spec.checkpoint_blocks:
-            apply_activation_checkpointing(fmodel, spec.checkpoint_blocks, blocks)
-            _drop_kv_cache(fmodel)
+            apply_activation_checkpointing(fmodel, spec.checkpoint_blocks, blocks)  # also drops the KV cache
         trace.num_blocks = len(blocks)
         self.fmodel = fmodel
         self.params = list(fmodel.parameters())

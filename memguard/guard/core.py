@@ -468,7 +468,7 @@ class Guard:
     # ---------------------------------------------------------------------------------------------- planning
 
     def make_plan(self, batch: Any, optimizer: Any, loss_fn: LossFn | None = None, *, accumulation: int = 1,
-                  model: nn.Module | None = None, device: str | None = None) -> Plan:
+                  device: str | None = None) -> Plan:
         """Plan on this rank from ``batch``, under the front-end's constraints.
 
         The global batch is ``global_batch_size``, else the batch's size x ``accumulation`` x the world
@@ -480,13 +480,12 @@ class Guard:
             optimizer: the optimizer (its type and hyper-parameters).
             loss_fn: the loss function for the trace (default: the guard's).
             accumulation: batches per optimizer step that the front-end accumulates.
-            model: the module to trace (default: the guarded module).
             device: ``"cuda"`` or ``"cpu"`` (default: the ``device`` option, else the parameters').
 
         Raises:
             ConfigError, InfeasiblePlanError: as :func:`memguard.plan`.
         """
-        module = model if model is not None else self.module
+        module = self.module
         loss_fn = loss_fn if loss_fn is not None else self.loss_fn
         options = self.constraints.planning_options(self.plan_options)
         if device is not None:
@@ -504,6 +503,8 @@ class Guard:
 
         store = cache if isinstance(cache, PlanCache) else PlanCache()
         knobs = {k: getattr(plan, k) for k in _PLAN_IDENTITY}
+        # what the plan does not record but the step's memory depends on
+        knobs["keep_outputs"] = bool(options.get("keep_outputs", False))
         key = plan_key(module, batch, optimizer, loss_fn, {"memguard.guard": "reduced after OOM", **knobs})
         self._oom_cache = (store, key)
         reduced = store.get(key)

@@ -17,7 +17,6 @@ consider, and the budget.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -28,7 +27,6 @@ from memguard.vocab import DEVICES, PRECISION_ALIASES, PRECISIONS, KiB, default_
 
 __all__ = ["PlanRequest", "SearchSpace", "DEFAULT_HEADROOM", "OPTION_NAMES", "ZERO_STAGES"]
 
-log = logging.getLogger("memguard")
 
 #: The share of the budget a plan keeps free: the estimator is within ~1% of the real CPU allocator;
 #: the rest covers CUDA kernels' own workspaces, fragmentation from other work and the allocator

@@ -45,3 +45,18 @@ def test_checkpointing_does_not_touch_the_users_config():
     memguard.estimate(model, torch.randint(0, 1000, (1, 64)), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                       loss_fn=_loss, device="cpu", activation_checkpointing=True)
     assert model.config.use_cache is True  # the trace turns it off in its own copy only
+
+
+def test_checkpointing_a_real_model_turns_the_cache_off_and_undo_restores_it():
+    # the guard checkpoints the user's own model through the same function as the trace, so the
+    # real step runs without the cache the estimate leaves out; undo gives the setting back
+    from memguard.estimator.blocks import apply_activation_checkpointing
+
+    model = _llama(True)
+    undo = apply_activation_checkpointing(model, 2)
+    assert model.config.use_cache is False
+    undo()
+    assert model.config.use_cache is True
+    untouched = _llama(True)
+    apply_activation_checkpointing(untouched, 0)()  # nothing wrapped: nothing changed
+    assert untouched.config.use_cache is True

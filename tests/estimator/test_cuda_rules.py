@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memguard.estimator import cuda_kernels, cuda_rules
+from memguard.estimator import cuda_kernels
 from memguard.estimator.cuda_kernels import CudaKernelModel, CudaTarget, load_rules, modelled_op_memory
 from memguard.estimator.cuda_rules import (
     EMBEDDING_SORT_THRESHOLD,
@@ -156,6 +156,23 @@ def test_rms_norm_bf16_keeps_no_fp32_copy_on_cuda():
     # saves the fp32 upcast of the input and the fp32 normalised product (4mn each) on top
     assert cuda.forward_kept == 2 * m * n + 4 * m
     assert cpu.forward_kept >= cuda.forward_kept + 8 * m * n
+
+
+def test_rms_norm_rule_applies_from_the_fused_kernels_torch_version_only():
+    m, n = 64, 128
+
+    def make(device):
+        return (torch.randn(m, n, device=device, dtype=torch.bfloat16, requires_grad=True),
+                torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True))
+
+    def fn(x, w):
+        return F.rms_norm(x, (n,), w)
+
+    old = modelled_op_memory(fn, make, CudaTarget(capability=(8, 0), torch_version=(2, 7)))
+    new = modelled_op_memory(fn, make, CudaTarget(capability=(8, 0), torch_version=(2, 8)))
+    # before the fused CUDA kernel the composite runs on CUDA as on the CPU: its fp32 copies stay
+    assert new.forward_kept == 2 * m * n + 4 * m
+    assert old.forward_kept >= new.forward_kept + 8 * m * n
 
 
 def test_rms_norm_module_with_weight_backward_allocates_dx_and_dgamma():
@@ -342,7 +359,6 @@ def test_every_rule_module_registers_and_rules_are_callables():
     for expected in ("dropout", "log_softmax", "layer_norm", "rms_norm", "embedding", "conv2d"):
         assert any(expected in n for n in names), expected
     assert all(callable(r) for r in cuda_kernels.RULES.values())
-    assert cuda_rules.FUSED_RMS_NORM_SINCE <= CudaTarget.for_spec().torch_version
 
 
 def test_target_for_a_catalog_gpu():

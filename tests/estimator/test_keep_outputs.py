@@ -7,6 +7,9 @@ Checked against the real CPU allocator (``torch.profiler`` with ``profile_memory
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,6 +36,7 @@ def _gpt2():
 
 
 def test_keep_outputs_matches_the_real_hand_written_loop_on_cpu():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks/
     from benchmarks.ground_truth import measure_cpu_peak
 
     model, batch = _gpt2()
