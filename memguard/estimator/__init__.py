@@ -7,6 +7,7 @@ timeline; ``sharding`` applies ZeRO/DDP; ``cuda`` models the caching allocator a
 """
 
 from memguard.estimator.api import estimate
-from memguard.estimator.result import CATEGORIES, Estimate, format_bytes
+from memguard.estimator.result import CATEGORIES, Estimate
+from memguard.vocab import format_bytes
 
 __all__ = ["estimate", "Estimate", "CATEGORIES", "format_bytes"]

@@ -25,14 +25,9 @@ __all__ = [
     "Device",
     "PRECISIONS",
     "check_common",
-    "batch_size_of",
     "traced_precision",
     "unwrap_model",
 ]
-
-#: Dim 0 of the first tensor of a batch; kept under this name for existing callers.
-batch_size_of = first_dim
-
 
 def check_common(
     *, precision: Any = "32-true", zero_stage: Any = 0, world_size: Any = 1, device: Any = "cuda", problems: list[str]

@@ -1,4 +1,4 @@
-"""The :class:`Estimate` result (and :func:`~memguard.vocab.format_bytes`, re-exported for reports)."""
+"""The :class:`Estimate` result."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from memguard.vocab import format_bytes  # re-exported: reports have always imported it from here
+from memguard.vocab import format_bytes
 
-__all__ = ["Estimate", "format_bytes", "CATEGORIES"]
+__all__ = ["Estimate", "CATEGORIES"]
 
 #: Categories of a breakdown, in display order. The first six are live tensor bytes; the last two
 #: exist only for the CUDA target: bytes the caching allocator holds beyond live tensors at the

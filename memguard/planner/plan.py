@@ -8,7 +8,8 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from memguard.errors import ConfigError
-from memguard.estimator.result import Estimate, format_bytes
+from memguard.estimator.result import Estimate
+from memguard.vocab import format_bytes
 
 __all__ = ["Plan", "PLAN_FORMAT_VERSION"]
 
