@@ -42,8 +42,10 @@ __all__ = ["apply", "MemguardCallback"]
 
 logger = logging.getLogger("memguard")
 
-# Imported when this module is: the callback subclasses TrainerCallback.
+# Imported when this module is: the callback subclasses TrainerCallback. TrainingArguments and the Trainer
+# need accelerate (transformers' Trainer refuses to run without it), which the transformers extra installs.
 _tf = require("transformers", "transformers", "transformers")
+require("accelerate", "accelerate", "transformers")
 
 
 def _load_user_deepspeed(value: Any) -> dict[str, Any]:
