@@ -386,9 +386,12 @@ def test_real_oom_in_training_halves_and_keeps_the_trainers_step(tmp_path):
 def test_real_oom_on_one_ddp_rank_retries_on_both(tmp_path):
     # Only rank 0 is capped; rank 1 has memory to spare but must retry the same step with it, or the
     # ranks' gradients would be averaged over different micro-batch splits at different times.
-    results = run_workers(tmp_path, 2, budget_mib=22, cap_ranks=[0])
+    # memguard plans here (rank 0 plans, both apply): the whole local batch of 8 x 2 samples in one micro-batch
+    results = run_workers(tmp_path, 2, budget_mib=22, cap_ranks=[0], plan="planner")
     for r in results:
         assert r["error"] is None, r
+        assert r["plan"] == [16, 1] and r["trainer_batch"] == [16, 1], r
+        # the 22 MiB cap fails micro-batches of 16 and 8 (see the single-process test); 4 fits
         assert r["oom_retries"] >= 1 and r["micro_batch_size"] <= 4, r
         assert not r["patched_left"]
     assert results[0]["capped"] and not results[1]["capped"]

@@ -13,7 +13,7 @@ fixed ``MALLOC_MMAP_THRESHOLD_`` so that large tensors are mapped and unmapped o
 VmSize follows the live tensors (mallopt(3)).
 
 Config keys: ``out`` (folder), ``batch`` (per-device batch), ``accum`` (gradient accumulation),
-``steps``, ``seq``, ``vocab``, ``budget_mib``, ``cap_step``, ``cap_ranks``, ``eval_oom`` (also run
+``steps``, ``seq``, ``vocab``, ``budget_mib``, ``cap_step``, ``cap_ranks``, ``plan`` (``"planner"``: memguard plans; otherwise a plan that keeps the arguments' batch), ``eval_oom`` (also run
 an evaluation whose forward raises an out-of-memory error, to show it does not touch the training
 micro-batch).
 
@@ -102,7 +102,11 @@ def main() -> None:
                 global_batch_size=cfg["batch"] * cfg["accum"] * world, precision="32-true",
                 activation_checkpointing=False, zero_stage=0, budget_bytes=cfg["budget_mib"] << 20, estimate=est,
                 device="cpu")
-    callback = MemguardCallback(plan=plan)
+    # "planner": memguard plans (rank 0, broadcast) with room to spare and no checkpointing, which takes the
+    # whole local batch of batch x accum samples as one micro-batch (the fastest split): the Trainer's
+    # per-device batch and accumulation change, its global batch does not
+    callback = (MemguardCallback(budget_bytes=1 << 30, activation_checkpointing=False) if cfg.get("plan") == "planner"
+                else MemguardCallback(plan=plan))
 
     class Cap(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -120,6 +124,8 @@ def main() -> None:
         result["error"] = {"type": type(exc).__name__, "message": str(exc)}
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     result.update(messages=messages, micro_batch_size=callback.micro_batch_size, oom_retries=callback.oom_retries,
+                  plan=[callback.plan.micro_batch_size, callback.plan.grad_accum_steps],
+                  trainer_batch=[guarded.args.per_device_train_batch_size, guarded.args.gradient_accumulation_steps],
                   patched_left="training_step" in guarded.__dict__,
                   guarded_logs=[h for h in guarded.state.log_history if "loss" in h])
     torch.save(guarded.model.state_dict(), out / f"guarded{rank}.pt")
