@@ -561,13 +561,29 @@ class MemguardCallback(_tf.TrainerCallback):
         # Trainer._update_auto_batch_size sets the same attribute when auto_find_batch_size changes the batch.
         trainer._train_batch_size = new.train_batch_size
         if trainer.is_deepspeed_enabled:
-            from transformers.integrations.deepspeed import propagate_args_to_deepspeed
-
-            propagate_args_to_deepspeed(trainer.accelerator, new)
+            self._refill_deepspeed(trainer, new)
         if trainer.is_world_process_zero():
             logger.info("memguard applies this plan to the Trainer (per_device_train_batch_size %d -> %d, "
                         "gradient_accumulation_steps %d -> %d):\n%s", old.per_device_train_batch_size,
                         plan.micro_batch_size, old.gradient_accumulation_steps, plan.grad_accum_steps, plan.explain())
+
+    @staticmethod
+    def _refill_deepspeed(trainer: Any, args: Any) -> None:
+        """Fill the DeepSpeed config's ``"auto"`` batch values again from ``args``, where the Trainer reads them.
+
+        ``TrainingArguments`` filled them from the user's batch at construction; the Trainer's hyper-parameter
+        search rebuilds the config the same way when it changes the batch (trainer.py, ``_hp_search_setup``:
+        ``HfTrainerDeepSpeedConfig(args.deepspeed)`` then ``trainer_config_process(args)``), and
+        ``propagate_args_to_deepspeed`` hands the result to Accelerate's DeepSpeed plugin.
+        """
+        from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+        hf_config = HfTrainerDeepSpeedConfig(copy.deepcopy(_deepspeed_of(args)))
+        hf_config.trainer_config_process(args)
+        args.hf_deepspeed_config = hf_config
+        plugin = trainer.accelerator.state.deepspeed_plugin
+        plugin.hf_ds_config = hf_config
+        plugin.deepspeed_config = hf_config.config
 
     def _patch(self, trainer: Any) -> None:
         self._restore()

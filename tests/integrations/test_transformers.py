@@ -397,3 +397,43 @@ def test_real_oom_on_one_ddp_rank_retries_on_both(tmp_path):
     assert results[0]["capped"] and not results[1]["capped"]
     for rank in range(2):
         assert_weights_equal(tmp_path, rank)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state and refuses a DeepSpeed plugin for a second Accelerator; the
+    Trainer's own hyper-parameter search resets it the same way (trainer.py, _hp_search_setup)."""
+    from accelerate.state import AcceleratorState
+
+    def reset() -> None:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+    reset()
+    yield reset
+    reset()
+    gc.collect()  # drops transformers' weak reference to the DeepSpeed config (it enables ZeRO-3 init)
+
+
+def test_callback_under_deepspeed_keeps_the_zero_stage_and_refills_the_config(tmp_path, fresh_accelerate_state):
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+          "zero_optimization": {"stage": 2}}
+    args = trainer_args(tmp_path, deepspeed=ds)
+    # a plan for another ZeRO stage than the config's is refused
+    with pytest.raises(ConfigError, match="ZeRO stage 3"):
+        transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32),
+                             callbacks=[MemguardCallback(plan=make_plan(zero_stage=3, micro_batch_size=4,
+                                                                        grad_accum_steps=4))])
+    fresh_accelerate_state()
+    callback = MemguardCallback(plan=make_plan(zero_stage=2, micro_batch_size=4, grad_accum_steps=4))
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32), callbacks=[callback])
+    # what DeepSpeed will be initialised with: the plan's batch, DeepSpeed's rule train = micro x accum x world
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (4, 4, 16)
+    assert trainer.args.hf_deepspeed_config.config is config
+    # a config that fixes the micro-batch leaves memguard nothing to set
+    fixed = {**ds, "train_micro_batch_size_per_gpu": 8}
+    fresh_accelerate_state()
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
+        transformers.Trainer(model=tiny_gpt2(), args=trainer_args(tmp_path, deepspeed=fixed), train_dataset=Tokens(32),
+                             callbacks=[MemguardCallback(budget_bytes=1 << 30)])
