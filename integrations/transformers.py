@@ -215,12 +215,13 @@ def _deepspeed_of(args: Any) -> dict[str, Any] | None:
     return _load_user_deepspeed(args.deepspeed) if args.deepspeed else None
 
 
-def _zero_of(ds: Mapping[str, Any]) -> tuple[int, bool]:
-    """ZeRO stage and whether the optimizer is offloaded, from a DeepSpeed config (DeepSpeed's defaults: stage 0,
-    no offload: deepspeed/runtime/zero/config.py)."""
+def _zero_of(ds: Mapping[str, Any]) -> tuple[int | None, bool]:
+    """ZeRO stage (None if it is not a number) and whether the optimizer is offloaded, from a DeepSpeed config
+    (DeepSpeed's defaults: stage 0, no offload: deepspeed/runtime/zero/config.py)."""
     zero = ds.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    return int(zero.get("stage", 0)), offload in ("cpu", "nvme")
+    stage = zero.get("stage", 0)
+    return (stage if stage in (0, 1, 2, 3) and not isinstance(stage, bool) else None), offload in ("cpu", "nvme")
 
 
 def _fsdp_stage(args: Any) -> int | None:
@@ -243,11 +244,12 @@ def _constraints(args: Any = None, model: Any = None) -> Constraints:
     ds = _deepspeed_of(args)
     if ds is not None:
         stage, offload = _zero_of(ds)
-        zero_stages = (stage,)
+        zero_stages = (stage,) if stage is not None else (0, 1, 2, 3)  # not a stage: refused by _trainer_problems
     fsdp = _fsdp_stage(args)
     if fsdp is not None:
         zero_stages = (fsdp,)
-        extra["strategies"] = ("fsdp2",)
+        if "strategies" in {f.name for f in dataclasses.fields(Constraints)}:  # else refused by _trainer_problems
+            extra["strategies"] = ("fsdp2",)
     return Constraints(**common, **extra, zero_stages=zero_stages, offload_optimizer=offload,
                        precisions=(_precision_of(args, model),), world_size=int(args.world_size))
 
@@ -514,6 +516,10 @@ class MemguardCallback(_tf.TrainerCallback):
         if ds is not None:
             fixed = [k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
                      if k in ds and ds[k] != AUTO]
+            if _zero_of(ds)[0] is None:
+                stage = (ds.get("zero_optimization") or {}).get("stage")
+                problems.append(f"the DeepSpeed config's zero_optimization.stage is {stage!r}; the Trainer does not "
+                                "fill it, so set it to 0, 1, 2 or 3")
             if fixed:
                 problems.append(f"the DeepSpeed config fixes {', '.join(fixed)}; set {' and '.join(fixed)} to \"auto\" "
                                 "so that the Trainer fills them from the batch memguard plans")

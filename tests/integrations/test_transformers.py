@@ -431,9 +431,12 @@ def test_callback_under_deepspeed_keeps_the_zero_stage_and_refills_the_config(tm
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (4, 4, 16)
     assert trainer.args.hf_deepspeed_config.config is config
-    # a config that fixes the micro-batch leaves memguard nothing to set
-    fixed = {**ds, "train_micro_batch_size_per_gpu": 8}
+    # a config that fixes the micro-batch leaves memguard nothing to set, and one without a ZeRO stage leaves
+    # nothing to plan for (the Trainer does not fill the stage): both are listed together
+    fixed = {**ds, "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": "auto"}}
     fresh_accelerate_state()
-    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
+    with pytest.raises(ConfigError) as info:
         transformers.Trainer(model=tiny_gpt2(), args=trainer_args(tmp_path, deepspeed=fixed), train_dataset=Tokens(32),
                              callbacks=[MemguardCallback(budget_bytes=1 << 30)])
+    assert "fixes train_micro_batch_size_per_gpu" in str(info.value)
+    assert "zero_optimization.stage is 'auto'" in str(info.value)
