@@ -440,3 +440,48 @@ def test_callback_under_deepspeed_keeps_the_zero_stage_and_refills_the_config(tm
                              callbacks=[MemguardCallback(budget_bytes=1 << 30)])
     assert "fixes train_micro_batch_size_per_gpu" in str(info.value)
     assert "zero_optimization.stage is 'auto'" in str(info.value)
+
+
+class _OOMAbove:
+    """The model's forward raises CUDA's out-of-memory error for more than ``limit`` samples (the real allocator's
+    errors are the worker tests'; this one runs in-process and pins the loss arithmetic of the split)."""
+
+    def __init__(self, model, limit: int) -> None:
+        self.forward, self.limit, self.raised = model.forward, limit, 0
+        self.__wrapped__ = model.forward  # the Trainer keeps the dataset columns this signature names
+
+    def __call__(self, *args, **kwargs):
+        if kwargs["input_ids"].shape[0] > self.limit:
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (in a test)")
+        return self.forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("num_items", [True, False])
+def test_split_keeps_the_trainers_loss_scaling(tmp_path, num_items):
+    # num_items=True: the Trainer counts the step's label tokens (num_items_in_batch) and the model divides its
+    # summed loss by them, so micro-batch losses add up as they are. False: each batch's loss is a mean that the
+    # Trainer divides by the accumulation, and memguard weights each micro-batch by its share of samples.
+    def run(guarded: bool):
+        model = tiny_gpt2()
+        callbacks = [MemguardCallback(plan=make_plan(micro_batch_size=8, grad_accum_steps=2, world_size=1))] \
+            if guarded else []
+        trainer = transformers.Trainer(model=model, args=trainer_args(tmp_path, max_grad_norm=0.5, logging_steps=1),
+                                       train_dataset=Tokens(32), callbacks=callbacks)
+        trainer.model_accepts_loss_kwargs = num_items  # GPT-2's forward takes **kwargs and passes them to its loss
+        if guarded:
+            model.forward = _OOMAbove(model, 3)
+        trainer.train()
+        return trainer, callbacks, model
+
+    guarded, (callback,), model = run(True)
+    plain, _, _ = run(False)
+    # 8 -> 4 -> 2 in the first step's first batch, then every batch runs in micro-batches of 2
+    assert callback.micro_batch_size == 2 and callback.oom_retries == 2 and model.forward.raised == 2
+    for (name, a), b in zip(guarded.model.state_dict().items(), plain.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    logs = [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in guarded.state.log_history if "loss" in h]
+    want = [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in plain.state.log_history if "loss" in h]
+    assert len(logs) == len(want) == 2
+    for (loss, norm, lr), (loss0, norm0, lr0) in zip(logs, want):
+        assert loss == pytest.approx(loss0, rel=1e-5) and norm == pytest.approx(norm0, rel=1e-4) and lr == lr0
