@@ -32,7 +32,7 @@ import torch
 
 from memguard.batch import batch_size
 from memguard.errors import ConfigError
-from memguard.guard.core import DEFAULT_MAX_RETRIES, Constraints, Guard, GuardStatus, option_problems, plan_problems
+from memguard.guard.core import DEFAULT_MAX_RETRIES, Constraints, Guard, GuardStatus, option_problems
 from memguard.guard.distributed import rank_group_of
 from memguard.integrations import require
 from memguard.integrations.deepspeed import AUTO, fill_auto, to_config
@@ -334,8 +334,9 @@ class MemguardCallback(_tf.TrainerCallback):
       ``per_device_train_batch_size x gradient_accumulation_steps x world size`` unless
       ``global_batch_size`` is given. Under DDP rank 0 plans and broadcasts. The plan is applied to a
       shallow copy of the arguments (the user's object is untouched): ``per_device_train_batch_size`` and
-      ``gradient_accumulation_steps`` from the plan, and activation checkpointing when the plan uses it
-      (``gradient_checkpointing=True`` in the arguments makes the plan checkpoint too); under DeepSpeed
+      ``gradient_accumulation_steps`` from the plan, and activation checkpointing on or off as the plan
+      says (``gradient_checkpointing=True`` in the arguments makes the plan checkpoint, unless the
+      ``activation_checkpointing`` option says otherwise); under DeepSpeed
       the config's ``"auto"`` batch values are filled again (transformers' ``propagate_args_to_deepspeed``).
       The plan is logged at INFO on the ``memguard`` logger.
     * ``on_train_begin``: on a single device or under DDP, the callback stands in for the Trainer's
@@ -383,17 +384,20 @@ class MemguardCallback(_tf.TrainerCallback):
         InfeasiblePlanError: from the Trainer's constructor, when nothing fits the budget.
 
     Known limitations:
-        The callback must be passed to the Trainer's constructor (``callbacks=[...]``): the plan changes
-        the per-device batch, which the Trainer reads before ``on_train_begin``. Callbacks are not given
-        the Trainer, so the callback finds it on the call stack of ``on_init_end``. Under DeepSpeed and
-        FSDP the plan is applied but out-of-memory errors are not recovered from (DeepSpeed and FSDP
-        reduce gradients inside the backward, where a rank that ran out of memory would leave its peers
-        waiting); a warning says so. ``training_step`` runs once per micro-batch (and again on a
-        replay), so a subclass's ``training_step`` that logs, logs per micro-batch. Without
-        ``num_items_in_batch`` the split weights micro-batches by samples, which equals the Trainer's
-        per-batch mean only when every sample has the same number of loss tokens. Gradient
-        communication no longer overlaps the backward under DDP, and DDP communication hooks are not
-        used. ``Trainer.add_callback`` after construction is refused at ``on_train_begin``.
+        The callback must be passed to the Trainer's constructor (``callbacks=[...]``): the plan changes the
+        per-device batch, which the Trainer reads before ``on_train_begin``. Callbacks are not given the
+        Trainer, so the callback finds it on the call stack of ``on_init_end``. The Trainer's activation
+        checkpointing covers every layer, while a plan may checkpoint only its first ``checkpoint_blocks``
+        blocks: the run then uses less memory than planned and is somewhat slower. Under DeepSpeed and FSDP the
+        plan is applied but out-of-memory errors are not recovered from (DeepSpeed and FSDP reduce gradients
+        inside the backward, where a rank that ran out of memory would leave its peers waiting); a warning says
+        so. ``training_step`` runs once per micro-batch (and again on a replay), so a subclass's
+        ``training_step`` that logs, logs per micro-batch. Without ``num_items_in_batch`` the split weights
+        micro-batches by samples, which equals the Trainer's per-batch mean only when every sample has the same
+        number of loss tokens. Gradient communication no longer overlaps the backward under DDP, and DDP
+        communication hooks are not used. ``Trainer.add_callback`` after construction is refused at
+        ``on_train_begin``. A replayed or split batch draws new dropout masks, so with dropout the run
+        matches an out-of-memory-free one in distribution, not bit for bit.
     """
 
     def __init__(self, global_batch_size: int | None = None, *, plan: Plan | None = None,
@@ -551,12 +555,12 @@ class MemguardCallback(_tf.TrainerCallback):
     def _apply(self, trainer: Any, plan: Plan) -> None:
         """The plan's per-device batch, accumulation and checkpointing, in a copy of the Trainer's arguments."""
         old = trainer.args
+        checkpointing = bool(plan.activation_checkpointing)
         changes: dict[str, Any] = {"per_device_train_batch_size": plan.micro_batch_size,
-                                   "gradient_accumulation_steps": plan.grad_accum_steps}
-        if plan.activation_checkpointing:
-            changes["gradient_checkpointing"] = True
-            if "activation_checkpointing" in {f.name for f in dataclasses.fields(old)}:
-                changes["activation_checkpointing"] = True  # the newer name, read first where it exists
+                                   "gradient_accumulation_steps": plan.grad_accum_steps,
+                                   "gradient_checkpointing": checkpointing}
+        if "activation_checkpointing" in {f.name for f in dataclasses.fields(old)}:
+            changes["activation_checkpointing"] = checkpointing  # the newer name, read first where it exists
         # A shallow copy with the fields set: dataclasses.replace would run TrainingArguments.__post_init__ again,
         # which resets the Accelerate state the Trainer already built.
         new = copy.copy(old)

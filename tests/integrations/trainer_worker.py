@@ -13,9 +13,10 @@ fixed ``MALLOC_MMAP_THRESHOLD_`` so that large tensors are mapped and unmapped o
 VmSize follows the live tensors (mallopt(3)).
 
 Config keys: ``out`` (folder), ``batch`` (per-device batch), ``accum`` (gradient accumulation),
-``steps``, ``seq``, ``vocab``, ``budget_mib``, ``cap_step``, ``cap_ranks``, ``plan`` (``"planner"``: memguard plans; otherwise a plan that keeps the arguments' batch), ``eval_oom`` (also run
-an evaluation whose forward raises an out-of-memory error, to show it does not touch the training
-micro-batch).
+``steps``, ``seq``, ``vocab``, ``budget_mib``, ``cap_step``, ``cap_ranks``, ``plan``
+(``"planner"``: memguard plans; otherwise a plan that keeps the arguments' batch), ``eval_oom``
+(also run an evaluation whose forward raises an out-of-memory error, to show it does not touch
+the training micro-batch).
 
 Each rank writes ``result<rank>.json`` and its two sets of final weights.
 """
