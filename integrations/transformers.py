@@ -517,6 +517,10 @@ class MemguardCallback(_tf.TrainerCallback):
             problems.append("memguard cannot plan for the Trainer's FSDP yet; plan with memguard.plan(..., "
                             "strategy='fsdp2') and pass plan=, or drop fsdp from the TrainingArguments")
         ds = _deepspeed_of(args)
+        if trainer.is_deepspeed_enabled and ds is None:
+            problems.append("DeepSpeed is configured through Accelerate's config, not TrainingArguments(deepspeed=...); "
+                            "pass the DeepSpeed config as TrainingArguments(deepspeed=...) so that memguard plans for its "
+                            "ZeRO stage and fills its batch values")
         if ds is not None:
             fixed = [k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
                      if k in ds and ds[k] != AUTO]

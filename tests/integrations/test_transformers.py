@@ -239,6 +239,16 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread while a test trains: the tiny models gain nothing from more, and on a shared 2-core
+    machine several threads per process mostly wait for each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_gpt2():
     config = transformers.GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2,
                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -408,9 +418,14 @@ def fresh_accelerate_state():
     def reset() -> None:
         AcceleratorState._reset_state(reset_partial_state=True)
 
+    # Accelerate's DeepSpeed set-up leaves ACCELERATE_USE_DEEPSPEED=true in the environment, which would give
+    # every later Accelerator (and Trainer) in this process a DeepSpeed plugin
+    saved = dict(os.environ)
     reset()
     yield reset
     reset()
+    os.environ.clear()
+    os.environ.update(saved)
     gc.collect()  # drops transformers' weak reference to the DeepSpeed config (it enables ZeRO-3 init)
 
 
