@@ -484,7 +484,8 @@ def _resolve_factory(spec: str) -> Callable:
         try:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as exc:
-            if exc.name is None or not module_part.startswith(exc.name):  # the module exists; one it imports does not
+            missing = exc.name or ""
+            if module_part != missing and not module_part.startswith(missing + "."):  # a module it imports is missing
                 raise _import_failure(spec, module_part, exc) from exc
             raise ConfigError(
                 f"--model {spec!r}: cannot import {module_part!r} ({exc}); run memguard from the folder that holds it "
