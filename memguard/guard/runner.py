@@ -81,6 +81,7 @@ def prepare(
     max_retries: int = DEFAULT_MAX_RETRIES,
     probe_up_after: int | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
+    strategy: str | None = None,
     **plan_options: Any,
 ) -> tuple[Any, Any]:
     """Apply a memory plan to a model and its optimizer, for :func:`step`.
@@ -113,6 +114,8 @@ def prepare(
             to the planned size); None (default) never probes.
         grad_scaler: the ``torch.amp.GradScaler`` to use if the precision is ``16-mixed`` (to set its
             options or load its state); default: a new one with PyTorch's defaults.
+        strategy: None or ``"ddp"`` (a plain module, or one wrapped in DistributedDataParallel), or
+            ``"fsdp2"``: shard with FSDP2 (see :func:`memguard.guard.fsdp2_runner.prepare_fsdp2`).
         **plan_options: options for ``memguard.plan`` (see above).
 
     Returns:
@@ -127,7 +130,18 @@ def prepare(
     Known limitations:
         ``*-true`` precisions cast the model in place; they cannot be undone by preparing again.
     """
+    if strategy == "fsdp2":
+        from memguard.guard.fsdp2_runner import prepare_fsdp2
+
+        return prepare_fsdp2(first, second, plan=plan, micro_batch_size=micro_batch_size,
+                             global_batch_size=global_batch_size, example_batch=example_batch, loss_fn=loss_fn,
+                             max_retries=max_retries, probe_up_after=probe_up_after, grad_scaler=grad_scaler,
+                             plan_options=plan_options)
     problems: list[str] = []
+    if strategy not in (None, "ddp"):
+        problems.append(f"strategy must be None, 'ddp' or 'fsdp2', got {strategy!r}" + (
+            "; DeepSpeed runs its own step: turn the plan into a config with memguard.integrations.deepspeed."
+            "to_config" if strategy == "deepspeed" else ""))
     model, optimizer = _sort_args(first, second, problems)
     if model is not None:
         problems += wrapper_problems(model)

@@ -225,6 +225,8 @@ class ShardedRankGroup(RankGroup):
             except (PeerAbort, ShardingStopped):
                 raise
             except Exception as exc:  # inside FSDP's collective path: a peer may already wait in it
+                if self.peer_stopped():  # the collective failed because a peer tore the groups down
+                    raise ShardingStopped(self.stopped_error(exc)) from exc
                 what = "all-gather" if name == "unshard" else "reduce-scatter"
                 raise ShardingStopped(self.stop(exc, f"{what} of {getattr(pg, '_module_fqn', None) or 'a group'}"))
         call.__wrapped__ = original  # type: ignore[attr-defined]
@@ -300,6 +302,13 @@ class ShardedRankGroup(RankGroup):
             err.__cause__ = exc
             return err
         return exc
+
+    def peer_stopped(self) -> bool:
+        """Whether a rank recorded an unrecoverable failure in the store (see :meth:`stop`)."""
+        try:
+            return self.store is not None and bool(self.store.check([self._store_key()]))
+        except Exception:  # the store's host is gone: a peer died
+            return True
 
     def stopped_error(self, exc: BaseException) -> BaseException:
         """The error a peer recorded before tearing the process groups down, or a PeerFailedError."""
