@@ -160,6 +160,7 @@ class ShardedRankGroup(RankGroup):
     agreements: int = 0
     _armed: bool = False
     _n_max: int = 0
+    _mbs: int = 0
     _buf: Any = None
     _installed: bool = False
     _generation: int = 0
@@ -190,9 +191,14 @@ class ShardedRankGroup(RankGroup):
         return out[: self.world_size], out[self.world_size:]
 
     @contextlib.contextmanager
-    def armed(self, n_max: int) -> Iterator[None]:
-        """Run FSDP's collectives behind agreements for the duration of one attempt."""
-        self._armed, self._n_max = True, n_max
+    def armed(self, n_max: int, micro_batch_size: int = 0) -> Iterator[None]:
+        """Run FSDP's collectives behind agreements for the duration of one attempt.
+
+        Args:
+            n_max: this rank's largest batch in the attempt (sent with every agreement).
+            micro_batch_size: the attempt's micro-batch (named by an unrecoverable error).
+        """
+        self._armed, self._n_max, self._mbs = True, n_max, micro_batch_size
         try:
             yield
         finally:
@@ -298,7 +304,7 @@ class ShardedRankGroup(RankGroup):
         logger.error("memguard: %s", payload["message"])
         _abort_all()
         if payload["type"] == "OOMRecoveryError":
-            err: BaseException = OOMRecoveryError(payload["message"], micro_batch_size=self._n_max)
+            err: BaseException = OOMRecoveryError(payload["message"], micro_batch_size=self._mbs)
             err.__cause__ = exc
             return err
         return exc
@@ -324,7 +330,7 @@ class ShardedRankGroup(RankGroup):
             return PeerFailedError(f"the connection to a peer was lost during FSDP2 training ({exc}); this rank "
                                    "stops too so that no rank waits forever", rank=-1)
         if payload["type"] == "OOMRecoveryError":
-            return OOMRecoveryError(payload["message"], micro_batch_size=self._n_max)
+            return OOMRecoveryError(payload["message"], micro_batch_size=self._mbs)
         return PeerFailedError(payload["message"], rank=int(payload["rank"]))
 
 

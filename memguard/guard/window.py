@@ -419,7 +419,7 @@ class MicroBatchWindow:
                 ddp_sync.reserve_buckets(rg, self._params)
             if sharded is not None:
                 n_max = max(b.n for b in todo)
-                with sharded.armed(n_max):
+                with sharded.armed(n_max, mbs):
                     for i, b in enumerate(todo):
                         final = last and i == len(todo) - 1
                         b.loss = run_micro_batches(b.batch, mbs, b.loss_of, b.backward, weight=b.weight, n=b.n,

@@ -127,6 +127,9 @@ def main() -> None:
     out = Path(cfg["out"])
     rank, world = cfg["rank"], 2
     torch.set_num_threads(1)
+    # oneDNN reports a failed allocation as "could not create a primitive", which is not recognisable as an
+    # OOM; the native CPU kernels fail in the allocator with its own message.
+    torch.backends.mkldnn.enabled = False
     import torch.distributed as dist
 
     import memguard
