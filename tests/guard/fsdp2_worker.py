@@ -179,6 +179,12 @@ def main() -> None:
         result["step_s"] = (time.perf_counter() - t0) / cfg["time_steps"]
         result["agreements_per_step"] = (rg.agreements - start) / cfg["time_steps"]
         t0 = time.perf_counter()
+        for _ in range(cfg["time_steps"]):  # the same steps in a plain FSDP2 loop, for comparison
+            model(**timing).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        result["plain_step_s"] = (time.perf_counter() - t0) / cfg["time_steps"]
+        t0 = time.perf_counter()
         for _ in range(200):
             rg.agree(0, [0])
         result["agreement_s"] = (time.perf_counter() - t0) / 200

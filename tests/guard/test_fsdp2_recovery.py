@@ -62,7 +62,8 @@ def _retries(result: dict) -> list[str]:
 def _check_samples(result: dict, batch: int) -> None:
     """In every step, the attempt after the last retry saw each of this rank's samples exactly once."""
     steps: list[list[list[int]]] = []
-    for e in result["events"]:
+    events = result["events"]
+    for e in events[events.index("STEP"):]:  # the calibration's forward passes come before the first step
         if e == "STEP":
             steps.append([[]])
         elif e == "RETRY":
@@ -77,7 +78,7 @@ def _check_samples(result: dict, batch: int) -> None:
 
 @pytest.mark.parametrize("zero_stage", [3, 1])  # 3: reshard after forward; 1: gradient sync on the last micro-batch only
 def test_oom_on_one_rank_is_recovered_on_both_with_the_full_batch_weights(tmp_path: Path, zero_stage: int) -> None:
-    r0, r1 = _run(tmp_path, mode="recover", steps=3, batch=128, seq=64, planned=64, zero_stage=zero_stage)
+    r0, r1 = _run(tmp_path, mode="recover", steps=2, batch=128, seq=64, planned=64, zero_stage=zero_stage)
     assert r0["error"] is None and r1["error"] is None
     # the calibration leaves room for a quarter of the planned micro-batch, not for all of it
     assert r1["calibration"]["d_big"] > 2 * r1["calibration"]["d_small"]
