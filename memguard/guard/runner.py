@@ -115,7 +115,7 @@ def prepare(
         grad_scaler: the ``torch.amp.GradScaler`` to use if the precision is ``16-mixed`` (to set its
             options or load its state); default: a new one with PyTorch's defaults.
         strategy: None or ``"ddp"`` (a plain module, or one wrapped in DistributedDataParallel), or
-            ``"fsdp2"``: shard with FSDP2 (see :func:`memguard.guard.fsdp2_runner.prepare_fsdp2`).
+            ``"fsdp2"``: shard with FSDP2 (see :mod:`memguard.guard.fsdp2`).
         **plan_options: options for ``memguard.plan`` (see above).
 
     Returns:
@@ -131,7 +131,7 @@ def prepare(
         ``*-true`` precisions cast the model in place; they cannot be undone by preparing again.
     """
     if strategy == "fsdp2":
-        from memguard.guard.fsdp2_runner import prepare_fsdp2
+        from memguard.guard.fsdp2 import prepare_fsdp2
 
         return prepare_fsdp2(first, second, plan=plan, micro_batch_size=micro_batch_size,
                              global_batch_size=global_batch_size, example_batch=example_batch, loss_fn=loss_fn,

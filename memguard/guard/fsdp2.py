@@ -2,7 +2,8 @@
 
 What it does, on every rank (call it on every rank, after ``init_process_group``):
 
-* A plain model is sharded with :func:`memguard.integrations.fsdp.apply` once the plan is known
+* A plain model is sharded with :func:`shard` (what :func:`memguard.integrations.fsdp.apply` runs)
+  once the plan is known
   (given, fixed with ``micro_batch_size=``, planned now from ``example_batch=``, or planned on the
   first :func:`memguard.step`; rank 0 plans on the unsharded model and broadcasts the plan). The
   optimizer the user built over the unsharded parameters is re-pointed at the sharded ones (its
@@ -17,13 +18,17 @@ What it does, on every rank (call it on every rank, after ``init_process_group``
 Precision is FSDP2's: ``*-mixed`` is a ``MixedPrecisionPolicy`` (no autocast), ``*-true`` casts the
 weights before sharding. ``16-mixed`` is refused: it needs loss scaling with an inf check
 all-reduced over the shards, which ``torch.amp.GradScaler`` does not do.
+
+:func:`shard` is the layout: one ``fully_shard`` per repeated block, then the root, with the plan's
+sharding level, ``MixedPrecisionPolicy``, activation checkpointing and ``CPUOffloadPolicy`` (see
+:mod:`memguard.integrations.fsdp` for the table).
 """
 
 from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,9 +41,136 @@ from memguard.guard.distributed import RankGroup
 from memguard.guard.sharded import fsdp_states, is_fsdp_model, sharded_rank_group
 from memguard.planner.plan import Plan
 
-__all__ = ["prepare_fsdp2", "FSDP2Guard", "constraints_for", "fsdp2_constraints"]
+__all__ = ["prepare_fsdp2", "FSDP2Guard", "constraints_for", "fsdp2_constraints", "FSDPSetupError", "shard", "shard_layout",
+           "stage_settings", "PRECISION_DTYPES"]
 
 logger = logging.getLogger("memguard")
+
+#: The 16-bit dtype of each precision name (Lightning's names, memguard.vocab.PRECISIONS).
+PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16,
+                    "16-true": torch.float16, "32-true": None}
+
+
+class FSDPSetupError(ConfigError):
+    """A model, plan or process group that cannot be sharded as asked (every problem listed in ``.problems``)."""
+
+
+def stage_settings(zero_stage: int) -> tuple[bool, bool]:
+    """``(reshard_after_forward, sync_last_only)`` of an FSDP2 sharding level (3, 2 or 1).
+
+    Raises:
+        FSDPSetupError: ``zero_stage`` is not 1, 2 or 3.
+    """
+    # The agreed meaning of zero_stage under FSDP2 (the estimator's and the planner's).
+    table = {3: (True, False), 2: (False, False), 1: (False, True)}
+    if zero_stage not in table:
+        raise FSDPSetupError(f"zero_stage {zero_stage} has no FSDP2 meaning (3 = reshard_after_forward=True, 2 = "
+                             "False, 1 = False with gradient sync on the last micro-batch only); plan with "
+                             "strategy='fsdp2'")
+    return table[zero_stage]
+
+
+def _problems(model: Any, plan: Any, mesh: Any) -> list[str]:
+    out: list[str] = []
+    if not isinstance(model, nn.Module):
+        out.append(f"model must be an nn.Module, got {type(model).__name__}")
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        out.append("the model is wrapped in DistributedDataParallel; pass the plain module (FSDP2 replaces DDP)")
+    elif is_fsdp_model(model):
+        out.append("the model is already sharded with fully_shard; apply the plan to the unsharded model, or pass "
+                   "the sharded model to memguard.prepare(..., strategy='fsdp2') as it is")
+    if not isinstance(plan, Plan):
+        out.append(f"plan must be a memguard.Plan, got {type(plan).__name__}; build it with memguard.plan(..., "
+                   "strategy='fsdp2')")
+        return out
+    strategy = getattr(plan, "strategy", None)  # Plan.strategy: "ddp", "deepspeed" or "fsdp2"
+    if strategy == "deepspeed":
+        out.append("the plan is for DeepSpeed; turn it into a DeepSpeed config with "
+                   "memguard.integrations.deepspeed.to_config, or plan with strategy='fsdp2'")
+    elif plan.zero_stage not in (1, 2, 3):
+        out.append(f"the plan uses ZeRO stage {plan.zero_stage} (no sharding); plan with strategy='fsdp2' (stages "
+                   "1-3), or run it with DistributedDataParallel")
+    if plan.precision not in PRECISION_DTYPES:
+        out.append(f"the plan's precision {plan.precision!r} is not one of {', '.join(PRECISION_DTYPES)}")
+    if mesh is None and not (dist.is_available() and dist.is_initialized()):
+        out.append("no process group: call torch.distributed.init_process_group (on every rank) before sharding, or "
+                   "pass mesh=")
+    else:
+        size = mesh.size() if mesh is not None else dist.get_world_size()
+        if size != plan.world_size:
+            out.append(f"the plan was made for {plan.world_size} ranks but the mesh has {size}; plan with "
+                       f"world_size={size}")
+    return out
+
+
+def _device_type(model: nn.Module) -> str:
+    devices = {p.device.type for p in model.parameters()} - {"meta"}
+    if devices:
+        return sorted(devices)[0]
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def shard(model: nn.Module, plan: Any, *, mesh: Any = None, reshard_after_forward: bool | None = None,
+          offload: bool | None = None) -> Callable[[], None]:
+    """:func:`apply`, returning a function that undoes the activation checkpointing it applied.
+
+    Raises:
+        FSDPSetupError: as :func:`apply`.
+    """
+    problems = _problems(model, plan, mesh)
+    if problems:
+        raise FSDPSetupError(problems)
+    return shard_layout(model, plan, mesh=mesh, reshard_after_forward=reshard_after_forward, offload=offload)
+
+
+def shard_layout(model: nn.Module, layout: Any, *, mesh: Any = None, reshard_after_forward: bool | None = None,
+                 offload: bool | None = None) -> Callable[[], None]:
+    """Shard ``model`` as ``layout`` says, without checking it: anything with a plan's ``zero_stage``,
+    ``precision``, ``activation_checkpointing``, ``checkpoint_blocks`` and ``offload_optimizer``
+    (the guard's fixed ``micro_batch_size=`` path has no Plan). Returns the checkpointing's undo.
+
+    Raises:
+        FSDPSetupError: an unknown sharding level, or checkpointing on a model without repeated blocks.
+    """
+    plan = layout
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from memguard.estimator.blocks import apply_activation_checkpointing, find_container
+
+    raf, _ = stage_settings(plan.zero_stage)
+    if reshard_after_forward is not None:
+        raf = bool(reshard_after_forward)
+    if mesh is None:
+        mesh = init_device_mesh(_device_type(model), (dist.get_world_size(),))
+    dtype = PRECISION_DTYPES[plan.precision]
+    if plan.precision.endswith("-true") and dtype is not None:
+        model.to(dtype)  # bf16-true / 16-true: the weights themselves are 16-bit; FSDP2 shards them as they are
+    # MixedPrecisionPolicy (torch/distributed/fsdp/_fully_shard/_fsdp_api.py): param_dtype is the dtype of the
+    # all-gathered parameters and of the forward; reduce_dtype that of the gradient reduce-scatter.
+    if plan.precision.endswith("-mixed"):
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    elif dtype is not None:  # *-true: parameters already 16-bit; cast float inputs to them
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    else:
+        mp = MixedPrecisionPolicy()
+    use_offload = plan.offload_optimizer if offload is None else bool(offload)
+    off = CPUOffloadPolicy() if use_offload else OffloadPolicy()
+    undo: Callable[[], None] = lambda: None
+    container = find_container(model)
+    blocks = list(container.children()) if container is not None else []
+    if plan.activation_checkpointing and plan.checkpoint_blocks > 0:
+        if not blocks:
+            raise FSDPSetupError("the plan checkpoints activations, but memguard found no repeated blocks in the "
+                                 "model; plan with activation_checkpointing=False")
+        undo = apply_activation_checkpointing(model, plan.checkpoint_blocks, blocks)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=raf, mp_policy=mp, offload_policy=off)
+    fully_shard(model, mesh=mesh, reshard_after_forward=raf, mp_policy=mp, offload_policy=off)
+    return undo
+
+
+
 
 #: The precisions the FSDP2 front-end runs (16-mixed needs a sharded GradScaler; see the module docstring).
 FSDP2_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
@@ -117,8 +249,6 @@ class FSDP2Guard(Guard):
             memguard.integrations.fsdp.FSDPSetupError: the model cannot be sharded as asked.
             ConfigError: the optimizer already has state (it was stepped before sharding).
         """
-        from memguard.integrations.fsdp import FSDPSetupError, shard, shard_layout, stage_settings
-
         layout: Any = plan
         if plan is None:
             from memguard.guard.core import _blocks_for
