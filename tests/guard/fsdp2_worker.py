@@ -11,14 +11,15 @@ with a hand-made plan and, in ``"recover"`` mode:
 2. cap the ranks in ``cap_ranks`` with ``RLIMIT_AS`` at VmSize + (d_small + d_big) / 2, so the
    planned micro-batch fails for real and a quarter of it fits, with a margin of
    (d_big - d_small) / 2 either way;
-3. train ``steps`` steps with ``memguard.step`` and write the full weights (``full_tensor``).
+3. train ``steps`` steps with ``memguard.step`` and write the full weights (``full_tensor``) to
+   ``guarded_{stage}.pt`` and the outcome to ``result{rank}_{stage}.json``.
 
 In ``"collective"`` mode the model has large blocks (8 MiB each unsharded) and tiny activations;
 the capped rank gets VmSize + ``budget_mib``, less than one block's all-gather output, so the OOM
 happens inside FSDP2's all-gather (the unrecoverable case).
 
 Config keys: ``out``, ``mode``, ``rank``, ``port``, ``steps``, ``batch`` (global), ``seq``,
-``planned``, ``zero_stage``, ``cap_ranks``, ``budget_mib`` (collective mode), ``time_steps``
+``planned``, ``zero_stages`` (one run per sharding level, in one process pair), ``cap_ranks``, ``budget_mib`` (collective mode), ``time_steps``
 (uncapped steps timed for the agreement cost).
 """
 
@@ -122,47 +123,31 @@ def calibrate(model: nn.Module, batch: dict, sizes: list[int]) -> list[int]:
     return out
 
 
-def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    out = Path(cfg["out"])
-    rank, world = cfg["rank"], 2
-    torch.set_num_threads(1)
-    # oneDNN reports a failed allocation as "could not create a primitive", which is not recognisable as an
-    # OOM; the native CPU kernels fail in the allocator with its own message.
-    torch.backends.mkldnn.enabled = False
+def run(cfg: dict, stage: int, first: bool, messages: list, events: list) -> None:
+    """One guarded run at sharding level ``stage``; writes ``result{rank}_{stage}.json`` (and weights)."""
     import torch.distributed as dist
 
     import memguard
     from memguard.estimator.result import Estimate
     from memguard.planner.plan import Plan
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    messages: list[str] = []
-    events: list = []
-
-    class Recorder(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(f"{record.levelname}:{record.getMessage()}")
-            if record.levelno == logging.WARNING:
-                events.append("RETRY")
-
-    logging.getLogger("memguard").addHandler(Recorder())
-    logging.getLogger("memguard").setLevel(logging.INFO)
-
+    out = Path(cfg["out"])
+    rank, world = cfg["rank"], 2
+    messages.clear()
+    events.clear()
     collective = cfg["mode"] == "collective"
     torch.manual_seed(0)
     model = Net(512, 2) if collective else Net(64, 2)
     batches = make_batches(cfg)
-    if rank == 0 and not collective:
+    if rank == 0 and not collective and first:
         torch.save(reference(copy.deepcopy(model), batches).state_dict(), out / "reference.pt")
     local = cfg["batch"] // world
     est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                    peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
-                   zero_stage=cfg["zero_stage"], world_size=world, gpu=None, micro_batch_size=cfg["planned"])
+                   zero_stage=stage, world_size=world, gpu=None, micro_batch_size=cfg["planned"])
     plan = Plan(micro_batch_size=cfg["planned"], grad_accum_steps=local // cfg["planned"], world_size=world,
                 global_batch_size=cfg["batch"], precision="32-true", activation_checkpointing=False,
-                zero_stage=cfg["zero_stage"], budget_bytes=64 << 20, estimate=est, device="cpu")
+                zero_stage=stage, budget_bytes=64 << 20, estimate=est, device="cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     memguard.prepare(model, opt, plan=plan, strategy="fsdp2")
     model.register_forward_pre_hook(lambda m, a, kw: events.append(kw["idx"].tolist()), with_kwargs=True)
@@ -222,8 +207,35 @@ def main() -> None:
     if result["error"] is None:
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         if rank == 0:
-            torch.save(full, out / "guarded.pt")
-    (out / f"result{rank}.json").write_text(json.dumps(result))
+            torch.save(full, out / f"guarded_{stage}.pt")
+    (out / f"result{rank}_{stage}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    rank, world = cfg["rank"], 2
+    torch.set_num_threads(1)
+    # oneDNN reports a failed allocation as "could not create a primitive", which is not recognisable as an
+    # OOM; the native CPU kernels fail in the allocator with its own message.
+    torch.backends.mkldnn.enabled = False
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    messages: list[str] = []
+    events: list = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(f"{record.levelname}:{record.getMessage()}")
+            if record.levelno == logging.WARNING:
+                events.append("RETRY")
+
+    logging.getLogger("memguard").addHandler(Recorder())
+    logging.getLogger("memguard").setLevel(logging.INFO)
+
+    for i, stage in enumerate(cfg["zero_stages"]):  # one process pair for several runs: start-up dominates
+        run(cfg, stage, i == 0, messages, events)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no interpreter teardown: gloo's threads can deadlock at exit (see oom_worker.py)

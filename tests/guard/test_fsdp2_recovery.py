@@ -35,8 +35,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path: Path, **cfg) -> list[dict]:
-    cfg = {"out": str(tmp_path), "port": _free_port(), "zero_stage": 3, "cap_ranks": [1], **cfg}
+def _run(tmp_path: Path, **cfg) -> dict[int, list[dict]]:
+    """Both ranks' results per sharding level."""
+    cfg = {"out": str(tmp_path), "port": _free_port(), "zero_stages": [3], "cap_ranks": [1], **cfg}
     env = dict(os.environ)
     # One malloc arena (gloo's threads would each get one and make the cap erratic) and a fixed mmap
     # threshold, so that freed tensors leave the address space and the cap tracks live memory.
@@ -52,7 +53,8 @@ def _run(tmp_path: Path, **cfg) -> list[dict]:
         pytest.fail(f"a rank did not finish within {TIMEOUT_S} s: the ranks hung")
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    return [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
+    return {s: [json.loads((tmp_path / f"result{r}_{s}.json").read_text()) for r in (0, 1)]
+            for s in cfg["zero_stages"]}
 
 
 def _retries(result: dict) -> list[str]:
@@ -76,32 +78,35 @@ def _check_samples(result: dict, batch: int) -> None:
         assert sorted(attempts[-1]) == list(range(start, start + local)), f"step {s}"
 
 
-@pytest.mark.parametrize("zero_stage", [3, 1])  # 3: reshard after forward; 1: gradient sync on the last micro-batch only
-def test_oom_on_one_rank_is_recovered_on_both_with_the_full_batch_weights(tmp_path: Path, zero_stage: int) -> None:
-    r0, r1 = _run(tmp_path, mode="recover", steps=2, batch=128, seq=64, planned=64, zero_stage=zero_stage)
-    assert r0["error"] is None and r1["error"] is None
-    # the calibration leaves room for a quarter of the planned micro-batch, not for all of it
-    assert r1["calibration"]["d_big"] > 2 * r1["calibration"]["d_small"]
-    # only rank 1 ran out of memory (the allocator's own error), and both ranks halved together
-    assert _retries(r1) and all("DefaultCPUAllocator" in m for m in _retries(r1))
-    assert _retries(r0) and all("on rank 1;" in m for m in _retries(r0))
-    assert len(_retries(r0)) == len(_retries(r1)) == r0["oom_retries"] == r1["oom_retries"]
-    assert r0["micro_batch_size"] == r1["micro_batch_size"] == 64 >> r0["oom_retries"] >= 16
-    for r in (r0, r1):
-        _check_samples(r, 128)
-    # The reference is one process on the whole 128-sample batch; FSDP2 averages the two ranks' 64-sample
-    # means in its reduce-scatter, which is the same mean summed in another order: fp32 reordering moves the
-    # weights by ~2e-7 relative (observed), 1e-5 allowed (as for DDP in test_recovery.py).
-    guarded, ref = torch.load(tmp_path / "guarded.pt"), torch.load(tmp_path / "reference.pt")
-    assert guarded.keys() == ref.keys()
-    for k in ref:
-        torch.testing.assert_close(guarded[k], ref[k], rtol=1e-5, atol=1e-6)
+def test_oom_on_one_rank_is_recovered_on_both_with_the_full_batch_weights(tmp_path: Path) -> None:
+    # 3: reshard after forward, gradients reduce-scattered every micro-batch; 1: no resharding, gradients
+    # accumulated unsharded and synchronised on the last micro-batch only (the reset must drop them too).
+    runs = _run(tmp_path, mode="recover", steps=2, batch=128, seq=64, planned=64, zero_stages=[3, 1])
+    ref = torch.load(tmp_path / "reference.pt")
+    for stage, (r0, r1) in runs.items():
+        assert r0["error"] is None and r1["error"] is None, stage
+        # the calibration leaves room for a quarter of the planned micro-batch, not for all of it
+        assert r1["calibration"]["d_big"] > 2 * r1["calibration"]["d_small"]
+        # only rank 1 ran out of memory (the allocator's own error), and both ranks halved together
+        assert _retries(r1) and all("DefaultCPUAllocator" in m for m in _retries(r1))
+        assert _retries(r0) and all("on rank 1;" in m for m in _retries(r0))
+        assert len(_retries(r0)) == len(_retries(r1)) == r0["oom_retries"] == r1["oom_retries"]
+        assert r0["micro_batch_size"] == r1["micro_batch_size"] == 64 >> r0["oom_retries"] >= 16
+        for r in (r0, r1):
+            _check_samples(r, 128)
+        # The reference is one process on the whole 128-sample batch; FSDP2 averages the two ranks' 64-sample
+        # means in its reduce-scatter, the same mean summed in another order: fp32 reordering moves the weights
+        # by ~2e-7 relative (observed), 1e-5 allowed (as for DDP in test_recovery.py).
+        guarded = torch.load(tmp_path / f"guarded_{stage}.pt")
+        assert guarded.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(guarded[k], ref[k], rtol=1e-5, atol=1e-6)
 
 
 def test_oom_inside_an_fsdp_all_gather_stops_every_rank_with_the_same_error(tmp_path: Path) -> None:
     # Blocks of 8 MiB unsharded, a 2 MiB budget on rank 1: the all-gather output of the first block cannot be
     # allocated, inside FSDP2's collective path, while rank 0 is already in that all-gather.
-    r0, r1 = _run(tmp_path, mode="collective", steps=1, batch=8, seq=4, planned=4, budget_mib=2)
+    r0, r1 = _run(tmp_path, mode="collective", steps=1, batch=8, seq=4, planned=4, budget_mib=2)[3]
     assert r0["error"]["type"] == r1["error"]["type"] == "OOMRecoveryError"
     assert r0["error"]["message"] == r1["error"]["message"]
     assert "inside FSDP2's all-gather of blocks.0 on rank 1" in r0["error"]["message"]
