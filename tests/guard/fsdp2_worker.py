@@ -19,7 +19,8 @@ the capped rank gets VmSize + ``budget_mib``, less than one block's all-gather o
 happens inside FSDP2's all-gather (the unrecoverable case).
 
 Config keys: ``out``, ``mode``, ``rank``, ``port``, ``steps``, ``batch`` (global), ``seq``,
-``planned``, ``zero_stages`` (one run per sharding level, in one process pair), ``cap_ranks``, ``budget_mib`` (collective mode), ``time_steps``
+``planned``, ``zero_stages`` (one run per sharding level, in one process pair), ``bug_run`` (then
+one more run in which rank 1's forward raises a KeyError), ``cap_ranks``, ``budget_mib`` (collective mode), ``time_steps``
 (uncapped steps timed for the agreement cost).
 """
 
@@ -123,8 +124,13 @@ def calibrate(model: nn.Module, batch: dict, sizes: list[int]) -> list[int]:
     return out
 
 
-def run(cfg: dict, stage: int, first: bool, messages: list, events: list) -> None:
-    """One guarded run at sharding level ``stage``; writes ``result{rank}_{stage}.json`` (and weights)."""
+def run(cfg: dict, stage: int, first: bool, messages: list, events: list, bug: bool = False) -> None:
+    """One guarded run at sharding level ``stage``; writes ``result{rank}_{stage}.json`` (and weights).
+
+    With ``bug``: no cap; rank 1 raises a KeyError in the second block's forward of the first step (a
+    bug in user code, not an OOM), while rank 0 goes on to that block's all-gather; writes
+    ``result{rank}_bug.json``.
+    """
     import torch.distributed as dist
 
     import memguard
@@ -181,14 +187,21 @@ def run(cfg: dict, stage: int, first: bool, messages: list, events: list) -> Non
         result["agreement_s"] = sorted(times)[100]
 
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if collective:
+    if bug:
+        budget = None
+        if rank == 1:
+            def user_bug(*args: object) -> None:
+                raise KeyError("a bug in user code on rank 1")
+
+            model.blocks[1].register_forward_pre_hook(user_bug)
+    elif collective:
         budget = cfg["budget_mib"] << 20
     else:
         d_small, d_big = calibrate(model, shards[0], [cfg["planned"] // 4, cfg["planned"]])
         budget = (d_small + d_big) // 2
         result["calibration"] = {"d_small": d_small, "d_big": d_big}
     dist.barrier()
-    if rank in cfg["cap_ranks"]:
+    if rank in cfg["cap_ranks"] and budget is not None:
         resource.setrlimit(resource.RLIMIT_AS, (vm_size() + budget, hard))
     t0 = time.perf_counter()
     try:
@@ -208,7 +221,7 @@ def run(cfg: dict, stage: int, first: bool, messages: list, events: list) -> Non
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         if rank == 0:
             torch.save(full, out / f"guarded_{stage}.pt")
-    (out / f"result{rank}_{stage}.json").write_text(json.dumps(result))
+    (out / f"result{rank}_{'bug' if bug else stage}.json").write_text(json.dumps(result))
 
 
 def main() -> None:
@@ -236,6 +249,8 @@ def main() -> None:
 
     for i, stage in enumerate(cfg["zero_stages"]):  # one process pair for several runs: start-up dominates
         run(cfg, stage, i == 0, messages, events)
+    if cfg.get("bug_run"):
+        run(cfg, 3, False, messages, events, bug=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no interpreter teardown: gloo's threads can deadlock at exit (see oom_worker.py)
