@@ -228,7 +228,7 @@ class ShardedRankGroup(RankGroup):
 
     def _guarded(self, original: Callable[..., Any], name: str, pg: Any) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not self._armed:
+            if not self._armed or self.world_size == 1:  # one rank: no peer to wait, an OOM here is recoverable
                 return original(*args, **kwargs)
             self._boundary()
             try:

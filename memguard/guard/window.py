@@ -23,6 +23,11 @@ them: the batches of one optimizer step form a *window* (a window of one batch f
   (:meth:`MicroBatchWindow.sync_gradients`, the protocol of :mod:`memguard.guard.distributed`) or by
   DDP's own reducer through :meth:`MicroBatchWindow.anchor` (for a framework that runs the
   backward of the loss it gets back from the training step and steps the optimizer itself).
+* Under FSDP2 (a :class:`memguard.guard.sharded.ShardedRankGroup` as the rank group) FSDP's own
+  collectives run inside forward and backward: each attempt runs with an agreement before every
+  one of them, a peer that hears of a failure leaves forward/backward there (and takes the outcome
+  from that agreement instead of agreeing again), and every rank resets FSDP2's per-step state
+  before the retry. Gradients are FSDP2's to reduce; ``sync_gradients`` is False.
 * :meth:`MicroBatchWindow.finish` closes the window and lets its batches go.
 
 Why replay instead of keeping a copy of the gradients: a copy costs one more set of gradients at
@@ -232,7 +237,8 @@ class MicroBatchWindow:
 
     Args:
         micro_batch_size: the micro-batch to start from; halved on every OOM and kept for later windows.
-        rank_group: the DDP process group (:func:`memguard.guard.distributed.rank_group_of`), or None.
+        rank_group: the DDP process group (:func:`memguard.guard.distributed.rank_group_of`), the
+            ranks of an FSDP2 model (:func:`memguard.guard.sharded.sharded_rank_group`), or None.
         sync_gradients: memguard averages the gradients itself with :meth:`sync_gradients` (the
             gradient bucket is then reserved before each batch, and the last batch of a window gives
             zero gradients to parameters only a peer used); False when DDP's reducer averages them

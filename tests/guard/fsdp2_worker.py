@@ -19,8 +19,8 @@ the capped rank gets VmSize + ``budget_mib``, less than one block's all-gather o
 happens inside FSDP2's all-gather (the unrecoverable case).
 
 Config keys: ``out``, ``mode``, ``rank``, ``port``, ``steps``, ``batch`` (global), ``seq``,
-``planned``, ``zero_stages`` (one run per sharding level, in one process pair), ``bug_run`` (then
-one more run in which rank 1's forward raises a KeyError), ``cap_ranks``, ``budget_mib`` (collective mode), ``time_steps``
+``planned``, ``zero_stages`` (one run per sharding level, in one process pair), ``bug_runs`` (then
+one run per entry, "forward" or "backward", in which rank 1 raises a KeyError there), ``cap_ranks``, ``budget_mib`` (collective mode), ``time_steps``
 (uncapped steps timed for the agreement cost).
 """
 
@@ -124,12 +124,13 @@ def calibrate(model: nn.Module, batch: dict, sizes: list[int]) -> list[int]:
     return out
 
 
-def run(cfg: dict, stage: int, first: bool, messages: list, events: list, bug: bool = False) -> None:
+def run(cfg: dict, stage: int, first: bool, messages: list, events: list, bug: str | None = None) -> None:
     """One guarded run at sharding level ``stage``; writes ``result{rank}_{stage}.json`` (and weights).
 
-    With ``bug``: no cap; rank 1 raises a KeyError in the second block's forward of the first step (a
-    bug in user code, not an OOM), while rank 0 goes on to that block's all-gather; writes
-    ``result{rank}_bug.json``.
+    With ``bug="forward"``: no cap; rank 1 raises a KeyError in the second block's forward of the first
+    step (a bug in user code, not an OOM) while rank 0 goes on to that block's all-gather; with
+    ``bug="backward"`` in the first block's backward, after the second block's reduce-scatter; writes
+    ``result{rank}_bug-{bug}.json``.
     """
     import torch.distributed as dist
 
@@ -189,7 +190,15 @@ def run(cfg: dict, stage: int, first: bool, messages: list, events: list, bug: b
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if bug:
         budget = None
-        if rank == 1:
+        if rank == 1 and bug == "backward":  # in block 0's backward, after block 1's reduce-scatter
+            def user_bug_in_backward(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+                def fail(grad: torch.Tensor) -> None:
+                    raise KeyError("a bug in user code on rank 1, in backward")
+
+                output.register_hook(fail)
+
+            model.blocks[0].register_forward_hook(user_bug_in_backward)
+        elif rank == 1:
             def user_bug(*args: object) -> None:
                 raise KeyError("a bug in user code on rank 1")
 
@@ -221,7 +230,7 @@ def run(cfg: dict, stage: int, first: bool, messages: list, events: list, bug: b
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         if rank == 0:
             torch.save(full, out / f"guarded_{stage}.pt")
-    (out / f"result{rank}_{'bug' if bug else stage}.json").write_text(json.dumps(result))
+    (out / f"result{rank}_{'bug-' + bug if bug else stage}.json").write_text(json.dumps(result))
 
 
 def main() -> None:
@@ -249,8 +258,8 @@ def main() -> None:
 
     for i, stage in enumerate(cfg["zero_stages"]):  # one process pair for several runs: start-up dominates
         run(cfg, stage, i == 0, messages, events)
-    if cfg.get("bug_run"):
-        run(cfg, 3, False, messages, events, bug=True)
+    for where in cfg.get("bug_runs", []):
+        run(cfg, 3, False, messages, events, bug=where)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no interpreter teardown: gloo's threads can deadlock at exit (see oom_worker.py)

@@ -53,7 +53,7 @@ def _run(tmp_path: Path, **cfg) -> dict[int, list[dict]]:
         pytest.fail(f"a rank did not finish within {TIMEOUT_S} s: the ranks hung")
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    runs = cfg["zero_stages"] + (["bug"] if cfg.get("bug_run") else [])
+    runs = cfg["zero_stages"] + [f"bug-{w}" for w in cfg.get("bug_runs", [])]
     return {s: [json.loads((tmp_path / f"result{r}_{s}.json").read_text()) for r in (0, 1)] for s in runs}
 
 
@@ -81,13 +81,16 @@ def _check_samples(result: dict, batch: int) -> None:
 def test_a_failing_rank_never_hangs_and_an_oom_is_recovered_with_the_full_batch_weights(tmp_path: Path) -> None:
     # 3: reshard after forward, gradients reduce-scattered every micro-batch; 1: no resharding, gradients
     # accumulated unsharded and synchronised on the last micro-batch only (the reset must drop them too).
-    runs = _run(tmp_path, mode="recover", steps=2, batch=128, seq=64, planned=64, zero_stages=[3, 1], bug_run=True)
-    # A KeyError in rank 1's second block (not an OOM): rank 1 raises it, rank 0, which went on to that block's
-    # all-gather, leaves forward at the agreement before it and raises PeerFailedError naming rank 1; no hang.
-    b0, b1 = runs.pop("bug")
-    assert b1["error"]["type"] == "KeyError" and "rank 1" in b1["error"]["message"]
-    assert b0["error"]["type"] == "PeerFailedError" and b0["error"]["rank"] == 1
-    assert b0["losses"] == b1["losses"] == []
+    runs = _run(tmp_path, mode="recover", steps=2, batch=128, seq=64, planned=64, zero_stages=[3, 1],
+                bug_runs=["forward", "backward"])
+    # A KeyError on rank 1 (not an OOM) in the second block's forward, or in the first block's backward: rank 1
+    # raises it; rank 0, which went on to FSDP2's next collective, leaves forward/backward at the agreement
+    # before it and raises PeerFailedError naming rank 1. No hang, and no step taken.
+    for where in ("forward", "backward"):
+        b0, b1 = runs.pop(f"bug-{where}")
+        assert b1["error"]["type"] == "KeyError" and "rank 1" in b1["error"]["message"]
+        assert b0["error"]["type"] == "PeerFailedError" and b0["error"]["rank"] == 1
+        assert b0["losses"] == b1["losses"] == []
     ref = torch.load(tmp_path / "reference.pt")
     for stage, (r0, r1) in runs.items():
         assert r0["error"] is None and r1["error"] is None, stage
