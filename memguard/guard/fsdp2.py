@@ -41,8 +41,8 @@ from memguard.guard.distributed import RankGroup
 from memguard.guard.sharded import fsdp_states, is_fsdp_model, sharded_rank_group
 from memguard.planner.plan import Plan
 
-__all__ = ["prepare_fsdp2", "FSDP2Guard", "constraints_for", "fsdp2_constraints", "FSDPSetupError", "shard", "shard_layout",
-           "stage_settings", "PRECISION_DTYPES"]
+__all__ = ["prepare_fsdp2", "FSDP2Guard", "constraints_for", "fsdp2_constraints", "FSDPSetupError", "shard",
+           "shard_layout", "stage_settings", "PRECISION_DTYPES"]
 
 logger = logging.getLogger("memguard")
 
@@ -193,7 +193,8 @@ def fsdp2_constraints(*, zero_stages: tuple[int, ...] = (3, 2, 1), precisions: t
 def constraints_for(model: nn.Module, world_size: int) -> Constraints:
     """The constraints of an already sharded FSDP2 ``model``: its own sharding level and precision."""
     states = fsdp_states(model)
-    groups = [g for s in states for g in s._fsdp_param_groups]
+    # the blocks' groups decide (fully_shard's default keeps the root's parameters after forward)
+    groups = [g for s in states[1:] for g in s._fsdp_param_groups] or [g for s in states for g in s._fsdp_param_groups]
     # FSDPParamGroup.post_forward_mesh_info is None when reshard_after_forward is False (_fsdp_param_group.py).
     reshards = {g.post_forward_mesh_info is not None for g in groups} if groups else {True}
     stages = (3,) if reshards == {True} else (2, 1)
@@ -254,8 +255,9 @@ class FSDP2Guard(Guard):
             from memguard.guard.core import _blocks_for
 
             blocks = _blocks_for(self.module, activation_checkpointing)
-            layout = SimpleNamespace(zero_stage=3, precision=precision or "32-true", activation_checkpointing=blocks > 0,
-                                     checkpoint_blocks=blocks, offload_optimizer=False, world_size=self.world_size)
+            layout = SimpleNamespace(zero_stage=3, precision=precision or "32-true",
+                                     activation_checkpointing=blocks > 0, checkpoint_blocks=blocks,
+                                     offload_optimizer=False, world_size=self.world_size)
         if not self.sharded:
             module = self.module
             if optimizer is not None and len(optimizer.state) > 0:
@@ -289,7 +291,8 @@ def prepare_fsdp2(first: Any, second: Any, *, plan: Plan | None, micro_batch_siz
                   global_batch_size: int | None, example_batch: Any, loss_fn: LossFn | None, max_retries: int,
                   probe_up_after: int | None, grad_scaler: Any, plan_options: dict[str, Any],
                   mesh: Any = None) -> tuple[Any, Any]:
-    """``memguard.prepare(first, second, strategy="fsdp2", ...)`` (see :func:`memguard.prepare` and the module docstring).
+    """``memguard.prepare(first, second, strategy="fsdp2", ...)``: see :func:`memguard.prepare` and the module
+    docstring.
 
     Raises:
         ConfigError: bad arguments (every problem listed): no process group, a DDP or DeepSpeed

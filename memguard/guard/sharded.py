@@ -65,8 +65,8 @@ Known limitations:
     The agreements are armed only inside :func:`memguard.step`; FSDP collectives outside it (an
     evaluation loop, a ``state_dict`` call) run as FSDP runs them. Explicit forward prefetching
     (``set_modules_to_forward_prefetch``) and custom all-gather/reduce-scatter hooks are covered
-    (they go through ``unshard``/``post_backward``); HSDP's extra all-reduce also runs inside
-    ``post_backward``, after its agreement.
+    (they go through ``unshard``/``post_backward``). HSDP (a 2-D mesh: FSDP2 all-reduces over the
+    replicas inside ``post_backward``) is refused: the agreement covers one mesh dimension.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memguard.errors import OOMRecoveryError, PeerFailedError
-from memguard.guard.distributed import ERROR, OK, OOM, RankGroup
+from memguard.guard.distributed import OK, RankGroup
 from memguard.guard.oom import is_oom_error, oom_summary
 
 __all__ = ["ShardedRankGroup", "PeerAbort", "ShardingStopped", "sharded_rank_group", "fsdp_states", "is_fsdp_model"]
@@ -168,7 +168,6 @@ class ShardedRankGroup(RankGroup):
     _mbs: int = 0
     _buf: Any = None
     _installed: bool = False
-    _generation: int = 0
 
     # ---------------------------------------------------------------------------------- agreement
 
@@ -282,7 +281,7 @@ class ShardedRankGroup(RankGroup):
     # ---------------------------------------------------------------------------------- stopping
 
     def _store_key(self) -> str:
-        return f"{_STORE_PREFIX}{self._generation}"
+        return f"{_STORE_PREFIX}{self.src}"  # one key per group (a stop ends training in this process)
 
     def stop(self, exc: BaseException, where: str) -> BaseException:
         """Record ``exc`` in the store and tear the process groups down; the error this rank raises.
@@ -372,6 +371,11 @@ def sharded_rank_group(model: nn.Module, *, sync_last_only: bool = False) -> Sha
     groups = {id(pg._all_gather_process_group): pg._all_gather_process_group
               for pg in _param_groups(states)} if _param_groups(states) else {}
     pgs = list(groups.values())
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+    if any(isinstance(pg.mesh_info, DDPMeshInfo) for pg in _param_groups(states)):
+        raise ConfigError("the model is sharded over a 2-D mesh (HSDP) or replicated; memguard recovers from OOM "
+                          "under FSDP2 over one mesh dimension only (fully_shard(..., mesh=1-D mesh))")
     if len(pgs) > 1:
         raise ConfigError("the model's FSDP2 groups use different process groups; memguard recovers from OOM on "
                           "models sharded over one mesh dimension only")
@@ -397,4 +401,3 @@ def sharded_rank_group(model: nn.Module, *, sync_last_only: bool = False) -> Sha
     return rg
 
 
-__all__ += ["ERROR", "OOM", "OK"]

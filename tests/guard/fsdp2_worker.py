@@ -20,8 +20,9 @@ happens inside FSDP2's all-gather (the unrecoverable case).
 
 Config keys: ``out``, ``mode``, ``rank``, ``port``, ``steps``, ``batch`` (global), ``seq``,
 ``planned``, ``zero_stages`` (one run per sharding level, in one process pair), ``bug_runs`` (then
-one run per entry, "forward" or "backward", in which rank 1 raises a KeyError there), ``cap_ranks``, ``budget_mib`` (collective mode), ``time_steps``
-(uncapped steps timed for the agreement cost).
+one run per entry, "forward" or "backward", in which rank 1 raises a KeyError there),
+``cap_ranks``, ``budget_mib`` (collective mode), ``time_steps`` (uncapped steps timed for the
+agreement cost, with and without the agreements, interleaved).
 """
 
 from __future__ import annotations
