@@ -175,8 +175,8 @@ class ShardedRankGroup(RankGroup):
         """One agreement (all-reduce MAX of every rank's code and ``values``) on the agreement group.
 
         Raises:
-            ShardingStopped: the agreement failed because a peer tore the process groups down (or any
-                other communication failure): the error every rank raises.
+            ShardingStopped: the agreement failed: a peer tore the process groups down (its recorded
+                error), or this rank could not take part (it then tears them down itself, see :meth:`stop`).
         """
         n = self.world_size + len(values)
         buf = self._buf
@@ -188,8 +188,11 @@ class ShardedRankGroup(RankGroup):
             buf[self.world_size + i] = int(v)
         try:
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
-        except Exception as exc:  # a torn-down peer: read what it left in the store
-            raise ShardingStopped(self.stopped_error(exc)) from exc
+        except Exception as exc:
+            if self.peer_stopped():  # a torn-down peer: read what it left in the store
+                raise ShardingStopped(self.stopped_error(exc)) from exc
+            # this rank's own failure (e.g. no memory left for the all-reduce): peers may wait in it
+            raise ShardingStopped(self.stop(exc, "memguard's agreement before an FSDP2 collective")) from exc
         self.agreements += 1
         out = buf.tolist()
         return out[: self.world_size], out[self.world_size:]
@@ -238,7 +241,8 @@ class ShardedRankGroup(RankGroup):
                 if self.peer_stopped():  # the collective failed because a peer tore the groups down
                     raise ShardingStopped(self.stopped_error(exc)) from exc
                 what = "all-gather" if name == "unshard" else "reduce-scatter"
-                raise ShardingStopped(self.stop(exc, f"{what} of {getattr(pg, '_module_fqn', None) or 'a group'}"))
+                where = f"FSDP2's {what} of {getattr(pg, '_module_fqn', None) or 'a group'}"
+                raise ShardingStopped(self.stop(exc, where)) from exc
         call.__wrapped__ = original  # type: ignore[attr-defined]
         return call
 
@@ -290,14 +294,14 @@ class ShardedRankGroup(RankGroup):
         """
         if is_oom_error(exc):
             payload = {"type": "OOMRecoveryError",
-                       "message": f"out of memory inside FSDP2's {where} on rank {self.rank} ({oom_summary(exc)}); "
+                       "message": f"out of memory inside {where} on rank {self.rank} ({oom_summary(exc)}); "
                        "an allocation failure inside a collective cannot be recovered without the ranks' "
                        "collectives going out of step, so every rank stops and the process groups are torn "
                        "down. Restart the job with a smaller micro_batch_size (or activation checkpointing, or "
                        "reshard_after_forward=True)", "rank": self.rank}
         else:
             payload = {"type": "PeerFailedError",
-                       "message": f"rank {self.rank} failed inside FSDP2's {where} with {type(exc).__name__}: {exc} "
+                       "message": f"rank {self.rank} failed inside {where} with {type(exc).__name__}: {exc} "
                        "(see that rank's log); the process groups are torn down so that no rank waits forever",
                        "rank": self.rank}
         try:
