@@ -41,8 +41,10 @@ number of times, in the same order):
    peers' pending collectives fail at once (gloo: "Connection closed by peer"), memguard reads the
    store and every rank raises the same :class:`memguard.OOMRecoveryError` (or, for an error that
    is not an OOM, the failing rank its own error and the others :class:`memguard.PeerFailedError`).
-   Training cannot go on in that process: the process groups are gone; restart the job (with a
-   smaller micro-batch: the error says which).
+   Training cannot go on in that process: the process groups are gone; restart the job with a
+   smaller micro-batch (or more sharding, or activation checkpointing). A peer that dies outright
+   (killed by the operating system's OOM killer) closes its connections too: the others' next
+   agreement or collective fails at once and they raise :class:`memguard.PeerFailedError`.
 
 Where the agreement runs. With a gloo process group, on the FSDP group itself. With NCCL (or any
 other backend) on a gloo group over the same ranks, created once by :func:`sharded_rank_group`:
@@ -57,16 +59,19 @@ plus one that ends the attempt. Measured on 2 gloo ranks sharing one busy 2-core
 micro-batches, medians of 15 interleaved steps): 45 agreements per step, 0.8 ms each, and a step of
 0.435 s against 0.420 s with the same agreements skipped (+3.5%). The agreements run on the host,
 between FSDP's own collectives, and keep the ranks in step at each boundary: a rank cannot run
-ahead of a slow peer by more than one group, which FSDP's all-gathers mostly impose anyway. On
-GPUs the relative cost is larger where a step is short (tens of microseconds per agreement over
-gloo between hosts against compute that no longer hides it).
+ahead of a slow peer by more than one group, which FSDP's all-gathers mostly impose anyway. Not
+measured on GPUs here: there the compute per group is shorter, so the same host round trips weigh
+more.
 
 Known limitations:
     The agreements are armed only inside :func:`memguard.step`; FSDP collectives outside it (an
     evaluation loop, a ``state_dict`` call) run as FSDP runs them. Explicit forward prefetching
     (``set_modules_to_forward_prefetch``) and custom all-gather/reduce-scatter hooks are covered
     (they go through ``unshard``/``post_backward``). HSDP (a 2-D mesh: FSDP2 all-reduces over the
-    replicas inside ``post_backward``) is refused: the agreement covers one mesh dimension.
+    replicas inside ``post_backward``) is refused: the agreement covers one mesh dimension. The
+    protocol relies on every rank calling FSDP's collectives in the same order, as FSDP2 itself
+    does; collectives the training code starts itself (a metric all-reduced inside the loss
+    function) are not covered and can still hang when a peer fails before them.
 """
 
 from __future__ import annotations
