@@ -552,20 +552,21 @@ def finetune_variant(model: nn.Module, request: Any, finetune: str | None = None
     return FinetuneVariant(variant, new_request, _lora_reason(variant, base_dtype))
 
 
-def _measure(model: nn.Module, batch: Any, request: Any) -> tuple[int | None, Any]:
-    """(predicted peak, plan or None) of ``model`` under ``request``, by memguard's planner."""
+def _measure(model: nn.Module, batch: Any, request: Any, planner: Any = None) -> tuple[int | None, Any]:
+    """(predicted peak, plan or None) of ``model`` under ``request``, by memguard's planner (``planner``:
+    one whose traces fit the request, to reuse them)."""
     from memguard.planner.search import plan_request
 
     try:
-        plan = plan_request(model, batch, request)
+        plan = plan_request(model, batch, request, planner=planner)
     except InfeasiblePlanError as exc:
         closest = exc.closest
         return (closest.estimate.peak_bytes if closest is not None else None), None
     return plan.estimate.peak_bytes, plan
 
 
-def alternatives(model: nn.Module, batch: Any, request: Any, *,
-                 only: Sequence[str] | None = None) -> list[Alternative]:
+def alternatives(model: nn.Module, batch: Any, request: Any, *, only: Sequence[str] | None = None,
+                 planner: Any = None) -> list[Alternative]:
     """Measured ways to make a fine-tune of ``model`` fit ``request``'s budget, smallest peak first.
 
     Each alternative is planned with memguard's planner (probes, then one full trace of the chosen
@@ -579,6 +580,9 @@ def alternatives(model: nn.Module, batch: Any, request: Any, *,
         batch: the example micro-batch.
         request: the :class:`~memguard.planner.request.PlanRequest` that did not fit.
         only: names to measure (default: all that apply), e.g. ``("lora", "adamw8bit")``.
+        planner: the :class:`~memguard.planner.search.Planner` of the search that did not fit, to reuse
+            its traces (``bf16-true`` and CPU offload trace the same model and optimizer); default: a new
+            one, shared by those two.
 
     Returns:
         One :class:`Alternative` per applicable knob, those that fit first, then by predicted peak.
@@ -612,7 +616,7 @@ def alternatives(model: nn.Module, batch: Any, request: Any, *,
             out.append(Alternative("lora", change, None, False, f"not measured: {exc}"))
         else:
             peak, plan = _measure(variant.model, batch, _plain_request(variant.request))
-            out.append(Alternative("lora", change, peak, plan is not None, variant.reason))
+            out.append(Alternative("lora", change, peak, plan is not None, variant.reason, plan))
     if want("qlora") and not peft_model and _target_names(model):
         variant_model = qlora_model(model, compute_dtype=base16)
         req = _plain_request(request, optimizer=_trainable_factory(request.optimizer), precision=precision)
@@ -624,7 +628,7 @@ def alternatives(model: nn.Module, batch: Any, request: Any, *,
             peak, plan is not None,
             "base weights modelled at NF4's bytes (0.5 byte/weight + absmax per 64, double-quantised; "
             "arXiv 2305.14314), dequantised per layer in forward and backward as bitsandbytes does; "
-            "bitsandbytes itself is not traced"))
+            "bitsandbytes itself is not traced", plan))
     opt = request.optimizer
     adam_like = opt is None or isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)) or opt in (
         torch.optim.AdamW, torch.optim.Adam)
@@ -643,16 +647,23 @@ def alternatives(model: nn.Module, batch: Any, request: Any, *,
             "Adam moments in 8 bits with an fp32 scale per 2048 values (2 bytes/param + 0.4%, vs 8; "
             "bitsandbytes/optim/optimizer.py, arXiv 2110.02861); PagedAdamW8bit: same bytes, but moments "
             "of tensors >= 1e5 elements sit in CUDA unified memory that the driver pages to host under "
-            "pressure (slower, not an OOM), counted here on the device"))
+            "pressure (slower, not an OOM), counted here on the device", plan))
+    from memguard.planner.search import Planner
+
+    plain = _plain_request(request)
+    if planner is None or planner.mismatches(model, batch, plain):
+        planner = Planner.for_request(model, batch, plain)
     bf16_ok = spec is None or spec.bf16
     if want("bf16-true") and bf16_ok and "bf16-true" not in space.precisions:
-        peak, plan = _measure(model, batch, _plain_request(request, precision="bf16-true"))
+        peak, plan = _measure(model, batch, _plain_request(request, precision="bf16-true"), planner)
         out.append(Alternative("bf16-true", "precision='bf16-true' (weights, gradients and optimizer state in "
-                               "bf16: model.to(torch.bfloat16))", peak, plan is not None, BF16_TRUE_NOTE))
+                               "bf16: model.to(torch.bfloat16))", peak, plan is not None, BF16_TRUE_NOTE, plan))
     if want("cpu-offload") and True not in space.offloads:
         zeros = tuple(z for z in space.zero_stages if z >= 1) or ((1, 2) if request.world_size == 1 else (1, 2, 3))
+        # ZeRO >= 1 traces *-mixed as *-true (memguard.estimator.api.traced_precision): the
+        # bf16-true alternative's traces serve here too
         peak, plan = _measure(model, batch, _plain_request(request, offload_optimizer=True, zero_stage=zeros,
-                                                          precision=precision))
+                                                          precision=precision), planner)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         out.append(Alternative(
             "cpu-offload", "DeepSpeed ZeRO-Offload: offload_optimizer=True with ZeRO stage 1 or 2 "
@@ -660,7 +671,7 @@ def alternatives(model: nn.Module, batch: Any, request: Any, *,
             # ZeRO-Offload (arXiv 2101.06840): fp32 parameters, momentum and variance
             # (12 bytes/param) and the fp16 gradients (2 bytes/param) live in host memory
             f"needs about {format_bytes(14 * trainable // max(request.world_size, 1))} of host memory "
-            "per rank (14 bytes/param, arXiv 2101.06840) and runs the optimizer step on the CPU"))
+            "per rank (14 bytes/param, arXiv 2101.06840) and runs the optimizer step on the CPU", plan))
     out.sort(key=lambda a: (not a.fits, a.predicted_peak_bytes is None, a.predicted_peak_bytes or 0))
     return out
 
