@@ -23,27 +23,31 @@ SEQ_LEN = 512
 GLOBAL_BATCH = 8
 
 
-def llama2_7b_meta() -> torch.nn.Module:
+def llama2_7b_meta(layers: int = 32) -> torch.nn.Module:
     """Llama-2-7B's architecture (its config.json: 4096 hidden, 11008 MLP, 32 layers and heads,
-    32000 tokens) with weights on ``meta``."""
+    32000 tokens) with weights on ``meta``; ``layers`` cuts it down (for tests)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
                          num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 
 
-def run(seq_len: int = SEQ_LEN, global_batch_size: int = GLOBAL_BATCH, gpu: str = GPU):
-    """Plan the full fine-tune; return (the plan or the InfeasiblePlanError, the measured alternatives)."""
-    model = llama2_7b_meta()
+def run(*, layers: int = 32, seq_len: int = SEQ_LEN, global_batch_size: int = GLOBAL_BATCH, gpu: str = GPU,
+        only=None, **options):
+    """Plan the full fine-tune; return (the plan or the InfeasiblePlanError, the measured alternatives).
+
+    ``only`` limits the alternatives measured (names as in :func:`memguard.planner.finetune.alternatives`);
+    ``options`` are more :func:`memguard.plan` options (e.g. ``budget_bytes``)."""
+    model = llama2_7b_meta(layers)
     ids = torch.zeros(1, seq_len, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}
-    request = PlanRequest(global_batch_size=global_batch_size, gpu=gpu)
+    request = PlanRequest(global_batch_size=global_batch_size, gpu=gpu, **options)
     try:
         return memguard.plan(model, batch, **request.options()), []
     except memguard.InfeasiblePlanError as exc:
-        return exc, alternatives(model, batch, request)
+        return exc, alternatives(model, batch, request, only=only)
 
 
 def main() -> None:

@@ -242,3 +242,31 @@ def test_alternatives_when_a_full_finetune_does_not_fit():
 def test_finetune_problems():
     assert ft.finetune_problems(None) == [] and ft.finetune_problems("lora") == []
     assert "must be None" in ft.finetune_problems("LoRA")[0]
+
+
+def test_finetune_7b_example_core():
+    """examples/finetune_7b.py's core, on 2 of Llama-2-7B's 32 layers (full width: 4096 hidden, 32000
+    vocabulary) with a 6 GiB budget, so that it runs in CI time: the figures must make sense."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "finetune_7b.py"
+    spec = importlib.util.spec_from_file_location("finetune_7b_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    budget = 6 << 30
+    result, alts = example.run(layers=2, budget_bytes=budget, precision="bf16-mixed",
+                               activation_checkpointing=False, only=("lora", "adamw8bit"))
+    # 2 layers + embeddings + head = 0.67B parameters; a full AdamW fine-tune keeps ~16 bytes each
+    # (ZeRO paper, arXiv 1910.02054): ~10.7 GB of model states alone, over the 6 GiB budget
+    assert isinstance(result, memguard.InfeasiblePlanError)
+    full_peak = result.closest.estimate.peak_bytes
+    assert full_peak > 16 * 0.67e9 * 0.95
+    by_name = {a.name: a for a in alts}
+    lora, eight = by_name["lora"], by_name["adamw8bit"]
+    # LoRA: bf16 base (2 bytes x 0.67B = 1.3 GB) and 0.3% trainable: fits where the full one does not
+    assert lora.fits and lora.predicted_peak_bytes < budget
+    assert 2 * 0.67e9 < lora.predicted_peak_bytes < full_peak / 2
+    # 8-bit AdamW saves 6 of the 16 bytes per parameter (moments 8 -> 2), ~4 GB here: lower than the
+    # full fine-tune, still more than the budget
+    assert not eight.fits
+    assert full_peak - eight.predicted_peak_bytes > 0.8 * 6 * 0.67e9
