@@ -328,21 +328,21 @@ def nf4_weight_bytes(numel: int, *, double_quant: bool = True) -> int:
 
 
 class _DequantMatmul(torch.autograd.Function):
-    """``linear(x, dequantise(W))`` that keeps only the packed weight for backward, as bitsandbytes'
-    ``MatMul4Bit`` does (bitsandbytes/autograd/_functions.py: forward ``linear(A, dequantize_4bit(B))``;
-    backward dequantises again for ``grad_A = grad_output @ W``). The dequantised weight is a
-    temporary of the compute dtype in both passes."""
+    """``linear(x, dequantise(W))`` that keeps the input and the packed weight for backward, as
+    bitsandbytes' ``MatMul4Bit`` does (bitsandbytes/autograd/_functions.py: forward ``linear(A,
+    dequantize_4bit(B))``, ``ctx.tensors = (A, B)``; backward dequantises again for ``grad_A =
+    grad_output @ W``). The dequantised weight is a temporary of the compute dtype in both passes."""
 
     @staticmethod
     def forward(ctx, x, packed, absmax, absmax2, shape, dtype):
-        ctx.save_for_backward(packed, absmax, absmax2)
+        ctx.save_for_backward(x, packed, absmax, absmax2)
         ctx.shape, ctx.wdtype = shape, dtype
         w = _nf4_dequantize(packed, absmax, absmax2, shape, x.dtype)
         return torch.nn.functional.linear(x, w)
 
     @staticmethod
     def backward(ctx, grad_out):
-        packed, absmax, absmax2 = ctx.saved_tensors
+        _, packed, absmax, absmax2 = ctx.saved_tensors
         w = _nf4_dequantize(packed, absmax, absmax2, ctx.shape, grad_out.dtype)
         return grad_out @ w, None, None, None, None, None
 
@@ -628,7 +628,8 @@ def alternatives(model: nn.Module, batch: Any, request: Any, *, only: Sequence[s
             peak, plan is not None,
             "base weights modelled at NF4's bytes (0.5 byte/weight + absmax per 64, double-quantised; "
             "arXiv 2305.14314), dequantised per layer in forward and backward as bitsandbytes does; "
-            "bitsandbytes itself is not traced", plan))
+            "bitsandbytes itself is not traced; peft's prepare_model_for_kbit_training would also upcast "
+            "the non-quantised weights (embeddings, norms, output layer) to fp32, not counted here", plan))
     opt = request.optimizer
     adam_like = opt is None or isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)) or opt in (
         torch.optim.AdamW, torch.optim.Adam)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-import math
+import json
 import sys
 from pathlib import Path
 
@@ -224,6 +224,7 @@ def test_alternatives_when_a_full_finetune_does_not_fit():
         assert a.predicted_peak_bytes is not None and a.fits == (a.plan is not None)
         assert a.fits == (a.predicted_peak_bytes <= usable)
         assert a.line(usable).startswith(a.name + ":")
+        assert json.loads(json.dumps(a.to_dict()))["name"] == a.name  # plain data, JSON-ready
     # LoRA: frozen bf16 base, no base gradients or moments: fits, well under the full fine-tune
     assert alts["lora"].fits and alts["lora"].predicted_peak_bytes < full_peak
     assert alts["lora"].plan.estimate.peak_bytes <= alts["lora"].plan.usable_bytes
