@@ -376,11 +376,15 @@ class NF4Linear(nn.Module):
     """A frozen linear layer with 4-bit NormalFloat weights: the bytes of bitsandbytes' ``Linear4bit``
     (``quant_type="nf4"``, ``compress_statistics=True``), traceable on fake tensors.
 
-    bitsandbytes is not a dependency of memguard; its ``Linear4bit`` needs CUDA (or its own CPU
-    kernels) to quantise at ``.to(device)``, so memguard models it: ``packed`` (uint8, two codes per
-    byte), ``absmax`` (uint8, one per 64 weights) and ``absmax2`` (fp32, one per 256 absmax values)
-    are buffers, and the forward dequantises into a temporary of the input's dtype, as bitsandbytes'
-    ``MatMul4Bit`` does. Built from an ``nn.Linear`` on ``meta`` by :func:`qlora_model`.
+    bitsandbytes is not a dependency of memguard (and was not installed where this was written, so
+    tracing its ``Linear4bit`` could not be tried). Its recent releases register fake kernels for the
+    4-bit ops (bitsandbytes/_ops.py: ``register_fake`` for ``dequantize_4bit``, ``gemm_4bit``), so
+    the real layer may trace where it is installed, but its weights are quantised when moved to a
+    device (``Params4bit``), which a ``meta`` model never is. memguard therefore models the layer:
+    ``packed`` (uint8, two codes per byte), ``absmax`` (uint8, one per 64 weights) and ``absmax2``
+    (fp32, one per 256 absmax values) are buffers, and the forward dequantises into a temporary of the
+    input's dtype, as bitsandbytes' ``MatMul4Bit`` does. Built from an ``nn.Linear`` on ``meta`` by
+    :func:`qlora_model`.
 
     Known limitations:
         The absmax values are stored as plain scales (a uint8 code times its block's fp32 scale),
@@ -502,13 +506,13 @@ def _trainable_factory(optimizer: Any) -> Any:
 def _lora_reason(model: nn.Module, base_dtype: torch.dtype | None, what: str = "LoRA") -> str:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    names = lora_target_modules_of(model)
+    names = _adapted_names(model)
     dtype = str(base_dtype).replace("torch.", "") if base_dtype is not None else "their dtype"
     return (f"{what} r={LORA_RANK} on {', '.join(names)}: {trainable:,} trainable of {total:,} parameters "
             f"({100 * trainable / max(total, 1):.2f}%), base weights frozen in {dtype}")
 
 
-def lora_target_modules_of(model: nn.Module) -> tuple[str, ...]:
+def _adapted_names(model: nn.Module) -> tuple[str, ...]:
     """The leaf names of the layers a (peft or memguard) LoRA model adapts."""
     names = set()
     for name, mod in model.named_modules():
@@ -592,7 +596,6 @@ def alternatives(model: nn.Module, batch: Any, request: Any, *, only: Sequence[s
     """
     space = request.resolve()
     spec = space.spec
-    usable = space.usable_bytes
     model = unwrap_model(model)
     wanted = set(only) if only is not None else None
     out: list[Alternative] = []
