@@ -90,7 +90,7 @@ NF4_DOUBLE_QUANT_BLOCK = 256
 
 #: The numerics of ``bf16-true`` in one line. bfloat16 has 8 significant bits (7 stored + 1 implicit),
 #: so round-to-nearest drops an update smaller than half a unit in the last place, about 2^-8 of the
-#: weight (Zamirai et al. 2020, "Revisiting BFloat16 Training", arXiv 2010.06192, section 3).
+#: weight (Zamirai et al. 2020, "Revisiting BFloat16 Training", arXiv 2010.06192).
 BF16_TRUE_NOTE = (
     "pure bf16 weights keep 8 significant bits: an update smaller than ~2^-8 of a weight rounds away "
     "(arXiv 2010.06192), so small learning rates stall; keep fp32 master weights (bf16-mixed), or use "
