@@ -82,6 +82,11 @@ def use_accelerate():
     model = torch.nn.Linear(2, 2)
     accelerate.prepare(object(), model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=1)
 
+def use_peft():
+    import torch
+    from memguard.planner.finetune import lora_model
+    lora_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+
 def use_deepspeed():
     from memguard import Estimate, Plan
     from memguard.integrations.deepspeed import to_config
@@ -98,6 +103,7 @@ attempt("hf", ["transformers"], use_hf)
 attempt("transformers_without_accelerate", ["accelerate"], use_transformers)
 attempt("lightning", ["lightning", "lightning.pytorch", "pytorch_lightning"], use_lightning)
 attempt("accelerate", ["accelerate"], use_accelerate)
+attempt("peft", ["peft"], use_peft)
 attempt("deepspeed", ["deepspeed"], use_deepspeed)
 print(json.dumps(results))
 '''
@@ -111,7 +117,7 @@ def test_missing_frameworks_raise_with_the_pip_line():
     results = json.loads(out.stdout.strip().splitlines()[-1])
     expected_extra = {"transformers": "transformers", "hf": "transformers",
                       "transformers_without_accelerate": "transformers", "lightning": "lightning",
-                      "accelerate": "accelerate"}
+                      "accelerate": "accelerate", "peft": "peft"}
     for case, extra in expected_extra.items():
         got = results[case]
         assert got is not None, case
