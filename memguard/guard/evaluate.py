@@ -39,7 +39,7 @@ from memguard.batch import batch_size, call_model, map_tensors, tensor_leaves
 from memguard.errors import ConfigError, OOMRecoveryError
 from memguard.guard.oom import free_memory, is_oom_error, oom_summary, release_exception
 
-__all__ = ["evaluate", "split_eval", "combine_outputs", "EvalStatus", "eval_status", "shape_signature"]
+__all__ = ["evaluate", "split_eval", "step_in_micro_batches", "combine_outputs", "EvalStatus", "eval_status", "shape_signature"]
 
 log = logging.getLogger("memguard")
 
@@ -179,6 +179,48 @@ def split_eval(
         return results[0]
     merged = combine(results, weights) if combine is not None else combine_outputs(results, weights)
     return merged
+
+
+def step_in_micro_batches(
+    user_step: Callable[..., Any],
+    batch: Any,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    state: EvalStatus,
+    before_micro: Callable[[Any], None] | None = None,
+    micro_batch_size: int | None = None,
+    max_retries: int | None = None,
+) -> Any:
+    """A framework's evaluation step (``validation_step(batch, batch_idx)``) run on micro-batches.
+
+    What the Lightning callback's validation and test hooks call in place of the user's step: the
+    framework has already set the grad mode and ``eval()``; ``user_step(micro, *args, **kwargs)``
+    runs per micro-batch, its return values merged by :func:`combine_outputs` (None stays None).
+
+    Args:
+        user_step: the user's step.
+        batch: the evaluation batch the framework passed.
+        args, kwargs: the step's other arguments (``batch_idx``, ``dataloader_idx``).
+        state: the model's :class:`EvalStatus` (:func:`eval_status`).
+        before_micro: called with each micro-batch before the step, e.g. to make the framework's
+            logging weight a logged mean by the micro-batch's size.
+        micro_batch_size, max_retries: as for :func:`split_eval`.
+
+    Returns:
+        The merged return value of the step.
+
+    Raises:
+        As :func:`split_eval`.
+    """
+    kwargs = dict(kwargs or {})
+
+    def run(micro: Any) -> Any:
+        if before_micro is not None:
+            before_micro(micro)
+        return user_step(micro, *args, **kwargs)
+
+    return split_eval(batch, run, state=state, micro_batch_size=micro_batch_size, max_retries=max_retries)
 
 
 @contextlib.contextmanager

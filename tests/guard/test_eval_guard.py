@@ -19,7 +19,14 @@ import torch
 from torch import nn
 
 from memguard.errors import ConfigError, OOMRecoveryError
-from memguard.guard.evaluate import EvalStatus, combine_outputs, eval_status, evaluate, split_eval
+from memguard.guard.evaluate import (
+    EvalStatus,
+    combine_outputs,
+    eval_status,
+    evaluate,
+    split_eval,
+    step_in_micro_batches,
+)
 
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes"
 
@@ -189,3 +196,27 @@ def test_real_oom_validation_batch_8x_training(tmp_path):
     assert len(r["guarded_losses"]) == 2
     for g, ref in zip(r["guarded_losses"], r["ref_losses"], strict=True):
         assert g == pytest.approx(ref, rel=1e-6)
+
+
+def test_framework_step_in_micro_batches():
+    # a validation_step that "logs" a mean weighted by the batch the framework believes is current,
+    # as Lightning's epoch-level self.log does (logger_connector/result.py: value * batch_size)
+    model, batch = Classifier(), data()
+    model.eval()
+    model.limit = 16
+    logged: list[tuple[float, int]] = []
+    current = {}
+
+    def validation_step(b, batch_idx):
+        out = model(**b)
+        logged.append((float(out["loss"]), current["n"]))
+        return out["loss"]
+
+    with torch.no_grad():
+        merged = step_in_micro_batches(validation_step, batch, (0,), state=EvalStatus(),
+                                       before_micro=lambda micro: current.update(n=micro["x"].shape[0]))
+        whole = nn.functional.cross_entropy(model.body(batch["x"]), batch["y"])
+    assert [n for _, n in logged] == [10, 10, 10, 10]  # 40 and 20 failed before running the step
+    epoch_mean = sum(v * n for v, n in logged) / sum(n for _, n in logged)
+    assert epoch_mean == pytest.approx(float(whole), rel=1e-6)
+    torch.testing.assert_close(merged, whole, rtol=1e-6, atol=1e-7)
