@@ -29,6 +29,7 @@ common case one line, while per-entry shapes cover batches where one length rule
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -421,15 +422,32 @@ def worst_case_batch(batch: Any, max_shape: Mapping[Any, Any], *, materialize: b
     return items
 
 
+#: The last few :func:`planning_batch` answers, so that the same example batch and ``max_shape``
+#: give the same worst-case batch object (a planner reused across calls recognises its batch).
+_PLANNED: "OrderedDict[tuple, tuple[Any, Any, str]]" = OrderedDict()
+_PLANNED_SIZE = 8
+
+
+def _shape_key(max_shape: Mapping[Any, Any]) -> tuple:
+    return tuple(sorted(((repr(k), tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in max_shape.items()),
+                        key=repr))
+
+
 def planning_batch(batch: Any, max_shape: Mapping[Any, Any] | None) -> tuple[Any, str | None]:
     """The batch the planner traces for ``max_shape`` and the sentence ``Plan.reasons["planned_shape"]``
-    shows; ``(batch, None)`` when ``max_shape`` is None.
+    shows; ``(batch, None)`` when ``max_shape`` is None. The same ``batch`` object and ``max_shape``
+    give the same worst-case batch object.
 
     Raises:
         ConfigError: as :func:`worst_case_batch`.
     """
     if max_shape is None:
         return batch, None
+    key = (id(batch), _shape_key(max_shape)) if isinstance(max_shape, Mapping) else None
+    hit = _PLANNED.get(key) if key is not None else None
+    if hit is not None and hit[0] is batch:
+        _PLANNED.move_to_end(key)
+        return hit[1], hit[2]
     worst = worst_case_batch(batch, max_shape)
 
     def shapes(b: Any) -> str:
@@ -442,4 +460,7 @@ def planning_batch(batch: Any, max_shape: Mapping[Any, Any] | None) -> tuple[Any
     given = ", ".join(f"{k}={tuple(v) if isinstance(v, list) else v}" for k, v in max_shape.items())
     reason = (f"the worst case max_shape {{{given}}}: per-sample shapes {shapes(worst)} "
               f"(the example batch had {shapes(batch)})")
+    _PLANNED[key] = (batch, worst, reason)  # holds the example batch alive: at most _PLANNED_SIZE of them
+    while len(_PLANNED) > _PLANNED_SIZE:
+        _PLANNED.popitem(last=False)
     return worst, reason

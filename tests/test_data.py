@@ -208,3 +208,11 @@ def test_unreadable_samples_say_what_to_pass():
         scan_lengths([{"ids": torch.zeros(3)}])
     assert scan_lengths([{"ids": torch.zeros(3)}], key="ids").max_length == 3
     assert scan_lengths([{"ids": torch.zeros(3)}], length_fn=lambda s: 99).max_length == 99
+
+
+def test_planning_batch_is_stable_for_the_same_batch():
+    # a planner reused across plan calls compares batches by identity: the same example batch and
+    # max_shape must give the very same worst-case batch
+    b = hf_batch()
+    assert planning_batch(b, {"seq_len": 32})[0] is planning_batch(b, {"seq_len": 32})[0]
+    assert planning_batch(b, {"seq_len": 32})[0] is not planning_batch(b, {"seq_len": 64})[0]

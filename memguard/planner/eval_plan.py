@@ -33,7 +33,7 @@ from memguard.planner.plan import Plan
 from memguard.planner.request import DEFAULT_HEADROOM, PlanRequest
 from memguard.vocab import PRECISIONS, format_bytes
 
-__all__ = ["plan_eval", "EVAL_MODE_REASON"]
+__all__ = ["plan_eval", "plan_eval_for", "EVAL_MODE_REASON"]
 
 log = logging.getLogger("memguard")
 
@@ -189,3 +189,42 @@ def _eval_plan(m: int, est: Any, *, n: int, world_size: int, budget: int, headro
                 estimate=est, device=device,
                 gpu=spec.name if (spec is not None and device == "cuda" and spec.memory_bytes) else None,
                 headroom=float(headroom), reasons=reasons)
+
+
+def plan_eval_for(model: nn.Module, batch: Any, *, global_batch_size: Any, gpu: Any = None, budget_bytes: Any = None,
+                  world_size: Any = 1, device: Any = "cuda", optimizer: Any = None, loss_fn: Any = None,
+                  precision: Any = None, activation_checkpointing: Any = None, zero_stage: Any = None,
+                  offload_optimizer: Any = False, headroom: Any = DEFAULT_HEADROOM, make_batch: Any = None,
+                  cache: Any = False, keep_outputs: Any = False, max_shape: Any = None, **ignored: Any) -> Plan:
+    """:func:`memguard.plan`'s arguments with ``train=False``, handed to :func:`plan_eval`.
+
+    ``global_batch_size`` is the evaluation batch over all ranks; ``loss_fn`` is the step's
+    ``fn(model, batch) -> outputs``; an ``optimizer`` means its state is resident (validation inside a
+    training run). Knobs that only a training step has must be left at their defaults.
+
+    Raises:
+        ConfigError: a training-only knob was set, or as :func:`plan_eval` (all listed at once).
+        InfeasiblePlanError: as :func:`plan_eval`.
+    """
+    problems = []
+    for name, value, default in (("activation_checkpointing", activation_checkpointing, (None, False)),
+                                 ("zero_stage", zero_stage, (None, 0)), ("offload_optimizer", offload_optimizer,
+                                                                         (None, False)),
+                                 ("make_batch", make_batch, (None,)), ("cache", cache, (False,))):
+        if not any(value is d for d in default):
+            problems.append(f"{name}={value!r} does not apply to an evaluation plan (train=False); drop it")
+    problems.extend(f"{k}= does not apply to an evaluation plan (train=False); drop it" for k in ignored)
+    if isinstance(precision, (list, tuple)):
+        problems.append(f"precision={precision!r}: an evaluation plan takes one precision, the one evaluation runs in")
+    if not (isinstance(global_batch_size, int) and global_batch_size >= 1):
+        problems.append(f"global_batch_size={global_batch_size!r} must be a positive int (the evaluation batch "
+                        "over all ranks)")
+    elif isinstance(world_size, int) and world_size >= 1 and global_batch_size % world_size:
+        problems.append(f"global_batch_size={global_batch_size} is not divisible by world_size={world_size}")
+    if problems:
+        raise ConfigError(problems)
+    per_rank = global_batch_size // world_size if isinstance(world_size, int) and world_size >= 1 else global_batch_size
+    return plan_eval(model, batch, eval_batch_size=per_rank, gpu=gpu, budget_bytes=budget_bytes,
+                     world_size=world_size, device=device, precision=precision or "32-true", fn=loss_fn,
+                     optimizer=optimizer, optimizer_state=optimizer is not None, keep_outputs=keep_outputs,
+                     headroom=headroom, max_shape=max_shape)
