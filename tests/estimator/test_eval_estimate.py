@@ -75,7 +75,7 @@ def llama():
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-# GPT-2 returning its loss too (the peak then includes the loss's float32 logits copy), Llama its
+# GPT-2 returning its loss too (the peak then includes cross-entropy's log-softmax over the logits), Llama its
 # logits only (grouped-query attention, rotary tables, RMSNorm): two different peak mechanisms
 @pytest.mark.parametrize("build,labels", [(gpt2, True), (llama, False)], ids=["gpt2-loss", "llama-logits"])
 def test_transformers_against_the_real_cpu_peak(build, labels):
