@@ -5,7 +5,8 @@ same seed: first a plain reference (no memguard, no cap) that trains on full bat
 validation batch whole; then a guarded run (``memguard.guard.step`` with a plan of micro-batch
 ``train_batch``, and :func:`memguard.guard.evaluate.evaluate` for validation) after capping the
 address space with ``RLIMIT_AS`` at the current VmSize plus ``budget_mib``. The validation batch is
-``val_factor`` times the training batch, so it fails whole with the CPU allocator's real error.
+``val_factor`` times the training batch, so it fails whole with the CPU allocator's real error;
+``val_seqs`` gives each validation batch its own sequence length (default: ``seq`` for all).
 Writes ``result.json``, the weights and the validation outputs of both runs to ``out``.
 
 Memory per sample at ``seq`` positions (fp32): training saves fc1's and GELU's outputs for backward
@@ -73,7 +74,8 @@ def main() -> None:
     n_train, seq = cfg["train_batch"], cfg["seq"]
     n_val = n_train * cfg["val_factor"]
     train = [batch(g, n_train, seq, 1000 * s) for s in range(cfg["steps"])]
-    val = [batch(g, n_val, seq, 100_000 + 1000 * v) for v in range(cfg["val_batches"])]
+    val_seqs = cfg.get("val_seqs") or [seq] * cfg["val_batches"]  # variable-length validation batches
+    val = [batch(g, n_val, s, 100_000 + 1000 * v) for v, s in enumerate(val_seqs)]
     model = Net()
     initial = copy.deepcopy(model)
 
@@ -155,7 +157,7 @@ def main() -> None:
         messages=messages, seen=seen, forwards=forwards,
         train_micro_batch_size=status.micro_batch_size, train_planned=status.planned_micro_batch_size,
         train_oom_retries=status.oom_retries, eval_oom_retries=eval_status(guarded).oom_retries,
-        eval_micro_batch_sizes=list(eval_status(guarded).micro_batch_size.values()),
+        eval_micro_batch_sizes={str(k[0][0][0]): v for k, v in eval_status(guarded).micro_batch_size.items()},
         ref_losses=[[v["loss"] for v in vs] for vs in ref_out],
         guarded_losses=[[v["loss"] for v in vs] for vs in guarded_out],
     )

@@ -165,11 +165,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
 def test_real_oom_validation_batch_8x_training(tmp_path):
-    """Training batch 16 (about 1 MiB per sample, so 16 MiB) fits a 24 MiB cap; the validation
-    batch of 128 needs about 0.5 MiB per sample under no_grad (64 MiB), so it fails whole and at 64
-    (32 MiB) and fits at 32 (16 MiB), with 8 MiB of margin either way (see eval_oom_worker.py)."""
+    """Training batch 16 (about 1 MiB per sample, so 16 MiB) fits a 24 MiB cap. The first validation
+    batch, 128 samples of 64 positions, needs about 0.5 MiB per sample under no_grad (64 MiB): it
+    fails whole and at 64 (32 MiB) and fits at 32 (16 MiB). The second has 32 positions (0.25 MiB
+    per sample): it fails whole (32 MiB) and fits at 64 (16 MiB). 8 MiB of margin either way
+    (see eval_oom_worker.py)."""
     cfg = {"out": str(tmp_path), "train_batch": 16, "seq": 64, "val_factor": 8, "steps": 4, "val_every": 2,
-           "val_batches": 2, "budget_mib": 24, "uncapped_eval_probe": True}
+           "val_batches": 2, "val_seqs": [64, 32], "budget_mib": 24, "uncapped_eval_probe": True}
     env = dict(os.environ, MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(WORKER), json.dumps(cfg)], env=env, capture_output=True, text=True,
@@ -178,7 +180,10 @@ def test_real_oom_validation_batch_8x_training(tmp_path):
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["error"] is None, r["error"]
     assert r["whole_val_fits"] is False and "can't allocate memory" in r["whole_val_error"]  # a real OOM
-    assert r["eval_oom_retries"] >= 1 and r["eval_micro_batch_sizes"][0] < 128
+    # each validation shape keeps its own micro-batch: the shorter batch runs twice as many samples
+    assert r["eval_micro_batch_sizes"] == {"64": 32, "32": 64}
+    assert r["eval_oom_retries"] == 3  # 128 -> 64 -> 32 for the long batch, 128 -> 64 for the short one, once each
+    assert r["forwards"] == [4, 2, 4, 2]
     # the training micro-batch is untouched by the evaluation's OOMs
     assert r["train_micro_batch_size"] == r["train_planned"] == 16 and r["train_oom_retries"] == 0
     # every validation sample evaluated exactly once per validation, in order; training batches whole
