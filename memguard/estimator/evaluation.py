@@ -139,9 +139,10 @@ def estimate_eval(
 
     Known limitations:
         On the CUDA target the device model reserves the cuBLAS workspaces of a training step
-        (two handles: the forward's thread and autograd's), one more than an evaluation uses, so
-        the prediction is high by one workspace (8 MiB, 32 MiB on Hopper) until the device model
-        takes a handle count. Loops that accumulate outputs over many steps on the device (the HF
+        (two handles: the forward's thread and autograd's). Inside a training run both exist
+        (cuBLAS keeps a handle's workspace once made), but a standalone evaluation makes only the
+        forward thread's, so there the prediction is high by one workspace (8 MiB, 32 MiB on
+        Hopper) until the device model takes a handle count. Loops that accumulate outputs over many steps on the device (the HF
         ``Trainer``'s prediction loop without ``eval_accumulation_steps``) hold more than one
         step's outputs; that growth is not modelled.
     """
