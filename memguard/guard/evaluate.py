@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -60,7 +61,8 @@ class EvalStatus:
 
     Attributes:
         micro_batch_size: per shape signature, the eval micro-batch that worked last (after any
-            halving): the next eval batch of that shape starts from it instead of OOMing again.
+            halving): the next eval batch of that shape starts from it instead of OOMing again, and
+            a new, smaller shape starts from a larger one's size, scaled (see :meth:`remembered`).
         oom_retries: OOMs recovered from during evaluation, in total.
         forwards: forwards run by the last :func:`evaluate` call (1 when the batch fitted whole).
     """
@@ -70,16 +72,38 @@ class EvalStatus:
     forwards: int = 0
 
     def remembered(self, signature: tuple) -> int | None:
+        """The micro-batch to start from for ``signature``: its own if known; else, from a known
+        signature at least as large in every dim, that one's size scaled by how much smaller the
+        inputs that differ are (:func:`_scaled`); else None (the whole batch is tried)."""
         size = self.micro_batch_size.get(signature)
         if size is not None:
             self.micro_batch_size.move_to_end(signature)
-        return size
+            return size
+        known = [_scaled(n, sig, signature) for sig, n in self.micro_batch_size.items() if _dominates(sig, signature)]
+        return max(known) if known else None
 
     def remember(self, signature: tuple, size: int) -> None:
         self.micro_batch_size[signature] = size
         self.micro_batch_size.move_to_end(signature)
         while len(self.micro_batch_size) > _MAX_SIGNATURES:
             self.micro_batch_size.popitem(last=False)
+
+
+def _dominates(big: tuple, small: tuple) -> bool:
+    """Same tensors and dtypes, and every non-batch dim of ``big`` at least ``small``'s."""
+    return len(big) == len(small) and all(
+        db == ds and len(sb) == len(ss) and all(a >= b for a, b in zip(sb, ss))
+        for (sb, db), (ss, ds) in zip(big, small))
+
+
+def _scaled(size: int, big: tuple, small: tuple) -> int:
+    """``size`` samples of signature ``big`` scaled to ``small``: times the smallest ratio of elements
+    per sample over the inputs whose shapes differ. A sequence model's memory per sample grows at
+    least in proportion to its sequence length (activations linearly, attention scores
+    quadratically), so this many shorter samples need no more memory than ``size`` longer ones; a
+    model for which that is false meets an OOM, which halves as usual."""
+    ratios = [math.prod(sb) / max(1, math.prod(ss)) for (sb, _), (ss, _) in zip(big, small) if sb != ss]
+    return max(size, int(size * min(ratios))) if ratios else size
 
 
 _STATES: "weakref.WeakKeyDictionary[Any, EvalStatus]" = weakref.WeakKeyDictionary()

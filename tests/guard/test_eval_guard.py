@@ -82,6 +82,17 @@ def test_oom_halves_from_the_failed_micro_batch_and_remembers():
     assert out["logits"].shape == (40, 3)
 
 
+def test_a_shorter_shape_starts_from_a_longer_ones_micro_batch():
+    state = EvalStatus()
+    long_sig = (((512,), torch.int64), ((512,), torch.int64))
+    state.remember(long_sig, 8)
+    # half the tokens per sample: twice the samples need no more memory (memory per sample grows at
+    # least linearly in the sequence length), so start from 16, not from the whole batch
+    assert state.remembered((((256,), torch.int64), ((256,), torch.int64))) == 16
+    assert state.remembered((((1024,), torch.int64), ((1024,), torch.int64))) is None  # longer: unknown
+    assert state.remembered((((256,), torch.float32), ((256,), torch.int64))) is None  # another dtype
+
+
 def test_training_mode_is_restored_and_dropout_off():
     model, batch = Classifier(), data()
     model.train()
@@ -182,7 +193,7 @@ def test_real_oom_validation_batch_8x_training(tmp_path):
     assert r["whole_val_fits"] is False and "can't allocate memory" in r["whole_val_error"]  # a real OOM
     # each validation shape keeps its own micro-batch: the shorter batch runs twice as many samples
     assert r["eval_micro_batch_sizes"] == {"64": 32, "32": 64}
-    assert r["eval_oom_retries"] == 3  # 128 -> 64 -> 32 for the long batch, 128 -> 64 for the short one, once each
+    assert r["eval_oom_retries"] == 2  # 128 -> 64 -> 32 for the long batch, once; never for the short one
     assert r["forwards"] == [4, 2, 4, 2]
     # the training micro-batch is untouched by the evaluation's OOMs
     assert r["train_micro_batch_size"] == r["train_planned"] == 16 and r["train_oom_retries"] == 0
