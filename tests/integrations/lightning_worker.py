@@ -12,7 +12,8 @@ Config keys: ``out`` (folder), ``world`` (1, or 2 for DDP), ``batch`` (the modul
 rank before memguard), ``steps`` (optimizer steps), ``seq`` (positions per sample, which sets the
 activation memory per sample: about 1 MiB at 64 in fp32, as in tests/guard/oom_worker.py),
 ``budget_mib``, ``cap_batch``, ``cap_ranks``, ``plan``: ``"planner"`` (memguard plans with a
-1 GiB budget, which picks the whole batch) or ``[micro, accumulation]`` for a hand-made plan.
+1 GiB budget, which picks the whole batch) or ``[micro, accumulation]`` for a hand-made plan,
+``package``: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (default), whose Trainer runs.
 
 Each rank writes ``result<rank>.json`` (events, messages, callback state, error) and its final
 weights ``lightning<rank>.pt``; rank 0 also writes ``reference.pt``.
@@ -65,7 +66,9 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     out = Path(cfg["out"])
     torch.set_num_threads(1)
-    import pytorch_lightning as pl
+    import importlib
+
+    pl = importlib.import_module(cfg.get("package", "pytorch_lightning"))
 
     from memguard import Estimate, Plan
     from memguard.integrations.lightning import MemguardCallback

@@ -485,10 +485,11 @@ def _rel_sd(a: dict, b: dict) -> float:
 
 
 @pytestmark_linux
-def test_fit_recovers_from_a_real_oom_with_the_full_batch_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize("package", PACKAGES)
+def test_fit_recovers_from_a_real_oom_with_the_full_batch_weights(tmp_path: Path, package: str) -> None:
     # memguard plans micro-batch 64 x 1 (a 1 GiB budget); from batch 1 on the process may use 20 MiB
     # more: about 1 MiB per sample at seq=64, so 64 and 32 fail and 16 fits, with margin either way.
-    [r] = _run_worker(tmp_path, plan="planner", cap_batch=1)
+    [r] = _run_worker(tmp_path, plan="planner", cap_batch=1, package=package)
     assert r["error"] is None and r.get("capped")
     assert r["plan"] == [64, 1]
     msgs = _retries(r)
@@ -518,17 +519,18 @@ def test_an_oom_late_in_an_accumulation_window_replays_the_whole_window(tmp_path
 
 @pytestmark_linux
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
-@pytest.mark.parametrize("plan, cap_batch, retries", [
+@pytest.mark.parametrize("plan, cap_batch, retries, package", [
     # memguard plans 64 x 1 (1 GiB budget); rank 1 capped from batch 1: 64 and 32 fail, 16 fits
-    ("planner", 1, 2),
+    ("planner", 1, 2, PACKAGES[0]),
     # a hand-made 32 x 2 plan; rank 1 capped at batch 3, the second batch of step 2: 32 fails, 16 fits,
     # and both ranks replay batch 2 before batch 3 (DDP's no_sync on batch 2, its all-reduce on batch 3)
-    ([32, 2], 3, 1),
+    ([32, 2], 3, 1, PACKAGES[-1]),
 ])
 def test_ddp_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: Path, plan, cap_batch: int,
-                                                                retries: int) -> None:
-    # strategy="ddp", 2 CPU processes with gloo; only rank 1 is capped.
-    r0, r1 = _run_worker(tmp_path, world=2, plan=plan, cap_batch=cap_batch, cap_ranks=[1])
+                                                                retries: int, package: str) -> None:
+    # strategy="ddp", 2 CPU processes with gloo; only rank 1 is capped. The two rows use the two Lightning
+    # packages (when both are installed), each with the other one importable too.
+    r0, r1 = _run_worker(tmp_path, world=2, plan=plan, cap_batch=cap_batch, cap_ranks=[1], package=package)
     assert r0["error"] is None and r1["error"] is None
     assert r1.get("capped") and not r0.get("capped")
     assert all("DefaultCPUAllocator" in m for m in _retries(r1))
