@@ -38,8 +38,9 @@ micro-batch is the size each batch is split into (a plan larger than the batch u
 batches). With ``plan=``, the Accelerator must have been built with :func:`accelerator_kwargs`.
 
 Known limitations:
-    DeepSpeed, FSDP, XLA and Megatron-LM Accelerators are not supported (for DeepSpeed, write the
-    plan into its config with :func:`memguard.integrations.deepspeed.to_config`). Gradient
+    :func:`prepare` and :func:`step` guard DDP and single-process Accelerators only; for an FSDP2 or
+    DeepSpeed plan, :func:`accelerator_kwargs` builds the plugin that runs it, and Accelerate's own
+    loop runs it without OOM recovery. XLA and Megatron-LM Accelerators are not supported. Gradient
     clipping must be asked of :func:`prepare` (``max_grad_norm=``), since the optimizer steps
     inside :func:`step`. The loss function runs once per micro-batch (and again on a replay). Under
     DDP, gradient communication does not overlap the backward passes and DDP communication hooks

@@ -37,6 +37,35 @@ precision model states (arXiv 1910.02054, 2+2+12 bytes per parameter), as memgua
 ``"16-true"`` has no DeepSpeed equivalent (DeepSpeed's fp16 always scales the loss and keeps fp32
 optimizer states; ``fp16_master_weights_and_grads`` needs ZeRO-Offload and still keeps fp32
 moments), so it is refused with a :class:`memguard.ConfigError`.
+
+Out-of-memory errors inside a DeepSpeed engine. memguard does not recover from them: it plans the
+micro-batch so that they should not happen. What happens when one rank runs out anyway was
+measured on CPU (DeepSpeed 0.19.8, ``DS_ACCELERATOR=cpu``, two ranks with gloo, ZeRO-1 and -2, an
+``RLIMIT_AS`` cap on rank 1 during the backward of the last micro-batch of an accumulation window,
+each rank then joining a one-integer all-reduce to agree on the outcome):
+
+* default ``managed_gradient_accumulation`` (True), ZeRO-1: the engine reduces the gradients inside
+  ``engine.backward`` of the boundary micro-batch. Rank 1 raises the allocator's
+  ``RuntimeError`` (``DefaultCPUAllocator: can't allocate memory``) and enters the agreement;
+  rank 0 waits in the gradient all-reduce. Neither completes: both raise only when the process
+  group's timeout expires (gloo: ``Timed out waiting ... for send operation to complete`` on rank
+  1, ``Connection closed by peer`` on rank 0; 30 minutes by default). The same happens for an OOM
+  in a non-boundary backward once the other rank reaches the boundary.
+* ZeRO-2, with either setting: the engine reduces gradient buckets inside every backward (its
+  gradient hooks), so rank 0 waits in a bucket's reduction while rank 1 agrees: the same stall
+  until the timeout, then both raise. DeepSpeed refuses ``no_sync`` under ZeRO-2/3, so the
+  reduction cannot be postponed past the agreement.
+* ``managed_gradient_accumulation: false``, ZeRO-1 (and stage 0): ``engine.backward`` only
+  accumulates locally and ``engine.step`` reduces. An OOM in the forward or backward touches no
+  collective: rank 1 raises, both ranks reach the agreement and go on (measured: agreement in
+  under 0.1 s). Recovery is possible there: drop every rank's accumulated gradients
+  (``engine.zero_grad()``), halve the micro-batch, run the window's samples again with each loss
+  weighted by its share (``engine.backward(loss * share, scale_wrt_gas=False)``), then
+  ``engine.step()``; this is not implemented yet.
+
+So under DeepSpeed, size the plan with headroom (``memguard.plan(..., headroom=...)``) and set a
+short process-group timeout (``deepspeed.init_distributed(timeout=...)``) so that a failed rank
+ends the job instead of stalling it.
 """
 
 from __future__ import annotations

@@ -7,13 +7,27 @@
     trainer = Trainer(callbacks=[MemguardCallback(budget_bytes=8 << 30)], accumulate_grad_batches=1)
     trainer.fit(model)   # model.batch_size (or its datamodule's) feeds train_dataloader()
 
-Works with ``lightning.pytorch`` and with ``pytorch_lightning`` (whichever is installed; the
-former when both are).
+Works with ``lightning.pytorch`` and with ``pytorch_lightning``, and with both installed: the callback
+is a ``Callback`` of every installed package (so either Trainer's ``isinstance`` checks accept it),
+and it takes the strategy classes and utilities from the package of the Trainer it runs in (the
+first Lightning class in the Trainer's MRO, so a Trainer subclass defined anywhere works).
+
+Strategies. Single device and DDP: the callback plans, applies and guards (below). Under
+``DeepSpeedStrategy``, ``FSDPStrategy`` and ``ModelParallelStrategy`` it plans and applies only,
+constrained to the strategy's sharding: DeepSpeed's ZeRO stage and optimizer offload from its
+config; FSDP's ``FULL_SHARD`` as ZeRO-3 (parameters resharded after forward) and ``SHARD_GRAD_OP``
+as stage 2; ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``) any FSDP2
+level over its data-parallel ranks, which ``configure_model`` applies (``reshard_after_forward`` is
+``plan.zero_stage == 3``); the plan's world size is the strategy's. It plans in ``setup`` there,
+before the strategy wraps the module and before DeepSpeed reads the batch size and accumulation
+into its config, and logs that it does not recover from out-of-memory errors under that strategy
+(a rank that fails inside the sharded collectives would leave the others waiting; see
+:mod:`memguard.integrations.deepspeed` for what was measured under DeepSpeed). :func:`strategy_for`
+returns the Lightning strategy that runs a plan.
 
 What the callback does, in Lightning's hooks:
 
-* ``setup("fit")`` checks that it can work: automatic optimization, a single-device or DDP
-  strategy, the train dataloader coming from the LightningModule or its LightningDataModule, a
+* ``setup("fit")`` checks that it can work: automatic optimization, a strategy it knows (above), the train dataloader coming from the LightningModule or its LightningDataModule, a
   ``batch_size`` attribute (Lightning's ``BatchSizeFinder`` convention: ``lightning_hasattr``), no
   ``GradientAccumulationScheduler``, and a precision memguard knows. Every problem is listed in
   one :class:`memguard.ConfigError`.
@@ -66,7 +80,12 @@ Known limitations:
     that got no gradient on any rank are left alone, so DDP with ``find_unused_parameters=False``
     fails on them as it would without memguard. Trainer limits counted in batches
     (``limit_train_batches``, ``val_check_interval`` as ints) count the smaller batches. Manual
-    optimization, DeepSpeed, FSDP and dataloaders passed directly to ``fit`` are not supported.
+    optimization and dataloaders passed directly to ``fit`` are not supported; under DeepSpeed, FSDP
+    and ModelParallel strategies the plan is applied but OOMs are not recovered from, FSDP's
+    ``HYBRID_SHARD``, ``cpu_offload`` and DeepSpeed's ``offload_param`` are refused, tensor
+    parallelism is not modelled, and the module's layers must exist before ``configure_model``
+    (the plan is made from them). FSDP1 (``FSDPStrategy``) is planned with memguard's FSDP2
+    model.
     The plan is made once per ``fit``; OOMs in validation are not handled.
 """
 

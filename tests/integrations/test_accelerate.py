@@ -145,7 +145,10 @@ def test_accelerator_kwargs_of_an_fsdp2_plan_builds_its_plugin(stage, precision,
     assert isinstance(fsdp, FullyShardedDataParallelPlugin)
     assert fsdp.fsdp_version == 2 and fsdp.reshard_after_forward is reshard
     assert fsdp.transformer_cls_names_to_wrap == ["Block"]  # each repeated block, then the root
-    assert fsdp.activation_checkpointing is False and not fsdp.cpu_offload
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    # no offload: Accelerate keeps the base OffloadPolicy, not the CPU one
+    assert fsdp.activation_checkpointing is False and not isinstance(fsdp.cpu_offload, CPUOffloadPolicy)
     if param_dtype is None:
         assert fsdp.mixed_precision_policy is None
     else:  # 16-bit parameters in compute, fp32 gradient reduction
