@@ -27,7 +27,8 @@ returns the Lightning strategy that runs a plan.
 
 What the callback does, in Lightning's hooks:
 
-* ``setup("fit")`` checks that it can work: automatic optimization, a strategy it knows (above), the train dataloader coming from the LightningModule or its LightningDataModule, a
+* ``setup("fit")`` checks that it can work: automatic optimization, a strategy it knows (above),
+  the train dataloader coming from the LightningModule or its LightningDataModule, a
   ``batch_size`` attribute (Lightning's ``BatchSizeFinder`` convention: ``lightning_hasattr``), no
   ``GradientAccumulationScheduler``, and a precision memguard knows. Every problem is listed in
   one :class:`memguard.ConfigError`.
@@ -609,9 +610,9 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         if guarded:
             self._patch_module(trainer, pl_module)
         if trainer.is_global_zero:
-            logger.info("memguard applies this plan to the Trainer (%s %d -> %d, accumulate_grad_batches %d -> %d):\n%s",
-                        self.batch_arg_name, user_batch, plan.micro_batch_size, user_accum, plan.grad_accum_steps,
-                        plan.explain())
+            logger.info("memguard applies this plan to the Trainer (%s %d -> %d, accumulate_grad_batches "
+                        "%d -> %d):\n%s", self.batch_arg_name, user_batch, plan.micro_batch_size, user_accum,
+                        plan.grad_accum_steps, plan.explain())
             if not guarded:
                 logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
                             _UNGUARDED_WHY[sharding.strategy])

@@ -316,7 +316,8 @@ def _plan(**kw):
     est = Estimate(peak_bytes=1 << 20, breakdown={"params": 1 << 20}, context_bytes=0, peak_phase="backward",
                    allocated_peak_bytes=1 << 20, device="cuda", precision=kw.get("precision", "bf16-mixed"),
                    zero_stage=kw.get("zero_stage", 0), world_size=world, gpu=None, micro_batch_size=micro)
-    base = dict(micro_batch_size=micro, grad_accum_steps=accum, world_size=world, global_batch_size=micro * accum * world,
+    base = dict(micro_batch_size=micro, grad_accum_steps=accum, world_size=world,
+                global_batch_size=micro * accum * world,
                 precision="bf16-mixed", activation_checkpointing=False, zero_stage=0, budget_bytes=1 << 30,
                 estimate=est, hidden_size=64)
     return Plan(**{**base, **kw})
@@ -414,12 +415,17 @@ def test_model_parallel_strategy_plans_and_applies_without_the_guard(caplog) -> 
     # use_distributed_sampler=False: the reference reads the samples in order, not DistributedSampler's shuffle
     trainer = _trainer(cb, probe, use_distributed_sampler=False,
                        strategy=pl.strategies.ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    # Lightning sets MASTER_ADDR/MASTER_PORT/WORLD_SIZE... in this process and its store keeps the port:
+    # restore the environment so that later tests' subprocesses do not inherit a port in use.
+    saved_env = dict(os.environ)
     try:
         with caplog.at_level(logging.INFO, logger="memguard"):
             trainer.fit(model)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_env)
     plan = cb.plan
     # the same 100 kB budget as the DDP test: 64 samples do not fit at once
     assert plan.micro_batch_size * plan.grad_accum_steps == 64 and plan.grad_accum_steps > 1
