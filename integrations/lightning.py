@@ -257,7 +257,8 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
         if stage not in (0, 1, 2, 3):
             problems.append(f"the DeepSpeed config's zero_optimization.stage {stage!r} is not a ZeRO stage 0-3")
             stage = 0
-        return _Sharding("deepspeed", (int(stage),), offload, None, False, name)
+        return _Sharding(strategy="deepspeed", zero_stages=(int(stage),), offload_optimizer=offload, guarded=False,
+                         name=name)
     if isinstance(strategy, strategies.FSDPStrategy):
         # FSDP1's sharding strategies (torch.distributed.fsdp.ShardingStrategy): FULL_SHARD frees each
         # unit's parameters after its forward (ZeRO-3), SHARD_GRAD_OP keeps them until the backward (ZeRO-2).
@@ -271,7 +272,7 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
             problems.append("FSDPStrategy(cpu_offload=True) keeps parameters and gradients in host memory, which "
                             "memguard does not plan for; drop cpu_offload or plan without the callback")
         stage = stages.get(kind, (3,))
-        return _Sharding("ddp" if stage == (0,) else "fsdp2", stage, False, None, False, name)
+        return _Sharding(strategy="ddp" if stage == (0,) else "fsdp2", zero_stages=stage, guarded=False, name=name)
     if isinstance(strategy, strategies.ModelParallelStrategy):
         mesh = getattr(strategy, "_device_mesh", None)
         if mesh is not None and mesh.mesh_dim_names:
@@ -282,13 +283,13 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
             problems.append(f"ModelParallelStrategy with tensor_parallel_size={tp}: memguard does not model tensor "
                             "parallelism; use tensor_parallel_size=1 (FSDP2 over data_parallel_size ranks)")
         # The user's configure_model() applies fully_shard; any FSDP2 sharding level can run there.
-        return _Sharding("fsdp2", (3, 2, 1), False, dp, False, name)
+        return _Sharding(strategy="fsdp2", zero_stages=(3, 2, 1), world_size=dp, guarded=False, name=name)
     if isinstance(strategy, (strategies.SingleDeviceStrategy, strategies.DDPStrategy)) and not getattr(
             strategy, "handles_gradient_accumulation", False):
-        return _Sharding("ddp", (0,), False, None, True, name)
+        return _Sharding(name=name)
     problems.append(f"strategy {name} is not supported: MemguardCallback works with a single device, "
                     "strategy='ddp', FSDPStrategy, ModelParallelStrategy and DeepSpeedStrategy")
-    return _Sharding("ddp", (0,), False, None, True, name)
+    return _Sharding(name=name)
 
 
 def _plan_strategy(plan: Plan) -> str:

@@ -105,6 +105,17 @@ def worker(rank: int, world: int, cfg: dict) -> None:
     except Exception as exc:  # reported to the test, which decides whether it was expected
         result["error"] = {"type": type(exc).__name__, "message": str(exc)[:2000]}
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    # What step() refuses, on a real engine: ZeRO-2 with DeepSpeed's own accumulation (the default).
+    zero2 = {k: v for k, v in config.items() if k != "managed_gradient_accumulation"}
+    zero2["zero_optimization"] = {"stage": 2, "reduce_bucket_size": 500_000}
+    other = copy.deepcopy(initial)
+    engine2, *_ = deepspeed.initialize(model=other, config=zero2,
+                                       optimizer=torch.optim.SGD(other.parameters(), lr=LR, momentum=MOMENTUM))
+    try:
+        mg_ds.step(engine2, {"x": data.x[:2], "y": data.y[:2], "idx": torch.arange(2)}, loss_fn)
+        result["refused"] = None
+    except Exception as exc:
+        result["refused"] = {"type": type(exc).__name__, "problems": list(getattr(exc, "problems", [str(exc)]))}
     result.update(events=events, messages=messages, micro_batch_size=mg_ds.micro_batch_size(engine),
                   oom_retries=mg_ds.oom_retries(engine), global_steps=engine.global_steps)
     torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out / f"deepspeed{rank}.pt")

@@ -388,6 +388,21 @@ def test_strategy_for_fsdp2_plans(stage: int, fsdp1: str) -> None:
     assert strategy_for(plan, fsdp_version=1).sharding_strategy.name == fsdp1
 
 
+def test_batch_keys_in_a_deepspeed_config_follow_the_plan_and_are_restored() -> None:
+    from memguard.guard.core import Constraints, Guard
+    from memguard.integrations.lightning import _apply_to_deepspeed_config
+
+    # a user's config with its own micro-batch and global batch (Lightning keeps keys that are present)
+    strategy = pl.strategies.DeepSpeedStrategy(config={"zero_optimization": {"stage": 2},
+                                                       "train_micro_batch_size_per_gpu": 32, "train_batch_size": 64})
+    guard = Guard(nn.Linear(2, 2), Constraints())
+    _apply_to_deepspeed_config(strategy, _plan(micro_batch_size=4, grad_accum_steps=8, world_size=2), guard)
+    # DeepSpeed's batch rule: 4 x 8 x 2 = 64 samples per step, now with micro-batch 4
+    assert (strategy.config["train_micro_batch_size_per_gpu"], strategy.config["train_batch_size"]) == (4, 64)
+    guard.undo()
+    assert strategy.config["train_micro_batch_size_per_gpu"] == 32
+
+
 def test_zero_stage_option_under_ddp_is_refused_at_setup() -> None:
     model = Lit(batch_size=32)
     with pytest.raises(ConfigError, match="zero_stage=2"):
