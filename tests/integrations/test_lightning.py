@@ -564,3 +564,20 @@ def test_ddp_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: Path, p
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     # the reference is one process on both ranks' 128 samples of each step; DDP averages two means of 64
     assert _rel_sd(w0, _weights(tmp_path, "reference.pt")) <= 1e-5
+
+
+@pytestmark_linux
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_model_parallel_two_ranks_plan_once_and_train_the_reference_weights(tmp_path: Path) -> None:
+    # ModelParallelStrategy (FSDP2) over 2 CPU ranks: rank 0 plans before configure_model shards the module and
+    # broadcasts; no cap. 64 samples per rank at ~1 MiB each do not fit a 40 MiB planning budget at once.
+    r0, r1 = _run_worker(tmp_path, world=2, plan="planner", plan_budget_mib=40, strategy="model_parallel",
+                         cap_ranks=[], cap_batch=-1, package=PACKAGES[0])
+    assert r0["error"] is None and r1["error"] is None
+    assert r0["plan"] == r1["plan"] and r0["plan"][0] * r0["plan"][1] == 64 and r0["plan"][1] > 1
+    assert any("does not recover from out-of-memory errors under ModelParallelStrategy" in m for m in r0["messages"])
+    assert r0["restored_batch_size"] == 64 and r0["restored_accumulate"] == 1
+    w0, w1 = _weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "lightning1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    # the reference is one process on both ranks' 128 samples per step; ~4e-7 observed, 1e-5 allowed
+    assert _rel_sd(w0, _weights(tmp_path, "reference.pt")) <= 1e-5
