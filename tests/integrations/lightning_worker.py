@@ -12,7 +12,8 @@ Config keys: ``out`` (folder), ``world`` (1, or 2 for DDP), ``batch`` (the modul
 rank before memguard), ``steps`` (optimizer steps), ``seq`` (positions per sample, which sets the
 activation memory per sample: about 1 MiB at 64 in fp32, as in tests/guard/oom_worker.py),
 ``budget_mib``, ``cap_batch``, ``cap_ranks``, ``plan``: ``"planner"`` (memguard plans with a
-``plan_budget_mib`` budget, default 1 GiB, which picks the whole batch) or ``[micro, accumulation]`` for a hand-made plan,
+``plan_budget_mib`` budget, default 1 GiB, which picks the whole batch) or ``[micro, accumulation]``
+for a hand-made plan,
 ``package``: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (default), whose Trainer runs,
 ``strategy``: ``"ddp"`` (default) or ``"model_parallel"`` (``ModelParallelStrategy`` over ``world``
 data-parallel ranks, ``fully_shard`` of each linear layer and the root in ``configure_model``).
