@@ -628,10 +628,70 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         """Undo every change the callback made."""
         if stage == "fit":
             self._restore_all()
+        self._unpatch_eval_steps(pl_module)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """Run ``validation_step`` on micro-batches when a validation batch does not fit."""
+        self._patch_eval_step(trainer, pl_module, "validation_step")
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unpatch_eval_steps(pl_module, "validation_step")
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        """Run ``test_step`` on micro-batches when a test batch does not fit."""
+        self._patch_eval_step(trainer, pl_module, "test_step")
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unpatch_eval_steps(pl_module, "test_step")
+
+    def _patch_eval_step(self, trainer: Any, pl_module: Any, name: str) -> None:
+        """Stand in for ``validation_step``/``test_step``: the user's step per micro-batch, halving on an
+        OOM, results merged (:func:`memguard.guard.evaluate.step_in_micro_batches`). The evaluation's
+        micro-batch is its own state: an OOM here never changes the training micro-batch."""
+        from memguard.guard.evaluate import eval_status, step_in_micro_batches
+
+        user_step = getattr(pl_module, name)
+        saved = getattr(self, "_eval_saved", None)
+        if saved is None:
+            saved = self._eval_saved = {}
+        saved.setdefault(name, pl_module.__dict__.get(name))
+
+        def before_micro(micro: Any) -> None:
+            # Lightning weights an epoch-level logged mean by the size of the batch it holds for the
+            # step (trainer/connectors/logger_connector/result.py, _ResultCollection._extract_batch_size),
+            # so it must hold the micro-batch while the user's step logs.
+            results = trainer._results
+            if results is not None:
+                results.batch = micro
+                results.batch_size = None
+
+        def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return step_in_micro_batches(user_step, batch, args, kwargs, state=eval_status(pl_module),
+                                             before_micro=before_micro)
+            finally:
+                results = trainer._results
+                if results is not None:
+                    results.batch = batch
+                    results.batch_size = None
+
+        pl_module.__dict__[name] = step
+
+    def _unpatch_eval_steps(self, pl_module: Any, *names: str) -> None:
+        saved = getattr(self, "_eval_saved", None) or {}
+        for name in names or tuple(saved):
+            if name not in saved:
+                continue
+            previous = saved.pop(name)
+            if previous is None:
+                pl_module.__dict__.pop(name, None)
+            else:
+                pl_module.__dict__[name] = previous
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Undo every change the callback made (Lightning calls no ``teardown`` after an exception)."""
         self._restore_all()
+        self._unpatch_eval_steps(pl_module)
 
     # ----------------------------------------------------------------------------------------------
     # internals
