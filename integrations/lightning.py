@@ -87,7 +87,9 @@ Known limitations:
     parallelism is not modelled, and the module's layers must exist before ``configure_model``
     (the plan is made from them). FSDP1 (``FSDPStrategy``) is planned with memguard's FSDP2
     model.
-    The plan is made once per ``fit``; OOMs in validation are not handled.
+    The plan is made once per ``fit``. Validation and test steps run in micro-batches when a batch
+    does not fit (:meth:`MemguardCallback.on_validation_start`); a ``self.log(..., batch_size=N)``
+    given explicitly in them overrides the micro-batch weighting of epoch means.
 """
 
 from __future__ import annotations
@@ -635,6 +637,7 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._patch_eval_step(trainer, pl_module, "validation_step")
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """Give the module its own ``validation_step`` back."""
         self._unpatch_eval_steps(pl_module, "validation_step")
 
     def on_test_start(self, trainer: Any, pl_module: Any) -> None:
@@ -642,6 +645,7 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._patch_eval_step(trainer, pl_module, "test_step")
 
     def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        """Give the module its own ``test_step`` back."""
         self._unpatch_eval_steps(pl_module, "test_step")
 
     def _patch_eval_step(self, trainer: Any, pl_module: Any, name: str) -> None:

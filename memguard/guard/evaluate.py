@@ -161,8 +161,8 @@ def split_eval(
         raise ConfigError(f"micro_batch_size={micro_batch_size!r} must be a positive int or None")
     n = batch_size(batch)
     sig = shape_signature(batch)
-    size = micro_batch_size or state.remembered(sig) or n
-    size = min(size, n)
+    cap = micro_batch_size or state.remembered(sig)
+    size = cap or n  # may exceed n: each micro-batch is cut at n below, and a cap is remembered whole
     results: list[Any] = []
     weights: list[Any] = []
     start, retries = 0, 0
@@ -198,7 +198,10 @@ def split_eval(
         weights.append(weight_fn(micro) if weight_fn is not None else m)
         state.forwards += 1
         start = stop
-    state.remember(sig, size)
+    if cap is not None or retries:
+        # Only a cap or an OOM says how large a micro-batch may be: a batch that ran whole, or a short
+        # last batch, must not shrink what the next, full batches start from.
+        state.remember(sig, size)
     if len(results) == 1:
         return results[0]
     merged = combine(results, weights) if combine is not None else combine_outputs(results, weights)
