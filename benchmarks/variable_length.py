@@ -11,6 +11,10 @@ Each tool runs in its own subprocess that imports everything, builds the model a
 warm-up step at 2 samples of 64 tokens, and caps its address space at its size then plus
 ``--room`` MiB (``setrlimit(RLIMIT_AS)``, as ``benchmarks/compare_batch_finders.py`` does); an
 allocation past the cap fails with torch's real ``DefaultCPUAllocator: can't allocate memory``.
+The subprocesses run glibc malloc with one arena and a fixed mmap threshold of 64 KiB (as the
+guard's own ``RLIMIT_AS`` tests do), so that freed tensors leave the address space and the cap
+follows live memory; with glibc's defaults the heap keeps what freed tensors held, and the cap
+then stands for less than its room.
 
 =================== =========================================================================
 tool                how it is used
@@ -340,6 +344,10 @@ def _run_worker(tool: str, room_mib: int, timeout: float) -> dict[str, Any]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(_REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
+    # One malloc arena and a fixed mmap threshold (mallopt(3)): tensors of 64 KiB and more are mapped and
+    # unmapped when freed, so the address space follows live memory for every tool alike (with glibc's
+    # defaults its dynamic threshold moves freed tensors onto the heap, whose size only grows).
+    env.update(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536")
     try:
         proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -370,7 +378,8 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"- software: {m.get('software', '')}; 1 intra-op thread",
         f"- job: one epoch of {len(LENGTHS) * BATCH} sequences in batches of {BATCH}, tokens per batch "
         f"{', '.join(map(str, LENGTHS))}; GPT-2 2 x 64 (eager attention), AdamW, fp32; cap = VmSize after a warm-up "
-        f"step + {meta['room_mib']} MiB (`setrlimit(RLIMIT_AS)`)",
+        f"step + {meta['room_mib']} MiB (`setrlimit(RLIMIT_AS)`), glibc malloc with `MALLOC_ARENA_MAX=1 "
+        "MALLOC_MMAP_THRESHOLD_=65536`",
         "",
         "Columns: *micro-batches*: samples per forward/backward (memguard: per batch, after any halving; the finders: "
         "the size found); *OOMs*: out-of-memory errors hit, recovered or not; *trained*: samples in steps the final "
