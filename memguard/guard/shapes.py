@@ -19,6 +19,17 @@ new input shape, so the guard takes every micro-batch it chooses from the halvin
 one (``M, M // 2, M // 4, ..., 1``), which is also what an OOM retry produces, and marks dim 0 of
 each micro-batch's tensors dynamic (:func:`mark_batch_dynamic`), so the sizes share one graph.
 
+What memguard's estimate means for a compiled model: the estimate and every plan trace the eager
+module (``_orig_mod``) on fake tensors, so they predict the eager step's peak. Under the default
+inductor backend that is an upper bound in practice, not a guarantee: inductor fuses pointwise ops
+(their intermediates are never allocated) and its partitioner saves fewer activations for backward,
+recomputing cheap ops instead (torch/_functorch/partitioners.py, ``min_cut_rematerialization_partition``);
+what it adds is its own generated kernels' scratch buffers, which are small next to activations. So a
+compiled step fits where the plan says the eager one fits, with memory to spare that memguard does not
+claim. Not covered: ``mode="reduce-overhead"`` (CUDA graphs keep a private memory pool per captured
+shape, on top of the step), and inductor's autotuning (``mode="max-autotune"``) benchmarking kernels
+with extra workspaces during the first steps.
+
 Known limitations:
     A signature leaves out dtypes and non-tensor leaves (they rarely change within a job).
     Under DistributedDataParallel every rank's batch must have the same structure (the same

@@ -270,3 +270,40 @@ def test_variable_length_batches_under_a_real_memory_cap(tmp_path: Path) -> None
     assert planned["planning_seconds"] > 0
     assert fixed["oom_retries"] == 2 and fixed["sizes"] == [16, 16, 4, 16, 16]
     assert all("DefaultCPUAllocator" in m for m in fixed["messages"] if m.startswith("WARNING"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_ddp_ranks_with_different_lengths_agree_on_the_longest(tmp_path: Path) -> None:
+    worker = Path(__file__).with_name("shapes_ddp_worker.py")
+    env = dict(os.environ)
+    env.update(MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(worker), json.dumps({"out": str(tmp_path), "rank": r, "port": port})],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the ranks did not finish within {TIMEOUT_S} s: they hung")
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1))
+    # Step 1: rank 0 has 64 tokens, rank 1 16; both run the longest shape's micro-batch, which starts at
+    # 16's 8, fails on rank 0 (512 positions > 256), and is halved on both to 4. Step 2 (the other way
+    # round) starts at 4 on both: the ranks remember the same sizes.
+    for r in (r0, r1):
+        assert r["sizes"] == [8, 4, 4] and r["oom_retries"] == 1
+        assert r["by_signature"] == {"batch[*,16,8]": 8, "batch[*,64,8]": 4}
+    assert r0["weights"] == r1["weights"]
+    for k, ref in r0["reference"].items():
+        got = torch.tensor(r0["weights"][k])
+        assert torch.allclose(got, torch.tensor(ref), rtol=1e-5, atol=1e-6), k
