@@ -10,8 +10,10 @@ the Lightning callback, the Accelerate hooks. Each translates its framework onto
   broadcasts under DDP; :func:`plan_options_problems` and :func:`call_planner` are the one place
   that talks to the planner), applies a plan (micro-batch, precision, activation checkpointing;
   every change can be undone), runs batches through :class:`memguard.guard.window.MicroBatchWindow`
-  (the OOM engine), steps the optimizer with the ranks' agreement, remembers a reduced micro-batch
-  in the plan cache, and reports a :class:`GuardStatus`;
+  (the OOM engine) at the micro-batch of each batch's shape (:mod:`memguard.guard.shapes`: a new
+  shape is planned before it runs, an OOM halves only its own shape's micro-batch), steps the
+  optimizer with the ranks' agreement, remembers a reduced micro-batch in the plan cache, and
+  reports a :class:`GuardStatus`;
 * :func:`register` / :func:`guard_of` keep one guard per model object.
 
 What stays in a front-end is translation only: where its framework keeps the model, optimizer,
@@ -717,6 +719,14 @@ class Guard:
             weight: float = 1.0, last: bool = False) -> torch.Tensor:
         """Run one batch of the open window; with ``last`` and ``sync_gradients``, average the gradients.
 
+        The batch runs at the micro-batch of its shape signature (:mod:`memguard.guard.shapes`; under DDP
+        the ranks' element-wise largest, agreed in one small all-reduce per batch). A signature seen for
+        the first time gets its micro-batch before it runs (see :meth:`_size_for`; rank 0 chooses under
+        DDP and the others follow in one more all-reduce); an OOM halves only this signature's. Within
+        one window the micro-batch never grows from one batch to the next, so that a replay after an OOM
+        runs every earlier batch of the window at most at the size it ran at. Under ``torch.compile`` dim
+        0 of every micro-batch is marked dynamic, so one graph serves every micro-batch size but 1.
+
         Args:
             batch: this rank's batch.
             loss_of: ``loss_of(micro_batch) -> mean loss`` (see :meth:`loss_of`).
@@ -834,8 +844,8 @@ class Guard:
         """The largest micro-batch up to ``base`` predicted to fit the plan's budget for batches of ``sig``.
 
         The probe model (:class:`memguard.planner.probe.ProbeModel`) of the new shape: 1- and 2-block
-        probe traces at one micro-batch (and, on the CPU and CUDA targets, the 2-block probe at twice it),
-        so three small traces; memory in the sequence length is not affine (attention scores grow with
+        probe traces at one micro-batch (on the CUDA target also the 2-block probe at twice it, for the
+        allocator model), so two or three small traces; memory in the sequence length is not affine (attention scores grow with
         its square on the CPU target and CUDA's math path), so a new shape needs new probes, but none of
         the planner's search or verification. Under ``torch.compile`` only halvings of ``base`` are tried.
         None when nothing can be planned (no plan, or the trace fails: logged once).
@@ -857,6 +867,11 @@ class Guard:
             k = plan.checkpoint_blocks if plan.activation_checkpointing else 0
             model = planner.probe_model(plan.precision, zero_stage=plan.zero_stage, world_size=plan.world_size,
                                         spec=space.spec, offload=plan.offload_optimizer, checkpointing=k > 0)
+            if plan.device == "cpu":
+                # The CPU target's peak is its live bytes, which the probe features predict (the larger of the
+                # forward/backward and the optimizer moments, ProbeModel.allocated); the extended traces at a
+                # second micro-batch only refine that moment, for one more trace.
+                model.device_peak = None
             n = batch_size(batch)
 
             def fits(m: int) -> bool:
