@@ -461,6 +461,7 @@ class Guard:
         self.signatures_planned = 0
         self.signature_planning_seconds = 0.0
         self._warned_signature_planning = False
+        self._planning_signature = False
 
     # ---------------------------------------------------------------------------------------------- state
 
@@ -741,6 +742,9 @@ class Guard:
         Raises:
             ConfigError, OOMRecoveryError, PeerFailedError: as :meth:`MicroBatchWindow.run`.
         """
+        if self._planning_signature:  # the planner's trace must not run the real window (see _plan_signature)
+            raise RuntimeError("the loss function memguard plans with calls back into the guard; it must call the "
+                               "model's own step, not the front-end's stand-in")
         window = self.window
         assert window is not None and window.is_open  # open_window() comes first
         try:
@@ -856,6 +860,7 @@ class Guard:
         from memguard.planner.search import Planner
 
         start = time.perf_counter()
+        self._planning_signature = True
         try:
             options = {k: v for k, v in ctx["options"].items() if k in ("keep_outputs",)}
             request = _request(options, global_batch_size=plan.global_batch_size, optimizer=ctx["optimizer"],
@@ -897,6 +902,7 @@ class Guard:
                 self._warned_signature_planning = True
             return None
         finally:
+            self._planning_signature = False
             self.signature_planning_seconds += time.perf_counter() - start
         self.signatures_planned += 1
         logger.debug("planned batch shape %s in %.2f s: micro-batch %d", sig, time.perf_counter() - start, size)
