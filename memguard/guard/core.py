@@ -804,7 +804,8 @@ class Guard:
         ``micro_batch_size=``) the first batch's. A new signature gets the largest micro-batch, at most the
         planned one, that the probe model of a batch of that signature (padded to the top of its bucket)
         predicts to fit the plan's budget with the plan's precision, checkpointing and sharding
-        (:meth:`_plan_signature`); without a plan's budget, or when that fails, the planned one. Either is
+        (:meth:`_plan_signature`); without a plan's budget, or when that fails, the planned one; a
+        signature covered by a known one that runs at the planned micro-batch gets it without planning. Either is
         then capped by the micro-batch of every known signature it covers (memory never falls when a dim
         grows, so a signature needs at most the micro-batch of one it covers), and under ``torch.compile``
         rounded down to a halving of the planned micro-batch.
@@ -833,7 +834,9 @@ class Guard:
         if not self._sizes and (self._reference is None or sig == self._reference):
             return base
         size = base
-        if sig != self._reference:
+        # a shape that a known one covers and that runs at the planned micro-batch fits it too: no planning
+        covered = any(other.covers(sig) and m >= base for other, m in self._sizes.items())
+        if sig != self._reference and not covered:
             planned = self._plan_signature(sig, batch, base)
             if planned is not None:
                 size = planned

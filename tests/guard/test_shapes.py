@@ -194,8 +194,11 @@ def test_a_compiled_model_is_planned_through_its_eager_module() -> None:
 
     prepare(model, opt, loss_fn=loss, budget_bytes=1 << 30, device="cpu", precision="32-true")
     step(model, opt, torch.randn(12, 32, 8))
+    step(model, opt, torch.randn(12, 16, 8))
     status = guard_status(model)
     assert status.plan is not None and status.plan.micro_batch_size == 12 and status.compiled
+    # 16 positions need no more memory than the planned 32, which runs at the planned 12: no new plan
+    assert status.micro_batch_size == 12 and status.signatures_planned == 0
 
 
 # --------------------------------------------------------------------------------------------------
