@@ -409,9 +409,13 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']}",
-        f"- machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, load average {m.get('load_average', '?')} at "
-        f"start and {meta.get('load_average_end')} at end, {m.get('platform', '')}",
-        f"- software: {m.get('software', '')}; 1 intra-op thread",
+        f"- machine: {m.get('cpu_model', '?')}, {m.get('usable_cores', '?')} usable of {m.get('cores', '?')} cores, "
+        f"{m.get('ram_bytes', 0) / (1 << 30):.1f} GiB RAM, load average {m.get('load_average', '?')} at start and "
+        f"{meta.get('load_average_end')} at end (a shared machine: seconds are inflated by the load), "
+        f"{m.get('platform', '')}",
+        f"- software: Python {m.get('python', '?')}, torch {m.get('torch', '?')}, transformers "
+        f"{m.get('transformers', '?')}, accelerate {m.get('accelerate', '?')}, pytorch-lightning "
+        f"{meta.get('lightning', '?')}; 1 intra-op thread",
         f"- job: one epoch of {len(LENGTHS) * BATCH} sequences in batches of {BATCH}, tokens per batch "
         f"{', '.join(map(str, LENGTHS))}; GPT-2 2 x 64 (eager attention), AdamW, fp32; cap = VmSize after a warm-up "
         f"step + {meta['room_mib']} MiB (`setrlimit(RLIMIT_AS)`), glibc malloc with `MALLOC_ARENA_MAX=1 "
@@ -499,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_description(), "room_mib": args.room, "lengths": list(LENGTHS), "batch": BATCH,
     }
+    try:
+        import pytorch_lightning
+
+        meta["lightning"] = pytorch_lightning.__version__
+    except ImportError:
+        meta["lightning"] = None
     rows = []
     for tool in tools:
         row = _run_worker(tool, args.room, args.timeout)
