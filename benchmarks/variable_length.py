@@ -433,8 +433,9 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         mbs = r.get("micro_batches") or []
         shown = ", ".join(map(str, mbs)) if mbs else "—"
         result = "ok" if r.get("ok") else f"failed: {r.get('error', '?')[:120]}"
-        lines.append(f"| {r['tool']} | {shown} | {r.get('ooms', '—')} | {r.get('trained', '—')} | {r.get('lost', '—')} "
-                     f"| {r.get('redone', '—')} | {r.get('seconds', '—')} | {r.get('tokens_per_second', '—')} | {result} |")
+        cells = [r["tool"], shown] + [str(r.get(k, "—")) for k in ("ooms", "trained", "lost", "redone", "seconds",
+                                                                    "tokens_per_second")] + [result]
+        lines.append("| " + " | ".join(cells) + " |")
     by = {r["tool"]: r for r in rows}
     mg, re_ = by.get("memguard"), by.get("memguard-reactive")
     if mg and re_ and mg.get("step_seconds") and re_.get("step_seconds"):

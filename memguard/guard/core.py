@@ -805,10 +805,10 @@ class Guard:
         planned one, that the probe model of a batch of that signature (padded to the top of its bucket)
         predicts to fit the plan's budget with the plan's precision, checkpointing and sharding
         (:meth:`_plan_signature`); without a plan's budget, or when that fails, the planned one; a
-        signature covered by a known one that runs at the planned micro-batch gets it without planning. Either is
-        then capped by the micro-batch of every known signature it covers (memory never falls when a dim
-        grows, so a signature needs at most the micro-batch of one it covers), and under ``torch.compile``
-        rounded down to a halving of the planned micro-batch.
+        signature covered by a known one that runs at the planned micro-batch gets it without planning.
+        Either is then capped by the micro-batch of every known signature it covers (memory never falls
+        when a dim grows, so a signature needs at most the micro-batch of one it covers), and under
+        ``torch.compile`` rounded down to a halving of the planned micro-batch.
         """
         if sig in self._sizes:
             return self._sizes[sig]
@@ -852,10 +852,16 @@ class Guard:
 
         The probe model (:class:`memguard.planner.probe.ProbeModel`) of the new shape: 1- and 2-block
         probe traces at one micro-batch (on the CUDA target also the 2-block probe at twice it, for the
-        allocator model), so two or three small traces; memory in the sequence length is not affine (attention scores grow with
-        its square on the CPU target and CUDA's math path), so a new shape needs new probes, but none of
-        the planner's search or verification. Under ``torch.compile`` only halvings of ``base`` are tried.
-        None when nothing can be planned (no plan, or the trace fails: logged once).
+        allocator model), so two or three small traces. Memory is not affine in the sequence length
+        (attention scores grow with its square on the CPU target and CUDA's math path), so a new shape
+        needs new probes, but none of the planner's search or verification. Under ``torch.compile`` only
+        halvings of ``base`` are tried. None when nothing can be planned (no plan, or the trace fails:
+        logged once).
+
+        Known limitations:
+            With activation checkpointing in the plan, the probes trace the module whose blocks the guard
+            already checkpointed, so the "no checkpointing" probe is not one; the prediction may then be
+            low, and the OOM retry is the backstop.
         """
         plan, ctx = self.plan, self._context
         if plan is None or ctx is None:

@@ -23,14 +23,15 @@ What memguard's estimate means for a compiled model: the estimate and every plan
 module (``_orig_mod``) on fake tensors, so they predict the eager step's peak. Under the default
 inductor backend that is an upper bound in practice, not a guarantee: inductor fuses pointwise ops
 (their intermediates are never allocated) and its partitioner saves fewer activations for backward,
-recomputing cheap ops instead (torch/_functorch/partitioners.py, ``min_cut_rematerialization_partition``);
-what it adds is its own generated kernels' scratch buffers, which are small next to activations. So a
-compiled step fits where the plan says the eager one fits, with memory to spare that memguard does not
-claim: a 2-layer, 64-wide GPT-2 training step at 8 x 256 tokens (AdamW, fp32) peaks at 51.4 MiB eager
-and 35.5 MiB compiled on the CPU, and memguard estimates 51.4 MiB (``python -m
-benchmarks.variable_length --compiled-peak``, torch 2.13). Not covered: ``mode="reduce-overhead"`` (CUDA graphs keep a private memory pool per captured
-shape, on top of the step), and inductor's autotuning (``mode="max-autotune"``) benchmarking kernels
-with extra workspaces during the first steps.
+recomputing cheap ops instead (torch/_functorch/partitioners.py,
+``min_cut_rematerialization_partition``); what it adds are its generated kernels' scratch buffers.
+So a compiled step is expected to fit where the plan says the eager one fits, with memory to spare
+that memguard does not claim: a 2-layer, 64-wide GPT-2 training step at 8 x 256 tokens (AdamW, fp32)
+peaks at 51.4 MiB eager and 35.5 MiB compiled on the CPU, and memguard estimates 51.4 MiB
+(``python -m benchmarks.variable_length --compiled-peak``, torch 2.13). Not covered:
+``mode="reduce-overhead"`` (CUDA graphs keep a private memory pool per captured shape, on top of
+the step), and inductor's autotuning (``mode="max-autotune"``), which benchmarks kernels with extra
+workspaces during the first steps.
 
 Known limitations:
     A signature leaves out dtypes and non-tensor leaves (they rarely change within a job).

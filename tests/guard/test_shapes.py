@@ -287,9 +287,11 @@ def _free_port() -> int:
 def test_ddp_ranks_with_different_lengths_agree_on_the_longest(tmp_path: Path) -> None:
     worker = Path(__file__).with_name("shapes_ddp_worker.py")
     env = dict(os.environ)
-    env.update(MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    env.update(MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(worker), json.dumps({"out": str(tmp_path), "rank": r, "port": port})],
+    cfgs = [json.dumps({"out": str(tmp_path), "rank": r, "port": port}) for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(worker), cfgs[r]],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     try:
         outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
