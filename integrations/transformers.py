@@ -1,26 +1,51 @@
-"""Hugging Face transformers: apply a :class:`memguard.Plan` to ``TrainingArguments``.
+"""Hugging Face transformers: plan and guard a ``Trainer``, or apply a plan to ``TrainingArguments``.
 
-``apply(training_args, plan)`` returns new ``TrainingArguments`` whose per-device batch,
-gradient accumulation, bf16/fp16 flags, gradient checkpointing and DeepSpeed config come from the
-plan. The Trainer then runs the plan; memguard does not wrap the Trainer's loop.
+Two entry points:
+
+* :class:`MemguardCallback`, a ``transformers.TrainerCallback``: plans before training under what
+  the ``TrainingArguments`` fix (precision, DeepSpeed config, world size), applies the plan to the
+  Trainer (per-device batch, gradient accumulation, activation checkpointing) and, during training,
+  recovers from out-of-memory errors by halving the micro-batch and re-running the optimizer step's
+  samples, on every rank together::
+
+      trainer = Trainer(model=model, args=args, train_dataset=ds,
+                        callbacks=[MemguardCallback(budget_bytes=20 << 30, gpu="A100-40GB")])
+      trainer.train()
+
+* ``apply(training_args, plan)`` returns new ``TrainingArguments`` whose per-device batch,
+  gradient accumulation, bf16/fp16 flags, gradient checkpointing and DeepSpeed config come from
+  the plan, for a plan made by hand with :func:`memguard.plan`; the Trainer then runs the plan
+  unguarded.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable, Mapping
 
+import torch
+
+from memguard.batch import batch_size
 from memguard.errors import ConfigError
+from memguard.guard.core import DEFAULT_MAX_RETRIES, Constraints, Guard, GuardStatus, option_problems
+from memguard.guard.distributed import rank_group_of
 from memguard.integrations import require
 from memguard.integrations.deepspeed import AUTO, fill_auto, to_config
 from memguard.planner.plan import Plan
 
-__all__ = ["apply"]
+__all__ = ["apply", "MemguardCallback"]
 
 logger = logging.getLogger("memguard")
+
+# Imported when this module is: the callback subclasses TrainerCallback. TrainingArguments and the Trainer
+# need accelerate (transformers' Trainer refuses to run without it), which the transformers extra installs.
+_tf = require("transformers", "transformers", "transformers")
+require("accelerate", "accelerate", "transformers")
 
 
 def _load_user_deepspeed(value: Any) -> dict[str, Any]:
@@ -160,3 +185,492 @@ def apply(training_args: Any, plan: Plan) -> Any:
         bool(plan.activation_checkpointing), f"ZeRO-{plan.zero_stage}" if ds_config is not None else "off",
     )
     return new_args
+
+
+# --------------------------------------------------------------------------------------------------
+# the Trainer callback
+
+# Plan options the callback takes from the Trainer and its arguments instead of from the user.
+_FROM_TRAINER = ("world_size", "device", "optimizer", "loss_fn", "batch", "zero_stage", "offload_optimizer")
+
+_FIX_PRECISION = "set TrainingArguments(bf16=True) or (fp16=True), or load the model in that dtype"
+
+
+def _precision_of(args: Any, model: Any) -> str:
+    """The precision the Trainer runs: its ``bf16``/``fp16`` flags (Accelerate's autocast), else the weights' dtype."""
+    if args.bf16:
+        return "bf16-mixed"
+    if args.fp16:
+        return "16-mixed"
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} if model is not None else set()
+    if dtypes == {torch.bfloat16}:
+        return "bf16-true"
+    if dtypes == {torch.float16}:
+        return "16-true"
+    return "32-true"
+
+
+def _deepspeed_of(args: Any) -> dict[str, Any] | None:
+    """The DeepSpeed config of ``args`` (a dict), or None without DeepSpeed."""
+    return _load_user_deepspeed(args.deepspeed) if args.deepspeed else None
+
+
+def _zero_of(ds: Mapping[str, Any]) -> tuple[int | None, bool]:
+    """ZeRO stage (None if it is not a number) and whether the optimizer is offloaded, from a DeepSpeed config
+    (DeepSpeed's defaults: stage 0, no offload: deepspeed/runtime/zero/config.py)."""
+    zero = ds.get("zero_optimization") or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    stage = zero.get("stage", 0)
+    return (stage if stage in (0, 1, 2, 3) and not isinstance(stage, bool) else None), offload in ("cpu", "nvme")
+
+
+def _fsdp_stage(args: Any) -> int | None:
+    """The sharding level of the Trainer's FSDP options (None without FSDP): ``full_shard`` reshards after the
+    forward (memguard's stage 3), ``shard_grad_op`` does not (stage 2); transformers' FSDPOption names."""
+    options = [str(getattr(o, "value", o)) for o in (args.fsdp or [])]
+    if not options:
+        return None
+    return 2 if "shard_grad_op" in options and "full_shard" not in options else 3
+
+
+def _constraints(args: Any = None, model: Any = None) -> Constraints:
+    """What the ``TrainingArguments`` fix: the precision (Accelerate runs it), world size, ZeRO stage or FSDP
+    sharding. Without ``args``: only what is known before the Trainer exists (for checking the callback's options)."""
+    common = dict(source="the Trainer", taken=_FROM_TRAINER, precision_role="framework",
+                  fix_plan="plan again with memguard.plan() for these TrainingArguments", fix_precision=_FIX_PRECISION)
+    if args is None:
+        return Constraints(**common, zero_stages=(0, 1, 2, 3), offload_optimizer=True)
+    zero_stages, offload, extra = (0,), False, {}
+    ds = _deepspeed_of(args)
+    if ds is not None:
+        stage, offload = _zero_of(ds)
+        zero_stages = (stage,) if stage is not None else (0, 1, 2, 3)  # not a stage: refused by _trainer_problems
+    fsdp = _fsdp_stage(args)
+    if fsdp is not None:
+        zero_stages = (fsdp,)
+        if "strategies" in {f.name for f in dataclasses.fields(Constraints)}:  # else refused by _trainer_problems
+            extra["strategies"] = ("fsdp2",)
+    return Constraints(**common, **extra, zero_stages=zero_stages, offload_optimizer=offload,
+                       precisions=(_precision_of(args, model),), world_size=int(args.world_size))
+
+
+def _find_trainer(callback: Any) -> Any:
+    """The ``Trainer`` whose callback handler is calling ``callback`` now (the ``self`` of a frame up the stack).
+
+    Callbacks receive the model, optimizer and dataloaders but not the Trainer
+    (``CallbackHandler.call_event`` in transformers/trainer_callback.py); the callback needs it to change the
+    per-device batch before the train dataloader is built and to guard ``training_step``.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            handler = getattr(owner, "callback_handler", None) if isinstance(owner, _tf.Trainer) else None
+            if handler is not None and any(cb is callback for cb in handler.callbacks):
+                return owner
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+def _example_batch(trainer: Any, n: int) -> Any:
+    """The first ``n`` training samples collated as the Trainer's train dataloader collates them.
+
+    The dataset is read in order without a sampler (no random state is drawn); unused columns are removed the
+    way ``Trainer.get_train_dataloader`` removes them.
+    """
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise ConfigError("the Trainer has no train_dataset to take an example batch from; pass train_dataset= to the "
+                          "Trainer, or pass plan= to MemguardCallback")
+    collator = trainer.data_collator
+    try:
+        import datasets  # noqa: F401 - only to recognise an HF dataset
+
+        is_hf = isinstance(dataset, datasets.Dataset)
+    except ImportError:
+        is_hf = False
+    if is_hf:
+        dataset = trainer._remove_unused_columns(dataset, description="training")
+    else:
+        collator = trainer._get_collator_with_removed_columns(collator, description="training")
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        samples = []
+        for sample in dataset:
+            samples.append(sample)
+            if len(samples) == n:
+                break
+    else:
+        samples = [dataset[i] for i in range(min(n, len(dataset)))]
+    if not samples:
+        raise ConfigError("the train_dataset is empty; memguard needs one batch of samples to plan")
+    return collator(samples)
+
+
+def _no_backward(weighted: torch.Tensor) -> None:
+    """The Trainer's own ``training_step`` already ran the backward (through ``accelerator.backward``)."""
+    return None
+
+
+class MemguardCallback(_tf.TrainerCallback):
+    """Plan the per-device batch, accumulation and checkpointing of a ``Trainer``; halve on OOM during ``train()``.
+
+    ::
+
+        trainer = Trainer(model=model, args=args, train_dataset=ds,
+                          callbacks=[MemguardCallback(budget_bytes=20 << 30, gpu="A100-40GB")])
+        trainer.train()
+
+    What happens, in the Trainer's events:
+
+    * ``on_init_end`` (the end of ``Trainer.__init__``): the callback checks the arguments, then plans
+      with :func:`memguard.plan` on the Trainer's model and one example batch (the first
+      ``per_device_train_batch_size`` samples of ``train_dataset``, collated by the Trainer's collator),
+      with the optimizer ``TrainingArguments.optim`` builds. The plan is *constrained* to what the
+      arguments fix: the precision (``bf16`` -> ``"bf16-mixed"``, ``fp16`` -> ``"16-mixed"``, else the
+      weights' dtype: bf16 weights -> ``"bf16-true"``), the world size, and the ZeRO stage and optimizer
+      offload of a DeepSpeed config (or the sharding level of FSDP). The global batch stays
+      ``per_device_train_batch_size x gradient_accumulation_steps x world size`` unless
+      ``global_batch_size`` is given. Under DDP rank 0 plans and broadcasts. The plan is applied to a
+      shallow copy of the arguments (the user's object is untouched): ``per_device_train_batch_size`` and
+      ``gradient_accumulation_steps`` from the plan, and activation checkpointing on or off as the plan
+      says (``gradient_checkpointing=True`` in the arguments makes the plan checkpoint, unless the
+      ``activation_checkpointing`` option says otherwise); under DeepSpeed
+      the config's ``"auto"`` batch values are filled again (transformers' ``propagate_args_to_deepspeed``).
+      The plan is logged at INFO on the ``memguard`` logger.
+    * ``on_train_begin``: on a single device or under DDP, the callback stands in for the Trainer's
+      ``training_step`` (an attribute on the Trainer instance, removed at ``on_train_end``). Each
+      dataloader batch goes through the guard core (:class:`memguard.guard.core.Guard`, whose OOM engine
+      is :class:`memguard.guard.window.MicroBatchWindow`): the batch is split into micro-batches of the
+      current size and the Trainer's own ``training_step`` runs on each, so ``compute_loss``, label
+      smoothing, ``compute_loss_func``, the fp16 GradScaler and ``accelerator.backward`` all stay the
+      Trainer's. When the loss is normalised by ``num_items_in_batch`` (the tokens of the whole optimizer
+      step) the micro-batch losses add up to the batch's as they are; otherwise each micro-batch's mean
+      loss is weighted by its share of the batch's samples (through the Trainer's
+      ``current_gradient_accumulation_steps``, by which ``training_step`` divides it). The returned loss
+      is the sum, as the Trainer logs it. On an out-of-memory error on any rank the window's gradients
+      are dropped, the micro-batch halved, and every batch of the current optimizer step run again from
+      its first sample, on every rank together. Under DDP the micro-batches run under ``no_sync`` and
+      the gradients are averaged after the step's last batch by memguard
+      (:mod:`memguard.guard.distributed`, SUM then divide by the world size, as DDP does), so no rank
+      can wait in a collective that a rank that ran out of memory never joins. The Trainer then clips
+      the gradients, steps the optimizer and the scheduler and logs, unchanged.
+    * ``on_train_end``: ``training_step`` is restored and the guard's state released.
+
+    Evaluation and prediction are not guarded: an out-of-memory error there propagates and never
+    changes the training micro-batch.
+
+    Args:
+        global_batch_size: samples per optimizer step over all ranks; default: what the arguments give.
+        plan: a :class:`memguard.Plan` to apply instead of planning (it must match the arguments'
+            precision, world size and ZeRO stage).
+        max_retries: at most this many halvings within one optimizer step.
+        guard_oom: recover from out-of-memory errors during training (False: plan and apply only).
+        **plan_options: options for :func:`memguard.plan`: ``budget_bytes``, ``gpu``, ``headroom``,
+            ``activation_checkpointing``, ``cache``, ... (``precision`` only if it is the arguments'; world
+            size, device, optimizer, loss and ZeRO stage come from the Trainer).
+
+    Attributes:
+        plan: the plan in force (None before the Trainer is built).
+        micro_batch_size: the current micro-batch (smaller than the plan's after an OOM).
+        oom_retries: halvings so far.
+
+    Raises:
+        ConfigError: bad arguments (every problem listed); from the Trainer's constructor, arguments the
+            callback cannot work with (``auto_find_batch_size``, ``model_init``, DataParallel over several
+            GPUs in one process, a DeepSpeed config with a fixed micro-batch, a precision or plan that
+            disagrees with the arguments), and planning failures on bad input.
+        InfeasiblePlanError: from the Trainer's constructor, when nothing fits the budget.
+
+    Known limitations:
+        The callback must be passed to the Trainer's constructor (``callbacks=[...]``): the plan changes the
+        per-device batch, which the Trainer reads before ``on_train_begin``. Callbacks are not given the
+        Trainer, so the callback finds it on the call stack of ``on_init_end``. The Trainer's activation
+        checkpointing covers every layer, while a plan may checkpoint only its first ``checkpoint_blocks``
+        blocks: the run then uses less memory than planned and is somewhat slower. Under DeepSpeed and FSDP the
+        plan is applied but out-of-memory errors are not recovered from (DeepSpeed and FSDP reduce gradients
+        inside the backward, where a rank that ran out of memory would leave its peers waiting); a warning says
+        so. ``training_step`` runs once per micro-batch (and again on a replay), so a subclass's
+        ``training_step`` that logs, logs per micro-batch. Without ``num_items_in_batch`` the split weights
+        micro-batches by samples, which equals the Trainer's per-batch mean only when every sample has the same
+        number of loss tokens. Gradient communication no longer overlaps the backward under DDP, and DDP
+        communication hooks are not used. ``Trainer.add_callback`` after construction is refused at
+        ``on_train_begin``. A replayed or split batch draws new dropout masks, so with dropout the run
+        matches an out-of-memory-free one in distribution, not bit for bit.
+    """
+
+    def __init__(self, global_batch_size: int | None = None, *, plan: Plan | None = None,
+                 max_retries: int = DEFAULT_MAX_RETRIES, guard_oom: bool = True, **plan_options: Any) -> None:
+        problems = option_problems(_constraints(), plan=plan, global_batch_size=global_batch_size,
+                                   max_retries=max_retries, plan_options=plan_options)
+        if not isinstance(guard_oom, bool):
+            problems.append(f"guard_oom must be True or False, got {guard_oom!r}")
+        if problems:
+            raise ConfigError(problems)
+        self.global_batch_size = global_batch_size
+        self.max_retries = max_retries
+        self.guard_oom = guard_oom
+        self.plan_options = dict(plan_options)
+        self.plan: Plan | None = plan
+        self._given_plan = plan
+        self._trainer: Any = None
+        self._guard: Guard | None = None
+        self._patched = False
+
+    # ----------------------------------------------------------------------------------------------
+    # state for users and tests
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The micro-batch in force (None before the Trainer is built)."""
+        if self._guard is not None and self._guard.micro_batch_size is not None:
+            return self._guard.micro_batch_size
+        return self.plan.micro_batch_size if self.plan is not None else None
+
+    @property
+    def oom_retries(self) -> int:
+        """Halvings of the micro-batch so far."""
+        return self._guard.oom_retries if self._guard is not None else 0
+
+    def status(self) -> GuardStatus | None:
+        """What the guard does (None before the Trainer is built)."""
+        return self._guard.status() if self._guard is not None else None
+
+    # ----------------------------------------------------------------------------------------------
+    # events
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Plan (or take the given plan) and apply it to the Trainer's arguments; see the class docstring.
+
+        Raises:
+            ConfigError: the Trainer or its arguments do not allow it (every problem listed), or planning
+                failed on bad input.
+            InfeasiblePlanError: nothing fits.
+        """
+        trainer = _find_trainer(self)
+        if trainer is None:
+            raise ConfigError("MemguardCallback could not find the Trainer calling it; pass it to the Trainer's "
+                              "constructor: Trainer(..., callbacks=[MemguardCallback(...)])")
+        self._trainer = trainer
+        args = trainer.args
+        constraints = _constraints(args, trainer.model)
+        problems = self._trainer_problems(trainer, constraints)
+        if problems:
+            raise ConfigError(problems)
+        guard = Guard(trainer.model, constraints, world_size=int(args.world_size), rank_group=_world_group(args),
+                      max_retries=self.max_retries, sync_gradients=True, global_batch_size=self.global_batch_size,
+                      plan_options=self._planning_options(args, constraints))
+        self._guard = guard
+        plan = self._given_plan
+        if plan is None:
+            plan = guard.agree_on_plan(lambda: self._make_plan(trainer, guard))
+        self.plan = plan
+        self._apply(trainer, plan)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Stand in for the Trainer's ``training_step`` (single device or DDP).
+
+        Raises:
+            ConfigError: the callback was added after the Trainer was built.
+        """
+        trainer, guard, plan = self._trainer, self._guard, self.plan
+        if trainer is None or guard is None or plan is None:
+            raise ConfigError("MemguardCallback was added after the Trainer was built, too late to set the per-device "
+                              "batch; pass it to the constructor: Trainer(..., callbacks=[MemguardCallback(...)])")
+        if not self.guard_oom:
+            return
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            logger.warning("memguard: under %s the plan is applied but out-of-memory errors during training are not "
+                           "recovered from", "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP")
+            return
+        wrapped = trainer.model_wrapped
+        guard.rank_group = rank_group_of(wrapped)
+        guard.world_size = guard.rank_group.world_size if guard.rank_group is not None else 1
+        micro = guard.micro_batch_size if guard.window is not None else plan.micro_batch_size
+        guard.apply(None, trainer.optimizer, micro_batch_size=micro, precision=plan.precision,
+                    activation_checkpointing=False)  # the Trainer checkpoints (gradient_checkpointing in the args)
+        guard.plan = plan
+        self._patch(trainer)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Restore the Trainer's ``training_step``."""
+        self._restore()
+
+    # ----------------------------------------------------------------------------------------------
+    # internals
+
+    def _trainer_problems(self, trainer: Any, constraints: Constraints) -> list[str]:
+        args = trainer.args
+        problems: list[str] = []
+        if args.auto_find_batch_size:
+            problems.append("auto_find_batch_size=True halves the per-device batch on an OOM without raising gradient "
+                            "accumulation (the global batch changes) and restarts the loop; memguard plans the batch "
+                            "and recovers within the step instead: set auto_find_batch_size=False")
+        if trainer.model_init is not None:
+            problems.append("model_init= builds a new model in train(), after memguard planned for the first one; "
+                            "pass model= instead")
+        if args.n_gpu > 1:
+            problems.append(f"the Trainer runs torch.nn.DataParallel over {args.n_gpu} GPUs in one process, which "
+                            "memguard does not guard; launch one process per GPU (torchrun) for DDP")
+        if args.fsdp and "strategies" not in {f.name for f in dataclasses.fields(Constraints)}:
+            problems.append("memguard cannot plan for the Trainer's FSDP yet; plan with memguard.plan(..., "
+                            "strategy='fsdp2') and pass plan=, or drop fsdp from the TrainingArguments")
+        ds = _deepspeed_of(args)
+        if trainer.is_deepspeed_enabled and ds is None:
+            problems.append("DeepSpeed is configured through Accelerate's config, not TrainingArguments(deepspeed=...); "
+                            "pass the DeepSpeed config as TrainingArguments(deepspeed=...) so that memguard plans for its "
+                            "ZeRO stage and fills its batch values")
+        if ds is not None:
+            fixed = [k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+                     if k in ds and ds[k] != AUTO]
+            if _zero_of(ds)[0] is None:
+                stage = (ds.get("zero_optimization") or {}).get("stage")
+                problems.append(f"the DeepSpeed config's zero_optimization.stage is {stage!r}; the Trainer does not "
+                                "fill it, so set it to 0, 1, 2 or 3")
+            if fixed:
+                problems.append(f"the DeepSpeed config fixes {', '.join(fixed)}; set {' and '.join(fixed)} to \"auto\" "
+                                "so that the Trainer fills them from the batch memguard plans")
+        device = args.device.type
+        if device not in ("cuda", "cpu"):
+            problems.append(f"memguard plans for 'cuda' or 'cpu' devices, not {device!r}")
+        problems += option_problems(constraints, plan=self._given_plan, plan_options=self.plan_options)
+        return problems
+
+    def _planning_options(self, args: Any, constraints: Constraints) -> dict[str, Any]:
+        options = dict(self.plan_options)
+        if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
+            options.setdefault("activation_checkpointing", True)  # the user's arguments ask for it
+        options["offload_optimizer"] = constraints.offload_optimizer
+        options.setdefault("device", args.device.type)
+        return options
+
+    def _make_plan(self, trainer: Any, guard: Guard) -> Plan:
+        args = trainer.args
+        batch = _example_batch(trainer, int(args.per_device_train_batch_size))
+        cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
+
+        def optimizer(params: Any) -> Any:
+            return cls(params, **kwargs)
+
+        return guard.make_plan(batch, optimizer, None, accumulation=int(args.gradient_accumulation_steps),
+                               device=args.device.type)
+
+    def _apply(self, trainer: Any, plan: Plan) -> None:
+        """The plan's per-device batch, accumulation and checkpointing, in a copy of the Trainer's arguments."""
+        old = trainer.args
+        checkpointing = bool(plan.activation_checkpointing)
+        changes: dict[str, Any] = {"per_device_train_batch_size": plan.micro_batch_size,
+                                   "gradient_accumulation_steps": plan.grad_accum_steps,
+                                   "gradient_checkpointing": checkpointing}
+        if "activation_checkpointing" in {f.name for f in dataclasses.fields(old)}:
+            changes["activation_checkpointing"] = checkpointing  # the newer name, read first where it exists
+        # A shallow copy with the fields set: dataclasses.replace would run TrainingArguments.__post_init__ again,
+        # which resets the Accelerate state the Trainer already built.
+        new = copy.copy(old)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        trainer.args = new
+        # Trainer.__init__ read the per-device batch before the callbacks' on_init_end (trainer.py, __init__);
+        # Trainer._update_auto_batch_size sets the same attribute when auto_find_batch_size changes the batch.
+        trainer._train_batch_size = new.train_batch_size
+        if trainer.is_deepspeed_enabled:
+            self._refill_deepspeed(trainer, new)
+        if trainer.is_world_process_zero():
+            logger.info("memguard applies this plan to the Trainer (per_device_train_batch_size %d -> %d, "
+                        "gradient_accumulation_steps %d -> %d):\n%s", old.per_device_train_batch_size,
+                        plan.micro_batch_size, old.gradient_accumulation_steps, plan.grad_accum_steps, plan.explain())
+
+    @staticmethod
+    def _refill_deepspeed(trainer: Any, args: Any) -> None:
+        """Fill the DeepSpeed config's ``"auto"`` batch values again from ``args``, where the Trainer reads them.
+
+        ``TrainingArguments`` filled them from the user's batch at construction; the Trainer's hyper-parameter
+        search rebuilds the config the same way when it changes the batch (trainer.py, ``_hp_search_setup``:
+        ``HfTrainerDeepSpeedConfig(args.deepspeed)`` then ``trainer_config_process(args)``), and
+        ``propagate_args_to_deepspeed`` hands the result to Accelerate's DeepSpeed plugin.
+        """
+        from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+        hf_config = HfTrainerDeepSpeedConfig(copy.deepcopy(_deepspeed_of(args)))
+        hf_config.trainer_config_process(args)
+        args.hf_deepspeed_config = hf_config
+        plugin = trainer.accelerator.state.deepspeed_plugin
+        plugin.hf_ds_config = hf_config
+        plugin.deepspeed_config = hf_config.config
+
+    def _patch(self, trainer: Any) -> None:
+        self._restore()
+        original = trainer.training_step  # the bound method (or a user's instance attribute)
+        previous = trainer.__dict__.get("training_step")
+        callback = self
+
+        def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+            try:
+                return callback._training_step(trainer, original, model, inputs, num_items_in_batch)
+            except BaseException:
+                callback._restore()
+                raise
+
+        def undo() -> None:
+            if previous is None:
+                trainer.__dict__.pop("training_step", None)
+            else:
+                trainer.__dict__["training_step"] = previous
+
+        trainer.__dict__["training_step"] = training_step
+        self._undo_patch = undo
+        self._patched = True
+
+    def _restore(self) -> None:
+        if self._patched:
+            self._undo_patch()
+            self._patched = False
+            if self._guard is not None:
+                self._guard.undo()
+
+    def _training_step(self, trainer: Any, original: Callable[..., torch.Tensor], model: Any, inputs: Any,
+                       num_items_in_batch: Any) -> torch.Tensor:
+        guard = self._guard
+        assert guard is not None  # set in on_init_end
+        # The loop sets sync_gradients before each training_step: True on an optimizer step's last batch
+        # (trainer.py, _run_epoch: accelerator.gradient_state._set_sync_gradients(do_sync_step)).
+        last = bool(trainer.accelerator.sync_gradients)
+        if guard.window is None or not guard.window.is_open:
+            guard.open_window(model, [trainer.optimizer] if trainer.optimizer is not None else [])
+        n = batch_size(inputs)
+        accumulation = trainer.current_gradient_accumulation_steps
+
+        def loss_of(micro: Any) -> torch.Tensor:
+            k = batch_size(micro)
+            # training_step divides a per-batch mean loss by current_gradient_accumulation_steps (trainer.py,
+            # training_step); accumulation * n / k also weights the micro-batch by its share k / n of the batch.
+            # A loss normalised by num_items_in_batch is not divided and already adds up over micro-batches.
+            trainer.current_gradient_accumulation_steps = accumulation * n / k
+            try:
+                with trainer.accelerator.no_sync(model):  # memguard averages the gradients after the last batch
+                    step_loss = original(model, micro, num_items_in_batch)
+            finally:
+                trainer.current_gradient_accumulation_steps = accumulation
+            # the window adds up loss * k / n over the micro-batches: return the Trainer's loss times n / k so the
+            # sum is the Trainer's loss for the whole batch
+            return step_loss.detach() * (n / k)
+
+        loss = guard.run(inputs, loss_of, _no_backward, model=model, last=last)
+        if last:
+            guard.end_window()
+        return loss
+
+
+def _world_group(args: Any) -> Any:
+    """The default process group as a :class:`memguard.guard.distributed.RankGroup`, for planning on rank 0 before
+    the Trainer wraps the model (None on one process)."""
+    import torch.distributed as dist
+
+    from memguard.guard.distributed import RankGroup
+
+    if int(args.world_size) <= 1 or not dist.is_available() or not dist.is_initialized():
+        return None
+    backend = str(dist.get_backend())
+    device = args.device if "nccl" in backend else torch.device("cpu")
+    return RankGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank(), 0, device)

@@ -44,6 +44,7 @@ import re
 import sys
 import textwrap
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -172,7 +173,8 @@ examples:
   memguard gpus --hf gpt2 --seq-len 1024 --global-batch-size 256
 
 exit status: 0 done; 1 nothing fits (the closest plan is printed) or another memguard error;
-2 bad usage. Progress goes to stderr; --json keeps stdout machine-readable.
+2 bad usage, or the --model module or factory failed (one line; --verbose adds the traceback).
+Progress goes to stderr; --json keeps stdout machine-readable.
 """
 
 _MODEL_HELP = """\
@@ -436,6 +438,28 @@ class LoadedModel:
     description: str = ""
 
 
+class UserCodeError(ConfigError):
+    """The user's model module or factory failed (it would not import, or the factory raised).
+
+    The command line prints one line naming the factory and the error, and the traceback with
+    ``--verbose``; the user's own exception is ``__cause__``.
+    """
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` on one line (the message's first line)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _import_failure(spec: str, module_part: str, exc: BaseException) -> UserCodeError:
+    """The error for a model module that failed to import."""
+    if isinstance(exc, SyntaxError):
+        where = f" ({exc.filename}, line {exc.lineno})" if exc.filename else ""
+        return UserCodeError(f"--model {spec}: {module_part} has a syntax error{where}: {exc.msg}")
+    return UserCodeError(f"--model {spec}: importing {module_part} raised {_one_line(exc)}")
+
+
 def _resolve_factory(spec: str) -> Callable:
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
@@ -450,19 +474,25 @@ def _resolve_factory(spec: str) -> Callable:
         sys.modules[name] = module
         try:
             module_spec.loader.exec_module(module)
-        except ImportError as exc:
-            raise ConfigError(f"--model {spec!r}: importing {module_part} failed: {exc}") from exc
+        except Exception as exc:  # the user's code: any error it raises while importing
+            sys.modules.pop(name, None)
+            raise _import_failure(spec, module_part, exc) from exc
     else:
         cwd = os.getcwd()
         if cwd not in sys.path and "" not in sys.path:
             sys.path.insert(0, cwd)  # like `python -m`, find modules in the current folder
         try:
             module = importlib.import_module(module_part)
-        except ImportError as exc:
+        except ModuleNotFoundError as exc:
+            missing = exc.name or ""
+            if module_part != missing and not module_part.startswith(missing + "."):  # a module it imports is missing
+                raise _import_failure(spec, module_part, exc) from exc
             raise ConfigError(
                 f"--model {spec!r}: cannot import {module_part!r} ({exc}); run memguard from the folder that holds it "
                 "or add that folder to PYTHONPATH"
             ) from exc
+        except Exception as exc:  # the user's code: any error it raises while importing
+            raise _import_failure(spec, module_part, exc) from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -495,7 +525,12 @@ def _from_factory(spec: str, *, batch_size: int, seq_len: int | None) -> LoadedM
             raise ConfigError(f"--seq-len {seq_len}: the factory {spec} takes no seq_len argument; drop --seq-len "
                               "or add a seq_len keyword argument to it")
         kwargs["seq_len"] = seq_len
-    result = factory(**kwargs)
+    try:
+        result = factory(**kwargs)
+    except MemguardError:
+        raise
+    except Exception as exc:  # the user's code: report it as theirs, not as a memguard failure
+        raise UserCodeError(f"--model {spec}: the factory raised {_one_line(exc)}") from exc
     out: dict[str, Any] = {}
     if isinstance(result, nn.Module):
         out["model"] = result
@@ -890,6 +925,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args, progress)
     except InfeasiblePlanError as exc:  # raised by a path that did not catch it (e.g. a cached plan)
         return _report_infeasible(args, exc)
+    except UserCodeError as exc:
+        if args.verbose and exc.__cause__ is not None:
+            sys.stdout.flush()
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
+            _fail(str(exc))
+        else:
+            _fail(f"{exc} (--verbose shows the traceback)")
+        return EXIT_USAGE
     except ConfigError as exc:
         _fail(str(exc), hint=hint)
         return EXIT_USAGE

@@ -376,3 +376,57 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+# The user's code fails: each case exits 2 (not 1, which means "nothing fits") with one line that names the
+# factory and the error; --verbose adds the traceback.
+BROKEN = {
+    # the factory itself raises
+    "raises": ("def make():\n    raise RuntimeError('checkpoint shards missing')\n",
+               "the factory raised RuntimeError: checkpoint shards missing"),
+    # the module has a syntax error
+    "syntax": ("def make(:\n    pass\n", "has a syntax error"),
+    # the module raises while it is imported
+    "import_time": ("import os\nVALUE = 1 / 0\ndef make():\n    pass\n", "raised ZeroDivisionError: division by zero"),
+    # the module exists, but a module it imports does not
+    "missing_dep": ("import no_such_dependency_xyz\ndef make():\n    pass\n",
+                    "raised ModuleNotFoundError: No module named 'no_such_dependency_xyz'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+@pytest.mark.parametrize("by", ["file", "module"])
+def test_failing_user_code_is_one_line_and_exit_2(case, by, tmp_path, monkeypatch, capsys):
+    source, expected = BROKEN[case]
+    name = f"broken_{case}_{by}_for_cli_test"
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI adds the current folder; undone after
+    spec = f"{path}:make" if by == "file" else f"{name}:make"
+    argv = ["plan", "--model", spec, "--device", "cpu", "--budget", "64MiB", "--global-batch-size", "4", "-q"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one line, no traceback
+    assert spec in lines[0] and expected in lines[0], lines[0]
+    sys.modules.pop(name, None)
+    rc = main(argv + ["--verbose"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "Traceback (most recent call last)" in err or "SyntaxError" in err, err
+    assert err.strip().splitlines()[-1].startswith("memguard: error: ")  # the one line still ends the output
+    sys.modules.pop(name, None)
+
+
+def test_failing_factory_from_the_command_line(tmp_path):
+    # the real console entry point: no Python traceback reaches the terminal
+    (tmp_path / "bad_factory.py").write_text(BROKEN["raises"][0])
+    out = run_cli("plan", "--model", "bad_factory:make", "--device", "cpu", "--budget", "64MiB",
+                  "--global-batch-size", "4", "-q", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "memguard: error: --model bad_factory:make: the factory raised RuntimeError: checkpoint shards missing "
+        "(--verbose shows the traceback)"
+    ]

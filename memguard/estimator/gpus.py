@@ -68,6 +68,10 @@ class GPUSpec:
         context_bytes: typical CUDA context plus library handles, not in ``memory_reserved``.
         vendor: ``"nvidia"`` or ``"amd"``.
         source: where the figures come from.
+        interconnect: how the usual multi-GPU form of the part links its GPUs: ``"nvlink"``,
+            ``"infinity-fabric"`` or ``"pcie"`` (the datasheets in ``source``).
+        p2p_caveat: a known problem of NCCL's peer-to-peer / InfiniBand transports on this part,
+            with its source, or ``""``; :mod:`memguard.planner.notes` turns it into a plan note.
     """
 
     name: str
@@ -84,6 +88,8 @@ class GPUSpec:
     context_bytes: int
     vendor: Literal["nvidia", "amd"]
     source: str
+    interconnect: Literal["nvlink", "infinity-fabric", "pcie"] = "pcie"
+    p2p_caveat: str = ""
 
 
 # Per-direction link bandwidths in GB/s (half of the bidirectional figures vendors quote).
@@ -102,6 +108,7 @@ _SPECS = (
         source="NVIDIA V100 Tensor Core GPU datasheet (SXM2: 125 TFLOPS tensor, 15.7 FP32, "
         "900 GB/s, NVLink 300 GB/s); total_memory 15.75-15.78 GiB in PyTorch OOM reports "
         "(e.g. Morizeyao/GPT2-Chinese#215)",
+        interconnect="nvlink",
     ),
     GPUSpec(
         name="V100-32GB", memory_bytes=_gib(31.74), compute_capability=(7, 0), bf16=False,
@@ -109,6 +116,7 @@ _SPECS = (
         memory_bandwidth_gbps=900.0, interconnect_gbps=150.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA V100 Tensor Core GPU datasheet (SXM2 32GB); total_memory 31.74-31.75 GiB in "
         "PyTorch OOM reports (haotian-liu/LLaVA#812, hiyouga/LlamaFactory#182)",
+        interconnect="nvlink",
     ),
     GPUSpec(
         name="T4", memory_bytes=_gib(14.75), compute_capability=(7, 5), bf16=False,
@@ -141,6 +149,10 @@ _SPECS = (
         source="NVIDIA L40S GPU datasheet (733 TFLOPS FP16/BF16 and 366 TF32 with sparsity, halved "
         "here; 91.6 FP32; 864 GB/s; PCIe 4.0 x16); total_memory 44.39-44.52 GiB in PyTorch OOM "
         "reports",
+        # axolotl/utils/environment.py check_cuda_p2p_ib_support: 2-7 L40S (or RTX 6000 Ada) GPUs
+        p2p_caveat="2 to 7 L40S GPUs in one machine have unreliable NCCL P2P transfers over PCIe: "
+        "axolotl sets NCCL_P2P_DISABLE=1 for them (axolotl/utils/environment.py, "
+        "check_cuda_p2p_ib_support); check with nvidia-smi topo -p2p n",
     ),
     GPUSpec(
         name="RTX-3090", memory_bytes=_gib(23.55), compute_capability=(8, 6), bf16=True,
@@ -157,6 +169,13 @@ _SPECS = (
         source="NVIDIA Ada GPU architecture whitepaper (RTX 4090: 165.2 TFLOPS FP16/BF16 tensor "
         "with FP32 accumulate, 82.6 TF32 and FP32, 1008 GB/s, PCIe 4.0 x16); total_memory "
         "23.64-23.65 GiB in PyTorch OOM reports",
+        # accelerate/utils/environment.py check_cuda_p2p_ib_support: several "RTX 40" GPUs with a
+        # driver older than 550.40.07 have broken P2P/IB transports; accelerate's launcher then
+        # sets NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1
+        p2p_caveat="several RTX 40-series GPUs with an NVIDIA driver older than 550.40.07 cannot use "
+        "NCCL's P2P or InfiniBand transports (hangs or wrong results): set NCCL_P2P_DISABLE=1 and "
+        "NCCL_IB_DISABLE=1, as accelerate launch does (accelerate/utils/environment.py, "
+        "check_cuda_p2p_ib_support), or update the driver",
     ),
     GPUSpec(
         name="A100-40GB", memory_bytes=_gib(39.50), compute_capability=(8, 0), bf16=True,
@@ -166,6 +185,7 @@ _SPECS = (
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB: 312 TFLOPS FP16/BF16, 156 TF32, "
         "19.5 FP32, 1555 GB/s, NVLink 600 GB/s); total_memory 39.50-39.59 GiB in PyTorch OOM "
         "reports (TianheWu/CoSeR#10, raoyongming/DenseCLIP#52)",
+        interconnect="nvlink",
     ),
     GPUSpec(
         name="A100-80GB", memory_bytes=_gib(79.14), compute_capability=(8, 0), bf16=True,
@@ -175,6 +195,7 @@ _SPECS = (
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: 312 TFLOPS FP16/BF16, 156 TF32, "
         "19.5 FP32, 2039 GB/s, NVLink 600 GB/s); total_memory 79.14-79.25 GiB in PyTorch OOM "
         "reports (lianqi1008/Control-GIC#6, levihsu/OOTDiffusion#235)",
+        interconnect="nvlink",
     ),
     GPUSpec(
         name="H100-80GB", memory_bytes=_gib(79.11), compute_capability=(9, 0), bf16=True,
@@ -184,6 +205,7 @@ _SPECS = (
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 1979 TFLOPS FP16/BF16 and 989 TF32 "
         "with sparsity, halved here; 67 FP32; 3.35 TB/s; NVLink 900 GB/s); total_memory 79.11 GiB "
         "in PyTorch OOM reports (vllm-project/vllm#27508)",
+        interconnect="nvlink",
     ),
     GPUSpec(
         name="H200", memory_bytes=_gib(139.72), compute_capability=(9, 0), bf16=True,
@@ -192,6 +214,7 @@ _SPECS = (
         memory_bandwidth_gbps=4800.0, interconnect_gbps=450.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, NVLink "
         "900 GB/s, compute as H100 SXM); total_memory 139.72-139.81 GiB in PyTorch OOM reports",
+        interconnect="nvlink",
     ),
     GPUSpec(
         name="MI300X", memory_bytes=_gib(191.69), compute_capability=(9, 4), bf16=True,
@@ -201,6 +224,7 @@ _SPECS = (
         source="AMD Instinct MI300X accelerator datasheet (1307.4 TFLOPS FP16/BF16 dense, 653.7 "
         "TF32, 163.4 FP32, 5.3 TB/s, 7 Infinity Fabric links totalling 896 GB/s); total_memory "
         "191.69-191.98 GiB in PyTorch (ROCm) OOM reports",
+        interconnect="infinity-fabric",
     ),
 )
 

@@ -17,7 +17,10 @@ One step, and what happens on an out-of-memory error:
    first call, runs before the attempt is known to have succeeded.
 3. Under DistributedDataParallel every rank reports its outcome in one all-reduce before any
    other collective (:mod:`memguard.guard.distributed`), so all ranks retry together; gradients are
-   averaged only once every rank has finished every micro-batch.
+   averaged only once every rank has finished every micro-batch. Under FSDP2
+   (``strategy="fsdp2"``), whose collectives run inside forward and backward, every rank agrees
+   before each of them, so a rank that fails is heard at the peers' next collective; FSDP2's
+   per-step state is reset on every rank before the retry (:mod:`memguard.guard.sharded`).
 4. The optimizer (through the GradScaler for ``16-mixed``) steps and the gradients are set to None.
 
 Each retry is logged at WARNING on the ``memguard`` logger. The new micro-batch is kept for the
@@ -81,6 +84,8 @@ def prepare(
     max_retries: int = DEFAULT_MAX_RETRIES,
     probe_up_after: int | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
+    strategy: str | None = None,
+    mesh: Any = None,
     **plan_options: Any,
 ) -> tuple[Any, Any]:
     """Apply a memory plan to a model and its optimizer, for :func:`step`.
@@ -113,21 +118,45 @@ def prepare(
             to the planned size); None (default) never probes.
         grad_scaler: the ``torch.amp.GradScaler`` to use if the precision is ``16-mixed`` (to set its
             options or load its state); default: a new one with PyTorch's defaults.
+        strategy: None or ``"ddp"``: a plain module, or one wrapped in DistributedDataParallel.
+            ``"fsdp2"``: a plain module that memguard shards with FSDP2 ``fully_shard`` once the plan
+            is known (per repeated block, then the root; the optimizer is re-pointed at the sharded
+            parameters), or a module already sharded with ``fully_shard`` at its root; planned with
+            FSDP2's sharding levels (``zero_stage`` 3/2/1) and run with the OOM recovery of
+            :mod:`memguard.guard.sharded` (see :mod:`memguard.guard.fsdp2`).
+        mesh: with ``strategy="fsdp2"``, the 1-D ``DeviceMesh`` to shard over (default: every rank).
         **plan_options: options for ``memguard.plan`` (see above).
 
     Returns:
         ``(first, second)``, unchanged objects.
 
     Raises:
-        ConfigError: bad arguments (every problem listed), an unsupported wrapper (FSDP, DeepSpeed),
-            a plan that needs ZeRO or optimizer offload, or a cast that is no longer possible.
+        ConfigError: bad arguments (every problem listed), an unsupported wrapper (FSDP1, DeepSpeed;
+            an FSDP2 model needs ``strategy="fsdp2"``), a plan that needs ZeRO or optimizer offload
+            (without ``strategy="fsdp2"``), or a cast that is no longer possible. Under
+            ``strategy="fsdp2"`` also: no process group, a plan for another world size or strategy,
+            ``16-mixed``, an optimizer that already has state
+            (:class:`memguard.guard.fsdp2.FSDPSetupError` for a model that cannot be sharded as asked).
         InfeasiblePlanError: planning now (``example_batch``) found nothing that fits.
         PeerFailedError: under DDP, planning now failed on rank 0 with an error that is not memguard's.
 
     Known limitations:
         ``*-true`` precisions cast the model in place; they cannot be undone by preparing again.
     """
+    if strategy == "fsdp2":
+        from memguard.guard.fsdp2 import prepare_fsdp2
+
+        return prepare_fsdp2(first, second, plan=plan, micro_batch_size=micro_batch_size,
+                             global_batch_size=global_batch_size, example_batch=example_batch, loss_fn=loss_fn,
+                             max_retries=max_retries, probe_up_after=probe_up_after, grad_scaler=grad_scaler,
+                             plan_options=plan_options, mesh=mesh)
     problems: list[str] = []
+    if mesh is not None:
+        problems.append("mesh= is for strategy='fsdp2'; drop it, or pass strategy='fsdp2'")
+    if strategy not in (None, "ddp"):
+        problems.append(f"strategy must be None, 'ddp' or 'fsdp2', got {strategy!r}" + (
+            "; DeepSpeed runs its own step: turn the plan into a config with memguard.integrations.deepspeed."
+            "to_config" if strategy == "deepspeed" else ""))
     model, optimizer = _sort_args(first, second, problems)
     if model is not None:
         problems += wrapper_problems(model)

@@ -23,6 +23,11 @@ them: the batches of one optimizer step form a *window* (a window of one batch f
   (:meth:`MicroBatchWindow.sync_gradients`, the protocol of :mod:`memguard.guard.distributed`) or by
   DDP's own reducer through :meth:`MicroBatchWindow.anchor` (for a framework that runs the
   backward of the loss it gets back from the training step and steps the optimizer itself).
+* Under FSDP2 (a :class:`memguard.guard.sharded.ShardedRankGroup` as the rank group) FSDP's own
+  collectives run inside forward and backward: each attempt runs with an agreement before every
+  one of them, a peer that hears of a failure leaves forward/backward there (and takes the outcome
+  from that agreement instead of agreeing again), and every rank resets FSDP2's per-step state
+  before the retry. Gradients are FSDP2's to reduce; ``sync_gradients`` is False.
 * :meth:`MicroBatchWindow.finish` closes the window and lets its batches go.
 
 Why replay instead of keeping a copy of the gradients: a copy costs one more set of gradients at
@@ -51,6 +56,7 @@ from memguard.errors import ConfigError, OOMRecoveryError, PeerFailedError
 from memguard.guard import distributed as ddp_sync
 from memguard.guard.distributed import ERROR, OK, OOM, RankGroup
 from memguard.guard.oom import free_memory, is_oom_error, oom_summary, release_exception
+from memguard.guard.sharded import PeerAbort, ShardedRankGroup, ShardingStopped
 
 __all__ = ["MicroBatchWindow", "run_micro_batches", "recovery_error", "agreed_optimizer_step", "gradient_anchor",
            "DEFAULT_MAX_RETRIES"]
@@ -69,7 +75,8 @@ def _plain_backward(loss: torch.Tensor) -> None:
 
 
 def run_micro_batches(batch: Any, micro_batch_size: int, loss_of: LossOf, backward: Backward = _plain_backward, *,
-                      weight: float = 1.0, n: int | None = None) -> torch.Tensor:
+                      weight: float = 1.0, n: int | None = None,
+                      before: Callable[[bool], None] | None = None) -> torch.Tensor:
     """Forward and backward ``batch`` in micro-batches; the batch's mean loss (detached, float32).
 
     Each micro-batch of ``k`` samples out of ``n`` contributes ``loss_of(micro) * (k / n) * weight``
@@ -84,13 +91,18 @@ def run_micro_batches(batch: Any, micro_batch_size: int, loss_of: LossOf, backwa
             own backward, which may scale it, otherwise).
         weight: a factor on every micro-batch's loss, e.g. ``1/k`` for ``k`` accumulated batches.
         n: the batch's sample count, if already known.
+        before: called with ``is_last`` before each micro-batch (FSDP2's gradient-sync switch).
 
     Raises:
         ConfigError: the batch cannot be split (see :func:`memguard.batch.batch_size`).
     """
     n = batch_size(batch) if n is None else n
     total: torch.Tensor | None = None
+    seen = 0
     for micro, k in split_batch(batch, micro_batch_size):
+        seen += k
+        if before is not None:
+            before(seen >= n)
         loss = loss_of(micro)
         weighted = loss * ((k / n) * weight)
         backward(weighted)
@@ -225,7 +237,8 @@ class MicroBatchWindow:
 
     Args:
         micro_batch_size: the micro-batch to start from; halved on every OOM and kept for later windows.
-        rank_group: the DDP process group (:func:`memguard.guard.distributed.rank_group_of`), or None.
+        rank_group: the DDP process group (:func:`memguard.guard.distributed.rank_group_of`), the
+            ranks of an FSDP2 model (:func:`memguard.guard.sharded.sharded_rank_group`), or None.
         sync_gradients: memguard averages the gradients itself with :meth:`sync_gradients` (the
             gradient bucket is then reserved before each batch, and the last batch of a window gives
             zero gradients to parameters only a peer used); False when DDP's reducer averages them
@@ -329,14 +342,25 @@ class MicroBatchWindow:
         self._batches.append(_Batch(batch, n, loss_of, backward, weight))
         todo = self._batches[-1:]
         halvings = 0
+        sharded = rg if isinstance(rg, ShardedRankGroup) else None
         while True:
             mbs = self.micro_batch_size
-            code, info = self._attempt(todo, mbs, fill=last)
+            code, info = self._attempt(todo, mbs, fill=last, last=last)
             if code == OOM:  # give the memory back before talking to the peers: the agreement allocates a little
                 self._discard()
                 free_memory()
             n_max = max(b.n for b in todo)
-            if rg is not None:
+            if isinstance(info, PeerAbort):  # a peer's report already met this rank's agreement inside FSDP's hook
+                codes, values = info.codes, info.values
+                code, info, n_max = OK, None, values[0]
+            elif sharded is not None:
+                try:
+                    codes, values = sharded.agree(code, [n_max])
+                except ShardingStopped as stopped:
+                    raise stopped.error from None
+                n_max = values[0]
+                self._had = list(self._local_had)
+            elif rg is not None:
                 codes, values = ddp_sync.agree(rg, code, [n_max] + [int(h) for h in self._local_had])
                 n_max, self._had = values[0], [bool(v) for v in values[1:]]
             else:
@@ -345,6 +369,8 @@ class MicroBatchWindow:
             if worst == OK:
                 break
             self._discard()
+            if sharded is not None:
+                sharded.reset(self._params)
             _restore_norm_stats(self._norm_stats)
             if worst == ERROR:
                 if code == ERROR:
@@ -384,14 +410,30 @@ class MicroBatchWindow:
         assert loss is not None  # set by the successful attempt
         return loss
 
-    def _attempt(self, todo: Sequence[_Batch], mbs: int, *, fill: bool) -> tuple[int, Any]:
-        """Run every micro-batch of ``todo`` once: ``(code, error or OOM summary)``."""
+    def _attempt(self, todo: Sequence[_Batch], mbs: int, *, fill: bool, last: bool = False) -> tuple[int, Any]:
+        """Run every micro-batch of ``todo`` once: ``(code, error or OOM summary)``; under FSDP2 the
+        code is OK with a :class:`PeerAbort` as the second item when a peer's failure stopped this rank.
+
+        Raises:
+            memguard.OOMRecoveryError, memguard.PeerFailedError, Exception: under FSDP2, a failure that
+                cannot be recovered (see :mod:`memguard.guard.sharded`): every rank raises it.
+        """
         rg = self.rank_group
+        sharded = rg if isinstance(rg, ShardedRankGroup) else None
         try:
             if self.sync:
                 ddp_sync.reserve_buckets(rg, self._params)
-            for b in todo:
-                b.loss = run_micro_batches(b.batch, mbs, b.loss_of, b.backward, weight=b.weight, n=b.n)
+            if sharded is not None:
+                n_max = max(b.n for b in todo)
+                with sharded.armed(n_max, mbs):
+                    for i, b in enumerate(todo):
+                        final = last and i == len(todo) - 1
+                        b.loss = run_micro_batches(b.batch, mbs, b.loss_of, b.backward, weight=b.weight, n=b.n,
+                                                   before=lambda is_last, f=final: sharded.before_micro_batch(
+                                                       is_last and f))
+            else:
+                for b in todo:
+                    b.loss = run_micro_batches(b.batch, mbs, b.loss_of, b.backward, weight=b.weight, n=b.n)
             self._local_had = [p.grad is not None for p in self._params]
             if self.sync and fill:
                 for p, h in zip(self._params, self._local_had):
@@ -401,6 +443,13 @@ class MicroBatchWindow:
         except Exception as exc:
             for b in todo:
                 b.loss = None
+            if isinstance(exc, ShardingStopped):
+                error = exc.error
+                release_exception(exc)
+                raise error
+            if isinstance(exc, PeerAbort):
+                release_exception(exc)
+                return OK, exc
             if is_oom_error(exc):
                 summary = oom_summary(exc)
                 release_exception(exc)

@@ -217,3 +217,18 @@ def test_measure_context_bytes_on_device():
     assert ctx is not None
     # a live context takes at least tens of MiB and, with lazy loading, well under 4 GiB
     assert 32 << 20 <= ctx <= 4 * GiB
+
+
+def test_interconnect_agrees_with_link_bandwidth():
+    """The topology field and the link bandwidth come from the same datasheets: NVLink / Infinity
+    Fabric parts have peer links faster than PCIe 4.0 x16 (32 GB/s per direction), PCIe parts do not."""
+    from memguard.estimator.gpus import GPUS
+
+    for spec in GPUS.values():
+        if spec.interconnect == "pcie":
+            assert spec.interconnect_gbps <= 32.0, spec.name
+        else:
+            assert spec.interconnect_gbps > 32.0, spec.name
+        # every caveat names the setting and where it comes from
+        if spec.p2p_caveat:
+            assert "NCCL_P2P_DISABLE=1" in spec.p2p_caveat and "environment.py" in spec.p2p_caveat

@@ -208,3 +208,295 @@ def test_trainer_runs_the_plan(args):
     assert trainer.accelerator.mixed_precision == "bf16"
     # the newer name where it exists (the old one is a deprecated alias there)
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+
+
+# --------------------------------------------------------------------------------------------------
+# MemguardCallback with the real Trainer
+
+import os  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from torch.utils.data import Dataset  # noqa: E402
+
+from memguard.integrations.transformers import MemguardCallback  # noqa: E402
+
+WORKER = Path(__file__).with_name("trainer_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_TIMEOUT_S = 240
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int, seq: int = 16, vocab: int = 128) -> None:
+        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread while a test trains: the tiny models gain nothing from more, and on a shared 2-core
+    machine several threads per process mostly wait for each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_gpt2():
+    config = transformers.GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def trainer_args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=8,
+                gradient_accumulation_steps=2, max_steps=2, save_strategy="no", disable_tqdm=True, logging_steps=1)
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+def test_callback_plans_applies_and_trains_like_the_plain_trainer(tmp_path):
+    # A 1.3 MiB budget on the CPU target, where this model's step at micro-batch 8 is predicted at about 1.6 MiB
+    # (16 samples: 2.7 MiB, 2.1 of them activations): the planner must split the per-device batch of 8, so the
+    # plan differs from the arguments, while keeping the global batch of 8 x 2 = 16.
+    args = trainer_args(tmp_path)
+    callback = MemguardCallback(budget_bytes=1300 << 10, activation_checkpointing=False)
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32), callbacks=[callback])
+    plan = callback.plan
+    assert plan is not None and plan.precision == "32-true" and plan.world_size == 1
+    assert plan.micro_batch_size * plan.grad_accum_steps == 16  # the global batch is unchanged
+    assert plan.micro_batch_size < 8, plan.explain()
+    assert trainer.args.per_device_train_batch_size == plan.micro_batch_size
+    assert trainer.args.gradient_accumulation_steps == plan.grad_accum_steps
+    assert args.per_device_train_batch_size == 8  # the user's object is untouched
+    trainer.train()
+    assert "training_step" not in trainer.__dict__  # restored at on_train_end
+    # The same two optimizer steps by the plain Trainer on the arguments' batch: the weights agree up to the
+    # summation order of the smaller micro-batches.
+    plain = transformers.Trainer(model=tiny_gpt2(), args=trainer_args(tmp_path), train_dataset=Tokens(32))
+    plain.train()
+    for (name, a), b in zip(trainer.model.state_dict().items(), plain.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_callback_constrains_the_plan_to_the_arguments_precision(tmp_path):
+    from memguard.integrations.transformers import _constraints
+
+    args = trainer_args(tmp_path, bf16=True)
+    # TrainingArguments(bf16=True) runs bf16 autocast: memguard plans for exactly that
+    assert _constraints(args, tiny_gpt2()).planning_options({})["precision"] == "bf16-mixed"
+    # bf16 weights without a flag: the Trainer trains them as they are
+    assert _constraints(trainer_args(tmp_path), tiny_gpt2().to(torch.bfloat16)).precisions == ("bf16-true",)
+    with pytest.raises(ConfigError, match="bf16-mixed"):  # a plan for another precision is refused
+        transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32),
+                             callbacks=[MemguardCallback(plan=make_plan(micro_batch_size=8, grad_accum_steps=2))])
+    with pytest.raises(ConfigError, match="bf16-mixed"):  # so is asking for another one
+        transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32),
+                             callbacks=[MemguardCallback(budget_bytes=1 << 30, precision="32-true")])
+
+
+def test_callback_refuses_what_it_cannot_guard(tmp_path):
+    args = trainer_args(tmp_path, auto_find_batch_size=True)
+    with pytest.raises(ConfigError) as info:
+        transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32),
+                             callbacks=[MemguardCallback(plan=make_plan(world_size=2, micro_batch_size=8,
+                                                                        grad_accum_steps=1))])
+    text = str(info.value)
+    # both problems, listed together: the Trainer's own batch halving, and a plan for 2 ranks on 1
+    assert "auto_find_batch_size" in text and "world_size=1" in text, text
+
+
+def test_callback_options_are_checked_at_construction():
+    with pytest.raises(ConfigError) as info:
+        MemguardCallback(max_retries=-1, device="cpu", guard_oom="yes")
+    assert len(info.value.problems) == 3
+
+
+def test_callback_added_after_construction_is_refused(tmp_path):
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=trainer_args(tmp_path), train_dataset=Tokens(32))
+    trainer.add_callback(MemguardCallback(budget_bytes=1 << 30))
+    with pytest.raises(ConfigError, match="constructor"):
+        trainer.train()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(tmp_path, world: int, **cfg) -> list[dict]:
+    config = {"out": str(tmp_path), "batch": 8, "accum": 2, "steps": 2, "seq": 64, "vocab": 4096,
+              "cap_step": 1, "eval_oom": False, **cfg}
+    # MALLOC_ARENA_MAX=1: one malloc arena however many threads (gloo, the Trainer) allocate, so the cap is
+    # reproducible; a fixed MALLOC_MMAP_THRESHOLD_ maps every tensor above 64 KiB on its own and unmaps it when
+    # freed, so VmSize follows the live tensors (mallopt(3)).
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(WORKER.parent), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = []
+    for rank in range(world):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else env
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(config)], env=rank_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for rank in range(world):
+        path = tmp_path / f"result{rank}.json"
+        assert path.exists(), "\n".join(o[-3000:] for o in outputs)
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def assert_weights_equal(tmp_path, rank: int) -> None:
+    plain = torch.load(tmp_path / f"plain{rank}.pt")
+    guarded = torch.load(tmp_path / f"guarded{rank}.pt")
+    for name, a in plain.items():
+        # the retried step sums micro-batches of 4 instead of one batch of 8: equal up to float32 rounding
+        torch.testing.assert_close(guarded[name], a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_real_oom_in_training_halves_and_keeps_the_trainers_step(tmp_path):
+    # 22 MiB over the VmSize at the start of step 2: the micro-batch of 8 samples x 64 tokens x 4096-entry
+    # vocabulary needs 8 MiB for its logits alone and several such buffers through the loss and its backward,
+    # so it fails; 4 samples fit (measured: one halving).
+    (r,) = run_workers(tmp_path, 1, budget_mib=22, cap_ranks=[0], eval_oom=True)
+    assert r["error"] is None and r["capped"], r
+    assert r["oom_retries"] >= 1 and r["micro_batch_size"] <= 4
+    assert any("out of memory at micro-batch 8" in m for m in r["messages"]), r["messages"]
+    assert not r["patched_left"]
+    assert_weights_equal(tmp_path, 0)
+    # the Trainer's logging saw the same losses, gradient norms and learning rates (scheduler steps)
+    for a, b in zip(r["plain_logs"], r["guarded_logs"], strict=True):
+        assert a["learning_rate"] == b["learning_rate"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # an out-of-memory error in evaluation propagates and leaves the training micro-batch as it was
+    assert r["eval_error"] == "OutOfMemoryError"
+    assert (r["micro_batch_after_eval"], r["oom_retries_after_eval"]) == (r["micro_batch_size"], r["oom_retries"])
+
+
+@pytest.mark.slow
+def test_real_oom_on_one_ddp_rank_retries_on_both(tmp_path):
+    # Only rank 0 is capped; rank 1 has memory to spare but must retry the same step with it, or the
+    # ranks' gradients would be averaged over different micro-batch splits at different times.
+    # memguard plans here (rank 0 plans, both apply): the whole local batch of 8 x 2 samples in one micro-batch
+    results = run_workers(tmp_path, 2, budget_mib=22, cap_ranks=[0], plan="planner")
+    for r in results:
+        assert r["error"] is None, r
+        assert r["plan"] == [16, 1] and r["trainer_batch"] == [16, 1], r
+        # the 22 MiB cap fails micro-batches of 16 and 8 (see the single-process test); 4 fits
+        assert r["oom_retries"] >= 1 and r["micro_batch_size"] <= 4, r
+        assert not r["patched_left"]
+    assert results[0]["capped"] and not results[1]["capped"]
+    for rank in range(2):
+        assert_weights_equal(tmp_path, rank)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state and refuses a DeepSpeed plugin for a second Accelerator; the
+    Trainer's own hyper-parameter search resets it the same way (trainer.py, _hp_search_setup)."""
+    from accelerate.state import AcceleratorState
+
+    def reset() -> None:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+    # Accelerate's DeepSpeed set-up leaves ACCELERATE_USE_DEEPSPEED=true in the environment, which would give
+    # every later Accelerator (and Trainer) in this process a DeepSpeed plugin
+    saved = dict(os.environ)
+    reset()
+    yield reset
+    reset()
+    os.environ.clear()
+    os.environ.update(saved)
+    gc.collect()  # drops transformers' weak reference to the DeepSpeed config (it enables ZeRO-3 init)
+
+
+def test_callback_under_deepspeed_keeps_the_zero_stage_and_refills_the_config(tmp_path, fresh_accelerate_state):
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+          "zero_optimization": {"stage": 2}}
+    args = trainer_args(tmp_path, deepspeed=ds)
+    # a plan for another ZeRO stage than the config's is refused
+    with pytest.raises(ConfigError, match="ZeRO stage 3"):
+        transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32),
+                             callbacks=[MemguardCallback(plan=make_plan(zero_stage=3, micro_batch_size=4,
+                                                                        grad_accum_steps=4))])
+    fresh_accelerate_state()
+    callback = MemguardCallback(plan=make_plan(zero_stage=2, micro_batch_size=4, grad_accum_steps=4))
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32), callbacks=[callback])
+    # what DeepSpeed will be initialised with: the plan's batch, DeepSpeed's rule train = micro x accum x world
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (4, 4, 16)
+    assert trainer.args.hf_deepspeed_config.config is config
+    # a config that fixes the micro-batch leaves memguard nothing to set, and one without a ZeRO stage leaves
+    # nothing to plan for (the Trainer does not fill the stage): both are listed together
+    fixed = {**ds, "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": "auto"}}
+    fresh_accelerate_state()
+    with pytest.raises(ConfigError) as info:
+        transformers.Trainer(model=tiny_gpt2(), args=trainer_args(tmp_path, deepspeed=fixed), train_dataset=Tokens(32),
+                             callbacks=[MemguardCallback(budget_bytes=1 << 30)])
+    assert "fixes train_micro_batch_size_per_gpu" in str(info.value)
+    assert "zero_optimization.stage is 'auto'" in str(info.value)
+
+
+class _OOMAbove:
+    """The model's forward raises CUDA's out-of-memory error for more than ``limit`` samples (the real allocator's
+    errors are the worker tests'; this one runs in-process and pins the loss arithmetic of the split)."""
+
+    def __init__(self, model, limit: int) -> None:
+        self.forward, self.limit, self.raised = model.forward, limit, 0
+        self.__wrapped__ = model.forward  # the Trainer keeps the dataset columns this signature names
+
+    def __call__(self, *args, **kwargs):
+        if kwargs["input_ids"].shape[0] > self.limit:
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (in a test)")
+        return self.forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("num_items", [True, False])
+def test_split_keeps_the_trainers_loss_scaling(tmp_path, num_items):
+    # num_items=True: the Trainer counts the step's label tokens (num_items_in_batch) and the model divides its
+    # summed loss by them, so micro-batch losses add up as they are. False: each batch's loss is a mean that the
+    # Trainer divides by the accumulation, and memguard weights each micro-batch by its share of samples.
+    def run(guarded: bool):
+        model = tiny_gpt2()
+        callbacks = [MemguardCallback(plan=make_plan(micro_batch_size=8, grad_accum_steps=2, world_size=1))] \
+            if guarded else []
+        trainer = transformers.Trainer(model=model, args=trainer_args(tmp_path, max_grad_norm=0.5, logging_steps=1),
+                                       train_dataset=Tokens(32), callbacks=callbacks)
+        trainer.model_accepts_loss_kwargs = num_items  # GPT-2's forward takes **kwargs and passes them to its loss
+        if guarded:
+            model.forward = _OOMAbove(model, 3)
+        trainer.train()
+        return trainer, callbacks, model
+
+    guarded, (callback,), model = run(True)
+    plain, _, _ = run(False)
+    # 8 -> 4 -> 2 in the first step's first batch, then every batch runs in micro-batches of 2
+    assert callback.micro_batch_size == 2 and callback.oom_retries == 2 and model.forward.raised == 2
+    for (name, a), b in zip(guarded.model.state_dict().items(), plain.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    logs = [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in guarded.state.log_history if "loss" in h]
+    want = [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in plain.state.log_history if "loss" in h]
+    assert len(logs) == len(want) == 2
+    for (loss, norm, lr), (loss0, norm0, lr0) in zip(logs, want):
+        assert loss == pytest.approx(loss0, rel=1e-5) and norm == pytest.approx(norm0, rel=1e-4) and lr == lr0

@@ -1,0 +1,158 @@
+"""An HF ``Trainer.train`` that really runs out of memory, for test_transformers.py.
+
+Run as ``python trainer_worker.py '<json config>'`` (under DDP, once per rank with ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set: ``TrainingArguments``
+then starts a gloo process group on CPU). Each process first trains a tiny GPT-2 (built from a
+config, nothing downloaded) with a plain ``Trainer`` and no memory cap (the reference), then the
+same initial weights with the same arguments and :class:`MemguardCallback`, given a plan that keeps
+the arguments' batch and accumulation. A test callback caps the address space with ``RLIMIT_AS``
+(current VmSize plus ``budget_mib``) at the start of optimizer step ``cap_step`` (after full steps,
+so every lazy initialisation has happened) on the ranks in ``cap_ranks``, so a micro-batch that
+does not fit fails with the CPU allocator's real error. The test sets ``MALLOC_ARENA_MAX=1`` and a
+fixed ``MALLOC_MMAP_THRESHOLD_`` so that large tensors are mapped and unmapped one by one and
+VmSize follows the live tensors (mallopt(3)).
+
+Config keys: ``out`` (folder), ``batch`` (per-device batch), ``accum`` (gradient accumulation),
+``steps``, ``seq``, ``vocab``, ``budget_mib``, ``cap_step``, ``cap_ranks``, ``plan``
+(``"planner"``: memguard plans; otherwise a plan that keeps the arguments' batch), ``eval_oom``
+(also run an evaluation whose forward raises an out-of-memory error, to show it does not touch
+the training micro-batch).
+
+Each rank writes ``result<rank>.json`` and its two sets of final weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from worker_common import vm_size  # noqa: E402 - this folder is on sys.path
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    out = Path(cfg["out"])
+    torch.set_num_threads(1)
+    import transformers
+    from torch.utils.data import Dataset
+
+    from memguard import Estimate, Plan
+    from memguard.integrations.transformers import MemguardCallback
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    messages: list[str] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(f"{record.levelname}:{record.getMessage()}")
+
+    logging.getLogger("memguard").addHandler(Recorder())
+    logging.getLogger("memguard").setLevel(logging.INFO)
+    transformers.logging.set_verbosity_error()
+
+    class Tokens(Dataset):
+        def __init__(self, n: int) -> None:
+            g = torch.Generator().manual_seed(1)
+            self.ids = torch.randint(0, cfg["vocab"], (n, cfg["seq"]), generator=g)
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    config = transformers.GPT2Config(vocab_size=cfg["vocab"], n_positions=cfg["seq"], n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # replays redraw dropout masks
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    initial = transformers.GPT2LMHeadModel(config).state_dict()
+    data = Tokens(cfg["steps"] * cfg["batch"] * cfg["accum"] * world)
+
+    def args(name: str) -> transformers.TrainingArguments:
+        return transformers.TrainingArguments(
+            output_dir=str(out / name), use_cpu=True, report_to=[], per_device_train_batch_size=cfg["batch"],
+            gradient_accumulation_steps=cfg["accum"], max_steps=cfg["steps"], learning_rate=1e-3, max_grad_norm=0.5,
+            lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="no", disable_tqdm=True,
+            dataloader_num_workers=0, seed=0, ddp_backend="gloo" if world > 1 else None,
+        )
+
+    def model() -> transformers.GPT2LMHeadModel:
+        m = transformers.GPT2LMHeadModel(config)
+        m.load_state_dict(initial)
+        return m
+
+    result: dict = {"rank": rank, "error": None, "capped": False}
+
+    # the reference: the plain Trainer, no memguard, no cap
+    plain = transformers.Trainer(model=model(), args=args("plain"), train_dataset=data)
+    plain.train()
+    result["plain_logs"] = [h for h in plain.state.log_history if "loss" in h]
+    torch.save(plain.model.state_dict(), out / f"plain{rank}.pt")
+
+    est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
+                   peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
+                   zero_stage=0, world_size=world, gpu=None, micro_batch_size=cfg["batch"])
+    plan = Plan(micro_batch_size=cfg["batch"], grad_accum_steps=cfg["accum"], world_size=world,
+                global_batch_size=cfg["batch"] * cfg["accum"] * world, precision="32-true",
+                activation_checkpointing=False, zero_stage=0, budget_bytes=cfg["budget_mib"] << 20, estimate=est,
+                device="cpu")
+    # "planner": memguard plans (rank 0, broadcast) with room to spare and no checkpointing, which takes the
+    # whole local batch of batch x accum samples as one micro-batch (the fastest split): the Trainer's
+    # per-device batch and accumulation change, its global batch does not
+    callback = (MemguardCallback(budget_bytes=1 << 30, activation_checkpointing=False) if cfg.get("plan") == "planner"
+                else MemguardCallback(plan=plan))
+
+    class Cap(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == cfg["cap_step"] and rank in cfg["cap_ranks"]:
+                limit = vm_size() + (cfg["budget_mib"] << 20)
+                resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+                result["capped"] = True
+
+    guarded = transformers.Trainer(model=model(), args=args("guarded"), train_dataset=data, eval_dataset=data,
+                                   callbacks=[callback, Cap()])
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        guarded.train()
+    except Exception as exc:  # reported to the test, which decides whether it was expected
+        result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    result.update(messages=messages, micro_batch_size=callback.micro_batch_size, oom_retries=callback.oom_retries,
+                  plan=[callback.plan.micro_batch_size, callback.plan.grad_accum_steps],
+                  trainer_batch=[guarded.args.per_device_train_batch_size, guarded.args.gradient_accumulation_steps],
+                  patched_left="training_step" in guarded.__dict__,
+                  guarded_logs=[h for h in guarded.state.log_history if "loss" in h])
+    torch.save(guarded.model.state_dict(), out / f"guarded{rank}.pt")
+
+    if cfg.get("eval_oom"):
+        # an out-of-memory error in evaluation propagates and leaves the training micro-batch alone
+        inner = guarded.model
+
+        def oom_forward(*a, **k):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated in evaluation)")
+
+        inner.forward = oom_forward
+        try:
+            guarded.evaluate()
+            result["eval_error"] = None
+        except torch.OutOfMemoryError as exc:
+            result["eval_error"] = type(exc).__name__
+        result["micro_batch_after_eval"] = callback.micro_batch_size
+        result["oom_retries_after_eval"] = callback.oom_retries
+    (out / f"result{rank}.json").write_text(json.dumps(result))
+    # Leave without interpreter teardown: with gloo, destroying the process group while a gloo worker
+    # thread still releases a finished work's tensors can deadlock at exit (tests/guard/oom_worker.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
