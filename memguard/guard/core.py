@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import time
 import weakref
@@ -792,10 +793,7 @@ class Guard:
         rg = self.rank_group
         if rg is None or rg.world_size == 1:
             return sig
-        from memguard.guard import distributed as ddp_sync
-
-        _, values = ddp_sync.agree(rg, ddp_sync.OK, sig.flat())
-        return sig.with_flat(values)
+        return sig.with_flat(_agree_values(rg, sig.flat()))
 
     def _size_for(self, sig: Signature, batch: Any) -> int:
         """The micro-batch of signature ``sig``, chosen when it is first seen (on rank 0 under DDP).
@@ -814,10 +812,8 @@ class Guard:
             return self._sizes[sig]
         rg = self.rank_group
         if rg is not None and rg.world_size > 1:
-            from memguard.guard import distributed as ddp_sync
-
             mine = self._decide(sig, batch) if rg.rank == 0 else 0
-            size = ddp_sync.agree(rg, ddp_sync.OK, [mine])[1][0]  # rank 0's choice (the others send 0)
+            size = _agree_values(rg, [mine])[0]  # rank 0's choice (the others send 0)
         else:
             size = self._decide(sig, batch)
         self._sizes[sig] = self._given[sig] = size
@@ -872,6 +868,9 @@ class Guard:
         self._planning_signature = True
         try:
             options = {k: v for k, v in ctx["options"].items() if k in ("keep_outputs",)}
+            strategy = getattr(plan, "strategy", None)  # a planner with strategies plans the shape for the plan's
+            if strategy is not None and "strategy" in getattr(PlanRequest, "__dataclass_fields__", {}):
+                options["strategy"] = strategy
             request = _request(options, global_batch_size=plan.global_batch_size, optimizer=ctx["optimizer"],
                                loss_fn=ctx["loss_fn"], world_size=plan.world_size, device=plan.device, gpu=plan.gpu,
                                budget_bytes=plan.budget_bytes, headroom=plan.headroom, precision=plan.precision)
@@ -879,8 +878,10 @@ class Guard:
             example = pad_batch(batch, sig)
             planner = Planner.for_request(uncompiled(self.module), example, request)
             k = plan.checkpoint_blocks if plan.activation_checkpointing else 0
+            extra = {"strategy": strategy} if "strategy" in options and "strategy" in inspect.signature(
+                planner.probe_model).parameters else {}
             model = planner.probe_model(plan.precision, zero_stage=plan.zero_stage, world_size=plan.world_size,
-                                        spec=space.spec, offload=plan.offload_optimizer, checkpointing=k > 0)
+                                        spec=space.spec, offload=plan.offload_optimizer, checkpointing=k > 0, **extra)
             if plan.device == "cpu":
                 # The CPU target's peak is its live bytes, which the probe features predict (the larger of the
                 # forward/backward and the optimizer moments, ProbeModel.allocated); the extended traces at a
@@ -1008,6 +1009,17 @@ class Guard:
             store.put(key, reduced)
         except Exception as exc:  # a cache that cannot be written must not stop training
             logger.warning("could not write micro-batch %d to the plan cache: %s", fit, exc)
+
+
+def _agree_values(rg: RankGroup, values: Sequence[int]) -> list[int]:
+    """The element-wise maximum of ``values`` over the ranks: the rank group's own agreement where it has one
+    (FSDP2's, which survives a peer's teardown), else :func:`memguard.guard.distributed.agree`."""
+    from memguard.guard import distributed as ddp_sync
+
+    own = getattr(rg, "agree", None)
+    if callable(own):
+        return list(own(ddp_sync.OK, values)[1])
+    return ddp_sync.agree(rg, ddp_sync.OK, values)[1]
 
 
 # --------------------------------------------------------------------------------------------------
