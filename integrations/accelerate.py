@@ -38,8 +38,9 @@ micro-batch is the size each batch is split into (a plan larger than the batch u
 batches). With ``plan=``, the Accelerator must have been built with :func:`accelerator_kwargs`.
 
 Known limitations:
-    DeepSpeed, FSDP, XLA and Megatron-LM Accelerators are not supported (for DeepSpeed, write the
-    plan into its config with :func:`memguard.integrations.deepspeed.to_config`). Gradient
+    :func:`prepare` and :func:`step` guard DDP and single-process Accelerators only; for an FSDP2 or
+    DeepSpeed plan, :func:`accelerator_kwargs` builds the plugin that runs it, and Accelerate's own
+    loop runs it without OOM recovery. XLA and Megatron-LM Accelerators are not supported. Gradient
     clipping must be asked of :func:`prepare` (``max_grad_norm=``), since the optimizer steps
     inside :func:`step`. The loss function runs once per micro-batch (and again on a replay). Under
     DDP, gradient communication does not overlap the backward passes and DDP communication hooks
@@ -97,23 +98,127 @@ def _constraints(accelerator: Any = None, module: nn.Module | None = None, *, ac
     )
 
 
+def _plan_strategy(plan: Plan) -> str:
+    """``plan.strategy``; for a plan made before plans recorded it, what memguard ran then (DeepSpeed for ZeRO)."""
+    strategy = getattr(plan, "strategy", None)
+    if strategy:
+        return str(strategy)
+    return "deepspeed" if plan.zero_stage >= 1 or plan.offload_optimizer else "ddp"
+
+
+# FSDP2's mixed precision for the plan's precision: 16-bit all-gathered parameters, fp32 gradient reduction
+# (torch.distributed.fsdp.MixedPrecisionPolicy; the FSDP2 estimate's convention).
+_FSDP2_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+# Accelerate's mixed_precision under FSDP2: bf16 runs on the policy alone (no autocast, which Accelerate
+# adds whenever mixed_precision is not "no", accelerator.py prepare_model); fp16 needs Accelerate's
+# sharded GradScaler, which only mixed_precision="fp16" creates.
+_FSDP2_MIXED = {"32-true": "no", "bf16-mixed": "no", "16-mixed": "fp16", "bf16-true": "no", "16-true": "no"}
+# DeepSpeed runs the precision from its config; Accelerate's mixed_precision must name the same one.
+_DEEPSPEED_MIXED = {"32-true": "no", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+
+
 def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
     """Keyword arguments for ``accelerate.Accelerator(...)`` that run ``plan``.
 
-    ``mixed_precision`` (``"no"`` / ``"fp16"`` / ``"bf16"``; ``"*-true"`` plans use ``"no"`` and
-    :func:`prepare` casts the model), ``gradient_accumulation_steps`` (the plan's accumulation) and
-    ``cpu=True`` for a CPU plan. Build the dataloader with ``batch_size=plan.micro_batch_size``.
+    Always ``mixed_precision`` and the accumulation; ``cpu=True`` for a CPU plan. Build the
+    dataloader with ``batch_size=plan.micro_batch_size``. By the plan's strategy:
+
+    * ``"ddp"`` (or one process): ``mixed_precision`` ``"no"`` / ``"fp16"`` / ``"bf16"`` (``"*-true"``
+      plans use ``"no"`` and :func:`prepare` casts the model) and ``gradient_accumulation_steps``.
+      Run it with :func:`prepare` and :func:`step` (which recover from out-of-memory errors).
+    * ``"fsdp2"``: ``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
+      reshard_after_forward=zero_stage == 3, ...)`` wrapping each of the plan's repeated blocks
+      (``transformer_cls_names_to_wrap=[plan.block_class]``) and then the root, with
+      ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)`` for ``"bf16-mixed"`` /
+      ``"16-mixed"`` (``mixed_precision="no"`` for bf16, so Accelerate adds no autocast; ``"fp16"``
+      for fp16, for Accelerate's sharded GradScaler), ``cpu_offload`` for an offloading plan and
+      ``activation_checkpointing`` when the plan checkpoints; and a ``gradient_accumulation_plugin``
+      whose ``sync_each_batch`` is True for stages 2 and 3 (gradients reduce-scattered after every
+      micro-batch, so they stay sharded) and False for stage 1 (synchronised on the last one).
+    * ``"deepspeed"``: ``deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=to_config(plan))``
+      (:func:`memguard.integrations.deepspeed.to_config`), ``gradient_accumulation_steps`` and the
+      ``mixed_precision`` that names the config's precision.
+
+    Under FSDP2 and DeepSpeed, :func:`prepare` and :func:`step` do not run (they guard DDP only): use
+    ``accelerator.prepare`` and Accelerate's own loop; memguard's plan is applied but an
+    out-of-memory error is not recovered from.
 
     Raises:
-        ConfigError: ``plan`` is not a Plan, or it needs DeepSpeed (ZeRO stage > 0 or optimizer offload).
+        ConfigError: ``plan`` is not a Plan, or it has no Accelerate equivalent (``"16-true"`` under
+            DeepSpeed; ``"*-true"`` or optimizer offload beyond what FSDP2 runs); every problem listed.
+        MissingDependencyError: Accelerate is not installed (FSDP2 and DeepSpeed plans build its plugins).
+
+    Known limitations:
+        FSDP2's ``activation_checkpointing`` checkpoints every wrapped block; a plan that checkpoints
+        only some of them is run with more recomputation than planned (and less memory). Without a
+        ``plan.block_class`` the plugin wraps the root only (Accelerate's ``NO_WRAP``), which gathers
+        every parameter at once: more memory than the per-block estimate.
     """
     if not isinstance(plan, Plan):
         raise ConfigError(f"accelerator_kwargs needs a memguard.Plan, got {type(plan).__name__}")
+    strategy = _plan_strategy(plan)
+    if strategy == "fsdp2":
+        return _fsdp2_kwargs(plan)
+    if strategy == "deepspeed":
+        return _deepspeed_kwargs(plan)
     problems = plan_problems(plan, _constraints())
+    if strategy != "ddp":
+        problems.append(f"the plan's strategy {strategy!r} has no Accelerate equivalent here")
     if problems:
         raise ConfigError(problems)
     kwargs: dict[str, Any] = {"mixed_precision": _MIXED[plan.precision],
                               "gradient_accumulation_steps": plan.grad_accum_steps}
+    if plan.device == "cpu":
+        kwargs["cpu"] = True
+    return kwargs
+
+
+def _fsdp2_kwargs(plan: Plan) -> dict[str, Any]:
+    """:func:`accelerator_kwargs` of an FSDP2 plan."""
+    problems = []
+    if plan.zero_stage not in (1, 2, 3):
+        problems.append(f"an FSDP2 plan shards at level 1-3, not zero_stage {plan.zero_stage}; plan again")
+    if plan.precision not in _FSDP2_MIXED:
+        problems.append(f"the plan's precision {plan.precision!r} is not one of {', '.join(_FSDP2_MIXED)}")
+    if problems:
+        raise ConfigError(problems)
+    utils = require("accelerate.utils", "accelerate", "accelerate")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fsdp: dict[str, Any] = {"fsdp_version": 2, "reshard_after_forward": plan.zero_stage == 3,
+                            "cpu_offload": bool(plan.offload_optimizer),
+                            "activation_checkpointing": bool(plan.activation_checkpointing)}
+    if plan.precision in _FSDP2_PARAM_DTYPES:
+        fsdp["mixed_precision_policy"] = MixedPrecisionPolicy(param_dtype=_FSDP2_PARAM_DTYPES[plan.precision],
+                                                              reduce_dtype=torch.float32)
+    if plan.block_class:
+        fsdp["auto_wrap_policy"] = "transformer_based_wrap"
+        fsdp["transformer_cls_names_to_wrap"] = [plan.block_class]
+    else:
+        fsdp["auto_wrap_policy"] = "no_wrap"
+    kwargs: dict[str, Any] = {
+        "mixed_precision": _FSDP2_MIXED[plan.precision],
+        "fsdp_plugin": utils.FullyShardedDataParallelPlugin(**fsdp),
+        # stage 1 under FSDP2: gradients synchronised on the last micro-batch only (Accelerate's no_sync)
+        "gradient_accumulation_plugin": utils.GradientAccumulationPlugin(
+            num_steps=plan.grad_accum_steps, sync_each_batch=plan.zero_stage >= 2),
+    }
+    if plan.device == "cpu":
+        kwargs["cpu"] = True
+    return kwargs
+
+
+def _deepspeed_kwargs(plan: Plan) -> dict[str, Any]:
+    """:func:`accelerator_kwargs` of a DeepSpeed plan."""
+    from memguard.integrations.deepspeed import to_config
+
+    config = to_config(plan)  # ConfigError lists what DeepSpeed cannot run
+    utils = require("accelerate.utils", "accelerate", "accelerate")
+    kwargs: dict[str, Any] = {
+        "mixed_precision": _DEEPSPEED_MIXED[plan.precision],
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+        "deepspeed_plugin": utils.DeepSpeedPlugin(hf_ds_config=config),
+    }
     if plan.device == "cpu":
         kwargs["cpu"] = True
     return kwargs

@@ -4,7 +4,8 @@
 keeps a user's config and replaces its ``"auto"`` values with what the plan determines, the way
 the Hugging Face Trainer fills ``"auto"`` from its ``TrainingArguments``. Neither imports
 DeepSpeed: a config is plain JSON-ready data (validate it with
-``deepspeed.runtime.config.DeepSpeedConfig(config)``, which works without a GPU).
+``deepspeed.runtime.config.DeepSpeedConfig(config)``, which works without a GPU). ``step(engine,
+batch, loss_fn)`` runs one optimizer step of a ZeRO-0/1 engine with memguard's OOM recovery (below).
 
 What the plan determines, and what a config must therefore agree with:
 
@@ -37,19 +38,49 @@ precision model states (arXiv 1910.02054, 2+2+12 bytes per parameter), as memgua
 ``"16-true"`` has no DeepSpeed equivalent (DeepSpeed's fp16 always scales the loss and keeps fp32
 optimizer states; ``fp16_master_weights_and_grads`` needs ZeRO-Offload and still keeps fp32
 moments), so it is refused with a :class:`memguard.ConfigError`.
+
+Out-of-memory errors inside a DeepSpeed engine. What happens when one rank runs out was measured on
+CPU (DeepSpeed 0.19.8, ``DS_ACCELERATOR=cpu``, two ranks with gloo, ZeRO-1 and -2, an ``RLIMIT_AS``
+cap on rank 1 during the backward of the last micro-batch of an accumulation window, each rank then
+joining a one-integer all-reduce to agree on the outcome):
+
+* default ``managed_gradient_accumulation`` (True), ZeRO-1: the engine reduces the gradients inside
+  ``engine.backward`` of the boundary micro-batch. Rank 1 raises the allocator's
+  ``RuntimeError`` (``DefaultCPUAllocator: can't allocate memory``) and enters the agreement;
+  rank 0 waits in the gradient all-reduce. Neither completes: both raise only when the process
+  group's timeout expires (gloo: ``Timed out waiting ... for send operation to complete`` on rank
+  1, ``Connection closed by peer`` on rank 0; 30 minutes by default). The same happens for an OOM
+  in a non-boundary backward once the other rank reaches the boundary.
+* ZeRO-2, with either setting: the engine reduces gradient buckets inside every backward (its
+  gradient hooks), so rank 0 waits in a bucket's reduction while rank 1 agrees: the same stall
+  until the timeout, then both raise. DeepSpeed refuses ``no_sync`` under ZeRO-2/3, so the
+  reduction cannot be postponed past the agreement.
+* ``managed_gradient_accumulation: false``, ZeRO-1 (and stage 0): ``engine.backward`` only
+  accumulates locally and ``engine.step`` reduces. An OOM in the forward or backward touches no
+  collective: rank 1 raises, both ranks reach the agreement and go on (under 0.1 s). :func:`step`
+  recovers there: every rank drops the step's gradients, the micro-batch is halved and the step's
+  samples run again (a real OOM on one of two ranks: the weights equal an uncapped single-process
+  run within 5e-7). It refuses fp16 and bf16 engines: their optimizers keep gradient copies of
+  their own (ZeRO-1's ``grad_accum`` attribute when the accumulation dtype differs), which
+  dropping ``param.grad`` would not clear.
+
+Under ZeRO-2/3, size the plan with headroom (``memguard.plan(..., headroom=...)``) and set a short
+process-group timeout (``deepspeed.init_distributed(timeout=...)``) so that a failed rank ends the
+job instead of stalling it.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from typing import Any, Mapping
 
 from memguard.errors import ConfigError
 from memguard.planner.plan import Plan
 from memguard.vocab import PRECISIONS
 
-__all__ = ["to_config", "fill_auto", "AUTO"]
+__all__ = ["to_config", "fill_auto", "step", "micro_batch_size", "oom_retries", "AUTO"]
 
 logger = logging.getLogger("memguard")
 
@@ -413,3 +444,137 @@ def fill_auto(user_config: Mapping[str, Any], plan: Plan, *, strict: bool = Fals
             ", ".join(map(_dotted, leftover)),
         )
     return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# OOM recovery inside a DeepSpeed engine (ZeRO-0/1 with caller-owned accumulation)
+
+# One micro-batch window per engine, kept as long as the engine lives.
+_WINDOWS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _engine_problems(engine: Any) -> list[str]:
+    """Why :func:`step` cannot recover from an OOM in ``engine`` (empty when it can)."""
+    problems = []
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if managed is None:
+        return [f"step needs a DeepSpeed engine (from deepspeed.initialize) of DeepSpeed >= 0.19, got "
+                f"{type(engine).__name__}"]
+    if managed():
+        problems.append('the engine manages gradient accumulation itself, so its backward can start the gradient '
+                        'reduction; build its config with "managed_gradient_accumulation": false (to_config(plan, '
+                        'managed_gradient_accumulation=False)) so that only engine.step() reduces')
+    stage = engine.zero_optimization_stage()
+    if stage >= 2:
+        problems.append(f"ZeRO stage {stage} reduces gradients inside every backward, where one rank's OOM leaves the "
+                        "others waiting in the reduction; memguard recovers under ZeRO stage 0 and 1 only (see this "
+                        "module's docstring)")
+    if engine.fp16_enabled() or engine.bfloat16_enabled():
+        problems.append("memguard's recovery inside a DeepSpeed engine is verified in fp32 only (DeepSpeed's fp16 "
+                        "and bf16 optimizers keep gradient copies of their own); drop the fp16/bf16 block or use "
+                        "memguard.step on a plain DDP model")
+    return problems
+
+
+def _rank_group(engine: Any) -> Any:
+    """The engine's data-parallel group as memguard's :class:`RankGroup`, or None on one rank."""
+    import torch
+    import torch.distributed as dist
+
+    from memguard.guard.distributed import RankGroup
+
+    group = getattr(engine, "data_parallel_group", None)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return None
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)):  # NCCL moves CUDA tensors only
+        device = engine.device
+    src = dist.get_global_rank(group, 0) if group not in (None, dist.group.WORLD) else 0
+    return RankGroup(group, dist.get_world_size(group), dist.get_rank(group), src, device, False)
+
+
+def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | None = None) -> float:
+    """One optimizer step of a DeepSpeed engine on ``batch``, recovering from out-of-memory errors.
+
+    ``batch`` is this rank's samples of the whole optimizer step (``train_micro_batch_size_per_gpu
+    x gradient_accumulation_steps`` of them, or any number): it is split into micro-batches of the
+    current size (first the config's micro-batch), each runs ``loss_fn(engine, micro)`` and
+    ``engine.backward`` of its loss weighted by its share of the samples (``scale_wrt_gas=False``),
+    then every rank reports its outcome in one small all-reduce. On an OOM on any rank, every rank
+    drops the step's gradients, the micro-batch is halved and the step's samples run again from the
+    first; once all ranks succeeded, ``engine.step()`` reduces the gradients and updates the weights.
+    The halved micro-batch is kept for later steps. This is the protocol of
+    :class:`memguard.guard.window.MicroBatchWindow`, with DeepSpeed's backward.
+
+    It needs an engine whose backward starts no collective: ZeRO stage 0 or 1 with
+    ``"managed_gradient_accumulation": false`` (DeepSpeed 0.19's caller-owned accumulation, where
+    ``engine.step()`` is the only reduction), in fp32. Under ZeRO-2 the backward reduces gradient
+    buckets itself; see the module docstring for what an OOM does there.
+
+    Args:
+        engine: the ``DeepSpeedEngine`` from ``deepspeed.initialize``.
+        batch: this rank's samples for the step: a tensor or a dict/tuple/list of tensors, samples in dim 0.
+        loss_fn: ``loss_fn(engine, micro_batch) -> mean loss``; default: call the engine with the
+            batch and use ``output.loss`` or a scalar output (as :func:`memguard.step`).
+        max_retries: at most this many halvings within one step (default: the guard's).
+
+    Returns:
+        The step's mean loss over ``batch``.
+
+    Raises:
+        ConfigError: the engine cannot be guarded (every reason listed), or the batch cannot be split.
+        OOMRecoveryError: out of memory at micro-batch 1, or after ``max_retries`` halvings.
+        PeerFailedError: another rank failed with an error that is not an OOM.
+
+    Known limitations:
+        An OOM inside ``engine.step()`` itself (the gradient all-reduce or the optimizer update) is not
+        recovered from: it is a collective, and a smaller micro-batch would not shrink it. DeepSpeed
+        counts ``global_samples`` from the backward calls, so a replayed step counts its replayed
+        micro-batches too. ``loss_fn`` runs once per micro-batch and again on a replay; it must not
+        start collectives of its own.
+    """
+    from memguard.batch import compute_loss
+    from memguard.guard.window import DEFAULT_MAX_RETRIES, MicroBatchWindow
+
+    problems = _engine_problems(engine)
+    retries = DEFAULT_MAX_RETRIES if max_retries is None else max_retries
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        problems.append(f"max_retries must be an int >= 0, got {max_retries!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        problems.append("loss_fn must be callable as loss_fn(engine, batch) -> mean loss")
+    if problems:
+        raise ConfigError(problems)
+    window = _WINDOWS.get(engine)
+    if window is None:
+        window = MicroBatchWindow(int(engine.train_micro_batch_size_per_gpu()), rank_group=_rank_group(engine),
+                                  max_retries=retries)
+        _WINDOWS[engine] = window
+    window.max_retries = retries
+    module = engine.module
+    window.start(module, [p for p in module.parameters() if p.requires_grad])
+
+    def loss_of(micro: Any) -> Any:
+        return compute_loss(engine, micro, loss_fn)
+
+    def backward(weighted: Any) -> None:
+        # the weight already holds the micro-batch's share: DeepSpeed must not divide by its accumulation
+        engine.backward(weighted, scale_wrt_gas=False)
+
+    try:
+        loss = window.run(batch, loss_of, backward)
+    finally:
+        window.finish()
+    engine.step()
+    return float(loss)
+
+
+def micro_batch_size(engine: Any) -> int | None:
+    """The micro-batch :func:`step` uses next for ``engine`` (None before its first step)."""
+    window = _WINDOWS.get(engine)
+    return window.micro_batch_size if window is not None else None
+
+
+def oom_retries(engine: Any) -> int:
+    """Halvings of the micro-batch so far in :func:`step` for ``engine``."""
+    window = _WINDOWS.get(engine)
+    return window.oom_retries if window is not None else 0

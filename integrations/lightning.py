@@ -7,13 +7,28 @@
     trainer = Trainer(callbacks=[MemguardCallback(budget_bytes=8 << 30)], accumulate_grad_batches=1)
     trainer.fit(model)   # model.batch_size (or its datamodule's) feeds train_dataloader()
 
-Works with ``lightning.pytorch`` and with ``pytorch_lightning`` (whichever is installed; the
-former when both are).
+Works with ``lightning.pytorch`` and with ``pytorch_lightning``, and with both installed: the callback
+is a ``Callback`` of every installed package (so either Trainer's ``isinstance`` checks accept it),
+and it takes the strategy classes and utilities from the package of the Trainer it runs in (the
+first Lightning class in the Trainer's MRO, so a Trainer subclass defined anywhere works).
+
+Strategies. Single device and DDP: the callback plans, applies and guards (below). Under
+``DeepSpeedStrategy``, ``FSDPStrategy`` and ``ModelParallelStrategy`` it plans and applies only,
+constrained to the strategy's sharding: DeepSpeed's ZeRO stage and optimizer offload from its
+config; FSDP's ``FULL_SHARD`` as ZeRO-3 (parameters resharded after forward) and ``SHARD_GRAD_OP``
+as stage 2; ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``) any FSDP2
+level over its data-parallel ranks, which ``configure_model`` applies (``reshard_after_forward`` is
+``plan.zero_stage == 3``); the plan's world size is the strategy's. It plans in ``setup`` there,
+before the strategy wraps the module and before DeepSpeed reads the batch size and accumulation
+into its config, and logs that it does not recover from out-of-memory errors under that strategy
+(a rank that fails inside the sharded collectives would leave the others waiting; see
+:mod:`memguard.integrations.deepspeed` for what was measured under DeepSpeed). :func:`strategy_for`
+returns the Lightning strategy that runs a plan.
 
 What the callback does, in Lightning's hooks:
 
-* ``setup("fit")`` checks that it can work: automatic optimization, a single-device or DDP
-  strategy, the train dataloader coming from the LightningModule or its LightningDataModule, a
+* ``setup("fit")`` checks that it can work: automatic optimization, a strategy it knows (above),
+  the train dataloader coming from the LightningModule or its LightningDataModule, a
   ``batch_size`` attribute (Lightning's ``BatchSizeFinder`` convention: ``lightning_hasattr``), no
   ``GradientAccumulationScheduler``, and a precision memguard knows. Every problem is listed in
   one :class:`memguard.ConfigError`.
@@ -66,15 +81,22 @@ Known limitations:
     that got no gradient on any rank are left alone, so DDP with ``find_unused_parameters=False``
     fails on them as it would without memguard. Trainer limits counted in batches
     (``limit_train_batches``, ``val_check_interval`` as ints) count the smaller batches. Manual
-    optimization, DeepSpeed, FSDP and dataloaders passed directly to ``fit`` are not supported.
+    optimization and dataloaders passed directly to ``fit`` are not supported; under DeepSpeed, FSDP
+    and ModelParallel strategies the plan is applied but OOMs are not recovered from, FSDP's
+    ``HYBRID_SHARD``, ``cpu_offload`` and DeepSpeed's ``offload_param`` are refused, tensor
+    parallelism is not modelled, and the module's layers must exist before ``configure_model``
+    (the plan is made from them). FSDP1 (``FSDPStrategy``) is planned with memguard's FSDP2
+    model.
     The plan is made once per ``fit``; OOMs in validation are not handled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -91,11 +113,11 @@ from memguard.guard.core import (
     option_problems,
     plan_problems,
 )
-from memguard.guard.distributed import rank_group_of
+from memguard.guard.distributed import RankGroup, rank_group_of
 from memguard.planner.plan import Plan
 from memguard.vocab import PRECISIONS
 
-__all__ = ["MemguardCallback"]
+__all__ = ["MemguardCallback", "strategy_for"]
 
 logger = logging.getLogger("memguard")
 
@@ -103,14 +125,50 @@ logger = logging.getLogger("memguard")
 _FROM_TRAINER = ("world_size", "device", "optimizer", "loss_fn", "batch")
 
 
-def _constraints(trainer: Any = None) -> Constraints:
-    """What the Trainer fixes: its precision (Lightning runs it) and world size; DDP runs ZeRO stage 0."""
+# Whether the guard core's Constraints takes the strategies a front-end runs (the planner's ``strategy=``).
+_HAS_STRATEGIES = "strategies" in {f.name for f in dataclasses.fields(Constraints)}
+
+
+@dataclass(frozen=True)
+class _Sharding:
+    """How a Lightning strategy shards the training state, in memguard's terms.
+
+    Attributes:
+        strategy: memguard's strategy name (``Plan.strategy``): ``"ddp"``, ``"fsdp2"`` or ``"deepspeed"``.
+        zero_stages: the sharding levels the strategy runs (ZeRO stages; under FSDP, 3 = parameters
+            resharded after forward, 2 = kept unsharded between forward and backward).
+        offload_optimizer: the strategy keeps optimizer states in host memory.
+        world_size: the data-parallel ranks (the batch is split over them).
+        guarded: the callback runs its out-of-memory guard (single device and DDP); under the sharded
+            strategies it plans and applies the plan only.
+        name: the strategy's class name, for messages.
+    """
+
+    strategy: str = "ddp"
+    zero_stages: tuple[int, ...] = (0,)
+    offload_optimizer: bool = False
+    world_size: int | None = None
+    guarded: bool = True
+    name: str = ""
+
+
+# Before a Trainer is known: every sharding any supported strategy runs (checked again in setup()).
+_ANY_SHARDING = _Sharding(strategy="any", zero_stages=(0, 1, 2, 3), offload_optimizer=True)
+
+
+def _constraints(trainer: Any = None, sharding: _Sharding = _ANY_SHARDING) -> Constraints:
+    """What the Trainer fixes: its precision (Lightning runs it), world size and its strategy's sharding."""
+    extra: dict[str, Any] = {}
+    if _HAS_STRATEGIES and sharding.strategy != "any":
+        extra["strategies"] = (sharding.strategy,)
+    world = sharding.world_size if sharding.world_size is not None else (
+        trainer.world_size if trainer is not None else None)
     return Constraints(
         source="the Trainer", taken=_FROM_TRAINER, precision_role="framework",
         precisions=(str(trainer.precision),) if trainer is not None else None,
-        world_size=trainer.world_size if trainer is not None else None,
+        world_size=world, zero_stages=sharding.zero_stages, offload_optimizer=sharding.offload_optimizer,
         fix_plan="plan again with memguard.plan() for this Trainer",
-        fix_precision="set Trainer(precision=...)",
+        fix_precision="set Trainer(precision=...)", **extra,
     )
 
 
@@ -125,15 +183,34 @@ def _import_lightning() -> ModuleType:
 
 
 _pl = _import_lightning()
+_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
 
-def _package_of(trainer: Any) -> ModuleType:
-    """The Lightning package that ``trainer`` comes from (both may be installed)."""
-    name = "lightning.pytorch" if type(trainer).__module__.startswith("lightning.") else "pytorch_lightning"
-    try:
-        return importlib.import_module(name)
-    except ImportError:  # a Trainer subclass defined elsewhere: fall back to the one this module uses
-        return _pl
+def _installed_packages() -> list[ModuleType]:
+    """Every Lightning package that imports, ``lightning.pytorch`` first."""
+    out = []
+    for name in _PACKAGES:
+        try:
+            out.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return out
+
+
+def _package_of(obj: Any) -> ModuleType:
+    """The Lightning package that ``obj`` (a Trainer, or a subclass of one defined anywhere) comes from.
+
+    Both packages may be installed, and a user's Trainer subclass lives in the user's module, so the
+    package is the one that defines the first Lightning class in the object's MRO.
+    """
+    for cls in type(obj).__mro__:
+        module = cls.__module__ or ""
+        for name in _PACKAGES:
+            if module == name or module.startswith(name + "."):
+                return importlib.import_module(name)
+        if module == "lightning" or module.startswith("lightning."):  # lightning.fabric etc.: the unified package
+            return importlib.import_module("lightning.pytorch")
+    return _pl
 
 
 def _loss_of_output(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -150,7 +227,207 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-class MemguardCallback(_pl.Callback):
+# What the callback does not do under the sharded strategies, and why (logged when it plans there).
+_UNGUARDED_WHY = {
+    "deepspeed": "the DeepSpeed engine runs the backward and the optimizer step itself and reduces gradients "
+                 "inside the backward (ZeRO-2) where one rank's failure would leave the others waiting; memguard "
+                 "planned and applied the micro-batch, accumulation and checkpointing only",
+    "fsdp2": "a rank that fails inside FSDP's all-gathers or reduce-scatters leaves the others waiting; memguard "
+             "planned and applied the micro-batch, accumulation and checkpointing only",
+}
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Sharding:
+    """The sharding of a Lightning strategy, or the reasons memguard cannot plan for it (appended to ``problems``)."""
+    strategies = pkg.strategies
+    name = type(strategy).__name__
+    # DeepSpeedStrategy subclasses DDPStrategy: test it first.
+    if isinstance(strategy, strategies.DeepSpeedStrategy):
+        config = strategy.config if isinstance(strategy.config, Mapping) else {}
+        zero = config.get("zero_optimization") or {}
+        stage = zero.get("stage", 0)
+        offload = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower() not in ("none", "")
+        if str((zero.get("offload_param") or {}).get("device", "none")).lower() not in ("none", ""):
+            problems.append("DeepSpeed's offload_param (ZeRO-3 parameter offload) is not something memguard plans "
+                            "for; drop it (memguard plans optimizer offload) or plan without the callback")
+        if stage not in (0, 1, 2, 3):
+            problems.append(f"the DeepSpeed config's zero_optimization.stage {stage!r} is not a ZeRO stage 0-3")
+            stage = 0
+        return _Sharding(strategy="deepspeed", zero_stages=(int(stage),), offload_optimizer=offload, guarded=False,
+                         name=name)
+    if isinstance(strategy, strategies.FSDPStrategy):
+        # FSDP1's sharding strategies (torch.distributed.fsdp.ShardingStrategy): FULL_SHARD frees each
+        # unit's parameters after its forward (ZeRO-3), SHARD_GRAD_OP keeps them until the backward (ZeRO-2).
+        kind = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
+        stages = {"FULL_SHARD": (3,), "SHARD_GRAD_OP": (2,), "NO_SHARD": (0,)}
+        if kind not in stages:
+            problems.append(f"FSDPStrategy(sharding_strategy={kind!r}) shards within a node only, which memguard "
+                            "does not model; use FULL_SHARD or SHARD_GRAD_OP")
+        offload = getattr(strategy, "cpu_offload", None)
+        if offload is not None and getattr(offload, "offload_params", False):
+            problems.append("FSDPStrategy(cpu_offload=True) keeps parameters and gradients in host memory, which "
+                            "memguard does not plan for; drop cpu_offload or plan without the callback")
+        stage = stages.get(kind, (3,))
+        return _Sharding(strategy="ddp" if stage == (0,) else "fsdp2", zero_stages=stage, guarded=False, name=name)
+    if isinstance(strategy, strategies.ModelParallelStrategy):
+        mesh = getattr(strategy, "_device_mesh", None)
+        if mesh is not None and mesh.mesh_dim_names:
+            dp, tp = mesh["data_parallel"].size(), mesh["tensor_parallel"].size()
+        else:  # not set up yet: what the user asked for ("auto" is decided in setup_environment)
+            dp, tp = _int_or_none(strategy._data_parallel_size), _int_or_none(strategy._tensor_parallel_size)
+        if tp is not None and tp > 1:
+            problems.append(f"ModelParallelStrategy with tensor_parallel_size={tp}: memguard does not model tensor "
+                            "parallelism; use tensor_parallel_size=1 (FSDP2 over data_parallel_size ranks)")
+        # The user's configure_model() applies fully_shard; any FSDP2 sharding level can run there.
+        return _Sharding(strategy="fsdp2", zero_stages=(3, 2, 1), world_size=dp, guarded=False, name=name)
+    if isinstance(strategy, (strategies.SingleDeviceStrategy, strategies.DDPStrategy)) and not getattr(
+            strategy, "handles_gradient_accumulation", False):
+        return _Sharding(name=name)
+    problems.append(f"strategy {name} is not supported: MemguardCallback works with a single device, "
+                    "strategy='ddp', FSDPStrategy, ModelParallelStrategy and DeepSpeedStrategy")
+    return _Sharding(name=name)
+
+
+def _plan_strategy(plan: Plan) -> str:
+    """``plan.strategy``; for a plan made before plans recorded it, what memguard ran then (DeepSpeed for ZeRO)."""
+    strategy = getattr(plan, "strategy", None)
+    if strategy:
+        return str(strategy)
+    return "deepspeed" if plan.zero_stage >= 1 or plan.offload_optimizer else "ddp"
+
+
+def _strategy_problems(plan: Plan, sharding: _Sharding) -> list[str]:
+    """A problem if ``plan`` records another strategy than the Trainer's (its ZeRO stage is checked by the core)."""
+    planned = getattr(plan, "strategy", None)
+    if not planned or sharding.strategy == "any" or planned == sharding.strategy:
+        return []
+    return [f"the plan was made for strategy {planned!r} but the Trainer runs {sharding.name} "
+            f"({sharding.strategy!r}); build the Trainer with strategy=strategy_for(plan), or plan again "
+            f"with strategy={sharding.strategy!r}"]
+
+
+def _world_rank_group(strategy: Any) -> RankGroup | None:
+    """The default process group as a :class:`RankGroup` (for the plan's broadcast), or None on one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()):  # NCCL only moves CUDA tensors
+        device = strategy.root_device
+    return RankGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank(), 0, device)
+
+
+def _apply_to_deepspeed_config(strategy: Any, plan: Plan, guard: Guard) -> None:
+    """Make batch keys a user wrote into the DeepSpeed config agree with the plan (undone with the guard).
+
+    Lightning fills ``gradient_accumulation_steps`` from the Trainer and ``train_micro_batch_size_per_gpu``
+    from the dataloader only when absent (strategies/deepspeed.py, _format_batch_size_and_grad_accum_config);
+    DeepSpeed checks ``train_batch_size == micro x accumulation x world`` (runtime/config.py).
+    """
+    config = strategy.config
+    if not isinstance(config, dict):
+        return
+    for key, value in (("train_micro_batch_size_per_gpu", plan.micro_batch_size),
+                       ("train_batch_size", plan.global_batch_size)):
+        if key in config and config[key] != value:
+            previous = config[key]
+            config[key] = value
+
+            def undo(key: str = key, previous: Any = previous) -> None:
+                config[key] = previous
+
+            guard.on_undo(undo)
+
+
+def strategy_for(plan: Plan, *, package: str | ModuleType | None = None, fsdp_version: int = 2) -> Any:
+    """The Lightning strategy that runs ``plan``: pass it as ``Trainer(strategy=...)``.
+
+    ============================  ===============================================================
+    plan                          strategy
+    ============================  ===============================================================
+    ``"ddp"``, one process        ``"auto"`` (Lightning's single-device strategy)
+    ``"ddp"``, several processes  ``DDPStrategy()``
+    ``"fsdp2"``                   ``ModelParallelStrategy(data_parallel_size=world,
+                                  tensor_parallel_size=1)``: shard the module in its
+                                  ``configure_model()`` as the plan says
+                                  (``memguard.integrations.fsdp.apply``; ``reshard_after_forward``
+                                  is ``zero_stage == 3``); with ``fsdp_version=1``,
+                                  ``FSDPStrategy(sharding_strategy="FULL_SHARD")`` for stage 3,
+                                  ``"SHARD_GRAD_OP"`` for stages 2 and 1 (FSDP1 has no stage 1)
+    ``"deepspeed"``               ``DeepSpeedStrategy(config=...)`` from
+                                  :func:`memguard.integrations.deepspeed.to_config`, without
+                                  ``gradient_accumulation_steps`` and ``train_batch_size`` (Lightning
+                                  sets the accumulation from the Trainer and refuses it in the config)
+    ============================  ===============================================================
+
+    The Trainer must also get ``precision=plan.precision``, ``devices``/``num_nodes`` giving
+    ``plan.world_size`` processes and ``accumulate_grad_batches=plan.grad_accum_steps`` (or use
+    :class:`MemguardCallback` with ``plan=``, which sets the batch size and accumulation).
+
+    Args:
+        plan: the plan.
+        package: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (or the module) whose strategy
+            classes to use; default: ``lightning.pytorch`` if installed.
+        fsdp_version: 2 (``ModelParallelStrategy``, FSDP2) or 1 (``FSDPStrategy``) for an FSDP plan.
+
+    Raises:
+        ConfigError: not a Plan, a plan without a Lightning equivalent (``"16-true"`` under
+            DeepSpeed, ...), an unknown package or ``fsdp_version``; every problem listed.
+    """
+    problems: list[str] = []
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"strategy_for needs a memguard.Plan, got {type(plan).__name__}")
+    if fsdp_version not in (1, 2):
+        problems.append(f"fsdp_version must be 1 or 2, got {fsdp_version!r}")
+    if package is None:
+        pkg = _pl
+    elif isinstance(package, ModuleType):
+        pkg = package
+    elif package in _PACKAGES:
+        pkg = importlib.import_module(package)
+    else:
+        problems.append(f"package must be one of {', '.join(_PACKAGES)}, got {package!r}")
+        pkg = _pl
+    planned = _plan_strategy(plan)
+    if planned == "ddp" and plan.zero_stage != 0:
+        problems.append(f"a 'ddp' plan with zero_stage {plan.zero_stage} is inconsistent; plan again")
+    if planned not in ("ddp", "fsdp2", "deepspeed"):
+        problems.append(f"the plan's strategy {planned!r} has no Lightning strategy here")
+    config = None
+    if planned == "deepspeed":
+        from memguard.integrations.deepspeed import to_config
+
+        try:
+            config = to_config(plan)
+        except ConfigError as exc:
+            problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
+    strategies = pkg.strategies
+    if planned == "ddp":
+        return "auto" if plan.world_size == 1 else strategies.DDPStrategy()
+    if planned == "fsdp2":
+        if fsdp_version == 1:
+            return strategies.FSDPStrategy(sharding_strategy="FULL_SHARD" if plan.zero_stage == 3 else "SHARD_GRAD_OP")
+        return strategies.ModelParallelStrategy(data_parallel_size=plan.world_size, tensor_parallel_size=1)
+    assert config is not None
+    for key in ("gradient_accumulation_steps", "train_batch_size"):
+        config.pop(key, None)
+    return strategies.DeepSpeedStrategy(config=config)
+
+
+# The callback is a Callback of every installed Lightning package, so that a Trainer of either accepts it
+# (``Trainer(callbacks=cb)`` checks ``isinstance(cb, Callback)``, trainer/connectors/callback_connector.py).
+# Both Callback classes derive from object only and define the same no-op hooks, so the MRO is simple.
+_CALLBACK_BASES = tuple(pkg.Callback for pkg in _installed_packages())
+
+
+class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     """Plan micro-batch, accumulation and activation checkpointing before ``fit``; halve on OOM during it.
 
     See the module docstring for what happens in each hook and why.
@@ -193,6 +470,7 @@ class MemguardCallback(_pl.Callback):
         self.plan: Plan | None = plan
         self._given_plan = plan
         self._guard: Guard | None = None
+        self._sharding: _Sharding | None = None
         self._checked_first_batch = False
 
     # ----------------------------------------------------------------------------------------------
@@ -230,12 +508,8 @@ class MemguardCallback(_pl.Callback):
         if not pl_module.automatic_optimization:
             problems.append("MemguardCallback works with automatic optimization; with manual optimization call "
                             "memguard.step(model, optimizer, batch) from training_step yourself")
-        strategy = trainer.strategy
-        supported = (pkg.strategies.SingleDeviceStrategy, pkg.strategies.DDPStrategy)
-        if not isinstance(strategy, supported) or getattr(strategy, "handles_gradient_accumulation", False):
-            problems.append(f"strategy {type(strategy).__name__} is not supported: MemguardCallback works with a "
-                            "single device or strategy='ddp' (for DeepSpeed, write the plan into its config with "
-                            "memguard.integrations.deepspeed.to_config)")
+        sharding = _sharding_of(trainer.strategy, pkg, problems)
+        self._sharding = sharding
         if not trainer.fit_loop._data_source.is_module():
             problems.append("the train dataloader was passed to trainer.fit(); return it from the LightningModule's "
                             "(or a LightningDataModule's) train_dataloader() so memguard can change its batch size, "
@@ -255,35 +529,63 @@ class MemguardCallback(_pl.Callback):
             problems.append(f"the Trainer's precision {precision!r} is not one memguard plans for; use one of "
                             f"{', '.join(PRECISIONS)}")
         else:  # the precision option and a given plan against the Trainer's precision and world size
-            problems += option_problems(_constraints(trainer), plan=self._given_plan, plan_options=self.plan_options)
+            problems += option_problems(_constraints(trainer, sharding), plan=self._given_plan,
+                                        plan_options=self.plan_options)
+            if self._given_plan is not None:
+                problems += _strategy_problems(self._given_plan, sharding)
         device = trainer.strategy.root_device.type
         if device not in ("cuda", "cpu"):
             problems.append(f"memguard plans for 'cuda' or 'cpu' devices, not {device!r}")
         if problems:
             raise ConfigError(problems)
+        if not sharding.guarded:
+            # Sharded strategies read the batch size and accumulation when they set up (DeepSpeed writes
+            # them into its config, trainer/strategies/deepspeed.py _format_batch_size_and_grad_accum_config;
+            # FSDP and ModelParallel wrap the module in their setup()), which runs after this hook and
+            # before on_fit_start: plan and apply now, on the module before it is sharded.
+            self._plan_and_apply(trainer, pl_module, pkg)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Plan (or take the given plan) and apply it; see the module docstring.
+
+        Under DeepSpeed, FSDP and ModelParallel strategies this was done in :meth:`setup` already.
 
         Raises:
             ConfigError: the dataloader does not follow the batch-size attribute, or planning failed
                 on bad input (as :func:`memguard.plan`).
             InfeasiblePlanError: nothing fits the budget.
         """
-        pkg = _package_of(trainer)
+        if self._sharding is not None and not self._sharding.guarded:
+            return
+        self._plan_and_apply(trainer, pl_module, _package_of(trainer))
+
+    def _plan_and_apply(self, trainer: Any, pl_module: Any, pkg: ModuleType) -> None:
+        """Plan (rank 0 plans and broadcasts) or check the given plan, then apply it to the Trainer and module."""
         parsing = pkg.utilities.parsing
+        sharding = self._sharding if self._sharding is not None else _Sharding(world_size=trainer.world_size)
+        guarded = sharding.guarded
+        world = sharding.world_size if sharding.world_size is not None else trainer.world_size
         self._checked_first_batch = False
         user_batch = parsing.lightning_getattr(pl_module, self.batch_arg_name)
         user_accum = trainer.accumulate_grad_batches
-        guard = Guard(pl_module, _constraints(trainer), world_size=trainer.world_size,
-                      rank_group=rank_group_of(trainer.strategy.model), max_retries=self.max_retries,
-                      grad_scaler=getattr(trainer.precision_plugin, "scaler", None), sync_gradients=False,
-                      global_batch_size=self.global_batch_size, plan_options=self.plan_options)
+        rank_group = rank_group_of(trainer.strategy.model) if guarded else _world_rank_group(trainer.strategy)
+        guard = Guard(pl_module, _constraints(trainer, sharding), world_size=world, rank_group=rank_group,
+                      max_retries=self.max_retries, grad_scaler=getattr(trainer.precision_plugin, "scaler", None),
+                      sync_gradients=False, global_batch_size=self.global_batch_size, plan_options=self.plan_options)
         self._guard = guard
         plan = self._given_plan
         if plan is None:
-            trainer.fit_loop.setup_data()  # every rank: it holds a barrier
-            plan = guard.agree_on_plan(lambda: self._make_plan(trainer, pl_module, pkg, user_batch, user_accum))
+            if guarded:
+                trainer.fit_loop.setup_data()  # every rank: it holds a barrier
+                loaders = trainer.train_dataloader
+            else:  # before the strategy's setup: the module's (or datamodule's) own train_dataloader()
+                loaders = trainer.fit_loop._data_source.dataloader()
+            plan = guard.agree_on_plan(lambda: self._make_plan(trainer, pl_module, pkg, loaders, user_batch,
+                                                               user_accum))
+            # (a planner that cannot be told the strategy labels its plans by ZeRO stage alone: nothing to check)
+            problems = _strategy_problems(plan, sharding) if _HAS_STRATEGIES else []
+            if problems:
+                raise ConfigError(problems)
         else:
             problems = plan_problems(plan, guard.constraints)
             if problems:
@@ -305,11 +607,17 @@ class MemguardCallback(_pl.Callback):
             trainer.accumulate_grad_batches = user_accum
 
         guard.on_undo(restore_accum)
-        self._patch_module(trainer, pl_module)
+        if sharding.strategy == "deepspeed":
+            _apply_to_deepspeed_config(trainer.strategy, plan, guard)
+        if guarded:
+            self._patch_module(trainer, pl_module)
         if trainer.is_global_zero:
-            logger.info("memguard applies this plan to the Trainer (%s %d -> %d, accumulate_grad_batches %d -> %d):\n%s",
-                        self.batch_arg_name, user_batch, plan.micro_batch_size, user_accum, plan.grad_accum_steps,
-                        plan.explain())
+            logger.info("memguard applies this plan to the Trainer (%s %d -> %d, accumulate_grad_batches "
+                        "%d -> %d):\n%s", self.batch_arg_name, user_batch, plan.micro_batch_size, user_accum,
+                        plan.grad_accum_steps, plan.explain())
+            if not guarded:
+                logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
+                            _UNGUARDED_WHY[sharding.strategy])
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """The window's batches have all run: let them go (Lightning steps the optimizer itself)."""
@@ -320,18 +628,79 @@ class MemguardCallback(_pl.Callback):
         """Undo every change the callback made."""
         if stage == "fit":
             self._restore_all()
+        self._unpatch_eval_steps(pl_module)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """Run ``validation_step`` on micro-batches when a validation batch does not fit."""
+        self._patch_eval_step(trainer, pl_module, "validation_step")
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unpatch_eval_steps(pl_module, "validation_step")
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        """Run ``test_step`` on micro-batches when a test batch does not fit."""
+        self._patch_eval_step(trainer, pl_module, "test_step")
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unpatch_eval_steps(pl_module, "test_step")
+
+    def _patch_eval_step(self, trainer: Any, pl_module: Any, name: str) -> None:
+        """Stand in for ``validation_step``/``test_step``: the user's step per micro-batch, halving on an
+        OOM, results merged (:func:`memguard.guard.evaluate.step_in_micro_batches`). The evaluation's
+        micro-batch is its own state: an OOM here never changes the training micro-batch."""
+        from memguard.guard.evaluate import eval_status, step_in_micro_batches
+
+        user_step = getattr(pl_module, name)
+        saved = getattr(self, "_eval_saved", None)
+        if saved is None:
+            saved = self._eval_saved = {}
+        saved.setdefault(name, pl_module.__dict__.get(name))
+
+        def before_micro(micro: Any) -> None:
+            # Lightning weights an epoch-level logged mean by the size of the batch it holds for the
+            # step (trainer/connectors/logger_connector/result.py, _ResultCollection._extract_batch_size),
+            # so it must hold the micro-batch while the user's step logs.
+            results = trainer._results
+            if results is not None:
+                results.batch = micro
+                results.batch_size = None
+
+        def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return step_in_micro_batches(user_step, batch, args, kwargs, state=eval_status(pl_module),
+                                             before_micro=before_micro)
+            finally:
+                results = trainer._results
+                if results is not None:
+                    results.batch = batch
+                    results.batch_size = None
+
+        pl_module.__dict__[name] = step
+
+    def _unpatch_eval_steps(self, pl_module: Any, *names: str) -> None:
+        saved = getattr(self, "_eval_saved", None) or {}
+        for name in names or tuple(saved):
+            if name not in saved:
+                continue
+            previous = saved.pop(name)
+            if previous is None:
+                pl_module.__dict__.pop(name, None)
+            else:
+                pl_module.__dict__[name] = previous
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Undo every change the callback made (Lightning calls no ``teardown`` after an exception)."""
         self._restore_all()
+        self._unpatch_eval_steps(pl_module)
 
     # ----------------------------------------------------------------------------------------------
     # internals
 
-    def _make_plan(self, trainer: Any, pl_module: Any, pkg: ModuleType, user_batch: Any, user_accum: int) -> Plan:
+    def _make_plan(self, trainer: Any, pl_module: Any, pkg: ModuleType, loaders: Any, user_batch: Any,
+                   user_accum: int) -> Plan:
         """Plan from one example batch of the train dataloader (rank 0 only under DDP)."""
         assert self._guard is not None
-        batch = self._example_batch(trainer, pl_module, pkg)
+        batch = self._example_batch(trainer, pl_module, pkg, loaders)
         n = batch_size(batch)
         if n != user_batch:
             raise ConfigError(f"the train dataloader yields batches of {n} samples but {self.batch_arg_name} is "
@@ -355,9 +724,8 @@ class MemguardCallback(_pl.Callback):
                     del pl_module.__dict__[name]
 
     @staticmethod
-    def _example_batch(trainer: Any, pl_module: Any, pkg: ModuleType) -> Any:
+    def _example_batch(trainer: Any, pl_module: Any, pkg: ModuleType, loaders: Any) -> Any:
         """One batch as ``training_step`` would see it: first of the train dataloader, converted and transferred."""
-        loaders = trainer.train_dataloader
         if loaders is None:
             raise ConfigError("the Trainer has no train dataloader to take an example batch from; define "
                               "train_dataloader() in the LightningModule or its datamodule")

@@ -88,6 +88,12 @@ class TraceSpec:
             :class:`~memguard.estimator.cuda_kernels.CudaKernelModel` for this GPU, so that
             functions whose CUDA kernels allocate differently from the CPU's allocate as on CUDA
             (for the CUDA target traced on CPU fakes); None traces the device's own kernels.
+        train: True traces a training step. False traces an evaluation step: the model in
+            ``eval()`` mode, one forward under ``torch.no_grad()`` whose result (the model's
+            output, or what ``loss_fn`` returns) stays live to the end of the step, no backward and
+            no optimizer step (see :func:`trace_step`).
+        optimizer_state: for ``train=False``: the optimizer's state is resident during the
+            evaluation (an evaluation inside a training run); False: parameters only.
     """
 
     param_dtype: torch.dtype | None = None
@@ -102,6 +108,8 @@ class TraceSpec:
     count_flops: bool = False
     keep_outputs: bool = False
     cuda_target: CudaTarget | None = None
+    train: bool = True
+    optimizer_state: bool = False
 
 
 @dataclass
@@ -515,6 +523,16 @@ def trace_step(
 ) -> Trace:
     """Trace one steady-state training step of ``model`` on ``batch``; see the module docstring.
 
+    With ``spec.train=False`` the step is an evaluation step instead: the copy is put in
+    ``eval()`` mode (dropout off, as ``model.eval()`` does), ``loss_fn(model, batch)`` (any
+    result; None calls the model) runs once under ``torch.no_grad()`` (``inference_mode``
+    allocates the same tensors: it only also skips version counters and view tracking), and its
+    result is kept until the step ends, as a loop that hands the logits to a metric does. The
+    step starts with the parameters, buffers and batch, plus the optimizer state with
+    ``optimizer_state`` and every gradient with ``grads_present`` (an evaluation inside a
+    training run whose ``zero_grad`` keeps gradients); with ``keep_outputs`` the previous step's
+    result is live until this forward returns (``out = model(**batch)`` rebinding ``out``).
+
     Args:
         model: the user's model (never moved, mutated or allocated).
         batch: one micro-batch (see :mod:`memguard.batch`).
@@ -559,6 +577,8 @@ class _StepTracer:
         self.output_at = -1  # the event index at which the output was returned
 
     def run(self) -> Trace:
+        if not self.spec.train:
+            return self.run_eval()
         with _preserved_rng():
             self.setup()
             with self.mode:
@@ -576,14 +596,30 @@ class _StepTracer:
             self.recorder.close()
         return self.trace
 
+    def run_eval(self) -> Trace:
+        """The evaluation step (``spec.train=False``): see :func:`trace_step`."""
+        with _preserved_rng():
+            self.setup()
+            with self.mode:
+                if self.spec.grads_present:
+                    for p in self.trainable:
+                        p.grad = torch.zeros_like(p)
+            with self.mode, self.recorder:
+                self.register()
+                self.output = self.eval_forward()  # what the loop keeps, whatever the model returned
+                self.categorise()
+                self.carry_outputs()
+            self.recorder.close()
+        return self.trace
+
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> None:
         from memguard.estimator.blocks import apply_activation_checkpointing
 
         spec, trace = self.spec, self.trace
         fmodel, originals, blocks = _fake_model(self.model, self.mode, spec.param_dtype, self.device, spec.keep_blocks)
-        fmodel.train()
-        if spec.checkpoint_blocks:
+        fmodel.train(spec.train)
+        if spec.checkpoint_blocks and spec.train:  # no_grad saves nothing: checkpointing changes nothing in eval
             apply_activation_checkpointing(fmodel, spec.checkpoint_blocks, blocks)  # also drops the KV cache
         trace.num_blocks = len(blocks)
         self.fmodel = fmodel
@@ -598,8 +634,10 @@ class _StepTracer:
             (sum(p.numel() for p in m.parameters(recurse=False)) for m in fmodel.modules()), default=0
         )
         self.fbatch = _fake_batch(self.batch, self.mode, spec.param_dtype, self.device)
-        self.opt = _make_optimizer(self.optimizer, self.params, originals, spec.foreach)
-        _warm_up(self.opt, self.trainable, self.mode)  # outside the fake mode: its fast path runs on meta
+        self.opt = None
+        if spec.train or spec.optimizer_state:
+            self.opt = _make_optimizer(self.optimizer, self.params, originals, spec.foreach)
+            _warm_up(self.opt, self.trainable, self.mode)  # outside the fake mode: its fast path runs on meta
         if spec.count_flops:
             from torch.utils.flop_counter import FlopCounterMode
 
@@ -624,8 +662,9 @@ class _StepTracer:
             rec.register(p, "params")
         for b in self.fmodel.buffers():
             rec.register(b, "params")
-        for t in _optimizer_state_tensors(self.opt):
-            rec.register(t, "optimizer")
+        if self.opt is not None:
+            for t in _optimizer_state_tensors(self.opt):
+                rec.register(t, "optimizer")
         for p in self.trainable:
             if p.grad is not None:
                 rec.register(p.grad, "grads")
@@ -687,6 +726,34 @@ class _StepTracer:
         if spec.loss_scale:
             loss = loss * 65536.0  # GradScaler's default init_scale (torch.amp.GradScaler)
         return loss
+
+    def eval_forward(self) -> Any:
+        """The evaluation forward: ``loss_fn(model, batch)`` or the model's call, under ``no_grad``."""
+        from memguard.batch import call_model
+
+        trace = self.trace
+        trace.phase_starts["forward"] = len(trace.events)
+        self.recorder.phase = "forward"
+        modes = self._modes()
+        try:
+            with modes, torch.no_grad(), self.flops[0]:
+                result = self.loss_fn(self.fmodel, self.fbatch) if self.loss_fn else call_model(self.fmodel, self.fbatch)
+                if self.emulation is not None:
+                    self.emulation.clear_cache()
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - report any failure of the user's call
+            how = "fn(model, batch)" if self.loss_fn else (
+                "the model with the batch (mapping -> model(**batch), tuple/list -> model(*batch), "
+                "tensor -> model(batch))")
+            raise ConfigError(
+                f"calling {how} failed while tracing an evaluation step: {type(exc).__name__}: {exc}. "
+                "Check that the batch is what the model takes, or pass fn=lambda model, batch: <outputs>"
+            ) from exc
+        if self.spec.count_flops:
+            trace.flops = int(self.flops[0].get_total_flops())
+        self.output_at = len(trace.events)
+        return result
 
     # ------------------------------------------------------------------------------ backward
     def backward(self, loss: torch.Tensor) -> None:

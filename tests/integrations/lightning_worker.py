@@ -12,7 +12,11 @@ Config keys: ``out`` (folder), ``world`` (1, or 2 for DDP), ``batch`` (the modul
 rank before memguard), ``steps`` (optimizer steps), ``seq`` (positions per sample, which sets the
 activation memory per sample: about 1 MiB at 64 in fp32, as in tests/guard/oom_worker.py),
 ``budget_mib``, ``cap_batch``, ``cap_ranks``, ``plan``: ``"planner"`` (memguard plans with a
-1 GiB budget, which picks the whole batch) or ``[micro, accumulation]`` for a hand-made plan.
+``plan_budget_mib`` budget, default 1 GiB, which picks the whole batch) or ``[micro, accumulation]``
+for a hand-made plan,
+``package``: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (default), whose Trainer runs,
+``strategy``: ``"ddp"`` (default) or ``"model_parallel"`` (``ModelParallelStrategy`` over ``world``
+data-parallel ranks, ``fully_shard`` of each linear layer and the root in ``configure_model``).
 
 Each rank writes ``result<rank>.json`` (events, messages, callback state, error) and its final
 weights ``lightning<rank>.pt``; rank 0 also writes ``reference.pt``.
@@ -65,7 +69,9 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     out = Path(cfg["out"])
     torch.set_num_threads(1)
-    import pytorch_lightning as pl
+    import importlib
+
+    pl = importlib.import_module(cfg.get("package", "pytorch_lightning"))
 
     from memguard import Estimate, Plan
     from memguard.integrations.lightning import MemguardCallback
@@ -106,6 +112,15 @@ def main() -> None:
         def train_dataloader(self) -> DataLoader:
             return DataLoader(data, batch_size=self.batch_size, shuffle=False)
 
+        def configure_model(self) -> None:
+            if cfg.get("strategy") == "model_parallel":
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in (self.net.fc1, self.net.fc2):
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self, mesh=mesh)
+
     result: dict = {"rank": rank, "error": None, "order": rank_order(data, cfg)[rank]}
 
     class Cap(pl.Callback):
@@ -122,7 +137,7 @@ def main() -> None:
             events.append("STEP")
 
     if cfg["plan"] == "planner":
-        callback = MemguardCallback(budget_bytes=1 << 30)
+        callback = MemguardCallback(budget_bytes=cfg.get("plan_budget_mib", 1024) << 20)
     else:
         micro, accum = cfg["plan"]
         local = micro * accum
@@ -134,8 +149,12 @@ def main() -> None:
                                               activation_checkpointing=False, zero_stage=0,
                                               budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu"))
     module = Lit()
+    if cfg.get("strategy") == "model_parallel":
+        strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=cfg["world"], tensor_parallel_size=1)
+    else:
+        strategy = "ddp" if cfg["world"] > 1 else "auto"
     trainer = pl.Trainer(
-        accelerator="cpu", devices=cfg["world"], strategy="ddp" if cfg["world"] > 1 else "auto",
+        accelerator="cpu", devices=cfg["world"], strategy=strategy,
         max_steps=cfg["steps"], callbacks=[callback, Cap()], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
@@ -150,7 +169,9 @@ def main() -> None:
                   plan=[callback.plan.micro_batch_size, callback.plan.grad_accum_steps] if callback.plan else None,
                   restored_batch_size=module.batch_size, restored_accumulate=trainer.accumulate_grad_batches,
                   patched_left=sorted(k for k in ("training_step", "optimizer_zero_grad") if k in module.__dict__))
-    torch.save(module.net.state_dict(), out / f"lightning{rank}.pt")
+    # FSDP2 holds DTensor shards: gather the full weights (a collective every rank joins here)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in module.net.state_dict().items()}
+    torch.save(state, out / f"lightning{rank}.pt")
     (out / f"result{rank}.json").write_text(json.dumps(result))
     launcher = getattr(trainer.strategy, "launcher", None)
     for proc in getattr(launcher, "procs", []):  # rank 0 waits for the ranks Lightning started

@@ -97,9 +97,66 @@ def test_accelerator_kwargs(precision: str, device: str, expected: dict) -> None
     assert accelerator_kwargs(_plan(8, 4, precision, device=device)) == expected
 
 
-def test_accelerator_kwargs_refuses_a_deepspeed_plan() -> None:
-    with pytest.raises(ConfigError, match="ZeRO stage 2"):
-        accelerator_kwargs(_plan(8, 4, zero_stage=2))
+def test_accelerator_kwargs_of_a_deepspeed_plan_builds_its_plugin() -> None:
+    from accelerate.utils import DeepSpeedPlugin
+
+    from memguard.integrations.deepspeed import to_config
+
+    plan = _plan(8, 4, "bf16-mixed", zero_stage=2, offload_optimizer=True, device="cuda")
+    kw = accelerator_kwargs(plan)
+    # Accelerate's mixed_precision names the config's precision; the accumulation is the plan's
+    assert (kw["mixed_precision"], kw["gradient_accumulation_steps"]) == ("bf16", 4) and "cpu" not in kw
+    ds = kw["deepspeed_plugin"]
+    assert isinstance(ds, DeepSpeedPlugin)
+    # the plugin holds to_config(plan): stage 2 with optimizer offload, bf16, micro-batch 8 x 4
+    assert ds.zero_stage == 2 and ds.gradient_accumulation_steps == 4
+    # to_config's keys, plus what Accelerate adds itself (steps_per_print)
+    assert {k: v for k, v in ds.hf_ds_config.config.items() if k != "steps_per_print"} == to_config(plan)
+    assert ds.deepspeed_config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds.deepspeed_config["train_micro_batch_size_per_gpu"] == 8
+    with pytest.raises(ConfigError, match="16-true"):  # no DeepSpeed equivalent
+        accelerator_kwargs(_plan(8, 4, "16-true", zero_stage=1))
+
+
+def _fsdp2_plan(micro: int, accum: int, precision: str, **kw) -> Plan:
+    import dataclasses
+
+    if "strategy" not in {f.name for f in dataclasses.fields(Plan)}:
+        pytest.skip("this Plan does not record a strategy yet")
+    return _plan(micro, accum, precision, strategy="fsdp2", **kw)
+
+
+@pytest.mark.parametrize("stage, precision, mixed, param_dtype, reshard, sync_each", [
+    # zero_stage 3 under FSDP2 = reshard_after_forward=True; gradients reduce-scattered every micro-batch
+    (3, "bf16-mixed", "no", torch.bfloat16, True, True),
+    # stage 2 = parameters kept gathered between forward and backward, gradients still sharded each micro-batch
+    (2, "32-true", "no", None, False, True),
+    # stage 1 = stage 2 with gradient sync on the last micro-batch only; fp16 needs Accelerate's GradScaler
+    (1, "16-mixed", "fp16", torch.float16, False, False),
+])
+def test_accelerator_kwargs_of_an_fsdp2_plan_builds_its_plugin(stage, precision, mixed, param_dtype, reshard,
+                                                               sync_each) -> None:
+    from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin
+
+    plan = _fsdp2_plan(8, 4, precision, zero_stage=stage, block_class="Block", device="cuda")
+    kw = accelerator_kwargs(plan)
+    assert kw["mixed_precision"] == mixed and "gradient_accumulation_steps" not in kw
+    fsdp = kw["fsdp_plugin"]
+    assert isinstance(fsdp, FullyShardedDataParallelPlugin)
+    assert fsdp.fsdp_version == 2 and fsdp.reshard_after_forward is reshard
+    assert fsdp.transformer_cls_names_to_wrap == ["Block"]  # each repeated block, then the root
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    # no offload: Accelerate keeps the base OffloadPolicy, not the CPU one
+    assert fsdp.activation_checkpointing is False and not isinstance(fsdp.cpu_offload, CPUOffloadPolicy)
+    if param_dtype is None:
+        assert fsdp.mixed_precision_policy is None
+    else:  # 16-bit parameters in compute, fp32 gradient reduction
+        assert fsdp.mixed_precision_policy.param_dtype == param_dtype
+        assert fsdp.mixed_precision_policy.reduce_dtype == torch.float32
+    ga = kw["gradient_accumulation_plugin"]
+    assert isinstance(ga, GradientAccumulationPlugin)
+    assert (ga.num_steps, ga.sync_each_batch) == (4, sync_each)
 
 
 def test_a_plan_runs_with_accelerates_accumulation_and_matches_full_batch() -> None:

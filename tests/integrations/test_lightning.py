@@ -31,14 +31,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from memguard import ConfigError, MissingDependencyError
 from worker_common import check_samples  # this folder is on sys.path under pytest
 
-# The Lightning package the callback is built on: lightning.pytorch, else pytorch_lightning (the adapter's
-# order). Only a missing Lightning skips; a broken adapter fails the import below.
-_found = [name for name in ("lightning", "pytorch_lightning") if importlib.util.find_spec(name) is not None]
-if not _found:
+# Both Lightning packages are real ways to use Lightning: the important tests run against each one that
+# is installed (PACKAGES); the rest use the first. Only a missing Lightning skips; a broken adapter fails.
+PACKAGES = [name for name in ("lightning.pytorch", "pytorch_lightning")
+            if importlib.util.find_spec(name.split(".")[0]) is not None]
+if not PACKAGES:
     pytest.skip("Lightning is not installed", allow_module_level=True)
-pl = importlib.import_module("lightning.pytorch" if _found[0] == "lightning" else "pytorch_lightning")
+pl = importlib.import_module(PACKAGES[0])
 
-from memguard.integrations.lightning import MemguardCallback  # noqa: E402 - after the skip
+from memguard.integrations.lightning import MemguardCallback, strategy_for  # noqa: E402 - after the skip
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,48 +59,62 @@ class Block(nn.Module):
         return torch.tanh(self.fc(x))
 
 
-class Lit(pl.LightningModule):
-    """Three repeated blocks and a head; MSE of the per-sample mean against Y."""
+def _classes(pl):
+    """The test's LightningModule, recording callback and Trainer factory, built on Lightning package ``pl``."""
 
-    def __init__(self, batch_size: int = 64, returns_dict: bool = False) -> None:
-        super().__init__()
-        self.batch_size = batch_size
-        self.returns_dict = returns_dict
-        self.blocks = nn.Sequential(Block(), Block(), Block())
-        self.head = nn.Linear(16, 1)
+    class Lit(pl.LightningModule):
+        """Three repeated blocks and a head; MSE of the per-sample mean against Y."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x)).mean(dim=(1, 2))
+        def __init__(self, batch_size: int = 64, returns_dict: bool = False) -> None:
+            super().__init__()
+            self.batch_size = batch_size
+            self.returns_dict = returns_dict
+            self.blocks = nn.Sequential(Block(), Block(), Block())
+            self.head = nn.Linear(16, 1)
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = ((self(x) - y) ** 2).mean()
-        self.log("train_loss", loss)
-        return {"loss": loss, "n": len(x)} if self.returns_dict else loss
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.blocks(x)).mean(dim=(1, 2))
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = ((self(x) - y) ** 2).mean()
+            self.log("train_loss", loss)
+            return {"loss": loss, "n": len(x)} if self.returns_dict else loss
 
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(X, Y), batch_size=self.batch_size)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(X, Y), batch_size=self.batch_size)
+
+    class Probe(pl.Callback):
+        """Records what the training loop sees at each batch."""
+
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int, int, int]] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            marked = sum(getattr(b, "_memguard_checkpointed", False) for b in pl_module.blocks)
+            self.seen.append((len(batch[0]), pl_module.batch_size, trainer.accumulate_grad_batches, marked))
+
+    def _trainer(*callbacks, **kw):
+        kw.setdefault("max_epochs", 1)
+        return pl.Trainer(accelerator="cpu", devices=1, callbacks=list(callbacks), logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0, **kw)
+
+    return Lit, Probe, _trainer
 
 
-class Probe(pl.Callback):
-    """Records what the training loop sees at each batch."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, int, int, int]] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        marked = sum(getattr(b, "_memguard_checkpointed", False) for b in pl_module.blocks)
-        self.seen.append((len(batch[0]), pl_module.batch_size, trainer.accumulate_grad_batches, marked))
+Lit, Probe, _trainer = _classes(pl)
+_BY_PACKAGE = {PACKAGES[0]: (Lit, Probe, _trainer)}
 
 
-def _trainer(*callbacks, **kw) -> "pl.Trainer":
-    kw.setdefault("max_epochs", 1)
-    return pl.Trainer(accelerator="cpu", devices=1, callbacks=list(callbacks), logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, **kw)
+def _for(package: str):
+    """``(Lit, Probe, _trainer)`` on ``package`` (built once)."""
+    if package not in _BY_PACKAGE:
+        _BY_PACKAGE[package] = _classes(importlib.import_module(package))
+    return _BY_PACKAGE[package]
 
 
 def _reference(model: Lit, global_batch: int, epochs: int = 1) -> Lit:
@@ -123,7 +138,9 @@ def _rel(a: nn.Module, b: nn.Module) -> float:
 # planning, in process
 
 
-def test_plan_sets_batch_size_and_accumulation_and_keeps_the_global_batch(caplog) -> None:
+@pytest.mark.parametrize("package", PACKAGES)
+def test_plan_sets_batch_size_and_accumulation_and_keeps_the_global_batch(caplog, package: str) -> None:
+    Lit, Probe, _trainer = _for(package)
     torch.manual_seed(0)
     model = Lit(batch_size=64)
     initial = copy.deepcopy(model)
@@ -240,7 +257,6 @@ def test_a_dataloader_that_ignores_batch_size_is_an_error() -> None:
 @pytest.mark.parametrize("kwargs, message", [
     ({"global_batch_size": 0}, "global_batch_size must be a positive int"),
     ({"world_size": 2}, "come from the Trainer"),
-    ({"zero_stage": 2}, "needs DeepSpeed"),
     ({"max_retries": -1}, "max_retries must be an int >= 0"),
     ({"plan": {"micro_batch_size": 4}}, "plan must be a memguard.Plan"),
 ])
@@ -257,6 +273,187 @@ def test_missing_lightning_names_the_pip_line(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delitem(sys.modules, "memguard.integrations.lightning")
     with pytest.raises(MissingDependencyError, match=r"pip install 'memguard\[lightning\]'"):
         importlib.import_module("memguard.integrations.lightning")
+
+
+# -------------------------------------------------------------------------------------------------
+# both Lightning packages
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_either_packages_trainer_takes_the_callback_alone_and_from_a_subclass(package: str) -> None:
+    Lit, _, _ = _for(package)
+    pkg = importlib.import_module(package)
+    cb = MemguardCallback(budget_bytes=1 << 30)
+    # one callback object is a Callback of every installed package, so either Trainer takes it
+    assert all(isinstance(cb, importlib.import_module(name).Callback) for name in PACKAGES)
+
+    class MyTrainer(pkg.Trainer):  # defined in this module: the package comes from the MRO, not the module name
+        pass
+
+    # callbacks=cb (not a list) goes through the Trainer's isinstance(callbacks, Callback) check
+    trainer = MyTrainer(accelerator="cpu", devices=1, callbacks=cb, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, max_steps=1)
+    model = Lit(batch_size=32)
+    trainer.fit(model)
+    # 1 GiB holds the 32 samples at once: the whole batch, no accumulation
+    assert (cb.plan.micro_batch_size, cb.plan.grad_accum_steps) == (32, 1)
+    assert model.batch_size == 32 and "training_step" not in model.__dict__
+
+
+# -------------------------------------------------------------------------------------------------
+# sharded strategies
+
+
+def _plan(**kw):
+    """A hand-made plan; ``strategy=`` only where Plan records it (it does once the FSDP2 planner is in)."""
+    import dataclasses
+
+    from memguard import Estimate, Plan
+
+    if "strategy" in kw and "strategy" not in {f.name for f in dataclasses.fields(Plan)}:
+        pytest.skip("this Plan does not record a strategy yet")
+    world, micro, accum = kw.pop("world_size", 2), kw.pop("micro_batch_size", 4), kw.pop("grad_accum_steps", 2)
+    est = Estimate(peak_bytes=1 << 20, breakdown={"params": 1 << 20}, context_bytes=0, peak_phase="backward",
+                   allocated_peak_bytes=1 << 20, device="cuda", precision=kw.get("precision", "bf16-mixed"),
+                   zero_stage=kw.get("zero_stage", 0), world_size=world, gpu=None, micro_batch_size=micro)
+    base = dict(micro_batch_size=micro, grad_accum_steps=accum, world_size=world,
+                global_batch_size=micro * accum * world,
+                precision="bf16-mixed", activation_checkpointing=False, zero_stage=0, budget_bytes=1 << 30,
+                estimate=est, hidden_size=64)
+    return Plan(**{**base, **kw})
+
+
+@pytest.mark.parametrize("make, expected", [
+    # FSDP1's FULL_SHARD frees parameters after each unit's forward: FSDP2 with reshard_after_forward (stage 3)
+    (lambda s: s.FSDPStrategy(), ("fsdp2", (3,), False, None)),
+    # SHARD_GRAD_OP keeps them gathered until the backward: stage 2
+    (lambda s: s.FSDPStrategy(sharding_strategy="SHARD_GRAD_OP"), ("fsdp2", (2,), False, None)),
+    # the DeepSpeed config's own stage and optimizer offload
+    (lambda s: s.DeepSpeedStrategy(stage=2, offload_optimizer=True), ("deepspeed", (2,), True, None)),
+    (lambda s: s.DeepSpeedStrategy(stage=1), ("deepspeed", (1,), False, None)),
+    # configure_model() applies fully_shard: any FSDP2 level, over the data-parallel ranks
+    (lambda s: s.ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1), ("fsdp2", (3, 2, 1), False, 4)),
+    (lambda s: s.DDPStrategy(), ("ddp", (0,), False, None)),
+])
+def test_each_strategy_constrains_the_plan_to_its_sharding(make, expected) -> None:
+    from memguard.integrations.lightning import _sharding_of
+
+    problems: list[str] = []
+    sharding = _sharding_of(make(pl.strategies), pl, problems)
+    assert problems == []
+    assert (sharding.strategy, sharding.zero_stages, sharding.offload_optimizer, sharding.world_size) == expected
+    assert sharding.guarded is (expected[0] == "ddp")  # the OOM guard runs under DDP only
+
+
+def test_what_a_strategy_cannot_be_planned_for_is_listed() -> None:
+    from memguard.integrations.lightning import _sharding_of
+
+    for strategy, message in [
+        (pl.strategies.DeepSpeedStrategy(stage=3, offload_parameters=True), "offload_param"),
+        (pl.strategies.ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), "tensor parallelism"),
+        (pl.strategies.FSDPStrategy(cpu_offload=True), "cpu_offload"),
+    ]:
+        problems: list[str] = []
+        _sharding_of(strategy, pl, problems)
+        assert len(problems) == 1 and message in problems[0], (strategy, problems)
+
+
+def test_strategy_for_ddp_and_deepspeed_plans() -> None:
+    from memguard.integrations.lightning import _sharding_of
+
+    assert strategy_for(_plan(world_size=1)) == "auto"  # one process: Lightning's single-device strategy
+    assert isinstance(strategy_for(_plan(world_size=2)), pl.strategies.DDPStrategy)
+    ds = strategy_for(_plan(zero_stage=2, offload_optimizer=True, precision="bf16-mixed"))
+    assert isinstance(ds, pl.strategies.DeepSpeedStrategy)
+    # to_config's settings, less what Lightning sets itself and refuses in the config
+    assert ds.config["train_micro_batch_size_per_gpu"] == 4 and ds.config["bf16"]["enabled"] is True
+    assert "gradient_accumulation_steps" not in ds.config and "train_batch_size" not in ds.config
+    problems: list[str] = []
+    sharding = _sharding_of(ds, pl, problems)  # the strategy gives back the plan's sharding
+    assert problems == [] and (sharding.strategy, sharding.zero_stages, sharding.offload_optimizer) == (
+        "deepspeed", (2,), True)
+    with pytest.raises(ConfigError, match="16-true"):
+        strategy_for(_plan(zero_stage=1, precision="16-true"))
+    with pytest.raises(ConfigError, match="2 problems"):
+        strategy_for(_plan(), package="nope", fsdp_version=3)
+
+
+@pytest.mark.parametrize("stage, fsdp1", [(3, "FULL_SHARD"), (2, "SHARD_GRAD_OP"), (1, "SHARD_GRAD_OP")])
+def test_strategy_for_fsdp2_plans(stage: int, fsdp1: str) -> None:
+    plan = _plan(strategy="fsdp2", zero_stage=stage, world_size=4)
+    mp = strategy_for(plan)
+    assert isinstance(mp, pl.strategies.ModelParallelStrategy)
+    assert (mp._data_parallel_size, mp._tensor_parallel_size) == (4, 1)  # FSDP2 over the plan's 4 ranks
+    # FSDP1 has no stage 1 (gradients sharded only at the end); SHARD_GRAD_OP holds less than stage 1 plans
+    assert strategy_for(plan, fsdp_version=1).sharding_strategy.name == fsdp1
+
+
+def test_batch_keys_in_a_deepspeed_config_follow_the_plan_and_are_restored() -> None:
+    from memguard.guard.core import Constraints, Guard
+    from memguard.integrations.lightning import _apply_to_deepspeed_config
+
+    # a user's config with its own micro-batch and global batch (Lightning keeps keys that are present)
+    strategy = pl.strategies.DeepSpeedStrategy(config={"zero_optimization": {"stage": 2},
+                                                       "train_micro_batch_size_per_gpu": 32, "train_batch_size": 64})
+    guard = Guard(nn.Linear(2, 2), Constraints())
+    _apply_to_deepspeed_config(strategy, _plan(micro_batch_size=4, grad_accum_steps=8, world_size=2), guard)
+    # DeepSpeed's batch rule: 4 x 8 x 2 = 64 samples per step, now with micro-batch 4
+    assert (strategy.config["train_micro_batch_size_per_gpu"], strategy.config["train_batch_size"]) == (4, 64)
+    guard.undo()
+    assert strategy.config["train_micro_batch_size_per_gpu"] == 32
+
+
+def test_zero_stage_option_under_ddp_is_refused_at_setup() -> None:
+    model = Lit(batch_size=32)
+    with pytest.raises(ConfigError, match="zero_stage=2"):
+        _trainer(MemguardCallback(zero_stage=2, budget_bytes=1 << 30), max_steps=1).fit(model)
+    assert "training_step" not in model.__dict__
+
+
+def test_model_parallel_strategy_plans_and_applies_without_the_guard(caplog) -> None:
+    """FSDP2 (fully_shard in configure_model) on one CPU process: the plan is made before the module is
+    sharded, batch size and accumulation are applied, and the weights equal plain PyTorch's."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    class Sharded(Lit):
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    torch.manual_seed(0)
+    model = Sharded(batch_size=64)
+    initial = copy.deepcopy(model)
+    cb, probe = MemguardCallback(budget_bytes=100_000, headroom=0.1), Probe()
+    # use_distributed_sampler=False: the reference reads the samples in order, not DistributedSampler's shuffle
+    trainer = _trainer(cb, probe, use_distributed_sampler=False,
+                       strategy=pl.strategies.ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    # Lightning sets MASTER_ADDR/MASTER_PORT/WORLD_SIZE... in this process and its store keeps the port:
+    # restore the environment so that later tests' subprocesses do not inherit a port in use.
+    saved_env = dict(os.environ)
+    try:
+        with caplog.at_level(logging.INFO, logger="memguard"):
+            trainer.fit(model)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_env)
+    plan = cb.plan
+    # the same 100 kB budget as the DDP test: 64 samples do not fit at once
+    assert plan.micro_batch_size * plan.grad_accum_steps == 64 and plan.grad_accum_steps > 1
+    assert plan.zero_stage in (1, 2, 3)
+    assert {s[:3] for s in probe.seen} == {(plan.micro_batch_size, plan.micro_batch_size, plan.grad_accum_steps)}
+    assert cb.status() is not None and cb.oom_retries == 0
+    assert any("does not recover from out-of-memory errors under ModelParallelStrategy" in r.getMessage()
+               for r in caplog.records)
+    assert model.batch_size == 64 and trainer.accumulate_grad_batches == 1  # restored after fit
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    ref = _reference(initial, 64).state_dict()
+    # one rank: FSDP2 computes what plain PyTorch does; fp32 micro-batch sums, ~1e-7 observed, 1e-5 allowed
+    assert max(((full[k] - ref[k]).norm() / ref[k].norm()).item() for k in ref) <= 1e-5
 
 
 # -------------------------------------------------------------------------------------------------
@@ -309,10 +506,11 @@ def _rel_sd(a: dict, b: dict) -> float:
 
 
 @pytestmark_linux
-def test_fit_recovers_from_a_real_oom_with_the_full_batch_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize("package", PACKAGES)
+def test_fit_recovers_from_a_real_oom_with_the_full_batch_weights(tmp_path: Path, package: str) -> None:
     # memguard plans micro-batch 64 x 1 (a 1 GiB budget); from batch 1 on the process may use 20 MiB
     # more: about 1 MiB per sample at seq=64, so 64 and 32 fail and 16 fits, with margin either way.
-    [r] = _run_worker(tmp_path, plan="planner", cap_batch=1)
+    [r] = _run_worker(tmp_path, plan="planner", cap_batch=1, package=package)
     assert r["error"] is None and r.get("capped")
     assert r["plan"] == [64, 1]
     msgs = _retries(r)
@@ -342,17 +540,18 @@ def test_an_oom_late_in_an_accumulation_window_replays_the_whole_window(tmp_path
 
 @pytestmark_linux
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
-@pytest.mark.parametrize("plan, cap_batch, retries", [
+@pytest.mark.parametrize("plan, cap_batch, retries, package", [
     # memguard plans 64 x 1 (1 GiB budget); rank 1 capped from batch 1: 64 and 32 fail, 16 fits
-    ("planner", 1, 2),
+    ("planner", 1, 2, PACKAGES[0]),
     # a hand-made 32 x 2 plan; rank 1 capped at batch 3, the second batch of step 2: 32 fails, 16 fits,
     # and both ranks replay batch 2 before batch 3 (DDP's no_sync on batch 2, its all-reduce on batch 3)
-    ([32, 2], 3, 1),
+    ([32, 2], 3, 1, PACKAGES[-1]),
 ])
 def test_ddp_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: Path, plan, cap_batch: int,
-                                                                retries: int) -> None:
-    # strategy="ddp", 2 CPU processes with gloo; only rank 1 is capped.
-    r0, r1 = _run_worker(tmp_path, world=2, plan=plan, cap_batch=cap_batch, cap_ranks=[1])
+                                                                retries: int, package: str) -> None:
+    # strategy="ddp", 2 CPU processes with gloo; only rank 1 is capped. The two rows use the two Lightning
+    # packages (when both are installed), each with the other one importable too.
+    r0, r1 = _run_worker(tmp_path, world=2, plan=plan, cap_batch=cap_batch, cap_ranks=[1], package=package)
     assert r0["error"] is None and r1["error"] is None
     assert r1.get("capped") and not r0.get("capped")
     assert all("DefaultCPUAllocator" in m for m in _retries(r1))
@@ -364,4 +563,21 @@ def test_ddp_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: Path, p
     w0, w1 = _weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "lightning1.pt")
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     # the reference is one process on both ranks' 128 samples of each step; DDP averages two means of 64
+    assert _rel_sd(w0, _weights(tmp_path, "reference.pt")) <= 1e-5
+
+
+@pytestmark_linux
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_model_parallel_two_ranks_plan_once_and_train_the_reference_weights(tmp_path: Path) -> None:
+    # ModelParallelStrategy (FSDP2) over 2 CPU ranks: rank 0 plans before configure_model shards the module and
+    # broadcasts; no cap. 64 samples per rank at ~1 MiB each do not fit a 40 MiB planning budget at once.
+    r0, r1 = _run_worker(tmp_path, world=2, plan="planner", plan_budget_mib=40, strategy="model_parallel",
+                         cap_ranks=[], cap_batch=-1, package=PACKAGES[0])
+    assert r0["error"] is None and r1["error"] is None
+    assert r0["plan"] == r1["plan"] and r0["plan"][0] * r0["plan"][1] == 64 and r0["plan"][1] > 1
+    assert any("does not recover from out-of-memory errors under ModelParallelStrategy" in m for m in r0["messages"])
+    assert r0["restored_batch_size"] == 64 and r0["restored_accumulate"] == 1
+    w0, w1 = _weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "lightning1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    # the reference is one process on both ranks' 128 samples per step; ~4e-7 observed, 1e-5 allowed
     assert _rel_sd(w0, _weights(tmp_path, "reference.pt")) <= 1e-5
