@@ -136,8 +136,8 @@ class Constraints:
         fix_precision: how to change the front-end's precision (appended to precision problems).
         precision_role: one of :data:`PRECISION_ROLES`.
         strategies: the parallel strategies the front-end runs (``"ddp"``, ``"deepspeed"``,
-            ``"fsdp2"``), passed to the planner as ``strategy=`` (one as a value, several as a list);
-            None: not passed, the planner's default.
+            ``"fsdp2"``), passed to the planner as ``strategy=`` (one as a value, several as a list)
+            when the planner takes that option; None: not passed, the planner's default.
     """
 
     source: str = "memguard.prepare"
@@ -161,12 +161,17 @@ class Constraints:
         out = dict(options)
         if self.precisions is not None:
             out["precision"] = self.precisions[0]
-        if self.strategies is not None:  # only when set: a planner without the option keeps working
+        if self.strategies is not None and planner_takes("strategy"):  # a planner without the option keeps working
             out["strategy"] = self.strategies[0] if len(self.strategies) == 1 else list(self.strategies)
         out.setdefault("zero_stage", self.zero_stages[0] if len(self.zero_stages) == 1 else list(self.zero_stages))
         if not self.offload_optimizer:
             out.setdefault("offload_optimizer", False)
         return out
+
+
+def planner_takes(option: str) -> bool:
+    """Whether :func:`memguard.plan` accepts the planning option ``option`` (a field of its request)."""
+    return option in {f.name for f in dataclasses.fields(PlanRequest)}
 
 
 def _is_int(value: Any, least: int) -> bool:
@@ -869,7 +874,7 @@ class Guard:
         try:
             options = {k: v for k, v in ctx["options"].items() if k in ("keep_outputs",)}
             strategy = getattr(plan, "strategy", None)  # a planner with strategies plans the shape for the plan's
-            if strategy is not None and "strategy" in getattr(PlanRequest, "__dataclass_fields__", {}):
+            if strategy is not None and planner_takes("strategy"):
                 options["strategy"] = strategy
             request = _request(options, global_batch_size=plan.global_batch_size, optimizer=ctx["optimizer"],
                                loss_fn=ctx["loss_fn"], world_size=plan.world_size, device=plan.device, gpu=plan.gpu,
