@@ -10,8 +10,10 @@ the Lightning callback, the Accelerate hooks. Each translates its framework onto
   broadcasts under DDP; :func:`plan_options_problems` and :func:`call_planner` are the one place
   that talks to the planner), applies a plan (micro-batch, precision, activation checkpointing;
   every change can be undone), runs batches through :class:`memguard.guard.window.MicroBatchWindow`
-  (the OOM engine), steps the optimizer with the ranks' agreement, remembers a reduced micro-batch
-  in the plan cache, and reports a :class:`GuardStatus`;
+  (the OOM engine) at the micro-batch of each batch's shape (:mod:`memguard.guard.shapes`: a new
+  shape is planned before it runs, an OOM halves only its own shape's micro-batch), steps the
+  optimizer with the ranks' agreement, remembers a reduced micro-batch in the plan cache, and
+  reports a :class:`GuardStatus`;
 * :func:`register` / :func:`guard_of` keep one guard per model object.
 
 What stays in a front-end is translation only: where its framework keeps the model, optimizer,
@@ -39,7 +41,10 @@ Adding a front-end:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Mapping, Sequence
@@ -51,6 +56,17 @@ from memguard.batch import LossFn, batch_size, compute_loss, map_tensors
 from memguard.errors import ConfigError
 from memguard.guard.distributed import RankGroup, plan_on_rank_zero
 from memguard.guard.precision import PrecisionSetup, setup_precision
+from memguard.guard.shapes import (
+    Signature,
+    halvings,
+    is_compiled,
+    mark_batch_dynamic,
+    pad_batch,
+    signature_of,
+    size_bound,
+    snap_to,
+    uncompiled,
+)
 from memguard.guard.window import DEFAULT_MAX_RETRIES, MicroBatchWindow, agreed_optimizer_step
 from memguard.planner.plan import Plan
 from memguard.planner.request import PlanRequest
@@ -119,6 +135,9 @@ class Constraints:
         fix_plan: how to make a given plan match (appended to precision/accumulation problems).
         fix_precision: how to change the front-end's precision (appended to precision problems).
         precision_role: one of :data:`PRECISION_ROLES`.
+        strategies: the parallel strategies the front-end runs (``"ddp"``, ``"deepspeed"``,
+            ``"fsdp2"``), passed to the planner as ``strategy=`` (one as a value, several as a list)
+            when the planner takes that option; None: not passed, the planner's default.
     """
 
     source: str = "memguard.prepare"
@@ -131,20 +150,28 @@ class Constraints:
     fix_plan: str = "plan again with memguard.plan()"
     fix_precision: str = ""
     precision_role: str = "guard"
+    strategies: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.precision_role not in PRECISION_ROLES:
             raise ConfigError(f"precision_role must be one of {', '.join(PRECISION_ROLES)}, got {self.precision_role!r}")
 
     def planning_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        """``options`` with what the front-end fixes: its precision, ZeRO stages and offload."""
+        """``options`` with what the front-end fixes: its precision, ZeRO stages, offload and strategies."""
         out = dict(options)
         if self.precisions is not None:
             out["precision"] = self.precisions[0]
+        if self.strategies is not None and planner_takes("strategy"):  # a planner without the option keeps working
+            out["strategy"] = self.strategies[0] if len(self.strategies) == 1 else list(self.strategies)
         out.setdefault("zero_stage", self.zero_stages[0] if len(self.zero_stages) == 1 else list(self.zero_stages))
         if not self.offload_optimizer:
             out.setdefault("offload_optimizer", False)
         return out
+
+
+def planner_takes(option: str) -> bool:
+    """Whether :func:`memguard.plan` accepts the planning option ``option`` (a field of its request)."""
+    return option in {f.name for f in dataclasses.fields(PlanRequest)}
 
 
 def _is_int(value: Any, least: int) -> bool:
@@ -320,6 +347,12 @@ class GuardStatus:
         world_size: data-parallel ranks.
         steps: optimizer steps taken through the guard.
         oom_retries: micro-batch halvings so far.
+        micro_batch_sizes: the micro-batch each batch shape signature
+            (:class:`memguard.guard.shapes.Signature`, printable) uses now, in the order first seen.
+        planned_micro_batch_sizes: the micro-batch each signature was given when first seen.
+        signatures_planned: how many signatures were planned from probe traces (see :meth:`Guard.run`).
+        signature_planning_seconds: the time those plans took, in total.
+        compiled: whether the model runs through ``torch.compile``.
     """
 
     micro_batch_size: int | None
@@ -330,6 +363,11 @@ class GuardStatus:
     world_size: int
     steps: int
     oom_retries: int
+    micro_batch_sizes: Mapping[Signature, int] = dataclasses.field(default_factory=dict)
+    planned_micro_batch_sizes: Mapping[Signature, int] = dataclasses.field(default_factory=dict)
+    signatures_planned: int = 0
+    signature_planning_seconds: float = 0.0
+    compiled: bool = False
 
 
 def synced_params(model: nn.Module, inner: nn.Module) -> list[nn.Parameter]:
@@ -364,6 +402,11 @@ def _blocks_for(module: nn.Module, setting: bool | int) -> int:
 
 class Guard:
     """One prepared model: its plan, precision, micro-batch window, counters and undo actions.
+
+    Batches of different shapes: every batch's shape signature (its tensors' non-batch dims,
+    bucketed: :mod:`memguard.guard.shapes`) has its own micro-batch, chosen before the first batch
+    of that signature runs (see :meth:`run`). An OOM halves only the micro-batch of the signature
+    that ran out, and ``probe_up_after`` doubles it back towards that signature's own size.
 
     Args:
         module: the model the micro-batches run through (inside any DDP wrapper).
@@ -411,6 +454,20 @@ class Guard:
         self._oom_cache: tuple[Any, str] | None = None
         self._undo: list[Callable[[], None]] = []
         self._warned_stale_grads = False
+        # per batch-shape signature: the micro-batch now, the one it was given, its clean steps
+        self._sizes: dict[Signature, int] = {}
+        self._given: dict[Signature, int] = {}
+        self._clean: dict[Signature, int] = {}
+        self._reference: Signature | None = None  # the signature of the batch memguard planned on
+        self._context: dict[str, Any] | None = None  # what planning a new signature needs (see make_plan)
+        self._window_sigs: list[Signature] = []
+        self._window_cap: int | None = None  # the smallest micro-batch of the open window's batches
+        self._current: Signature | None = None
+        self._limit: int | None = None
+        self.signatures_planned = 0
+        self.signature_planning_seconds = 0.0
+        self._warned_signature_planning = False
+        self._planning_signature = False
 
     # ---------------------------------------------------------------------------------------------- state
 
@@ -436,13 +493,21 @@ class Guard:
         """Halvings of the micro-batch so far."""
         return self.window.oom_retries if self.window is not None else 0
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the model runs through ``torch.compile``."""
+        module = self._module()
+        return module is not None and is_compiled(module)
+
     def status(self) -> GuardStatus:
         """A snapshot of what the guard does now."""
         return GuardStatus(
             micro_batch_size=self.micro_batch_size,
             planned_micro_batch_size=self.plan.micro_batch_size if self.plan is not None else self.ceiling,
             precision=self.precision_name, plan=self.plan, grad_scaler=self.scaler, world_size=self.world_size,
-            steps=self.steps, oom_retries=self.oom_retries,
+            steps=self.steps, oom_retries=self.oom_retries, micro_batch_sizes=dict(self._sizes),
+            planned_micro_batch_sizes=dict(self._given), signatures_planned=self.signatures_planned,
+            signature_planning_seconds=self.signature_planning_seconds, compiled=self.compiled,
         )
 
     @property
@@ -485,7 +550,7 @@ class Guard:
         Raises:
             ConfigError, InfeasiblePlanError: as :func:`memguard.plan`.
         """
-        module = self.module
+        module = uncompiled(self.module)
         loss_fn = loss_fn if loss_fn is not None else self.loss_fn
         options = self.constraints.planning_options(self.plan_options)
         if device is not None:
@@ -494,6 +559,8 @@ class Guard:
         gbs = self.global_batch_size or batch_size(batch) * accumulation * self.world_size
         plan = call_planner(module, batch, global_batch_size=gbs, optimizer=optimizer, loss_fn=loss_fn,
                             world_size=self.world_size, options=options)
+        self._reference = signature_of(batch)
+        self._context = {"optimizer": optimizer, "loss_fn": loss_fn, "options": options}
         cache = options.get("cache")
         if not cache:
             return plan
@@ -577,11 +644,19 @@ class Guard:
         self.plan = plan
         self._micro_batch_size = self.ceiling = micro_batch_size
         self.window = None
+        self._sizes, self._given, self._clean = {}, {}, {}
+        self._limit = None
+        if self._context is None and plan is not None:  # a given plan: plan new signatures with its settings
+            self._context = {"optimizer": optimizer, "loss_fn": self.loss_fn, "options": {}}
 
     def limit_micro_batch(self, n: int) -> None:
         """Use at most ``n`` samples per micro-batch (a front-end whose batches hold fewer than the plan's)."""
         if self._micro_batch_size is not None and n < self._micro_batch_size and self.window is None:
             self._micro_batch_size = self.ceiling = n
+            self._limit = n
+            for sig in self._sizes:
+                self._sizes[sig] = min(self._sizes[sig], n)
+                self._given[sig] = min(self._given[sig], n)
 
     # ---------------------------------------------------------------------------------------------- running
 
@@ -603,8 +678,12 @@ class Guard:
         context = autocast if autocast is not None else self.autocast
         module = self.module
 
+        compiled = is_compiled(module)
+
         def loss_of(micro: Any) -> torch.Tensor:
             micro = map_tensors(micro, self.place)
+            if compiled:  # placing may have made new tensors: mark those
+                mark_batch_dynamic(micro)
             with context():
                 return compute_loss(module, micro, loss_fn)
 
@@ -640,11 +719,20 @@ class Guard:
                            "retried must start from none (let memguard.step run the whole backward)")
             self._warned_stale_grads = True
         self.window.start(module, params, optimizers)
+        self._window_sigs, self._window_cap = [], None
 
     def run(self, batch: Any, loss_of: Callable[[Any], torch.Tensor],
             backward: Callable[[torch.Tensor], None] | None = None, *, model: nn.Module | None = None,
             weight: float = 1.0, last: bool = False) -> torch.Tensor:
         """Run one batch of the open window; with ``last`` and ``sync_gradients``, average the gradients.
+
+        The batch runs at the micro-batch of its shape signature (:mod:`memguard.guard.shapes`; under DDP
+        the ranks' element-wise largest, agreed in one small all-reduce per batch). A signature seen for
+        the first time gets its micro-batch before it runs (see :meth:`_size_for`; rank 0 chooses under
+        DDP and the others follow in one more all-reduce); an OOM halves only this signature's. Within
+        one window the micro-batch never grows from one batch to the next, so that a replay after an OOM
+        runs every earlier batch of the window at most at the size it ran at. Under ``torch.compile`` dim
+        0 of every micro-batch is marked dynamic, so one graph serves every micro-batch size but 1.
 
         Args:
             batch: this rank's batch.
@@ -660,11 +748,40 @@ class Guard:
         Raises:
             ConfigError, OOMRecoveryError, PeerFailedError: as :meth:`MicroBatchWindow.run`.
         """
+        if self._planning_signature:  # the planner's trace must not run the real window (see _plan_signature)
+            raise RuntimeError("the loss function memguard plans with calls back into the guard; it must call the "
+                               "model's own step, not the front-end's stand-in")
         window = self.window
         assert window is not None and window.is_open  # open_window() comes first
         try:
+            sig = self._agreed_signature(batch)
+            mbs = self._size_for(sig, batch)
+        except BaseException:
+            window.finish()
+            raise
+        # Within a window the micro-batch never grows: an OOM replays the window's earlier batches at the
+        # current one's halved size, which is then at most what each of them ran at.
+        if self._window_cap is not None:
+            mbs = min(mbs, self._window_cap)
+        window.micro_batch_size = mbs
+        self._current = sig
+        if sig not in self._window_sigs:
+            self._window_sigs.append(sig)
+        if self.compiled:
+            inner_loss_of = loss_of
+
+            def loss_of(micro: Any) -> torch.Tensor:
+                return inner_loss_of(mark_batch_dynamic(micro))
+        retries = window.oom_retries
+        try:
             loss = window.run(batch, loss_of, backward if backward is not None else self.backward, weight=weight,
                               last=last)
+            if window.oom_retries != retries:  # only this signature's micro-batch is halved
+                new = window.micro_batch_size
+                if self.compiled and self.ceiling is not None:
+                    new = window.micro_batch_size = snap_to(new, halvings(self.ceiling))
+                self._sizes[sig] = min(self._sizes[sig], new)
+            self._window_cap = window.micro_batch_size
             if last and self.sync_gradients:
                 module = self.module
                 window.sync_gradients(synced_buffers(model if model is not None else module, module))
@@ -672,6 +789,139 @@ class Guard:
             window.finish()
             raise
         return loss
+
+    # ---------------------------------------------------------------------------------------------- shapes
+
+    def _agreed_signature(self, batch: Any) -> Signature:
+        """The batch's signature; under DDP the element-wise largest of the ranks' (one small all-reduce)."""
+        sig = signature_of(batch)
+        rg = self.rank_group
+        if rg is None or rg.world_size == 1:
+            return sig
+        return sig.with_flat(_agree_values(rg, sig.flat()))
+
+    def _size_for(self, sig: Signature, batch: Any) -> int:
+        """The micro-batch of signature ``sig``, chosen when it is first seen (on rank 0 under DDP).
+
+        The first signature of a run is the plan's: the batch memguard planned on, else (a given plan or
+        ``micro_batch_size=``) the first batch's. A new signature gets the largest micro-batch, at most the
+        planned one, that the probe model of a batch of that signature (padded to the top of its bucket)
+        predicts to fit the plan's budget with the plan's precision, checkpointing and sharding
+        (:meth:`_plan_signature`); without a plan's budget, or when that fails, the planned one; a
+        signature covered by a known one that runs at the planned micro-batch gets it without planning.
+        Either is then capped by the micro-batch of every known signature it covers (memory never falls
+        when a dim grows, so a signature needs at most the micro-batch of one it covers), and under
+        ``torch.compile`` rounded down to a halving of the planned micro-batch.
+        """
+        if sig in self._sizes:
+            return self._sizes[sig]
+        rg = self.rank_group
+        if rg is not None and rg.world_size > 1:
+            mine = self._decide(sig, batch) if rg.rank == 0 else 0
+            size = _agree_values(rg, [mine])[0]  # rank 0's choice (the others send 0)
+        else:
+            size = self._decide(sig, batch)
+        self._sizes[sig] = self._given[sig] = size
+        if self._reference is None:
+            self._reference = sig
+        if len(self._sizes) > 1:
+            logger.info("new batch shape %s: micro-batch %d (planned %d for %s)", sig, size, self.ceiling,
+                        self._reference)
+        return size
+
+    def _decide(self, sig: Signature, batch: Any) -> int:
+        base = self.ceiling
+        assert base is not None  # a plan or micro_batch_size was applied before the first batch
+        if not self._sizes and (self._reference is None or sig == self._reference):
+            return base
+        size = base
+        # a shape that a known one covers and that runs at the planned micro-batch fits it too: no planning
+        covered = any(other.covers(sig) and m >= base for other, m in self._sizes.items())
+        if sig != self._reference and not covered:
+            planned = self._plan_signature(sig, batch, base)
+            if planned is not None:
+                size = planned
+        bound = size_bound(sig, self._sizes)
+        if bound is not None:
+            size = min(size, bound)
+        if self.compiled:
+            size = snap_to(size, halvings(base))
+        return max(1, size)
+
+    def _plan_signature(self, sig: Signature, batch: Any, base: int) -> int | None:
+        """The largest micro-batch up to ``base`` predicted to fit the plan's budget for batches of ``sig``.
+
+        The probe model (:class:`memguard.planner.probe.ProbeModel`) of the new shape: 1- and 2-block
+        probe traces at one micro-batch (on the CUDA target also the 2-block probe at twice it, for the
+        allocator model), so two or three small traces. Memory is not affine in the sequence length
+        (attention scores grow with its square on the CPU target and CUDA's math path), so a new shape
+        needs new probes, but none of the planner's search or verification. Under ``torch.compile`` only
+        halvings of ``base`` are tried. None when nothing can be planned (no plan, or the trace fails:
+        logged once).
+
+        Known limitations:
+            With activation checkpointing in the plan, the probes trace the module whose blocks the guard
+            already checkpointed, so the "no checkpointing" probe is not one; the prediction may then be
+            low, and the OOM retry is the backstop.
+        """
+        plan, ctx = self.plan, self._context
+        if plan is None or ctx is None:
+            return None
+        from memguard.planner.search import Planner
+
+        start = time.perf_counter()
+        self._planning_signature = True
+        try:
+            options = {k: v for k, v in ctx["options"].items() if k in ("keep_outputs",)}
+            strategy = getattr(plan, "strategy", None)  # a planner with strategies plans the shape for the plan's
+            if strategy is not None and planner_takes("strategy"):
+                options["strategy"] = strategy
+            request = _request(options, global_batch_size=plan.global_batch_size, optimizer=ctx["optimizer"],
+                               loss_fn=ctx["loss_fn"], world_size=plan.world_size, device=plan.device, gpu=plan.gpu,
+                               budget_bytes=plan.budget_bytes, headroom=plan.headroom, precision=plan.precision)
+            space = request.resolve()
+            example = pad_batch(batch, sig)
+            planner = Planner.for_request(uncompiled(self.module), example, request)
+            k = plan.checkpoint_blocks if plan.activation_checkpointing else 0
+            extra = {"strategy": strategy} if "strategy" in options and "strategy" in inspect.signature(
+                planner.probe_model).parameters else {}
+            model = planner.probe_model(plan.precision, zero_stage=plan.zero_stage, world_size=plan.world_size,
+                                        spec=space.spec, offload=plan.offload_optimizer, checkpointing=k > 0, **extra)
+            if plan.device == "cpu":
+                # The CPU target's peak is its live bytes, which the probe features predict (the larger of the
+                # forward/backward and the optimizer moments, ProbeModel.allocated); the extended traces at a
+                # second micro-batch only refine that moment, for one more trace.
+                model.device_peak = None
+            n = batch_size(batch)
+
+            def fits(m: int) -> bool:
+                # gradients are present while a micro-batch runs when it is not the step's first
+                accumulating = plan.grad_accum_steps > 1 or m < n
+                return model.predict(m, k, 2 if accumulating else 1) <= space.usable_bytes
+
+            if self.compiled:
+                size = next((m for m in halvings(base) if fits(m)), 1)
+            else:  # the peak grows with the micro-batch: the largest that fits, by bisection
+                lo, hi = 1, base
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if fits(mid):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                size = lo
+        except Exception as exc:  # noqa: BLE001 - planning a shape must never stop training
+            if not self._warned_signature_planning:
+                logger.warning("could not plan the micro-batch of batch shape %s (%s); it starts from the planned "
+                               "micro-batch and is halved on an out-of-memory error", sig, exc)
+                self._warned_signature_planning = True
+            return None
+        finally:
+            self._planning_signature = False
+            self.signature_planning_seconds += time.perf_counter() - start
+        self.signatures_planned += 1
+        logger.debug("planned batch shape %s in %.2f s: micro-batch %d", sig, time.perf_counter() - start, size)
+        return size
 
     def anchor(self, value: torch.Tensor) -> torch.Tensor:
         """A loss equal to ``value`` whose backward adds zero to every gradient (for a framework's own backward)."""
@@ -720,23 +970,34 @@ class Guard:
         window.finish()
         self.steps += 1
         self.clean_steps = 0 if retried else self.clean_steps + 1
+        for sig in self._window_sigs:
+            self._clean[sig] = 0 if retried else self._clean.get(sig, 0) + 1
         self._maybe_probe_up()
 
     def _maybe_probe_up(self) -> None:
-        every, window, ceiling = self.probe_up_after, self.window, self.ceiling
-        if every is None or window is None or ceiling is None:
+        """Double a reduced micro-batch after ``probe_up_after`` clean steps of its signature, up to the
+        micro-batch that signature was given."""
+        every, window = self.probe_up_after, self.window
+        if every is None or window is None:
             return
-        mbs = window.micro_batch_size
-        if mbs >= ceiling or self.clean_steps < every:
-            return
-        new = min(ceiling, mbs * 2)
-        logger.info("%d steps without an out-of-memory error; probing micro-batch %d -> %d", self.clean_steps, mbs, new)
-        window.micro_batch_size = new
-        self.clean_steps = 0
+        for sig in self._window_sigs:
+            mbs, given = self._sizes.get(sig), self._given.get(sig)
+            if mbs is None or given is None or mbs >= given or self._clean.get(sig, 0) < every:
+                continue
+            new = min(given, mbs * 2)
+            logger.info("%d steps of batch shape %s without an out-of-memory error; probing micro-batch %d -> %d",
+                        self._clean[sig], sig, mbs, new)
+            self._sizes[sig] = new
+            self._clean[sig] = 0
+            self.clean_steps = 0
+            if sig == self._current:
+                window.micro_batch_size = new
 
     def _on_halve(self, mbs: int) -> None:
         """Write the reduced micro-batch to the plan cache, when memguard planned with ``cache=``."""
         plan = self.plan
+        if self._current is not None and self._current != self._reference:
+            return  # the plan cache keeps the planned shape's micro-batch only
         if self._oom_cache is None or plan is None:
             logger.debug("micro-batch %s is kept for this process only (plan with cache=True to keep it across runs)",
                          mbs)
@@ -753,6 +1014,17 @@ class Guard:
             store.put(key, reduced)
         except Exception as exc:  # a cache that cannot be written must not stop training
             logger.warning("could not write micro-batch %d to the plan cache: %s", fit, exc)
+
+
+def _agree_values(rg: RankGroup, values: Sequence[int]) -> list[int]:
+    """The element-wise maximum of ``values`` over the ranks: the rank group's own agreement where it has one
+    (FSDP2's, which survives a peer's teardown), else :func:`memguard.guard.distributed.agree`."""
+    from memguard.guard import distributed as ddp_sync
+
+    own = getattr(rg, "agree", None)
+    if callable(own):
+        return list(own(ddp_sync.OK, values)[1])
+    return ddp_sync.agree(rg, ddp_sync.OK, values)[1]
 
 
 # --------------------------------------------------------------------------------------------------
