@@ -215,6 +215,12 @@ def _package_of(obj: Any) -> ModuleType:
     return _pl
 
 
+def _step_loss(model: nn.Module, micro: Any) -> torch.Tensor:
+    """The loss memguard plans with: the class's ``training_step`` (during ``fit`` the instance holds the
+    callback's stand-in, which must not run inside the planner's trace of a new batch shape)."""
+    return _loss_of_output(type(model).training_step(model, micro, 0))[0]
+
+
 def _loss_of_output(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     """Lightning's automatic-optimization contract: a tensor, or a dict holding ``"loss"``."""
     if isinstance(out, torch.Tensor):
@@ -572,7 +578,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         user_accum = trainer.accumulate_grad_batches
         rank_group = rank_group_of(trainer.strategy.model) if guarded else _world_rank_group(trainer.strategy)
         guard = Guard(pl_module, _constraints(trainer, sharding), world_size=world, rank_group=rank_group,
-                      max_retries=self.max_retries, grad_scaler=getattr(trainer.precision_plugin, "scaler", None),
+                      loss_fn=_step_loss, max_retries=self.max_retries,
+                      grad_scaler=getattr(trainer.precision_plugin, "scaler", None),
                       sync_gradients=False, global_batch_size=self.global_batch_size, plan_options=self.plan_options)
         self._guard = guard
         plan = self._given_plan
@@ -711,16 +718,13 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                               f"{user_batch!r}; memguard sets the micro-batch through {self.batch_arg_name}, so build "
                               f"the train DataLoader with batch_size=self.{self.batch_arg_name}")
 
-        def loss_fn(model: nn.Module, micro: Any) -> torch.Tensor:
-            return _loss_of_output(model.training_step(micro, 0))[0]
-
         # The planner traces a copy of the module (Lightning drops the Trainer reference from copies),
         # so self.log has nowhere to go: silence it while planning.
         had = {name: name in pl_module.__dict__ for name in ("log", "log_dict")}
         pl_module.log = _no_log
         pl_module.log_dict = _no_log
         try:
-            return self._guard.make_plan(batch, trainer.optimizers[0] if trainer.optimizers else None, loss_fn,
+            return self._guard.make_plan(batch, trainer.optimizers[0] if trainer.optimizers else None, _step_loss,
                                          accumulation=user_accum, device=trainer.strategy.root_device.type)
         finally:
             for name, was in had.items():

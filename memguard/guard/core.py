@@ -24,7 +24,8 @@ Adding a front-end:
 1. Describe the framework in a :class:`Constraints`: what it supplies itself (``taken``), the ZeRO
    stages (sharding levels) it runs, the precisions it runs and who applies them
    (``precision_role``), and what a given plan must match (world size, accumulation). An FSDP2
-   path of ``memguard.prepare(..., strategy="fsdp2")`` would declare ``zero_stages=(0, 3)``; a
+   path of ``memguard.prepare(..., strategy="fsdp2")`` declares ``zero_stages=(3, 2, 1)``
+   (:func:`memguard.guard.fsdp2.fsdp2_constraints`); a
    transformers ``TrainerCallback`` the ``TrainingArguments``' precision (``bf16``/``fp16``), world
    size and accumulation with ``precision_role="framework"``.
 2. Check its arguments with :func:`option_problems` (plus its own framework checks), raising one
@@ -89,6 +90,7 @@ __all__ = [
     "register",
     "guard_of",
     "forget",
+    "blocks_for",
 ]
 
 logger = logging.getLogger("memguard")
@@ -97,10 +99,12 @@ logger = logging.getLogger("memguard")
 UNSUPPORTED_WRAPPERS = {
     "FullyShardedDataParallel": "FSDP shards parameters inside its forward; memguard supports a plain module or one "
     "wrapped in DistributedDataParallel",
-    "FSDPModule": "FSDP shards parameters inside its forward; memguard supports a plain module or one wrapped in "
+    "FSDPModule": "FSDP2 shards parameters inside its forward; pass strategy='fsdp2' to memguard.prepare to train a "
+    "fully_shard model, or pass a plain module or one wrapped in "
     "DistributedDataParallel",
     "DeepSpeedEngine": "DeepSpeed runs its own step; turn the plan into a DeepSpeed config with "
-    "memguard.integrations.deepspeed.to_config instead",
+    "memguard.integrations.deepspeed.to_config instead, or, under ZeRO-0/1 with "
+    "\"managed_gradient_accumulation\": false, run each step with memguard.integrations.deepspeed.step",
 }
 
 # The fields that identify a planned configuration, for the plan-cache key of its reduced form.
@@ -317,9 +321,10 @@ def _planning_problems(options: Mapping[str, Any], c: Constraints) -> list[str]:
     out = []
     stages = [s for s in _as_tuple(options.get("zero_stage", c.zero_stages[0])) if s not in c.zero_stages]
     if stages:
-        out.append(f"zero_stage={options['zero_stage']!r} needs DeepSpeed: {c.source} runs ZeRO stage "
-                   f"{', '.join(map(str, c.zero_stages))} (write the plan into a DeepSpeed config with "
-                   "memguard.integrations.deepspeed.to_config for ZeRO)")
+        hint = (" (write the plan into a DeepSpeed config with memguard.integrations.deepspeed.to_config for ZeRO, "
+                "or pass strategy='fsdp2' to memguard.prepare)" if c.zero_stages == (0,) else "")
+        out.append(f"zero_stage={options['zero_stage']!r} is not run by {c.source}: it runs stage "
+                   f"{', '.join(map(str, c.zero_stages))}{hint}")
     if options.get("offload_optimizer") and not c.offload_optimizer:
         out.append(f"offload_optimizer=True needs DeepSpeed: {c.source} does not offload the optimizer")
     wanted = options.get("precision")
@@ -382,7 +387,7 @@ def synced_buffers(model: nn.Module, inner: nn.Module) -> list[torch.Tensor]:
     return [b for name, b in inner.named_buffers() if name not in ignored]
 
 
-def _blocks_for(module: nn.Module, setting: bool | int) -> int:
+def blocks_for(module: nn.Module, setting: bool | int) -> int:
     """How many repeated blocks ``activation_checkpointing=setting`` checkpoints."""
     if setting is False or setting == 0:
         return 0
@@ -633,7 +638,7 @@ class Guard:
             micro_batch_size, precision = plan.micro_batch_size, plan.precision
             blocks = plan.checkpoint_blocks if plan.activation_checkpointing else 0
         else:
-            blocks = _blocks_for(self.module, activation_checkpointing)
+            blocks = blocks_for(self.module, activation_checkpointing)
         assert micro_batch_size is not None and precision is not None
         if self.precision_name != precision:
             self.set_precision(precision, optimizer, wrapped=self.rank_group is not None)

@@ -252,9 +252,9 @@ class FSDP2Guard(Guard):
         """
         layout: Any = plan
         if plan is None:
-            from memguard.guard.core import _blocks_for
+            from memguard.guard.core import blocks_for
 
-            blocks = _blocks_for(self.module, activation_checkpointing)
+            blocks = blocks_for(self.module, activation_checkpointing)
             layout = SimpleNamespace(zero_stage=3, precision=precision or "32-true",
                                      activation_checkpointing=blocks > 0, checkpoint_blocks=blocks,
                                      offload_optimizer=False, world_size=self.world_size)
