@@ -19,6 +19,7 @@ from memguard.errors import (
 from memguard.estimator.api import estimate
 from memguard.estimator.result import Estimate
 from memguard.guard import prepare, step
+from memguard.guard.evaluate import evaluate
 from memguard.planner.plan import Plan
 from memguard.planner.search import plan
 
@@ -35,6 +36,7 @@ __all__ = [
     "Plan",
     "__version__",
     "estimate",
+    "evaluate",
     "plan",
     "prepare",
     "step",

@@ -67,6 +67,7 @@ CLI_OPTIONS = {
     "activation_checkpointing": "--activation-checkpointing", "zero_stage": "--zero-stage",
     "offload_optimizer": "--offload-optimizer", "headroom": "--headroom", "cache": "--cache",
     "keep_outputs": "--keep-outputs",
+    "max_shape": "--max-seq-len",
 }
 
 
@@ -292,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     _target_options(p, budget_help="memory per rank (default: the GPU's memory less its CUDA context; required for "
                                    "--device cpu or an unknown GPU), e.g. 40GiB, 80GB")
     _knob_options(p)
+    p.add_argument("--max-seq-len", type=_positive_int, metavar="N",
+                   help="plan for the longest batch the data can produce: every sequence dim of the example batch "
+                        "set to N tokens (memguard.plan's max_shape={'seq_len': N}); the plan says which shape it "
+                        "planned for")
     p.add_argument("--cache", action="store_true", help="reuse and store plans on disk (memguard's plan cache)")
     _output_options(p, json_help="print Plan.to_dict() as JSON on stdout, nothing else", plot=True)
     p.set_defaults(func=_cmd_plan)
@@ -630,6 +635,7 @@ def plan_request(args: argparse.Namespace, loaded: "LoadedModel | None" = None) 
         optimizer=loaded.optimizer if loaded else None, loss_fn=loaded.loss_fn if loaded else None,
         headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
         make_batch=loaded.make_batch if loaded else None, cache=args.cache, keep_outputs=args.keep_outputs,
+        max_shape={"seq_len": args.max_seq_len} if getattr(args, "max_seq_len", None) else None,
         **_knobs(args),
     )
 

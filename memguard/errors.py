@@ -62,12 +62,17 @@ class InfeasiblePlanError(MemguardError):
         closest: the plan that came nearest (a :class:`memguard.Plan`), or None when not even
             one configuration could be evaluated.
         suggestions: what would make it fit, most effective first.
+        alternatives: measured fine-tuning alternatives (``memguard.planner.finetune.Alternative``:
+            name, change, predicted peak, fits, note, plan) when planned with ``finetune="full"``,
+            else empty.
         reason: the message without the suggestions.
     """
 
-    def __init__(self, message: str, *, closest: Any = None, suggestions: Iterable[str] = ()):
+    def __init__(self, message: str, *, closest: Any = None, suggestions: Iterable[str] = (),
+                 alternatives: Iterable[Any] = ()):
         self.reason = message
         self.closest = closest
+        self.alternatives: list[Any] = list(alternatives)
         self.suggestions: list[str] = list(suggestions)
         if self.suggestions:
             message += "\nWhat would make it fit:\n" + "\n".join(f"  - {s}" for s in self.suggestions)

@@ -65,8 +65,9 @@ def estimate(
     grad_accum_steps: int = 1,
     offload_optimizer: bool = False,
     keep_outputs: bool = False,
+    train: bool = True,
 ) -> Estimate:
-    """Predict the peak memory of one steady-state training step.
+    """Predict the peak memory of one steady-state training step (or, with ``train=False``, evaluation step).
 
     The step is forward, loss, backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``,
     traced on fake tensors: the model is never moved, mutated or really allocated, and the global
@@ -96,6 +97,12 @@ def estimate(
             to the peak). False models ``memguard.step``, Lightning and the HF ``Trainer``, which
             drop the output once they have the loss. The output is whatever the model (the module
             passed in) returns, captured with a forward hook, so any ``loss_fn`` works.
+        train: True (default) estimates a training step. False estimates an evaluation step: the
+            model in ``eval()`` mode, one forward under ``no_grad`` whose outputs are kept (the logits
+            a metric needs), no backward or optimizer step; ``loss_fn`` is then
+            ``fn(model, batch) -> outputs``, an ``optimizer`` means its state is resident during
+            evaluation (validation inside a training run; None: parameters only), and gradients are
+            not resident (``zero_grad(set_to_none=True)``). See :mod:`memguard.estimator.evaluation`.
 
     Returns:
         An :class:`~memguard.Estimate`.
@@ -113,7 +120,18 @@ def estimate(
         reads ``PYTORCH_CUDA_ALLOC_CONF`` and ``CUBLAS_WORKSPACE_CONFIG`` from the environment
         (see ``Estimate.notes``).
     """
+    if train is False:
+        from memguard.estimator.evaluation import estimate_eval
+
+        return estimate_eval(
+            model, batch, fn=loss_fn, device=device, precision=precision, world_size=world_size, gpu=gpu,
+            optimizer=optimizer, optimizer_state=optimizer is not None, keep_outputs=keep_outputs,
+            zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
+            grad_accum_steps=grad_accum_steps, offload_optimizer=offload_optimizer,
+        )
     problems: list[str] = []
+    if train is not True:
+        problems.append(f"train={train!r} must be True (a training step) or False (an evaluation step)")
     check_common(precision=precision, zero_stage=zero_stage, world_size=world_size, device=device, problems=problems)
     if not isinstance(model, nn.Module):
         problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -123,9 +123,14 @@ class Plan:
         target = f"{self.world_size} x {self.gpu or self.device}"
         ckpt = f"{self.checkpoint_blocks} blocks" + (f" of {self.block_class}" if self.block_class else "") \
             if self.activation_checkpointing else "off"
+        if str(self.reasons.get("mode", "")).startswith("evaluation"):  # memguard.plan(..., train=False)
+            head = (f"memguard evaluation plan for {target}: at most {self.micro_batch_size} samples per forward "
+                    "on each rank")
+        else:
+            head = (f"memguard plan for {target}: global batch {self.global_batch_size} = micro-batch "
+                    f"{self.micro_batch_size} x accumulation {self.grad_accum_steps} x world {self.world_size}")
         lines = [
-            f"memguard plan for {target}: global batch {self.global_batch_size} = micro-batch "
-            f"{self.micro_batch_size} x accumulation {self.grad_accum_steps} x world {self.world_size}",
+            head,
             f"  precision                 {self.precision}",
             f"  activation checkpointing  {ckpt}",
             f"  ZeRO stage                {self.zero_stage}" + (" (optimizer offloaded to CPU)" if self.offload_optimizer else ""),

@@ -64,6 +64,13 @@ class PlanRequest:
         cache: True, or a :class:`memguard.planner.cache.PlanCache`, to reuse plans from disk.
         keep_outputs: True models a loop that keeps the model's output object alive through
             backward, the optimizer step and the next forward (``out = model(**batch)``).
+        max_shape: plan for the worst-case batch of this shape instead of the example batch's:
+            ``{"seq_len": L}`` and/or per-entry non-batch shapes (see :mod:`memguard.data`).
+        train: True plans a training step; False an evaluation step
+            (:func:`memguard.planner.eval_plan.plan_eval_for`).
+        finetune: None (the model as given), ``"full"`` (the same, and measured fine-tuning
+            alternatives when nothing fits) or ``"lora"`` (plan a LoRA twin of the model); see
+            :mod:`memguard.planner.finetune`.
     """
 
     global_batch_size: int
@@ -81,6 +88,9 @@ class PlanRequest:
     make_batch: Callable[[int], Any] | None = None
     cache: bool | Any = False
     keep_outputs: bool = False
+    max_shape: Mapping[Any, Any] | None = None
+    train: bool = True
+    finetune: str | None = None
 
     @classmethod
     def from_options(cls, **options: Any) -> "PlanRequest":
@@ -179,6 +189,14 @@ class PlanRequest:
                             f"got {type(opt).__name__}")
         if not isinstance(self.keep_outputs, bool):
             problems.append(f"{say('keep_outputs', self.keep_outputs)} must be True or False")
+        if self.max_shape is not None and not (isinstance(self.max_shape, Mapping) and self.max_shape):
+            problems.append(f"{say('max_shape', self.max_shape)} must be a non-empty mapping such as "
+                            "{'seq_len': 2048} (see memguard.data), or None")
+        if not isinstance(self.train, bool):
+            problems.append(f"{say('train', self.train)} must be True (a training step) or False (an evaluation step)")
+        from memguard.planner.finetune import finetune_problems
+
+        problems.extend(finetune_problems(self.finetune, label=say("finetune")))
         from memguard.planner.cache import PlanCache
 
         if not isinstance(self.cache, (bool, PlanCache)):

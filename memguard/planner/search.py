@@ -101,6 +101,8 @@ class Planner:
     device: str = "cuda"
     make_batch: Callable[[int], Any] | None = None
     keep_outputs: bool = False
+    #: Plan for the worst-case batch of this shape (see :mod:`memguard.data`); None: the example batch's.
+    max_shape: Any = None
     #: Called after each new trace with what was traced (precision, ckpt, keep, m, grads_present) and
     #: the seconds it took, e.g. to report progress.
     on_trace: Callable[[dict, float], None] | None = None
@@ -115,7 +117,7 @@ class Planner:
     def for_request(cls, model: nn.Module, batch: Any, request: PlanRequest) -> "Planner":
         """A planner for ``model`` and ``batch`` with the request's tracing options."""
         return cls(model, batch, optimizer=request.optimizer, loss_fn=request.loss_fn, device=request.device,
-                   make_batch=request.make_batch, keep_outputs=request.keep_outputs)
+                   make_batch=request.make_batch, keep_outputs=request.keep_outputs, max_shape=request.max_shape)
 
     def mismatches(self, model: nn.Module, batch: Any, request: PlanRequest) -> list[str]:
         """Why this planner's traces cannot answer ``request`` for ``model`` and ``batch`` (empty if they can)."""
@@ -123,7 +125,7 @@ class Planner:
         if unwrap_model(model) is not self.model or batch is not self.batch:
             out.append("planner= was made for another model or example batch; make one with "
                        "Planner.for_request(model, batch, request)")
-        for name in ("optimizer", "loss_fn", "device", "make_batch", "keep_outputs"):
+        for name in ("optimizer", "loss_fn", "device", "make_batch", "keep_outputs", "max_shape"):
             if getattr(request, name) is not getattr(self, name) and getattr(request, name) != getattr(self, name):
                 out.append(f"planner= traces with {name}={getattr(self, name)!r} but the request has "
                            f"{name}={getattr(request, name)!r}; make the planner with Planner.for_request")
@@ -132,6 +134,10 @@ class Planner:
     def __post_init__(self) -> None:
         self.model = unwrap_model(self.model)
         self.example_m = first_dim(self.batch) or 1
+        from memguard.data import planning_batch
+
+        # the batch every trace is made from: the example batch, or its worst case for max_shape
+        self.traced_batch, self.shape_reason = planning_batch(self.batch, self.max_shape)
         # The probes' micro-batch. Activations are affine, not proportional, in the micro-batch (a
         # few buffers do not grow with it); probing at a moderate size keeps that intercept's share
         # small, and costs nothing: fake tensors make a trace's cost independent of sizes.
@@ -144,7 +150,14 @@ class Planner:
         return len(self._traces)
 
     def batch_of(self, n: int) -> Any:
-        return self.make_batch(n) if self.make_batch is not None else resize_batch(self.batch, self.example_m, n)
+        if self.make_batch is not None:
+            made = self.make_batch(n)
+            if self.max_shape is None:
+                return made
+            from memguard.data import worst_case_batch
+
+            return worst_case_batch(made, self.max_shape)
+        return resize_batch(self.traced_batch, self.example_m, n)
 
     def trace(self, precision: str, *, ckpt: int = 0, keep: int | None = None, m: int | None = None,
               grads_present: bool = False, flops: bool = False, spec: Any = None):
@@ -163,7 +176,7 @@ class Planner:
         key = (precision, ckpt, keep, m, grads_present, flops, getattr(spec, "name", None))
         if key not in self._traces:
             start = time.perf_counter()
-            batch = self.batch if m is None else self.batch_of(m)
+            batch = self.traced_batch if m is None else self.batch_of(m)
             self._traces[key] = run_trace(
                 self.model, batch, optimizer=self.optimizer, loss_fn=self.loss_fn, device=self.device,
                 precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present, keep_blocks=keep,
@@ -326,6 +339,9 @@ def plan(
     make_batch: Callable[[int], Any] | None = None,
     cache: bool | Any = False,
     keep_outputs: bool = False,
+    max_shape: Any = None,
+    train: bool = True,
+    finetune: str | None = None,
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing and ZeRO stage for a budget.
 
@@ -351,12 +367,24 @@ def plan(
             disk, keyed by model structure, batch shapes, target and options.
         keep_outputs: True plans for a hand-written loop (``out = model(**batch)``) that keeps the
             output object alive through backward, the optimizer step and the next forward.
+        max_shape: plan for the longest batch the data can produce: ``{"seq_len": L}`` and/or
+            per-entry non-batch shapes (:func:`memguard.data.max_batch_shape` scans a dataset for
+            it); ``Plan.reasons["planned_shape"]`` says which shape was planned for.
+        train: False plans an evaluation step instead (:func:`memguard.planner.eval_plan.plan_eval_for`):
+            ``global_batch_size`` is the evaluation batch over all ranks, the plan's
+            ``micro_batch_size`` the most samples per forward, and the training-only knobs must be
+            left at their defaults.
+        finetune: None plans the model as given; ``"full"`` too, and when nothing fits the error
+            lists measured LoRA, QLoRA, 8-bit AdamW, bf16-true and CPU-offload alternatives
+            (``.alternatives``; :mod:`memguard.planner.finetune`); ``"lora"`` plans a LoRA twin of
+            the model (peft adapters on every linear layer of the repeated blocks, base in bf16).
 
     Returns:
         The :class:`~memguard.Plan`, verified with one full trace.
 
     Raises:
         ConfigError: bad arguments, all listed at once.
+        MissingDependencyError: ``finetune="lora"`` without ``peft``.
         InfeasiblePlanError: nothing fits; ``.closest`` is the nearest plan, with suggestions.
     """
     request = PlanRequest(
@@ -364,7 +392,7 @@ def plan(
         device=device, optimizer=optimizer, loss_fn=loss_fn, precision=precision,
         activation_checkpointing=activation_checkpointing, zero_stage=zero_stage,
         offload_optimizer=offload_optimizer, headroom=headroom, make_batch=make_batch, cache=cache,
-        keep_outputs=keep_outputs,
+        keep_outputs=keep_outputs, max_shape=max_shape, train=train, finetune=finetune,
     )
     return plan_request(model, batch, request)
 
@@ -386,13 +414,33 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, planner:
             ``planner`` made for another model, batch or tracing options.
         InfeasiblePlanError: nothing fits; ``.closest`` is the nearest plan, with suggestions.
     """
+    if request.train is False and planner is None:
+        from memguard.planner.eval_plan import plan_eval_for
+
+        return plan_eval_for(model, batch, **{k: v for k, v in request.options().items() if k != "train"})
     problems = request.problems()
+    if request.train is False:
+        problems.append("planner= traces training steps; plan an evaluation step (train=False) without planner=")
     if first_dim(batch) is None:
         problems.append("batch must hold at least one tensor with a batch dimension (dim 0)")
     if planner is not None:
         problems.extend(planner.mismatches(model, batch, request))
+    if request.max_shape is not None and not problems:
+        from memguard.data import planning_batch
+
+        try:
+            planning_batch(batch, request.max_shape)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
     if problems:
         raise ConfigError(problems)
+    variant = None
+    if request.finetune == "lora":
+        from memguard.planner.finetune import finetune_variant
+
+        variant = finetune_variant(model, request)
+        if variant.model is not model:  # traces of the user's model do not apply to its LoRA twin
+            model, request, planner = variant.model, variant.request, None
     space = request.resolve()
     if planner is None:
         planner = Planner.for_request(model, batch, request)
@@ -401,20 +449,39 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, planner:
         from memguard.planner.cache import PlanCache, plan_key
 
         store = request.cache if isinstance(request.cache, PlanCache) else PlanCache()
-        key = plan_key(planner.model, batch, request.optimizer, request.loss_fn, dict(
+        key = plan_key(planner.model, planner.traced_batch, request.optimizer, request.loss_fn, dict(
             global_batch_size=request.global_batch_size, gpu=space.spec.name if space.spec else None,
             budget_bytes=space.budget_bytes, world_size=request.world_size, device=request.device,
             precision=space.precisions, ckpt=space.checkpointing, zero=space.zero_stages, offload=space.offloads,
-            headroom=request.headroom, keep_outputs=request.keep_outputs))
+            headroom=request.headroom, keep_outputs=request.keep_outputs, finetune=request.finetune))
         hit = store.get(key)
         if hit is not None:
             log.info("memguard: plan read from cache %s", store.path_for(key))
             return hit
 
-    result = _search(planner, space.spec, global_batch_size=request.global_batch_size,
-                     world_size=request.world_size, budget=space.budget_bytes, usable=space.usable_bytes,
-                     headroom=request.headroom, precisions=space.precisions, ckpts=space.checkpointing,
-                     zeros=space.zero_stages, offloads=space.offloads, explicit_precision=space.explicit_precision)
+    try:
+        result = _search(planner, space.spec, global_batch_size=request.global_batch_size,
+                         world_size=request.world_size, budget=space.budget_bytes, usable=space.usable_bytes,
+                         headroom=request.headroom, precisions=space.precisions, ckpts=space.checkpointing,
+                         zeros=space.zero_stages, offloads=space.offloads,
+                         explicit_precision=space.explicit_precision)
+    except InfeasiblePlanError as exc:
+        if request.finetune == "full":
+            from memguard.planner.finetune import alternatives, suggestion_lines
+
+            alts = alternatives(model, batch, request, planner=planner)
+            raise InfeasiblePlanError(exc.reason, closest=exc.closest, alternatives=alts,
+                                      suggestions=suggestion_lines(alts, space.usable_bytes) + exc.suggestions
+                                      ) from None
+        if request.finetune is None:
+            raise InfeasiblePlanError(exc.reason, closest=exc.closest, suggestions=exc.suggestions + [
+                "fine-tuning? finetune='full' measures LoRA, QLoRA, 8-bit AdamW, bf16-true and CPU-offload "
+                "alternatives; finetune='lora' plans LoRA directly"]) from None
+        raise
+    if variant is not None and variant.reason:
+        result = result.replace(reasons={**result.reasons, "finetune": variant.reason})
+    if planner.shape_reason is not None:
+        result = result.replace(reasons={**result.reasons, "planned_shape": planner.shape_reason})
     if store is not None:
         store.put(key, result)
     return result
@@ -580,7 +647,7 @@ def _make_plan(planner, spec, cand: _Candidate, est: Estimate, *, world_size, gl
     if cand.offload_optimizer:
         reasons["offload_optimizer"] = "optimizer state in host memory: nothing fits on the device otherwise"
     blocks = find_blocks(planner.model)
-    return Plan(
+    plan = Plan(
         micro_batch_size=cand.micro_batch_size,
         grad_accum_steps=cand.grad_accum_steps,
         world_size=world_size,
@@ -600,6 +667,9 @@ def _make_plan(planner, spec, cand: _Candidate, est: Estimate, *, world_size, gl
         block_class=type(blocks[0]).__name__ if blocks else None,
         hidden_size=hidden_size(planner.model),
     )
+    from memguard.planner.notes import notes_for_plan
+
+    return plan.replace(notes=notes_for_plan(plan))
 
 
 def _rate(spec, precision: str) -> float:
