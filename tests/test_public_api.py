@@ -21,6 +21,7 @@ EXPECTED = {
     "Plan",
     "__version__",
     "estimate",
+    "evaluate",
     "plan",
     "prepare",
     "step",

@@ -327,6 +327,12 @@ def _planning_problems(options: Mapping[str, Any], c: Constraints) -> list[str]:
                    f"{', '.join(map(str, c.zero_stages))}{hint}")
     if options.get("offload_optimizer") and not c.offload_optimizer:
         out.append(f"offload_optimizer=True needs DeepSpeed: {c.source} does not offload the optimizer")
+    if "train" in options:
+        out.append(f"train={options['train']!r} is not a guard option: {c.source} guards training steps; an "
+                   "evaluation batch that may not fit runs through memguard.evaluate(model, batch)")
+    if options.get("finetune") == "lora":
+        out.append(f"finetune='lora' plans a LoRA twin of the model, which {c.source} cannot apply to the model "
+                   "it was given: wrap the model with peft.get_peft_model first and pass that model")
     wanted = options.get("precision")
     if wanted is not None and c.precisions is not None and c.precisions[0] not in _as_tuple(wanted):
         fix = f"{c.fix_precision} or drop the option" if c.fix_precision else "drop the option"

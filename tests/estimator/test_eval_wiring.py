@@ -1,11 +1,8 @@
 """The public entry points of the evaluation and worst-case features: ``memguard.estimate(...,
 train=False)``, ``memguard.plan(..., train=False)``, ``memguard.plan(..., max_shape=...)`` and
-``memguard.evaluate``. They are wired into modules owned elsewhere; until that wiring is merged this
-module skips (remove the skip once it is)."""
+``memguard.evaluate``."""
 
 from __future__ import annotations
-
-import inspect
 
 import pytest
 import torch
@@ -14,11 +11,6 @@ from torch import nn
 import memguard
 from memguard.batch import resize_batch
 from memguard.estimator.evaluation import estimate_eval
-
-if "train" not in inspect.signature(memguard.estimate).parameters or "max_shape" not in inspect.signature(
-        memguard.plan).parameters or not hasattr(memguard, "evaluate"):
-    pytest.skip("the evaluation wiring (estimate/plan train=, plan max_shape=, memguard.evaluate) is not merged yet",
-                allow_module_level=True)
 
 FP32 = 4
 

@@ -141,3 +141,12 @@ def test_a_front_end_whose_batches_are_smaller_than_the_plans_micro_batch() -> N
     g.limit_micro_batch(3)  # a dataloader batch of 3 is the most one forward can take
     st = g.status()
     assert (st.micro_batch_size, st.planned_micro_batch_size) == (3, 8)
+
+
+def test_planning_options_that_would_plan_another_step_or_model_are_refused() -> None:
+    # train=False plans an evaluation step and finetune="lora" a LoRA twin: a guard that runs training steps on
+    # the model it was given could apply neither plan, so both are refused with the way to get what was meant.
+    problems = option_problems(Constraints(), plan_options={"train": False, "finetune": "lora", "budget_bytes": 1 << 30})
+    assert any("memguard.evaluate" in p for p in problems)
+    assert any("peft.get_peft_model" in p for p in problems)
+    assert option_problems(Constraints(), plan_options={"finetune": "full", "budget_bytes": 1 << 30}) == []
