@@ -212,7 +212,7 @@ def estimate(
         model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device,
         precision=traced_precision(precision, zero_stage, strategy),
         checkpoint_blocks=int(blocks or 0), grads_present=grad_accum_steps > 1, keep_outputs=keep_outputs,
-        gpu=spec, fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer),
+        gpu=spec, fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer, device),
     )
     from memguard.estimator.blocks import find_blocks
 
@@ -225,14 +225,16 @@ def estimate(
     return est
 
 
-def fsdp2_layout(strategy: str, precision: str, zero_stage: int, world_size: int, offload: bool):
-    """The :class:`~memguard.estimator.fsdp2.FSDP2Layout` of an FSDP2 target, or None for other strategies."""
+def fsdp2_layout(strategy: str, precision: str, zero_stage: int, world_size: int, offload: bool, device: str):
+    """The :class:`~memguard.estimator.fsdp2.FSDP2Layout` of an FSDP2 target, or None for other strategies
+    (the CPU target's collectives run on gloo, CUDA's on NCCL)."""
     if strategy != "fsdp2":
         return None
     from memguard.estimator.fsdp2 import FSDP2Layout
 
     spec = precision_spec(precision)
-    return FSDP2Layout(world_size=world_size, zero_stage=zero_stage, mp_dtype=spec.autocast_dtype, offload=offload)
+    return FSDP2Layout(world_size=world_size, zero_stage=zero_stage, mp_dtype=spec.autocast_dtype, offload=offload,
+                       backend="gloo" if device == "cpu" else "nccl")
 
 
 def traced_precision(precision: str, zero_stage: int, strategy: str | None = None) -> str:

@@ -77,12 +77,16 @@ class FSDP2Layout:
             sync only on the last micro-batch.
         mp_dtype: ``MixedPrecisionPolicy.param_dtype`` (``reduce_dtype`` fp32), or None for none.
         offload: ``CPUOffloadPolicy`` (sharded states on the host).
+        backend: the collective backend of the target: ``"gloo"`` (the CPU target) copies through
+            temporaries of its own (see :data:`GLOO_TEMPORARIES`); ``"nccl"`` (CUDA) allocates no
+            tensors through PyTorch's allocator for FSDP2's collectives.
     """
 
     world_size: int
     zero_stage: int = 3
     mp_dtype: torch.dtype | None = None
     offload: bool = False
+    backend: str = "nccl"
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -100,6 +104,14 @@ def fsdp2_factors(offload: bool):
     if not offload:
         return ShardFactors()
     return ShardFactors(params=0.0, grads=0.0, optimizer=0.0, optimizer_temporaries=0.0)
+
+
+#: What gloo allocates inside FSDP2's two collectives, as (op name, which tensor's bytes), measured
+#: on CPU with torch.profiler and read in torch/csrc/distributed/c10d/ProcessGroupGloo.cpp:
+#: ``reduce_scatter_tensor_coalesced`` clones the input (``inputTensors[i].clone()``), all-reduces the
+#: clone and copies this rank's chunk out; ``allgather`` gathers into a flat temporary the size of
+#: the output (``newLikeFlat``) and copies it into the output tensors. Each lives only during the op.
+GLOO_TEMPORARIES = {"_reduce_scatter_base_": "input", "_allgather_base_": "output"}
 
 
 def describe_stage(stage: int) -> str:
@@ -172,11 +184,23 @@ def _recorder_class():
             self.trace.events.append((handle, nbytes))
             self.trace.sizes[handle] = nbytes
 
+        gloo = False
+
+        def temporary(self, nbytes: int, category: str) -> None:
+            """A storage the backend allocates and frees inside one op (not seen by the dispatcher)."""
+            trace = self.trace
+            handle = len(trace.sizes)
+            trace.sizes.append(nbytes)
+            trace.category.append(category)
+            self.alloc_phase.append(self.phase)
+            trace.events.append((handle, nbytes))
+            trace.events.append((handle, -nbytes))
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             ns = getattr(func, "namespace", "")
             if ns in ("fsdp", "c10d"):
-                name = func.__name__ if hasattr(func, "__name__") else str(func)
+                name = getattr(func, "_opname", None) or str(func)
                 reduce = "chunk_cat" in name or "reduce_scatter" in name
                 tag = REDUCE if reduce else GATHERED
                 from torch.utils._pytree import tree_flatten
@@ -187,6 +211,11 @@ def _recorder_class():
                         h = self.register(leaf, None)
                         if h is not None and not self.trace.category[h]:
                             self.trace.category[h] = tag
+                which = GLOO_TEMPORARIES.get(name) if self.gloo else None
+                if which is not None and not self._closed:
+                    # c10d::_allgather_base_(output, input, ...) and _reduce_scatter_base_(output, input, ...)
+                    t = _local(args[1] if which == "input" else args[0])
+                    self.temporary(t.numel() * t.element_size(), tag)
             return out
 
     return ShardedRecorder
@@ -279,6 +308,7 @@ def _tracer_class():
             super().__init__(model, batch, optimizer, loss_fn, spec)
             self.layout, self.mesh = layout, mesh
             self.recorder = _recorder_class()(self.trace)
+            self.recorder.gloo = layout.backend == "gloo"
 
         def run(self):
             with tr._preserved_rng():
