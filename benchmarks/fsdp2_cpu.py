@@ -208,39 +208,85 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     end = _live_bytes(model, batch, optimizer)
     gc.enable()
-    events = prof.profiler.kineto_results.events()
-    mem = sorted(((e.start_ns(), i, e.nbytes()) for i, e in enumerate(events) if e.name() == _MEMORY_EVENT),
-                 key=lambda x: (x[0], x[1]))
-    spans = sorted((e.start_ns(), e.end_ns(), e.name()[len(_PREFIX):]) for e in events
-                   if e.name().startswith(_PREFIX) and e.name() != _PREFIX + "step")
-    steps_at = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == _PREFIX + "step")
-    # Each step starts from the same live state (parameter shards, optimizer state, batch), so its
-    # peak is measured from its own start: gloo frees the clone it reduce-scatters from on its worker
-    # thread once the work is done, where the profiler (thread-local: memoryProfilingEnabled() in
-    # c10/core/CPUAllocator.cpp) does not record the free; the running sum drifts up by that clone.
-    level = baseline
-    phase_peaks: dict[str, int] = {}
-    raw_peaks, step_peaks, start_levels = [], [], []
-    k = -1
-    for t, _, nbytes in mem:
-        while k + 1 < len(steps_at) and steps_at[k + 1][0] <= t:
-            k += 1
-            start_levels.append(level)
-            raw_peaks.append(level)
-            step_peaks.append(baseline)
-        level += nbytes
-        if k < 0:
-            continue
-        raw_peaks[k] = max(raw_peaks[k], level)
-        corrected = baseline + level - start_levels[k]
-        step_peaks[k] = max(step_peaks[k], corrected)
-        phase = next((name for start, stop, name in spans if start <= t <= stop), "other")
-        phase_peaks[phase] = max(phase_peaks.get(phase, 0), corrected)
+    level, phase_peaks, step_peaks, raw_peaks = _replay(prof, baseline)
     peak = max(step_peaks)
     dist.destroy_process_group()
     return {"rank": rank, "peak_bytes": peak, "phase_peaks": phase_peaks, "step_peaks": step_peaks,
-            "raw_step_peaks": raw_peaks, "step_start_bytes": start_levels, "baseline_bytes": baseline,
+            "raw_step_peaks": raw_peaks, "baseline_bytes": baseline,
             "residual_bytes": level - end, "seconds": round(seconds, 2)}
+
+
+def _replay(prof: Any, baseline: int) -> tuple[int, dict[str, int], list[int], list[int]]:
+    """Live bytes over the profiled steps, from the allocator events of the profiler's event tree.
+
+    The CPU allocator reports an allocation or a free to the profiler only on a thread where
+    profiling is on (``memoryProfilingEnabled()`` is thread-local; c10/core/CPUAllocator.cpp). gloo's
+    reduce-scatter clones its input on the calling thread and the clone is released by whichever
+    thread drops the work last (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp,
+    ``reduce_scatter_tensor_coalesced``), often gloo's worker thread, where the free goes unreported
+    and a running sum would drift up by one clone per reduce-scatter. So the replay tracks blocks by
+    address: a block allocated inside a reduce-scatter op that is still live when the op returns is
+    freed there (the work is complete when a synchronous collective returns), and an allocation at
+    the address of a block still thought live means that block was freed unseen.
+
+    Returns:
+        The final level, each phase's peak, each step's peak, and each step's peak by the plain
+        running sum of ``[memory]`` events (for comparison).
+    """
+    allocs: list[tuple[int, int, int, int]] = []  # (time, order, ptr, signed bytes)
+    rs_end: dict[int, int] = {}  # order of an allocation made inside a reduce-scatter -> the op's end
+    spans: list[tuple[int, int, str]] = []
+
+    def walk(node: Any, rs: int | None) -> None:
+        kind = type(node.extra_fields).__name__
+        name = node.name
+        if kind == "_ExtraFields_Allocation":
+            order = len(allocs)
+            allocs.append((node.start_time_ns, order, node.extra_fields.ptr, node.extra_fields.alloc_size))
+            if rs is not None and node.extra_fields.alloc_size > 0:
+                rs_end[order] = rs
+            return
+        if name.startswith(_PREFIX):
+            spans.append((node.start_time_ns, node.end_time_ns, name[len(_PREFIX):]))
+        if "reduce_scatter" in name:
+            rs = node.end_time_ns
+        for child in node.children:
+            walk(child, rs)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None)
+    # synthetic frees at the end of the reduce-scatter op that allocated the block
+    timeline = sorted([(t, 0, o, ptr, n) for t, o, ptr, n in allocs]
+                      + [(rs_end[o], 1, o, ptr, -n) for t, o, ptr, n in allocs if o in rs_end])
+    steps = sorted((a, b) for a, b, name in spans if name == "step")
+    phases = [(a, b, name) for a, b, name in spans if name != "step"]
+    live: dict[int, tuple[int, int]] = {}  # ptr -> (allocation order, bytes)
+    level = baseline
+    raw = baseline
+    phase_peaks: dict[str, int] = {}
+    step_peaks = [baseline] * len(steps)
+    raw_peaks = [baseline] * len(steps)
+    for t, synthetic, order, ptr, nbytes in timeline:
+        if synthetic:
+            if live.get(ptr, (None,))[0] == order:
+                level -= live.pop(ptr)[1]
+        elif nbytes > 0:
+            raw += nbytes
+            if ptr in live:  # that block was freed where the profiler did not see it
+                level -= live.pop(ptr)[1]
+            live[ptr] = (order, nbytes)
+            level += nbytes
+        else:
+            raw += nbytes
+            if ptr in live:
+                level -= live.pop(ptr)[1]
+        for k, (a, b) in enumerate(steps):
+            if a <= t <= b:
+                step_peaks[k] = max(step_peaks[k], level)
+                raw_peaks[k] = max(raw_peaks[k], raw)
+        phase = next((name for a, b, name in phases if a <= t <= b), "other")
+        phase_peaks[phase] = max(phase_peaks.get(phase, 0), level)
+    return level, phase_peaks, step_peaks, raw_peaks
 
 
 def _free_port() -> int:
@@ -310,9 +356,12 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "# FSDP2 on CPU: estimate vs. real gloo runs", "",
         f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
         f"Machine: {meta['machine'].get('cpu_model', '?')}, {meta['machine'].get('cpu_count')} cores, "
-        f"torch {meta['machine'].get('torch')}, transformers {meta['machine'].get('transformers')}", "",
+        f"torch {meta['machine'].get('torch')}, transformers {meta['machine'].get('transformers')}; "
+        f"{meta['runs']} runs x {meta['steps']} profiled steps per case; cases done: {meta.get('cases_done', '?')}", "",
         "Real peak: the worst rank's peak of live tensor bytes over all runs (fresh processes each) and "
-        "their profiled steps. `strategy=\"fsdp2\"` is memguard's FSDP2 estimate; `ZeRO-3 stand-in` is "
+        "their profiled steps, replayed by address from the profiler's allocator events (gloo frees its "
+        "reduce-scatter clone on a thread the profiler does not record; see `_replay`). "
+        "`strategy=\"fsdp2\"` is memguard's FSDP2 estimate; `ZeRO-3 stand-in` is "
         "`zero_stage=3` without a strategy (DeepSpeed's estimators).", "",
         "| case | real worst (MiB) | real best (MiB) | fsdp2 estimate (MiB) | error | ZeRO-3 stand-in (MiB) | error |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -353,14 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in cases]
     if unknown:
         ap.error(f"unknown cases {unknown}; known: {', '.join(cases)}")
-    rows = []
-    for name in names:
-        t0 = time.perf_counter()
-        row = measure(cases[name], runs=args.runs, steps=args.steps, timeout=args.timeout)
-        rows.append(row)
-        msg = (f"{row['error_pct']:+.2f}% (ZeRO-3 stand-in {row['zero3_error_pct']:+.2f}%)" if "error_pct" in row
-               else row.get("error"))
-        print(f"{name}: {msg}  [{time.perf_counter() - t0:.0f} s]", flush=True)
     meta = {
         "command": "python benchmarks/fsdp2_cpu.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -369,10 +410,19 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fsdp2_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    md = render_markdown(rows, meta)
-    (out / "fsdp2_cpu.md").write_text(md)
-    print(md)
+    rows = []
+    for name in names:
+        t0 = time.perf_counter()
+        row = measure(cases[name], runs=args.runs, steps=args.steps, timeout=args.timeout)
+        rows.append(row)
+        msg = (f"{row['error_pct']:+.2f}% (ZeRO-3 stand-in {row['zero3_error_pct']:+.2f}%)" if "error_pct" in row
+               else row.get("error"))
+        print(f"{name}: {msg}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+        # written after every case, so an interrupted run keeps what it measured
+        meta["cases_done"] = f"{len(rows)} of {len(names)}"
+        (out / "fsdp2_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        (out / "fsdp2_cpu.md").write_text(render_markdown(rows, meta))
+    print(render_markdown(rows, meta))
     return 0
 
 

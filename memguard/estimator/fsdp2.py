@@ -47,6 +47,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -239,8 +240,10 @@ def _record_resizes(recorder: Any) -> Iterator[None]:
         cls.resize_ = original
 
 
-def _shard(model: nn.Module, layout: FSDP2Layout, mesh: Any) -> None:
-    """``fully_shard`` each repeated block, then the root, as ``memguard.integrations.fsdp.apply`` does."""
+def _shard(model: nn.Module, layout: FSDP2Layout, mesh: Any, blocks: list[nn.Module] | None = None) -> None:
+    """``fully_shard`` each repeated block (``blocks``, default: the children of
+    :func:`~memguard.estimator.blocks.find_container`), then the root, as
+    ``memguard.integrations.fsdp.apply`` does."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from memguard.estimator.blocks import find_container
@@ -250,8 +253,10 @@ def _shard(model: nn.Module, layout: FSDP2Layout, mesh: Any) -> None:
     # pin_memory needs an accelerator; the fake trace's host copies are not counted anyway
     offload = CPUOffloadPolicy(pin_memory=False) if layout.offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp, offload_policy=offload)
-    container = find_container(model)
-    for block in (list(container.children()) if container is not None else []):
+    if blocks is None:
+        container = find_container(model)
+        blocks = list(container.children()) if container is not None else []
+    for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
 
@@ -358,7 +363,9 @@ def _tracer_class():
                 (sum(p.numel() for p in m.parameters(recurse=False)) for m in fmodel.modules()), default=0)
             with self.mode:
                 try:
-                    _shard(fmodel, self.layout, self.mesh)
+                    # the offload policy's host copies do not change what the device holds in a fake
+                    # trace (evaluation moves the sharded states to the host: fsdp2_factors)
+                    _shard(fmodel, dataclasses.replace(self.layout, offload=False), self.mesh, blocks)
                 except Exception as exc:  # noqa: BLE001 - FSDP2 refusing the model is the user's problem
                     raise ConfigError(f"FSDP2 (fully_shard) could not shard the model: {type(exc).__name__}: "
                                       f"{exc}") from exc
