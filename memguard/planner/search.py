@@ -167,7 +167,9 @@ class Planner:
         if fsdp2 is not None:
             import dataclasses
 
-            fsdp2 = dataclasses.replace(fsdp2, offload=False)
+            # level 1 differs from level 2 only when gradients accumulate unsynchronised
+            stage = 2 if fsdp2.zero_stage == 1 and not grads_present else fsdp2.zero_stage
+            fsdp2 = dataclasses.replace(fsdp2, offload=False, zero_stage=stage)
         key = (precision, ckpt, keep, m, grads_present, flops, getattr(spec, "name", None), fsdp2)
         if key not in self._traces:
             start = time.perf_counter()
