@@ -164,7 +164,7 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from memguard.estimator.blocks import apply_activation_checkpointing
-    from memguard.estimator.fsdp2 import FSDP2Layout, _shard
+    from memguard.estimator.fsdp2 import FSDP2Layout, shard_model
     from memguard.vocab import ALL_BLOCKS
 
     torch.set_num_threads(1)
@@ -176,7 +176,7 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     if case.checkpointing:
         apply_activation_checkpointing(model, ALL_BLOCKS)
     mp = torch.bfloat16 if case.precision == "bf16-mixed" else None
-    _shard(model, FSDP2Layout(world_size=case.world_size, zero_stage=case.zero_stage, mp_dtype=mp), mesh)
+    shard_model(model, FSDP2Layout(world_size=case.world_size, zero_stage=case.zero_stage, mp_dtype=mp), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch(case)
 

@@ -56,7 +56,7 @@ from torch import nn
 
 from memguard.errors import ConfigError
 
-__all__ = ["FSDP2Layout", "trace_fsdp2_step", "fold_categories", "fsdp2_factors", "describe_stage", "GATHERED",
+__all__ = ["FSDP2Layout", "trace_fsdp2_step", "shard_model", "fold_categories", "fsdp2_factors", "describe_stage", "GATHERED",
            "REDUCE", "FSDP2_NOTE"]
 
 #: Trace category of FSDP2's all-gather buffers and unsharded parameters (reported as "params").
@@ -240,10 +240,19 @@ def _record_resizes(recorder: Any) -> Iterator[None]:
         cls.resize_ = original
 
 
-def _shard(model: nn.Module, layout: FSDP2Layout, mesh: Any, blocks: list[nn.Module] | None = None) -> None:
+def shard_model(model: nn.Module, layout: FSDP2Layout, mesh: Any, blocks: list[nn.Module] | None = None) -> None:
     """``fully_shard`` each repeated block (``blocks``, default: the children of
-    :func:`~memguard.estimator.blocks.find_container`), then the root, as
-    ``memguard.integrations.fsdp.apply`` does."""
+    :func:`~memguard.estimator.blocks.find_container`), then the root, with the layout's
+    ``reshard_after_forward``, ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`` and
+    ``CPUOffloadPolicy``: the layout the estimate traces, shared with whatever applies a plan so
+    that both shard alike. Activation checkpointing, if any, is applied to the blocks first.
+
+    Args:
+        model: the module to shard in place.
+        layout: the sharding.
+        mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks.
+        blocks: the modules to shard individually (default: the repeated blocks).
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from memguard.estimator.blocks import find_container
@@ -365,7 +374,7 @@ def _tracer_class():
                 try:
                     # the offload policy's host copies do not change what the device holds in a fake
                     # trace (evaluation moves the sharded states to the host: fsdp2_factors)
-                    _shard(fmodel, dataclasses.replace(self.layout, offload=False), self.mesh, blocks)
+                    shard_model(fmodel, dataclasses.replace(self.layout, offload=False), self.mesh, blocks)
                 except Exception as exc:  # noqa: BLE001 - FSDP2 refusing the model is the user's problem
                     raise ConfigError(f"FSDP2 (fully_shard) could not shard the model: {type(exc).__name__}: "
                                       f"{exc}") from exc
