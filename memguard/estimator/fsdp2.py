@@ -168,22 +168,57 @@ def _recorder_class():
         """The trace's recorder, unwrapping DTensors to their local shards, naming FSDP2's buffers
         (outputs and out-arguments of its ``fsdp::``/``c10d::`` ops) and recording storage resizes."""
 
+        def __init__(self, trace):
+            super().__init__(trace)
+            self._dead: set[int] = set()  # handles freed (by a resize) whose storage may live on
+
         def register(self, tensor, category):
-            return super().register(_local(tensor), category)
+            tensor = _local(tensor)
+            if not isinstance(tensor, torch.Tensor):
+                return None
+            st = tensor.untyped_storage()
+            handle = self._by_key.get(st._cdata)
+            if handle is not None and (handle in self._dead or st.nbytes() != self.trace.sizes[handle]):
+                self.resized(st, st.nbytes())  # resized without resize_ (an out= op): a new handle
+                handle = self._by_key.get(st._cdata)
+                if handle in self._dead:
+                    return handle
+            return super().register(tensor, category)
 
         def handle_of(self, tensor):
             return super().handle_of(_local(tensor))
 
         def resized(self, storage: Any, nbytes: int) -> None:
-            handle = self._by_key.get(storage._cdata)
+            """A registered storage resized in place: its handle is freed and, unless the new size is
+            0, a new handle allocated, so that every handle is allocated once and freed once (the
+            allocator model and the planner's trace extension rely on it)."""
+            key = storage._cdata
+            handle = self._by_key.get(key)
             if handle is None or self._closed:
                 return
-            old = self.trace.sizes[handle]
-            if old == nbytes:
+            trace = self.trace
+            if handle not in self._dead:
+                if trace.sizes[handle] == nbytes:
+                    return
+                trace.events.append((handle, -trace.sizes[handle]))
+                self._dead.add(handle)
+            if nbytes:
+                new = len(trace.sizes)
+                trace.sizes.append(nbytes)
+                trace.category.append(trace.category[handle])
+                self.alloc_phase.append(self.phase)
+                trace.events.append((new, nbytes))
+                self._by_key[key] = new
+
+        def _free(self, handle: int, key: int) -> None:
+            # the storage died: free whichever handle holds it now (resizes move it to new handles)
+            if self._closed:
                 return
-            self.trace.events.append((handle, -old))
-            self.trace.events.append((handle, nbytes))
-            self.trace.sizes[handle] = nbytes
+            current = self._by_key.pop(key, handle)
+            if current not in self._dead:
+                self._dead.add(current)
+                self._refs.pop(handle, None)
+                self.trace.events.append((current, -self.trace.sizes[current]))
 
         gloo = False
 
