@@ -246,17 +246,36 @@ class Planner:
                 two_m1 = self.trace(traced, ckpt=2 if ckpt_all else 0, keep=2, m=m1, spec=spec, fsdp2=layout,
                                     grads_present=grads_present)
                 pair = extend_trace(one, two, n, others=[two_m1])
+                if pair is not None and layout is not None and n > 3 and not self._extends_to_three(
+                        one, two, traced, ckpt_all, spec, layout, grads_present):
+                    pair = None  # FSDP2's buffers did not line up block by block: trace the whole model
                 if pair is None:  # other kernels at the larger micro-batch: extend it on its own
                     one_m1 = self.trace(traced, ckpt=1 if ckpt_all else 0, keep=1, m=m1, spec=spec, fsdp2=layout,
                                         grads_present=grads_present)
                     pair = [extend_trace(one, two, n), extend_trace(one_m1, two_m1, n)]
-                    pair = None if None in pair else pair
+                    pair = None if None in pair or layout is not None else pair
             if pair is None:  # no repeated blocks, probes that do not line up: trace the whole model
                 ck = n if ckpt_all else 0
                 pair = [self.trace(traced, ckpt=ck, m=m, spec=spec, fsdp2=layout, grads_present=grads_present)
                         for m in (self.m0, m1)]
             self._extended[key] = tuple(pair)
         return self._extended[key]
+
+    def _extends_to_three(self, one, two, traced: str, ckpt_all: bool, spec: Any, layout: Any,
+                          grads_present: bool) -> bool:
+        """Whether the probes extended to 3 blocks give the 3-block trace's peak exactly.
+
+        FSDP2's per-block buffers are handed between blocks (the reduce-scatter input lives until the
+        next group's reduce-scatter, ``ReduceScatterState`` in ``_fsdp_param_group.py``; backward
+        prefetches the next group), and with checkpointing the alignment of the 1- and 2-block traces
+        can assign them to the wrong block, so the extension is checked against one more probe.
+        """
+        from memguard.estimator.analysis import scan
+
+        three = self.trace(traced, ckpt=3 if ckpt_all else 0, keep=3, m=self.m0, spec=spec, fsdp2=layout,
+                           grads_present=grads_present)
+        extended = extend_trace(one, two, 3)
+        return extended is not None and scan(extended).peak_bytes == scan(three).peak_bytes
 
     def _device_trace(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any, m: int,
                       strategy: str = "ddp", world_size: int = 1, grads_present: bool = False):
