@@ -177,6 +177,9 @@ def test_real_two_rank_gloo_run_matches_the_estimate():
     case = Case("gpt2", 2, "32-true", 3, False, batch=2, seq=32)
     ranks = run_case(case, steps=2, timeout=200)
     assert all("peak_bytes" in r for r in ranks), ranks
-    real = max(r["peak_bytes"] for r in ranks)
+    # a rank whose profiler replay does not close missed a free gloo made on its own thread (see
+    # benchmarks/fsdp2_cpu.py, summarise): its level is inflated from there on, so it is left out
+    closed = [r for r in ranks if r["residual_bytes"] == 0] or ranks
+    real = max(r["peak_bytes"] for r in closed)
     est = estimate_case(case)["peak_bytes"]
     assert abs(est - real) <= 0.03 * real, (est, real, ranks)
