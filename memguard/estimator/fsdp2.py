@@ -294,8 +294,9 @@ def shard_model(model: nn.Module, layout: FSDP2Layout, mesh: Any, blocks: list[n
 
     mp = (MixedPrecisionPolicy(param_dtype=layout.mp_dtype, reduce_dtype=torch.float32)
           if layout.mp_dtype is not None else MixedPrecisionPolicy())
-    # pin_memory needs an accelerator; the fake trace's host copies are not counted anyway
-    offload = CPUOffloadPolicy(pin_memory=False) if layout.offload else OffloadPolicy()
+    # pinned host memory (CPUOffloadPolicy's default) needs an accelerator: pin only for a CUDA mesh
+    pin = getattr(mesh, "device_type", "cpu") == "cuda"
+    offload = CPUOffloadPolicy(pin_memory=pin) if layout.offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp, offload_policy=offload)
     if blocks is None:
         container = find_container(model)
