@@ -81,6 +81,10 @@ class Plan:
             object.__setattr__(self, "strategy", "deepspeed" if self.zero_stage >= 1 else "ddp")
         if self.strategy not in ("ddp", "deepspeed", "fsdp2"):
             raise ConfigError(f"plan strategy {self.strategy!r} is not one of 'ddp', 'deepspeed', 'fsdp2'")
+        if (self.strategy == "ddp") != (self.zero_stage == 0):
+            raise ConfigError(
+                f"plan is inconsistent: strategy {self.strategy!r} with zero_stage {self.zero_stage} ('ddp' runs "
+                "zero_stage 0; 'deepspeed' and 'fsdp2' run 1-3); build plans with memguard.plan()")
         if self.micro_batch_size * self.grad_accum_steps * self.world_size != self.global_batch_size:
             raise ConfigError(
                 f"plan is inconsistent: micro_batch_size {self.micro_batch_size} x grad_accum_steps "

@@ -48,6 +48,13 @@ def test_unknown_plan_strategy_is_a_config_error():
         _plan(strategy="fsdp")
 
 
+@pytest.mark.parametrize("strategy, zero_stage", [("ddp", 2), ("fsdp2", 0), ("deepspeed", 0)])
+def test_strategy_and_stage_must_agree(strategy, zero_stage):
+    # DDP never shards; DeepSpeed and FSDP2 always do (stage/level 1-3)
+    with pytest.raises(ConfigError, match="inconsistent"):
+        _plan(strategy=strategy, zero_stage=zero_stage, offload_optimizer=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # the request
 # ---------------------------------------------------------------------------------------------
