@@ -27,7 +27,54 @@ __all__ = [
     "check_common",
     "traced_precision",
     "unwrap_model",
+    "STRATEGIES",
+    "check_strategy",
+    "resolve_strategy",
 ]
+
+#: The data-parallel strategies memguard estimates: DDP (no sharding), DeepSpeed ZeRO, FSDP2.
+STRATEGIES: tuple[str, ...] = ("ddp", "deepspeed", "fsdp2")
+
+
+def check_strategy(*, strategy: Any, zero_stage: Any, offload_optimizer: Any = False, problems: list[str]) -> None:
+    """Append a sentence to ``problems`` for each invalid combination of ``strategy`` and its options.
+
+    ``strategy=None`` is today's meaning (DDP, or DeepSpeed when ``zero_stage >= 1``); "ddp" means
+    no sharding (``zero_stage=0``); "deepspeed" needs a ZeRO stage >= 1; "fsdp2" takes
+    ``zero_stage`` as its sharding level 1-3.
+    """
+    stage_ok = isinstance(zero_stage, int) and not isinstance(zero_stage, bool) and 0 <= zero_stage <= 3
+    if strategy is not None and strategy not in STRATEGIES:
+        problems.append(f"strategy={strategy!r} is not one of None, {', '.join(map(repr, STRATEGIES))}")
+        return
+    if strategy == "ddp":
+        if stage_ok and zero_stage != 0:
+            problems.append(f"strategy='ddp' does not shard: zero_stage={zero_stage} needs strategy='deepspeed' "
+                            "or 'fsdp2' (or pass zero_stage=0)")
+        if offload_optimizer:
+            problems.append("strategy='ddp' cannot offload the optimizer: use strategy='deepspeed' with "
+                            "zero_stage >= 1, or 'fsdp2' (CPUOffloadPolicy)")
+    elif strategy == "deepspeed":
+        if stage_ok and zero_stage == 0:
+            problems.append("strategy='deepspeed' needs zero_stage 1, 2 or 3 (ZeRO off is strategy='ddp')")
+    elif strategy == "fsdp2":
+        if stage_ok and zero_stage == 0:
+            problems.append("strategy='fsdp2' needs zero_stage 1, 2 or 3 (its sharding level: 3 = "
+                            "reshard_after_forward=True, 2 = False, 1 = False with gradient sync on the last "
+                            "micro-batch only); zero_stage=0 is strategy='ddp'")
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            problems.append("strategy='fsdp2' needs torch.distributed, which this torch build lacks")
+    elif offload_optimizer and stage_ok and zero_stage == 0:
+        problems.append("offload_optimizer=True needs zero_stage >= 1 (ZeRO-Offload)")
+
+
+def resolve_strategy(strategy: str | None, zero_stage: int) -> str:
+    """The strategy a request means: ``None`` is DDP without ZeRO, DeepSpeed with it."""
+    if strategy is not None:
+        return strategy
+    return "deepspeed" if zero_stage >= 1 else "ddp"
 
 def check_common(
     *, precision: Any = "32-true", zero_stage: Any = 0, world_size: Any = 1, device: Any = "cuda", problems: list[str]
@@ -44,9 +91,15 @@ def check_common(
 
 
 def unwrap_model(model: Any) -> Any:
-    """The model inside DistributedDataParallel, DataParallel and similar wrappers (their ``.module``)."""
-    while isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
+    """The model inside DistributedDataParallel, DataParallel and similar wrappers (their ``.module``),
+    and inside ``torch.compile``'s ``OptimizedModule`` (its ``_orig_mod``: the eager module is traced)."""
+    while isinstance(model, nn.Module):
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            inner = model.__dict__.get("_orig_mod") or model._modules.get("_orig_mod")
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
     return model
 
 
@@ -66,6 +119,7 @@ def estimate(
     offload_optimizer: bool = False,
     keep_outputs: bool = False,
     train: bool = True,
+    strategy: str | None = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state training step (or, with ``train=False``, evaluation step).
 
@@ -84,13 +138,17 @@ def estimate(
         device: the target, ``"cuda"`` or ``"cpu"``.
         precision: Lightning's names: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
             ``"16-true"``, ``"bf16-true"``.
-        zero_stage: DeepSpeed ZeRO stage 0-3; model states per rank follow DeepSpeed's estimators.
+        zero_stage: the sharding level 0-3. Under DeepSpeed (``strategy=None`` or ``"deepspeed"``) the
+            ZeRO stage: model states per rank follow DeepSpeed's estimators. Under ``"fsdp2"``:
+            3 = ``reshard_after_forward=True``, 2 = ``False``, 1 = ``False`` with gradient sync only
+            on the last micro-batch.
         world_size: data-parallel ranks (DDP gradient buckets are added when > 1 without ZeRO).
         gpu: a catalog name (see ``memguard.estimator.gpus``) for the CUDA target's constants;
             None uses the current device if there is one, else generic constants.
         activation_checkpointing: checkpoint this many of the model's repeated blocks (True: all).
         grad_accum_steps: > 1 means gradients are already allocated when a micro-batch starts.
-        offload_optimizer: ZeRO-Offload: optimizer state lives in host memory.
+        offload_optimizer: ZeRO-Offload: optimizer state lives in host memory. Under ``"fsdp2"``:
+            ``CPUOffloadPolicy`` (sharded parameters, gradients and optimizer state on the host).
         keep_outputs: model a hand-written loop ``out = model(**batch); out.loss.backward();
             opt.step()`` whose output object stays alive through backward, the optimizer step and
             the next step's forward (on a GPT-2-style language model the logits add about a sixth
@@ -103,13 +161,21 @@ def estimate(
             ``fn(model, batch) -> outputs``, an ``optimizer`` means its state is resident during
             evaluation (validation inside a training run; None: parameters only), and gradients are
             not resident (``zero_grad(set_to_none=True)``). See :mod:`memguard.estimator.evaluation`.
+        strategy: None (today's meaning: DDP, or DeepSpeed when ``zero_stage >= 1``), ``"ddp"``,
+            ``"deepspeed"`` or ``"fsdp2"``. ``"fsdp2"`` traces rank 0 of a real FSDP2 step
+            (``fully_shard`` on each repeated block, then the root) over a fake process group of
+            ``world_size`` ranks (:mod:`memguard.estimator.fsdp2`); there ``*-mixed`` precisions mean
+            ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)`` with no autocast
+            (said in ``Estimate.notes``).
 
     Returns:
         An :class:`~memguard.Estimate`.
 
     Raises:
         ConfigError: invalid arguments (all listed at once), or a model/batch/loss that cannot be
-            traced (the message says which call failed and how to pass ``loss_fn``).
+            traced (the message says which call failed and how to pass ``loss_fn``); under
+            ``"fsdp2"`` also a model FSDP2 cannot shard, or a default process group that exists
+            already (plan before ``init_process_group``).
 
     Known limitations:
         On a machine without a GPU the CUDA target is traced on CPU fake tensors: autocast
@@ -122,6 +188,10 @@ def estimate(
     """
     if train is False:
         from memguard.estimator.evaluation import estimate_eval
+
+        if strategy not in (None, "ddp"):
+            raise ConfigError(f"strategy={strategy!r} is not modelled for an evaluation step (train=False): "
+                              "evaluation is estimated unsharded; drop strategy=")
 
         return estimate_eval(
             model, batch, fn=loss_fn, device=device, precision=precision, world_size=world_size, gpu=gpu,
@@ -148,8 +218,7 @@ def estimate(
         problems.append("the model has no trainable parameters (every parameter has requires_grad=False)")
     if not (isinstance(grad_accum_steps, int) and grad_accum_steps >= 1):
         problems.append(f"grad_accum_steps={grad_accum_steps!r} must be an integer >= 1")
-    if offload_optimizer and zero_stage == 0:
-        problems.append("offload_optimizer=True needs zero_stage >= 1 (ZeRO-Offload)")
+    check_strategy(strategy=strategy, zero_stage=zero_stage, offload_optimizer=offload_optimizer, problems=problems)
     spec = None
     if device == "cuda":
         from memguard.estimator.gpus import GENERIC, current_gpu, get_gpu
@@ -166,11 +235,12 @@ def estimate(
     blocks = activation_checkpointing
     if blocks is True:
         blocks = ALL_BLOCKS
+    strategy = resolve_strategy(strategy, zero_stage)
     trace = run_trace(
         model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device,
-        precision=traced_precision(precision, zero_stage),
+        precision=traced_precision(precision, zero_stage, strategy),
         checkpoint_blocks=int(blocks or 0), grads_present=grad_accum_steps > 1, keep_outputs=keep_outputs,
-        gpu=spec,
+        gpu=spec, fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer, device),
     )
     from memguard.estimator.blocks import find_blocks
 
@@ -178,13 +248,30 @@ def estimate(
     est, _ = evaluate(
         trace, device=device, precision=precision, zero_stage=zero_stage, world_size=world_size, spec=spec,
         offload_optimizer=offload_optimizer, micro_batch_size=int(micro or 0), checkpointed=checkpointed,
+        strategy=strategy,
     )
     return est
 
 
-def traced_precision(precision: str, zero_stage: int) -> str:
+def fsdp2_layout(strategy: str, precision: str, zero_stage: int, world_size: int, offload: bool, device: str):
+    """The :class:`~memguard.estimator.fsdp2.FSDP2Layout` of an FSDP2 target, or None for other strategies
+    (the CPU target's collectives run on gloo, CUDA's on NCCL)."""
+    if strategy != "fsdp2":
+        return None
+    from memguard.estimator.fsdp2 import FSDP2Layout
+
+    spec = precision_spec(precision)
+    return FSDP2Layout(world_size=world_size, zero_stage=zero_stage, mp_dtype=spec.autocast_dtype, offload=offload,
+                       backend="gloo" if device == "cpu" else "nccl")
+
+
+def traced_precision(precision: str, zero_stage: int, strategy: str | None = None) -> str:
     """The precision a step is traced in: DeepSpeed's 16-bit modes (ZeRO >= 1) keep 16-bit weights
-    and use no autocast, so ``*-mixed`` under ZeRO is traced as ``*-true``."""
+    and use no autocast, so ``*-mixed`` under ZeRO is traced as ``*-true``. Under FSDP2 the
+    precision is traced as named: the mixed-precision policy is applied by FSDP2 itself in the trace
+    (fp32 sharded weights, no autocast; see :func:`fsdp2_layout`)."""
+    if strategy == "fsdp2":
+        return precision
     if zero_stage >= 1 and precision.endswith("-mixed"):
         return precision.replace("-mixed", "-true")
     return precision
@@ -239,7 +326,7 @@ def cuda_target(gpu: Any = None):
 
 
 def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint_blocks=0, grads_present=False,
-              keep_blocks=None, count_flops=False, keep_outputs=False, gpu=None):
+              keep_blocks=None, count_flops=False, keep_outputs=False, gpu=None, fsdp2=None):
     """Trace one step for ``device`` and ``precision`` (arguments already validated).
 
     For the CUDA target on a machine with a GPU the step is traced on fake CUDA tensors, so
@@ -259,6 +346,8 @@ def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint
         keep_outputs: the loop keeps the model's output alive (see :func:`estimate`).
         gpu: the CUDA target's :class:`~memguard.estimator.gpus.GPUSpec`; None = generic. Decides
             the kernels modelled on CPU fakes; ignored for ``device="cpu"``.
+        fsdp2: an :class:`~memguard.estimator.fsdp2.FSDP2Layout` to trace rank 0 of an FSDP2 job
+            (always on CPU fake tensors, with its mixed-precision policy in place of autocast), or None.
 
     Returns:
         A :class:`~memguard.estimator.trace.Trace`.
@@ -270,6 +359,15 @@ def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint
         device=device, precision=precision, checkpoint_blocks=checkpoint_blocks, grads_present=grads_present,
         keep_blocks=keep_blocks, count_flops=count_flops, keep_outputs=keep_outputs, gpu=gpu,
     )
+    if fsdp2 is not None:
+        import dataclasses
+
+        from memguard.estimator.fsdp2 import trace_fsdp2_step
+
+        spec = trace_spec(**kwargs)
+        if fsdp2.mp_dtype is not None:  # the policy casts; no autocast (GradScaler's scaling stays)
+            spec = dataclasses.replace(spec, autocast_dtype=None, cuda_autocast=False)
+        return trace_fsdp2_step(model, batch, spec, fsdp2, optimizer=optimizer, loss_fn=loss_fn)
     if device == "cuda" and torch.cuda.is_available():
         try:
             return trace_step(model, batch, trace_spec(on_gpu=True, **kwargs), optimizer=optimizer, loss_fn=loss_fn)
@@ -286,7 +384,7 @@ def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint
 
 
 def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_optimizer=False,
-             micro_batch_size=0, checkpointed=0, limit_bytes=None):
+             micro_batch_size=0, checkpointed=0, limit_bytes=None, strategy=None):
     """Turn a trace into an :class:`Estimate` for one target (sharding, allocator, workspaces).
 
     With ``limit_bytes`` (CUDA only) the allocator model runs under that cap: like the real
@@ -294,10 +392,29 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
     ``max_memory_reserved`` would show on a device of that size, and an allocation that cannot
     be served even then makes ``peak_bytes`` exceed the limit.
 
+    Under ``strategy="fsdp2"`` the trace is already one rank's (FSDP2 ran in it): nothing is
+    scaled, except that ``CPUOffloadPolicy`` moves the sharded parameters, gradients, optimizer
+    state and the optimizer step to the host.
+
     Returns the estimate and the scaled :class:`~memguard.estimator.analysis.Timeline`.
     """
+    strategy = resolve_strategy(strategy, zero_stage)
+    if strategy == "fsdp2":
+        from memguard.estimator.fsdp2 import fsdp2_factors
+
+        factors = fsdp2_factors(offload_optimizer)
+    else:
+        factors = _zero_factors(trace, precision=precision, zero_stage=zero_stage, world_size=world_size,
+                                offload_optimizer=offload_optimizer)
+    return _evaluate(trace, factors, device=device, precision=precision, zero_stage=zero_stage,
+                     world_size=world_size, spec=spec, offload_optimizer=offload_optimizer,
+                     micro_batch_size=micro_batch_size, checkpointed=checkpointed, limit_bytes=limit_bytes,
+                     strategy=strategy)
+
+
+def _zero_factors(trace, *, precision, zero_stage, world_size, offload_optimizer):
     totals = _category_totals(trace)
-    factors = model_state_factors(
+    return model_state_factors(
         zero_stage=zero_stage,
         world_size=world_size,
         traced_params=totals.get("params", 0),
@@ -310,6 +427,10 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
         offload_optimizer=offload_optimizer,
         state_scale=2.0 if traced_precision(precision, zero_stage) != precision else 1.0,
     )
+
+
+def _evaluate(trace, factors, *, device, precision, zero_stage, world_size, spec, offload_optimizer,
+              micro_batch_size, checkpointed, limit_bytes, strategy):
     extra = {"grads": factors.extra_grads, "params": factors.extra_params}
     timeline = _fold_optimizer_temporaries(scan(trace, factors.as_dict(), extra))
     breakdown = dict(timeline.breakdown)
@@ -327,6 +448,10 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
         breakdown["allocator_overhead"] = max(0, reserved - timeline.peak_bytes - workspace)
         peak = sum(breakdown.values())
         context = spec.context_bytes
+    if strategy == "fsdp2":
+        from memguard.estimator.fsdp2 import FSDP2_NOTE, describe_stage
+
+        notes = notes + (FSDP2_NOTE.format(stage=zero_stage, what=describe_stage(zero_stage), world=world_size),)
     model_state = sum(breakdown.get(c, 0) for c in ("params", "grads", "optimizer"))
     est = Estimate(
         peak_bytes=int(peak),
@@ -347,18 +472,21 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
         model_state_bytes=int(model_state),
         phase_peaks=timeline.phase_peaks,
         notes=notes,
+        strategy=strategy,
     )
     return est, timeline
 
 
 def _fold_optimizer_temporaries(tl):
-    """Report the optimizer step's temporaries as plain "temporaries"."""
+    """Report the optimizer step's temporaries as plain "temporaries" (and FSDP2's unsharded
+    parameters and gradients as "params" and "grads")."""
     import dataclasses
 
+    from memguard.estimator.fsdp2 import fold_categories
     from memguard.estimator.trace import OPTIMIZER_TEMPORARIES
 
     def fold(bd):
-        bd = dict(bd)
+        bd = fold_categories(bd)
         extra = bd.pop(OPTIMIZER_TEMPORARIES, 0)
         if extra or "temporaries" in bd:
             bd["temporaries"] = bd.get("temporaries", 0) + extra

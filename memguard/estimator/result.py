@@ -48,7 +48,11 @@ class Estimate:
             estimators report.
         phase_peaks: the peak of live tensor bytes inside each phase.
         notes: environment settings the CUDA prediction read (``PYTORCH_CUDA_ALLOC_CONF``,
-            ``CUBLAS_WORKSPACE_CONFIG``) or found set but does not model, one sentence each.
+            ``CUBLAS_WORKSPACE_CONFIG``) or found set but does not model, and what a strategy's
+            options meant (FSDP2's mixed-precision policy and sharding level), one sentence each.
+        strategy: ``"ddp"``, ``"deepspeed"`` or ``"fsdp2"``: how the model states were sharded
+            (``zero_stage`` is that strategy's sharding level). Dicts written before this field
+            existed load as DDP, or DeepSpeed when their ``zero_stage >= 1``.
     """
 
     peak_bytes: int
@@ -69,8 +73,11 @@ class Estimate:
     model_state_bytes: int = 0
     phase_peaks: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    strategy: str = ""
 
     def __post_init__(self) -> None:
+        if not self.strategy:  # older dicts: today's meaning of zero_stage
+            object.__setattr__(self, "strategy", "deepspeed" if self.zero_stage >= 1 else "ddp")
         object.__setattr__(self, "breakdown", MappingProxyType(dict(self.breakdown)))
         object.__setattr__(self, "phase_peaks", MappingProxyType(dict(self.phase_peaks)))
         object.__setattr__(self, "notes", tuple(self.notes))  # a JSON round trip gives a list
@@ -105,10 +112,15 @@ class Estimate:
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def _sharding(self) -> str:
+        if self.strategy == "fsdp2":
+            return f"FSDP2 level {self.zero_stage}"
+        return f"ZeRO-{self.zero_stage}"
+
     def __str__(self) -> str:
         target = self.gpu or self.device
         head = (
             f"Estimate: {format_bytes(self.peak_bytes)} peak on {target}, micro-batch {self.micro_batch_size}, "
-            f"{self.precision}, ZeRO-{self.zero_stage} x {self.world_size}"
+            f"{self.precision}, {self._sharding()} x {self.world_size}"
         )
         return head + "\n" + self.table()

@@ -24,6 +24,12 @@ Predicted time of one optimizer step on one rank, in seconds::
   all (ZeRO paper, arXiv 1910.02054, §7.2-7.3). ZeRO-2 and ZeRO-3 communicate once per
   micro-batch (gradients are reduced as each micro-batch's backward produces them); DDP and
   ZeRO-1 once per step.
+* FSDP2 (``strategy="fsdp2"``; ``_fsdp_param_group.py``, torch 2.13): each micro-batch all-gathers
+  the parameters in the policy's ``param_dtype`` for forward and, at level 3
+  (``reshard_after_forward=True``), again for backward; FSDP2 reshards after backward, so level 1
+  all-gathers every micro-batch too. Gradients are reduce-scattered in ``reduce_dtype`` (fp32 for
+  memguard's mixed policy) every micro-batch at levels 2-3, once per step at level 1 (no
+  gradient sync on the other micro-batches).
 * ``host_optimizer``: with the optimizer offloaded, fp32 gradients go to the host and updated
   16-bit parameters come back over PCIe (HOST_LINK_GBPS), and the host runs Adam over 16 bytes
   per parameter at HOST_ADAM_GBPS (assumed memory-bound host update).
@@ -68,6 +74,7 @@ def step_seconds(
     checkpoint_blocks: int,
     zero_stage: int,
     offload_optimizer: bool,
+    strategy: str | None = None,
 ) -> float:
     """Predicted seconds of one optimizer step (see the module docstring)."""
     rate = c.tflops.get(precision, 0.0) * 1e12 * MFU
@@ -81,7 +88,13 @@ def step_seconds(
         elem = 2 if precision != "32-true" else 4  # gradients travel in the training dtype
         ring = (world_size - 1) / world_size  # ring collectives send (N-1)/N of the data per rank
         bw = c.interconnect_gbps * 1e9
-        if zero_stage <= 1:
+        if strategy == "fsdp2":
+            gathered = 4 if precision == "32-true" else 2  # the all-gather runs in param_dtype
+            reduced = 4 if precision.endswith("-mixed") else gathered  # reduce_dtype fp32 under the mixed policy
+            gathers = 2 if zero_stage == 3 else 1
+            reduces = grad_accum_steps if zero_stage >= 2 else 1
+            comm = (grad_accum_steps * gathers * gathered + reduces * reduced) * c.num_params * ring / bw
+        elif zero_stage <= 1:
             comm = 2 * c.num_params * elem * ring / bw
         elif zero_stage == 2:
             comm = grad_accum_steps * c.num_params * elem * ring / bw + c.num_params * elem * ring / bw

@@ -33,7 +33,9 @@ class Plan:
         activation_checkpointing: True when some repeated blocks are checkpointed.
         checkpoint_blocks: how many of the model's repeated blocks are checkpointed (the first
             ones, in module order); 0 when ``activation_checkpointing`` is False.
-        zero_stage: DeepSpeed ZeRO stage 0-3 (0 = plain DDP or a single device).
+        zero_stage: the sharding level 0-3: DeepSpeed's ZeRO stage (0 = plain DDP or a single
+            device), or under FSDP2 3 = ``reshard_after_forward=True``, 2 = ``False``, 1 = ``False``
+            with gradient sync on the last micro-batch only.
         offload_optimizer: optimizer states live in host memory (ZeRO-Offload).
         device: ``"cuda"`` or ``"cpu"``.
         gpu: catalog name of the target GPU, or None.
@@ -45,6 +47,10 @@ class Plan:
         block_class: the class name of the repeated block used for checkpointing, if any.
         hidden_size: the model's hidden size when memguard could read it (for DeepSpeed bucket
             sizes), else None.
+        strategy: ``"ddp"`` (also a single device), ``"deepspeed"`` or ``"fsdp2"``. Dicts written
+            before this field existed load as ``"deepspeed"`` when their ``zero_stage >= 1``, else
+            ``"ddp"``.
+        notes: operational advice, one sentence each (how to run the plan), shown by :meth:`explain`.
     """
 
     micro_batch_size: int
@@ -65,9 +71,20 @@ class Plan:
     reasons: Mapping[str, str] = field(default_factory=dict)
     block_class: str | None = None
     hidden_size: int | None = None
+    strategy: str = ""
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reasons", MappingProxyType(dict(self.reasons)))
+        object.__setattr__(self, "notes", tuple(self.notes))  # a JSON round trip gives a list
+        if not self.strategy:  # older dicts, or built by hand: the meaning zero_stage had before
+            object.__setattr__(self, "strategy", "deepspeed" if self.zero_stage >= 1 else "ddp")
+        if self.strategy not in ("ddp", "deepspeed", "fsdp2"):
+            raise ConfigError(f"plan strategy {self.strategy!r} is not one of 'ddp', 'deepspeed', 'fsdp2'")
+        if (self.strategy == "ddp") != (self.zero_stage == 0):
+            raise ConfigError(
+                f"plan is inconsistent: strategy {self.strategy!r} with zero_stage {self.zero_stage} ('ddp' runs "
+                "zero_stage 0; 'deepspeed' and 'fsdp2' run 1-3); build plans with memguard.plan()")
         if self.micro_batch_size * self.grad_accum_steps * self.world_size != self.global_batch_size:
             raise ConfigError(
                 f"plan is inconsistent: micro_batch_size {self.micro_batch_size} x grad_accum_steps "
@@ -89,6 +106,7 @@ class Plan:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["estimate"] = self.estimate.to_dict()
         d["reasons"] = dict(self.reasons)
+        d["notes"] = list(self.notes)
         d["format_version"] = PLAN_FORMAT_VERSION
         return d
 
@@ -133,7 +151,9 @@ class Plan:
             head,
             f"  precision                 {self.precision}",
             f"  activation checkpointing  {ckpt}",
-            f"  ZeRO stage                {self.zero_stage}" + (" (optimizer offloaded to CPU)" if self.offload_optimizer else ""),
+            f"  strategy                  {self._strategy_line()}",
+            f"  ZeRO stage                {self.zero_stage}" + (" (optimizer offloaded to CPU)" if self.offload_optimizer else "")
+            + (" (FSDP2's sharding level)" if self.strategy == "fsdp2" else ""),
             f"  predicted peak            {format_bytes(e.peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
             f"({format_bytes(self.budget_bytes)} budget, {100 * self.headroom:.0f}% headroom)"
             + (f" + {format_bytes(e.context_bytes)} CUDA context" if e.context_bytes else ""),
@@ -144,7 +164,21 @@ class Plan:
         if self.reasons:
             lines += ["", "Why:"]
             lines += [f"  {k}: {v}" for k, v in self.reasons.items()]
+        if self.notes:
+            lines += ["", "Notes:"]
+            lines += [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _strategy_line(self) -> str:
+        if self.strategy == "fsdp2":
+            what = {3: "reshard_after_forward=True", 2: "reshard_after_forward=False",
+                    1: "reshard_after_forward=False, gradient sync on the last micro-batch"}.get(self.zero_stage, "")
+            line = f"FSDP2, sharding level {self.zero_stage} ({what})"
+            return line + (" with CPUOffloadPolicy" if self.offload_optimizer else "")
+        if self.strategy == "deepspeed":
+            return f"DeepSpeed ZeRO stage {self.zero_stage}" + (
+                " (optimizer offloaded to CPU)" if self.offload_optimizer else "")
+        return "DDP" if self.world_size > 1 else "one device"
 
     def __str__(self) -> str:
         return self.explain()

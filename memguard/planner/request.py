@@ -71,6 +71,11 @@ class PlanRequest:
         finetune: None (the model as given), ``"full"`` (the same, and measured fine-tuning
             alternatives when nothing fits) or ``"lora"`` (plan a LoRA twin of the model); see
             :mod:`memguard.planner.finetune`.
+        strategy: None = today's choice (DDP, or DeepSpeed ZeRO at ``zero_stage >= 1``); one of
+            ``"ddp"``, ``"deepspeed"``, ``"fsdp2"`` fixes it; a sequence restricts the search to
+            those. Under ``"fsdp2"`` ``zero_stage`` is FSDP2's sharding level (3 =
+            ``reshard_after_forward=True``, 2 = ``False``, 1 = ``False`` with gradient sync on the
+            last micro-batch only).
     """
 
     global_batch_size: int
@@ -91,6 +96,7 @@ class PlanRequest:
     max_shape: Mapping[Any, Any] | None = None
     train: bool = True
     finetune: str | None = None
+    strategy: str | Sequence[str] | None = None
 
     @classmethod
     def from_options(cls, **options: Any) -> "PlanRequest":
@@ -238,13 +244,30 @@ class PlanRequest:
         offloads = _choices(say("offload_optimizer", self.offload_optimizer), self.offload_optimizer,
                             (False, True), (False, True), problems)
         multi = _is_int(world) and world > 1
+        from memguard.estimator.api import STRATEGIES
+
+        strategies = _choices(say("strategy", self.strategy), self.strategy, ("ddp", "deepspeed"), STRATEGIES,
+                              problems)
+        sharded = self.strategy is not None and any(s in ("deepspeed", "fsdp2") for s in strategies)
         # ZeRO stages are worth considering on one device only with offload (ZeRO-Offload's use case,
-        # arXiv 2101.06840: a single GPU training with the optimizer on the host)
-        default_zeros = ZERO_STAGES if multi else ((1, 2) if offloads == (True,) else (0,))
+        # arXiv 2101.06840: a single GPU training with the optimizer on the host), or when a sharding
+        # strategy is asked for by name
+        default_zeros = ZERO_STAGES if multi or sharded else ((1, 2) if offloads == (True,) else (0,))
         zeros = _choices(say("zero_stage", self.zero_stage), self.zero_stage, default_zeros, ZERO_STAGES, problems)
-        if offloads == (True,) and zeros == (0,):
+        combos = tuple((s, z) for s in strategies for z in zeros
+                       if isinstance(z, int) and ((z == 0) == (s == "ddp")))
+        if not problems and not combos:
+            problems.append(
+                f"no sharding fits both {say('strategy', self.strategy)} and {say('zero_stage', self.zero_stage)}: "
+                "'ddp' runs zero_stage 0, 'deepspeed' 1-3 (ZeRO), 'fsdp2' 1-3 (its sharding level)")
+        elif offloads == (True,) and not any(z >= 1 for _, z in combos):
             problems.append(f"{say('offload_optimizer', True)} needs a ZeRO stage >= 1: pass "
                             f"{say('zero_stage', 1)}, 2 or 3")
+        if "fsdp2" in strategies:
+            import torch.distributed as dist
+
+            if not dist.is_available():
+                problems.append(f"{say('strategy', 'fsdp2')} needs torch.distributed, which this torch build lacks")
         if problems:
             return problems, None
         try:
@@ -253,6 +276,7 @@ class PlanRequest:
             return list(exc.problems), None
         return [], SearchSpace(
             spec=spec, precisions=precisions, checkpointing=ckpts, zero_stages=zeros, offloads=offloads,
+            shardings=combos,
             budget_bytes=int(budget), usable_bytes=int(budget * (1 - headroom)),
             explicit_precision=self.precision is not None,
         )
@@ -275,6 +299,8 @@ class SearchSpace:
         budget_bytes: bytes per rank before headroom.
         usable_bytes: ``budget_bytes`` less the headroom: what a plan's estimate must stay under.
         explicit_precision: the user fixed or restricted the precision.
+        shardings: the ``(strategy, zero_stage)`` pairs to consider: ``("ddp", 0)``,
+            ``("deepspeed", 1-3)``, ``("fsdp2", 1-3)``.
     """
 
     spec: Any
@@ -285,6 +311,7 @@ class SearchSpace:
     budget_bytes: int
     usable_bytes: int
     explicit_precision: bool
+    shardings: tuple[tuple[str, int], ...] = ()
 
 
 def _is_int(value: Any) -> bool:

@@ -38,7 +38,7 @@ from torch import nn
 
 from memguard.batch import first_dim, resize_batch
 from memguard.errors import ConfigError, InfeasiblePlanError
-from memguard.estimator.api import evaluate, run_trace, traced_precision, unwrap_model
+from memguard.estimator.api import evaluate, fsdp2_layout, run_trace, traced_precision, unwrap_model
 from memguard.estimator.blocks import find_blocks, hidden_size
 from memguard.estimator.result import Estimate
 from memguard.planner.cost import CPU_TFLOPS, CostInputs, step_seconds
@@ -64,6 +64,7 @@ _MAX_VERIFY = 6
 
 @dataclass(frozen=True)
 class _Candidate:
+    strategy: str
     precision: str
     micro_batch_size: int
     grad_accum_steps: int
@@ -74,10 +75,11 @@ class _Candidate:
     step_seconds: float
     throughput: float
 
-    def key(self, precision_rank: dict[str, int]) -> tuple:
+    def key(self, precision_rank: dict[str, int], strategy_rank: dict[str, int] | None = None) -> tuple:
         return (
             -float(f"{self.throughput:.3g}"),  # throughput first, to 3 significant digits
             self.checkpoint_blocks,
+            (strategy_rank or {}).get(self.strategy, 0),  # then the strategy listed first
             self.zero_stage,
             self.offload_optimizer,
             precision_rank[self.precision],
@@ -160,7 +162,7 @@ class Planner:
         return resize_batch(self.traced_batch, self.example_m, n)
 
     def trace(self, precision: str, *, ckpt: int = 0, keep: int | None = None, m: int | None = None,
-              grads_present: bool = False, flops: bool = False, spec: Any = None):
+              grads_present: bool = False, flops: bool = False, spec: Any = None, fsdp2: Any = None):
         """One step traced as :func:`memguard.estimate` traces it (cached).
 
         Args:
@@ -171,16 +173,24 @@ class Planner:
             grads_present: gradients exist when the micro-batch starts (accumulation).
             flops: count FLOPs too.
             spec: the CUDA target's GPU spec (kernel choices depend on it); None on the CPU.
+            fsdp2: the :class:`~memguard.estimator.fsdp2.FSDP2Layout` of an FSDP2 target (its
+                offload setting does not change the trace), or None.
         """
         spec = spec if self.device == "cuda" else None
-        key = (precision, ckpt, keep, m, grads_present, flops, getattr(spec, "name", None))
+        if fsdp2 is not None:
+            import dataclasses
+
+            # level 1 differs from level 2 only when gradients accumulate unsynchronised
+            stage = 2 if fsdp2.zero_stage == 1 and not grads_present else fsdp2.zero_stage
+            fsdp2 = dataclasses.replace(fsdp2, offload=False, zero_stage=stage)
+        key = (precision, ckpt, keep, m, grads_present, flops, getattr(spec, "name", None), fsdp2)
         if key not in self._traces:
             start = time.perf_counter()
             batch = self.traced_batch if m is None else self.batch_of(m)
             self._traces[key] = run_trace(
                 self.model, batch, optimizer=self.optimizer, loss_fn=self.loss_fn, device=self.device,
                 precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present, keep_blocks=keep,
-                count_flops=flops, keep_outputs=self.keep_outputs, gpu=spec,
+                count_flops=flops, keep_outputs=self.keep_outputs, gpu=spec, fsdp2=fsdp2,
             )
             log.debug("memguard traced %s", key)
             if self.on_trace is not None:
@@ -201,63 +211,98 @@ class Planner:
             return [None]
         return [1, 2]
 
-    def _probe_trace(self, precision: str, zero_stage: int, ckpt_all: bool, j: int | None, spec: Any):
+    def _layout(self, strategy: str, precision: str, zero_stage: int, world_size: int):
+        """The FSDP2 layout a trace needs (None for DDP and DeepSpeed, whose sharding is a re-scan)."""
+        return fsdp2_layout(strategy, precision, zero_stage, world_size, False, self.device)
+
+    def _probe_trace(self, precision: str, zero_stage: int, ckpt_all: bool, j: int | None, spec: Any,
+                     strategy: str = "ddp", world_size: int = 1, grads_present: bool = False):
         """The probe trace keeping ``j`` blocks (None: the whole model), with all of them checkpointed or none."""
-        traced = traced_precision(precision, zero_stage)
+        traced = traced_precision(precision, zero_stage, strategy)
         ck = (self.num_blocks if j is None else j) if ckpt_all else 0
-        flops = not ckpt_all and traced == precision == (self._first_precision or "32-true")  # FLOPs: once
-        return self.trace(traced, ckpt=ck, keep=j, m=self.m0, flops=flops, spec=spec)
+        layout = self._layout(strategy, precision, zero_stage, world_size)
+        flops = (not ckpt_all and layout is None and not grads_present
+                 and traced == precision == (self._first_precision or "32-true"))  # FLOPs: once
+        return self.trace(traced, ckpt=ck, keep=j, m=self.m0, flops=flops, spec=spec, fsdp2=layout,
+                          grads_present=grads_present)
 
     def _features(self, precision: str, ckpt_all: bool, *, zero_stage: int, world_size: int, spec: Any,
-                  offload: bool) -> ProbeFeatures:
+                  offload: bool, strategy: str = "ddp") -> ProbeFeatures:
         feats = []
         for j in self.probe_points(spec):
-            tr = self._probe_trace(precision, zero_stage, ckpt_all, j, spec)
+            tr = self._probe_trace(precision, zero_stage, ckpt_all, j, spec, strategy, world_size)
             # allocated bytes only: the CPU target's evaluation is the sharded timeline without the allocator
             _, tl = evaluate(tr, device="cpu", precision=precision, zero_stage=zero_stage, world_size=world_size,
-                             spec=None, offload_optimizer=offload, micro_batch_size=self.m0)
+                             spec=None, offload_optimizer=offload, micro_batch_size=self.m0, strategy=strategy)
             feats.append(ProbeFeatures.of(tl))
         if len(feats) == 1:
             return feats[0]
         return feats[0].extrapolate(feats[1], 1, 2, self.num_blocks)
 
-    def _whole_traces(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any) -> tuple:
+    def _whole_traces(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any, strategy: str = "ddp",
+                      world_size: int = 1, grads_present: bool = False) -> tuple:
         """Traces of every block at the probes' micro-batch and at twice it: the probes extended (the
         2-block probe at twice the micro-batch is extended as the one at the micro-batch is), or the
         whole model traced where the probes are not one block apart."""
-        key = (traced_precision(precision, zero_stage), ckpt_all, getattr(spec, "name", None))
+        layout = self._layout(strategy, precision, zero_stage, world_size)
+        key = (traced_precision(precision, zero_stage, strategy), ckpt_all, getattr(spec, "name", None), layout,
+               grads_present)
         if key not in self._extended:
-            traced = traced_precision(precision, zero_stage)
+            traced = traced_precision(precision, zero_stage, strategy)
             n = self.num_blocks
             points = self.probe_points(spec)
             m1 = 2 * self.m0
             pair = None
             if len(points) == 2:
-                one, two = (self._probe_trace(precision, zero_stage, ckpt_all, j, spec) for j in points)
-                two_m1 = self.trace(traced, ckpt=2 if ckpt_all else 0, keep=2, m=m1, spec=spec)
+                one, two = (self._probe_trace(precision, zero_stage, ckpt_all, j, spec, strategy, world_size,
+                                              grads_present) for j in points)
+                two_m1 = self.trace(traced, ckpt=2 if ckpt_all else 0, keep=2, m=m1, spec=spec, fsdp2=layout,
+                                    grads_present=grads_present)
                 pair = extend_trace(one, two, n, others=[two_m1])
+                if pair is not None and layout is not None and n > 3 and not self._extends_to_three(
+                        one, two, traced, ckpt_all, spec, layout, grads_present):
+                    pair = None  # FSDP2's buffers did not line up block by block: trace the whole model
                 if pair is None:  # other kernels at the larger micro-batch: extend it on its own
-                    one_m1 = self.trace(traced, ckpt=1 if ckpt_all else 0, keep=1, m=m1, spec=spec)
+                    one_m1 = self.trace(traced, ckpt=1 if ckpt_all else 0, keep=1, m=m1, spec=spec, fsdp2=layout,
+                                        grads_present=grads_present)
                     pair = [extend_trace(one, two, n), extend_trace(one_m1, two_m1, n)]
-                    pair = None if None in pair else pair
+                    pair = None if None in pair or layout is not None else pair
             if pair is None:  # no repeated blocks, probes that do not line up: trace the whole model
                 ck = n if ckpt_all else 0
-                pair = [self.trace(traced, ckpt=ck, m=m, spec=spec) for m in (self.m0, m1)]
+                pair = [self.trace(traced, ckpt=ck, m=m, spec=spec, fsdp2=layout, grads_present=grads_present)
+                        for m in (self.m0, m1)]
             self._extended[key] = tuple(pair)
         return self._extended[key]
 
-    def _device_trace(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any, m: int):
+    def _extends_to_three(self, one, two, traced: str, ckpt_all: bool, spec: Any, layout: Any,
+                          grads_present: bool) -> bool:
+        """Whether the probes extended to 3 blocks give the 3-block trace's peak exactly.
+
+        FSDP2's per-block buffers are handed between blocks (the reduce-scatter input lives until the
+        next group's reduce-scatter, ``ReduceScatterState`` in ``_fsdp_param_group.py``; backward
+        prefetches the next group), and with checkpointing the alignment of the 1- and 2-block traces
+        can assign them to the wrong block, so the extension is checked against one more probe.
+        """
+        from memguard.estimator.analysis import scan
+
+        three = self.trace(traced, ckpt=3 if ckpt_all else 0, keep=3, m=self.m0, spec=spec, fsdp2=layout,
+                           grads_present=grads_present)
+        extended = extend_trace(one, two, 3)
+        return extended is not None and scan(extended).peak_bytes == scan(three).peak_bytes
+
+    def _device_trace(self, precision: str, zero_stage: int, ckpt_all: bool, spec: Any, m: int,
+                      strategy: str = "ddp", world_size: int = 1, grads_present: bool = False):
         """The whole model's trace at micro-batch ``m``: each tensor's size is affine in the micro-batch
         (a tensor's shape has the batch as a factor, or not at all), so traces at two micro-batches give
         every tensor's size at any other (:func:`memguard.planner.probe.interpolate_trace`)."""
-        base, other = self._whole_traces(precision, zero_stage, ckpt_all, spec)
+        base, other = self._whole_traces(precision, zero_stage, ckpt_all, spec, strategy, world_size, grads_present)
         m1 = 2 * self.m0
         if len(base.events) != len(other.events) and m >= m1:  # the larger micro-batch's kernels
             return interpolate_trace(other, m1, other, m1, m)
         return interpolate_trace(base, self.m0, other, m1, m)
 
     def probe_model(self, precision: str, *, zero_stage: int, world_size: int, spec: Any, offload: bool,
-                    checkpointing: bool) -> ProbeModel:
+                    checkpointing: bool, strategy: str | None = None) -> ProbeModel:
         """The probe model of one target (see :mod:`memguard.planner.probe`).
 
         Args:
@@ -265,22 +310,29 @@ class Planner:
             zero_stage, world_size, offload: the sharding.
             spec: the CUDA target's GPU spec (None on the CPU).
             checkpointing: also probe with every block checkpointed, so that ``predict`` takes ``k > 0``.
+            strategy: "ddp", "deepspeed" or "fsdp2" (None: DeepSpeed at ``zero_stage >= 1``, else DDP).
         """
-        common = dict(zero_stage=zero_stage, world_size=world_size, spec=spec, offload=offload)
+        strategy = strategy or ("deepspeed" if zero_stage >= 1 else "ddp")
+        common = dict(zero_stage=zero_stage, world_size=world_size, spec=spec, offload=offload, strategy=strategy)
         f_off = self._features(precision, False, **common)
         f_on = self._features(precision, True, **common) if checkpointing and self.num_blocks >= 1 else None
         model = ProbeModel(f_off, f_on, self.m0, self.num_blocks)
         if self.device == "cpu" or spec is not None:
             def device_peak(m: int, ckpt_all: bool, accumulating: bool) -> int:
-                key = (precision, zero_stage, world_size, getattr(spec, "name", None), offload, m, ckpt_all,
+                key = (strategy, precision, zero_stage, world_size, getattr(spec, "name", None), offload, m, ckpt_all,
                        accumulating)
                 if key not in self._peaks:
-                    whole = self._device_trace(precision, zero_stage, ckpt_all, spec, m)
-                    if accumulating:
+                    # FSDP2 level 1 accumulates unsharded gradients without synchronising: traced as such;
+                    # otherwise accumulation only allocates the (sharded) gradients up front
+                    traced_accum = accumulating and strategy == "fsdp2" and zero_stage == 1
+                    whole = self._device_trace(precision, zero_stage, ckpt_all, spec, m, strategy, world_size,
+                                               traced_accum)
+                    if accumulating and not traced_accum:
                         whole = with_gradients_present(whole)
                     est, _ = evaluate(whole, device=self.device, precision=precision, zero_stage=zero_stage,
                                        world_size=world_size, spec=spec, offload_optimizer=offload,
-                                       micro_batch_size=m, checkpointed=self.num_blocks if ckpt_all else 0)
+                                       micro_batch_size=m, checkpointed=self.num_blocks if ckpt_all else 0,
+                                       strategy=strategy)
                     self._peaks[key] = est.peak_bytes
                 return self._peaks[key]
 
@@ -342,8 +394,9 @@ def plan(
     max_shape: Any = None,
     train: bool = True,
     finetune: str | None = None,
+    strategy: str | Sequence[str] | None = None,
 ) -> Plan:
-    """Choose micro-batch, accumulation, precision, checkpointing and ZeRO stage for a budget.
+    """Choose micro-batch, accumulation, precision, checkpointing and sharding for a budget.
 
     Knobs ``precision``, ``activation_checkpointing``, ``zero_stage`` and ``offload_optimizer``:
     None lets memguard choose, a value fixes it, a sequence restricts it. With ``precision=None``
@@ -378,6 +431,11 @@ def plan(
             lists measured LoRA, QLoRA, 8-bit AdamW, bf16-true and CPU-offload alternatives
             (``.alternatives``; :mod:`memguard.planner.finetune`); ``"lora"`` plans a LoRA twin of
             the model (peft adapters on every linear layer of the repeated blocks, base in bf16).
+        strategy: None = DDP, or DeepSpeed ZeRO at stages >= 1 (as before strategies existed);
+            ``"ddp"``, ``"deepspeed"`` or ``"fsdp2"`` fixes it; a sequence lets memguard choose among
+            them (``Plan.strategy`` says which). Under ``"fsdp2"`` ``zero_stage`` is FSDP2's sharding
+            level (see :func:`memguard.estimate`) and ``*-mixed`` precisions mean its
+            ``MixedPrecisionPolicy`` with fp32 gradient reduction and no autocast.
 
     Returns:
         The :class:`~memguard.Plan`, verified with one full trace.
@@ -392,7 +450,7 @@ def plan(
         device=device, optimizer=optimizer, loss_fn=loss_fn, precision=precision,
         activation_checkpointing=activation_checkpointing, zero_stage=zero_stage,
         offload_optimizer=offload_optimizer, headroom=headroom, make_batch=make_batch, cache=cache,
-        keep_outputs=keep_outputs, max_shape=max_shape, train=train, finetune=finetune,
+        keep_outputs=keep_outputs, max_shape=max_shape, train=train, finetune=finetune, strategy=strategy,
     )
     return plan_request(model, batch, request)
 
@@ -453,7 +511,8 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, planner:
             global_batch_size=request.global_batch_size, gpu=space.spec.name if space.spec else None,
             budget_bytes=space.budget_bytes, world_size=request.world_size, device=request.device,
             precision=space.precisions, ckpt=space.checkpointing, zero=space.zero_stages, offload=space.offloads,
-            headroom=request.headroom, keep_outputs=request.keep_outputs, finetune=request.finetune))
+            headroom=request.headroom, keep_outputs=request.keep_outputs, finetune=request.finetune,
+            **({"strategy": space.shardings} if request.strategy is not None else {})))
         hit = store.get(key)
         if hit is not None:
             log.info("memguard: plan read from cache %s", store.path_for(key))
@@ -464,7 +523,8 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, planner:
                          world_size=request.world_size, budget=space.budget_bytes, usable=space.usable_bytes,
                          headroom=request.headroom, precisions=space.precisions, ckpts=space.checkpointing,
                          zeros=space.zero_stages, offloads=space.offloads,
-                         explicit_precision=space.explicit_precision)
+                         explicit_precision=space.explicit_precision,
+                         shardings=space.shardings or tuple(("deepspeed" if z else "ddp", z) for z in space.zero_stages))
     except InfeasiblePlanError as exc:
         if request.finetune == "full":
             from memguard.planner.finetune import alternatives, suggestion_lines
@@ -488,7 +548,7 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, planner:
 
 
 def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, usable, headroom, precisions, ckpts,
-            zeros, offloads, explicit_precision) -> Plan:
+            zeros, offloads, explicit_precision, shardings=()) -> Plan:
     local = global_batch_size // world_size
     sizes = divisors(local)[::-1]
     n_blocks = planner.num_blocks
@@ -497,18 +557,22 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
     planner._first_precision = planner._first_precision or precisions[0]
     cost = planner.cost_inputs(spec, precisions[0])
     rank = {p: i for i, p in enumerate(sorted(precisions, key=lambda p: (p != "32-true", p)))}
-    configs = [(z, o) for z in zeros for o in offloads if not (o and z == 0)]
+    shardings = shardings or tuple(("deepspeed" if z else "ddp", z) for z in zeros)
+    configs = [(st, z, o) for st, z in shardings for o in offloads if not (o and z == 0)]
+    strategy_rank: dict[str, int] = {}
+    for st, _ in shardings:
+        strategy_rank.setdefault(st, len(strategy_rank))
 
-    def seconds(p, m, k, z, o):
+    def seconds(p, m, k, z, o, st=None):
         return step_seconds(cost, micro_batch_size=m, grad_accum_steps=local // m, world_size=world_size,
-                            precision=p, checkpoint_blocks=k, zero_stage=z, offload_optimizer=o)
+                            precision=p, checkpoint_blocks=k, zero_stage=z, offload_optimizer=o, strategy=st)
 
     # Best conceivable throughput of each (precision, checkpointing) pair, ignoring memory.
     pairs = []
     for p in precisions:
         for ck in ckpts:
             k = 1 if ck else 0
-            best = min(seconds(p, m, k, z, o) for m in sizes[:1] for z, o in configs)
+            best = min(seconds(p, m, k, z, o, st) for m in sizes[:1] for st, z, o in configs)
             pairs.append((global_batch_size / best, p, ck))
     pairs.sort(key=lambda t: -t[0])
 
@@ -518,9 +582,9 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
     for bound, p, ck in pairs:
         if candidates and bound < max(c.throughput for c in candidates):
             continue  # cannot beat what is already found: do not trace it
-        for z, o in configs:
+        for st, z, o in configs:
             model = planner.probe_model(p, zero_stage=z, world_size=world_size, spec=spec, offload=o,
-                                        checkpointing=ck)
+                                        checkpointing=ck, strategy=st)
             for m in sizes:
                 accum = local // m
                 k = _fewest_blocks(model, m, accum, usable) if ck else 0
@@ -528,8 +592,8 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
                 # the device holds at least the allocated bytes: past the budget they are the closeness
                 # measure, and the allocator model need not run
                 pred = allocated if allocated > usable else model.predict(m, k, accum)
-                s = seconds(p, m, k, z, o)
-                cand = _Candidate(p, m, accum, k, z, o, pred, s, global_batch_size / s)
+                s = seconds(p, m, k, z, o, st)
+                cand = _Candidate(st, p, m, accum, k, z, o, pred, s, global_batch_size / s)
                 if closest is None or pred < closest.predicted_bytes:
                     closest = cand
                 if pred <= usable:
@@ -548,13 +612,13 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
         m = below[0]
         accum = local // m
         k = _fewest_blocks(model, m, accum, usable) if ck else 0
-        sec = seconds(cand.precision, m, k, cand.zero_stage, cand.offload_optimizer)
-        new = _Candidate(cand.precision, m, accum, k, cand.zero_stage, cand.offload_optimizer,
+        sec = seconds(cand.precision, m, k, cand.zero_stage, cand.offload_optimizer, cand.strategy)
+        new = _Candidate(cand.strategy, cand.precision, m, accum, k, cand.zero_stage, cand.offload_optimizer,
                          model.predict(m, k, accum), sec, global_batch_size / sec)
         origin[new] = origin[cand]
         return new
 
-    queue = sorted(candidates, key=lambda c: c.key(rank))
+    queue = sorted(candidates, key=lambda c: c.key(rank, strategy_rank))
     tried: list[tuple[_Candidate, Estimate]] = []
     worst = 1.0  # how far predictions have fallen short of full traces so far
     while queue and len(tried) < _MAX_VERIFY:
@@ -565,7 +629,8 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
             if est.peak_bytes <= usable:
                 return _make_plan(planner, spec, cand, est, world_size=world_size,
                                   global_batch_size=global_batch_size, budget=budget, headroom=headroom,
-                                  candidates=candidates, precisions=precisions, explicit_precision=explicit_precision)
+                                  candidates=candidates, precisions=precisions, explicit_precision=explicit_precision,
+                                  strategies=[st for st, _ in shardings])
             worst = max(worst, est.peak_bytes / max(cand.predicted_bytes, 1))
             log.info("memguard: candidate %s predicted %s but verified at %s; trying the next",
                      cand, format_bytes(cand.predicted_bytes), format_bytes(est.peak_bytes))
@@ -573,14 +638,15 @@ def _search(planner: Planner, spec, *, global_batch_size, world_size, budget, us
         follow = smaller(cand)
         if follow is not None:
             queue.append(follow)
-            queue.sort(key=lambda c: c.key(rank))
+            queue.sort(key=lambda c: c.key(rank, strategy_rank))
     if closest is not None and all(c is not closest for c, _ in tried):
         # last resort: the configuration with the smallest predicted peak of all
         est = _verify(planner, spec, closest, world_size, usable)
         if est.peak_bytes <= usable:
             return _make_plan(planner, spec, closest, est, world_size=world_size,
                               global_batch_size=global_batch_size, budget=budget, headroom=headroom,
-                              candidates=candidates, precisions=precisions, explicit_precision=explicit_precision)
+                              candidates=candidates, precisions=precisions, explicit_precision=explicit_precision,
+                                  strategies=[st for st, _ in shardings])
         tried.append((closest, est))
     cand, est = min(tried, key=lambda t: t[1].peak_bytes)
     raise _infeasible(planner, spec, cand, budget=budget, usable=usable, world_size=world_size,
@@ -612,9 +678,11 @@ def _fewest_blocks(model: ProbeModel, m: int, accum: int, usable: int) -> int:
 
 
 def _verify(planner: Planner, spec, cand: _Candidate, world_size: int, usable: int | None = None) -> Estimate:
-    tr = planner.trace(traced_precision(cand.precision, cand.zero_stage), ckpt=cand.checkpoint_blocks,
-                       m=cand.micro_batch_size, grads_present=cand.grad_accum_steps > 1, spec=spec)
+    tr = planner.trace(traced_precision(cand.precision, cand.zero_stage, cand.strategy), ckpt=cand.checkpoint_blocks,
+                       m=cand.micro_batch_size, grads_present=cand.grad_accum_steps > 1, spec=spec,
+                       fsdp2=planner._layout(cand.strategy, cand.precision, cand.zero_stage, world_size))
     est, _ = evaluate(tr, device=planner.device, precision=cand.precision, zero_stage=cand.zero_stage,
+                      strategy=cand.strategy,
                       world_size=world_size, spec=spec, offload_optimizer=cand.offload_optimizer,
                       micro_batch_size=cand.micro_batch_size, checkpointed=cand.checkpoint_blocks,
                       limit_bytes=usable)
@@ -622,7 +690,7 @@ def _verify(planner: Planner, spec, cand: _Candidate, world_size: int, usable: i
 
 
 def _make_plan(planner, spec, cand: _Candidate, est: Estimate, *, world_size, global_batch_size, budget, headroom,
-               candidates, precisions, explicit_precision) -> Plan:
+               candidates, precisions, explicit_precision, strategies=()) -> Plan:
     n = planner.num_blocks
     reasons = {
         "micro_batch_size": (
@@ -644,6 +712,10 @@ def _make_plan(planner, spec, cand: _Candidate, est: Estimate, *, world_size, gl
             f"{cand.zero_stage}: the least sharding (and communication) that fits and is fastest"
         ),
     }
+    if len(set(strategies)) > 1:
+        reasons["strategy"] = f"{cand.strategy}: the fastest of {', '.join(dict.fromkeys(strategies))} that fits"
+    elif cand.strategy == "fsdp2":
+        reasons["strategy"] = "fsdp2: asked for"
     if cand.offload_optimizer:
         reasons["offload_optimizer"] = "optimizer state in host memory: nothing fits on the device otherwise"
     blocks = find_blocks(planner.model)
@@ -666,10 +738,38 @@ def _make_plan(planner, spec, cand: _Candidate, est: Estimate, *, world_size, gl
         reasons=reasons,
         block_class=type(blocks[0]).__name__ if blocks else None,
         hidden_size=hidden_size(planner.model),
+        strategy=cand.strategy,
+        notes=strategy_notes(cand.strategy, cand.precision, cand.zero_stage, cand.offload_optimizer,
+                             type(blocks[0]).__name__ if blocks else None),
     )
     from memguard.planner.notes import notes_for_plan
 
     return plan.replace(notes=notes_for_plan(plan))
+
+
+def strategy_notes(strategy: str, precision: str, zero_stage: int, offload: bool, block_class: str | None
+                   ) -> tuple[str, ...]:
+    """How to run a plan's sharding, one sentence each (``Plan.notes``); empty for DDP and DeepSpeed."""
+    if strategy != "fsdp2":
+        return ()
+    from memguard.estimator.fsdp2 import describe_stage
+
+    blocks = f"each {block_class}" if block_class else "each repeated block"
+    notes = [
+        f"FSDP2: fully_shard {blocks}, then the root module (memguard.integrations.fsdp.apply(model, plan) does "
+        f"this), with {describe_stage(zero_stage)}."
+    ]
+    if precision.endswith("-mixed"):
+        dtype = "torch.bfloat16" if precision.startswith("bf16") else "torch.float16"
+        notes.append(f"{precision} under FSDP2 is MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype=torch.float32) "
+                     "with no autocast.")
+    if zero_stage == 1:
+        notes.append("Call model.set_requires_gradient_sync(False) before every micro-batch but the last of a step, "
+                     "and True before the last.")
+    if offload:
+        notes.append("offload_optimizer under FSDP2 is CPUOffloadPolicy: sharded parameters, gradients and optimizer "
+                     "state in host memory; the optimizer steps on the CPU.")
+    return tuple(notes)
 
 
 def _rate(spec, precision: str) -> float:
@@ -694,7 +794,9 @@ def _infeasible(planner, spec, cand, *, budget, usable, world_size, global_batch
             headroom=float(headroom), throughput=float(cand.throughput),
             reasons={"closest": "the configuration with the smallest predicted peak"},
             block_class=type(blocks[0]).__name__ if (blocks := find_blocks(planner.model)) else None,
-            hidden_size=hidden_size(planner.model),
+            hidden_size=hidden_size(planner.model), strategy=cand.strategy,
+            notes=strategy_notes(cand.strategy, cand.precision, cand.zero_stage, cand.offload_optimizer,
+                                 type(blocks[0]).__name__ if blocks else None),
         )
     need = est.peak_bytes if est is not None else 0
     suggestions: list[str] = []
