@@ -98,14 +98,6 @@ def _constraints(accelerator: Any = None, module: nn.Module | None = None, *, ac
     )
 
 
-def _plan_strategy(plan: Plan) -> str:
-    """``plan.strategy``; for a plan made before plans recorded it, what memguard ran then (DeepSpeed for ZeRO)."""
-    strategy = getattr(plan, "strategy", None)
-    if strategy:
-        return str(strategy)
-    return "deepspeed" if plan.zero_stage >= 1 or plan.offload_optimizer else "ddp"
-
-
 # FSDP2's mixed precision for the plan's precision: 16-bit all-gathered parameters, fp32 gradient reduction
 # (torch.distributed.fsdp.MixedPrecisionPolicy; the FSDP2 estimate's convention).
 _FSDP2_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -156,7 +148,7 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
     """
     if not isinstance(plan, Plan):
         raise ConfigError(f"accelerator_kwargs needs a memguard.Plan, got {type(plan).__name__}")
-    strategy = _plan_strategy(plan)
+    strategy = plan.strategy
     if strategy == "fsdp2":
         return _fsdp2_kwargs(plan)
     if strategy == "deepspeed":

@@ -94,7 +94,6 @@ Known limitations:
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 from collections.abc import Mapping
@@ -127,10 +126,6 @@ logger = logging.getLogger("memguard")
 _FROM_TRAINER = ("world_size", "device", "optimizer", "loss_fn", "batch")
 
 
-# Whether the guard core's Constraints takes the strategies a front-end runs (the planner's ``strategy=``).
-_HAS_STRATEGIES = "strategies" in {f.name for f in dataclasses.fields(Constraints)}
-
-
 @dataclass(frozen=True)
 class _Sharding:
     """How a Lightning strategy shards the training state, in memguard's terms.
@@ -161,7 +156,7 @@ _ANY_SHARDING = _Sharding(strategy="any", zero_stages=(0, 1, 2, 3), offload_opti
 def _constraints(trainer: Any = None, sharding: _Sharding = _ANY_SHARDING) -> Constraints:
     """What the Trainer fixes: its precision (Lightning runs it), world size and its strategy's sharding."""
     extra: dict[str, Any] = {}
-    if _HAS_STRATEGIES and sharding.strategy != "any":
+    if sharding.strategy != "any":
         extra["strategies"] = (sharding.strategy,)
     world = sharding.world_size if sharding.world_size is not None else (
         trainer.world_size if trainer is not None else None)
@@ -300,14 +295,6 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
     return _Sharding(name=name)
 
 
-def _plan_strategy(plan: Plan) -> str:
-    """``plan.strategy``; for a plan made before plans recorded it, what memguard ran then (DeepSpeed for ZeRO)."""
-    strategy = getattr(plan, "strategy", None)
-    if strategy:
-        return str(strategy)
-    return "deepspeed" if plan.zero_stage >= 1 or plan.offload_optimizer else "ddp"
-
-
 def _strategy_problems(plan: Plan, sharding: _Sharding) -> list[str]:
     """A problem if ``plan`` records another strategy than the Trainer's (its ZeRO stage is checked by the core)."""
     planned = getattr(plan, "strategy", None)
@@ -401,7 +388,7 @@ def strategy_for(plan: Plan, *, package: str | ModuleType | None = None, fsdp_ve
     else:
         problems.append(f"package must be one of {', '.join(_PACKAGES)}, got {package!r}")
         pkg = _pl
-    planned = _plan_strategy(plan)
+    planned = plan.strategy
     if planned == "ddp" and plan.zero_stage != 0:
         problems.append(f"a 'ddp' plan with zero_stage {plan.zero_stage} is inconsistent; plan again")
     if planned not in ("ddp", "fsdp2", "deepspeed"):
@@ -591,8 +578,7 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 loaders = trainer.fit_loop._data_source.dataloader()
             plan = guard.agree_on_plan(lambda: self._make_plan(trainer, pl_module, pkg, loaders, user_batch,
                                                                user_accum))
-            # (a planner that cannot be told the strategy labels its plans by ZeRO stage alone: nothing to check)
-            problems = _strategy_problems(plan, sharding) if _HAS_STRATEGIES else []
+            problems = _strategy_problems(plan, sharding)
             if problems:
                 raise ConfigError(problems)
         else:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import time
 import weakref
@@ -165,17 +164,12 @@ class Constraints:
         out = dict(options)
         if self.precisions is not None:
             out["precision"] = self.precisions[0]
-        if self.strategies is not None and planner_takes("strategy"):  # a planner without the option keeps working
+        if self.strategies is not None:
             out["strategy"] = self.strategies[0] if len(self.strategies) == 1 else list(self.strategies)
         out.setdefault("zero_stage", self.zero_stages[0] if len(self.zero_stages) == 1 else list(self.zero_stages))
         if not self.offload_optimizer:
             out.setdefault("offload_optimizer", False)
         return out
-
-
-def planner_takes(option: str) -> bool:
-    """Whether :func:`memguard.plan` accepts the planning option ``option`` (a field of its request)."""
-    return option in {f.name for f in dataclasses.fields(PlanRequest)}
 
 
 def _is_int(value: Any, least: int) -> bool:
@@ -885,7 +879,7 @@ class Guard:
         try:
             options = {k: v for k, v in ctx["options"].items() if k in ("keep_outputs",)}
             strategy = getattr(plan, "strategy", None)  # a planner with strategies plans the shape for the plan's
-            if strategy is not None and planner_takes("strategy"):
+            if strategy is not None:
                 options["strategy"] = strategy
             request = _request(options, global_batch_size=plan.global_batch_size, optimizer=ctx["optimizer"],
                                loss_fn=ctx["loss_fn"], world_size=plan.world_size, device=plan.device, gpu=plan.gpu,
@@ -894,8 +888,7 @@ class Guard:
             example = pad_batch(batch, sig)
             planner = Planner.for_request(uncompiled(self.module), example, request)
             k = plan.checkpoint_blocks if plan.activation_checkpointing else 0
-            extra = {"strategy": strategy} if "strategy" in options and "strategy" in inspect.signature(
-                planner.probe_model).parameters else {}
+            extra = {"strategy": strategy} if "strategy" in options else {}
             model = planner.probe_model(plan.precision, zero_stage=plan.zero_stage, world_size=plan.world_size,
                                         spec=space.spec, offload=plan.offload_optimizer, checkpointing=k > 0, **extra)
             if plan.device == "cpu":

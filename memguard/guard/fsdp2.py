@@ -185,7 +185,7 @@ def fsdp2_constraints(*, zero_stages: tuple[int, ...] = (3, 2, 1), precisions: t
     (``precision_role="framework"``: memguard neither casts nor autocasts).
     """
     return Constraints(source="memguard.prepare(strategy='fsdp2')", taken=("world_size", "optimizer", "loss_fn"),
-                       zero_stages=zero_stages, offload_optimizer=True, precisions=precisions,
+                       zero_stages=zero_stages, offload_optimizer=True, precisions=precisions, strategies=("fsdp2",),
                        world_size=world_size, precision_role="framework",
                        fix_precision="pass another precision= to memguard.prepare")
 
@@ -212,12 +212,6 @@ def constraints_for(model: nn.Module, world_size: int) -> Constraints:
     else:
         precision = "32-true"
     return fsdp2_constraints(zero_stages=stages, precisions=(precision,), world_size=world_size)
-
-
-def _planner_knows_strategy() -> bool:
-    from memguard.planner.request import PlanRequest
-
-    return "strategy" in getattr(PlanRequest, "__dataclass_fields__", {})
 
 
 class FSDP2Guard(Guard):
@@ -344,7 +338,7 @@ def prepare_fsdp2(first: Any, second: Any, *, plan: Plan | None, micro_batch_siz
                                 max_retries=max_retries, probe_up_after=probe_up_after, plan_options=options)
     if problems:
         raise ConfigError(problems)
-    if plan is None and micro_batch_size is None and _planner_knows_strategy():
+    if plan is None and micro_batch_size is None:
         options["strategy"] = "fsdp2"
     assert model is not None
     forget(model)

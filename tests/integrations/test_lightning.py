@@ -305,13 +305,9 @@ def test_either_packages_trainer_takes_the_callback_alone_and_from_a_subclass(pa
 
 
 def _plan(**kw):
-    """A hand-made plan; ``strategy=`` only where Plan records it (it does once the FSDP2 planner is in)."""
-    import dataclasses
-
+    """A hand-made plan."""
     from memguard import Estimate, Plan
 
-    if "strategy" in kw and "strategy" not in {f.name for f in dataclasses.fields(Plan)}:
-        pytest.skip("this Plan does not record a strategy yet")
     world, micro, accum = kw.pop("world_size", 2), kw.pop("micro_batch_size", 4), kw.pop("grad_accum_steps", 2)
     est = Estimate(peak_bytes=1 << 20, breakdown={"params": 1 << 20}, context_bytes=0, peak_phase="backward",
                    allocated_peak_bytes=1 << 20, device="cuda", precision=kw.get("precision", "bf16-mixed"),
