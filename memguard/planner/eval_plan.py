@@ -213,7 +213,8 @@ def plan_eval_for(model: nn.Module, batch: Any, *, global_batch_size: Any, gpu: 
                                  ("make_batch", make_batch, (None,)), ("cache", cache, (False,))):
         if not any(value is d for d in default):
             problems.append(f"{name}={value!r} does not apply to an evaluation plan (train=False); drop it")
-    problems.extend(f"{k}= does not apply to an evaluation plan (train=False); drop it" for k in ignored)
+    problems.extend(f"{k}={v!r} does not apply to an evaluation plan (train=False); drop it"
+                    for k, v in ignored.items() if v is not None)
     if isinstance(precision, (list, tuple)):
         problems.append(f"precision={precision!r}: an evaluation plan takes one precision, the one evaluation runs in")
     if not (isinstance(global_batch_size, int) and global_batch_size >= 1):

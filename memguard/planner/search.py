@@ -744,7 +744,7 @@ def _make_plan(planner, spec, cand: _Candidate, est: Estimate, *, world_size, gl
     )
     from memguard.planner.notes import notes_for_plan
 
-    return plan.replace(notes=notes_for_plan(plan))
+    return plan.replace(notes=tuple(plan.notes) + tuple(notes_for_plan(plan)))
 
 
 def strategy_notes(strategy: str, precision: str, zero_stage: int, offload: bool, block_class: str | None
