@@ -90,6 +90,21 @@ def check_common(
         problems.append(f"device={device!r} must be 'cuda' or 'cpu'")
 
 
+def target_gpu(device: str, gpu: Any, problems: list[str]) -> Any:
+    """The catalog entry the CUDA target uses (``gpu``, else the current device, else the generic one);
+    None on the CPU. Problems (an unknown name, ``gpu=`` on the CPU) are appended to ``problems``."""
+    if device == "cuda":
+        from memguard.estimator.gpus import GENERIC, current_gpu, get_gpu
+
+        try:
+            return get_gpu(gpu) if gpu is not None else (current_gpu() or GENERIC)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    elif gpu is not None:
+        problems.append(f"gpu={gpu!r} only applies to device='cuda'; drop it or set device='cuda'")
+    return None
+
+
 def unwrap_model(model: Any) -> Any:
     """The model inside DistributedDataParallel, DataParallel and similar wrappers (their ``.module``),
     and inside ``torch.compile``'s ``OptimizedModule`` (its ``_orig_mod``: the eager module is traced)."""
@@ -219,16 +234,7 @@ def estimate(
     if not (isinstance(grad_accum_steps, int) and grad_accum_steps >= 1):
         problems.append(f"grad_accum_steps={grad_accum_steps!r} must be an integer >= 1")
     check_strategy(strategy=strategy, zero_stage=zero_stage, offload_optimizer=offload_optimizer, problems=problems)
-    spec = None
-    if device == "cuda":
-        from memguard.estimator.gpus import GENERIC, current_gpu, get_gpu
-
-        try:
-            spec = get_gpu(gpu) if gpu is not None else (current_gpu() or GENERIC)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-    elif gpu is not None:
-        problems.append(f"gpu={gpu!r} only applies to device='cuda'; drop it or set device='cuda'")
+    spec = target_gpu(device, gpu, problems)
     if problems:
         raise ConfigError(problems)
 

@@ -146,7 +146,7 @@ def estimate_eval(
         ``Trainer``'s prediction loop without ``eval_accumulation_steps``) hold more than one
         step's outputs; that growth is not modelled.
     """
-    from memguard.estimator.api import check_common, evaluate, unwrap_model
+    from memguard.estimator.api import check_common, evaluate, target_gpu, unwrap_model
 
     problems: list[str] = []
     check_common(precision=precision, zero_stage=0, world_size=world_size, device=device, problems=problems)
@@ -165,16 +165,7 @@ def estimate_eval(
                         f"dimension, got {type(batch).__name__}")
     if fn is not None and not callable(fn):
         problems.append(f"fn must be a callable(model, batch) -> outputs, got {type(fn).__name__}")
-    spec = None
-    if device == "cuda":
-        from memguard.estimator.gpus import GENERIC, current_gpu, get_gpu
-
-        try:
-            spec = get_gpu(gpu) if gpu is not None else (current_gpu() or GENERIC)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-    elif gpu is not None:
-        problems.append(f"gpu={gpu!r} only applies to device='cuda'; drop it or set device='cuda'")
+    spec = target_gpu(device, gpu, problems)
     if problems:
         raise ConfigError(problems)
     trace = eval_trace(model, batch, fn=fn, device=device, precision=precision, optimizer=optimizer,
