@@ -37,8 +37,8 @@ reduce-scatter buffers.
 
 Known limitations:
     The fake process group is the default group for the duration of a trace: a trace run inside a
-    process that already has a default process group (a running job) cannot build it and raises
-    a :class:`~memguard.ConfigError`; plan before ``init_process_group`` (or in a separate process).
+    process that already has a default process group (a running job) sets the job's groups aside
+    while it traces and puts them back (:func:`fake_world`).
     Under ``CPUOffloadPolicy`` the short-lived device copies of one group's shards (host-to-device
     before the all-gather, device-to-host after the reduce-scatter) are counted as host memory.
     Rank 0 is traced: with uneven sharding it holds the largest shards.
@@ -134,26 +134,55 @@ def fold_categories(breakdown: dict[str, int]) -> dict[str, int]:
 def fake_world(world_size: int) -> Iterator[Any]:
     """A fake default process group of ``world_size`` ranks (this process is rank 0) and its 1-D mesh.
 
+    In a running job (a default process group exists, e.g. ``memguard.prepare(..., strategy="fsdp2")``
+    planning on the first step), the job's groups are set aside while the fake one is the default and
+    put back afterwards, exactly as they were: torch.distributed keeps its groups in module-level maps
+    (``distributed_c10d._World``) and a name registry (``_register_process_group``); only the fake
+    group's entries are added and removed.
+
     Raises:
-        ConfigError: a default process group already exists.
+        ConfigError: torch.distributed is not built in.
     """
     import torch.distributed as dist
 
     if not dist.is_available():
         raise ConfigError("estimating FSDP2 needs torch.distributed, which this torch build lacks")
-    if dist.is_initialized():
-        raise ConfigError(
-            "estimating FSDP2 traces FSDP2 over a fake process group, which cannot be built while a "
-            "default process group exists; plan before init_process_group, or in a separate process"
-        )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    running = dist.is_initialized()
+    with _job_groups_aside() if running else contextlib.nullcontext():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            yield init_device_mesh("cpu", (world_size,))
+        finally:
+            if not running:
+                dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _job_groups_aside() -> Iterator[None]:
+    """Hide the job's process groups (see :func:`fake_world`) and restore them, dropping what was added."""
+    import torch.distributed.distributed_c10d as c10d
+
+    maps = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_pg_to_tag")
+    saved = {name: dict(getattr(c10d, name)) for name in maps}
+    tags = {tag: list(groups) for tag, groups in c10d._tags_to_pg.items()}
+    default = c10d._world.default_pg
+    c10d._world.default_pg = None
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        yield
     finally:
-        dist.destroy_process_group()
+        for pg, name in list(c10d._pg_names.items()):
+            if pg not in saved["_pg_names"]:
+                torch._C._distributed_c10d._unregister_process_group(name)
+        for name, before in saved.items():
+            current = getattr(c10d, name)
+            current.clear()
+            current.update(before)
+        c10d._tags_to_pg.clear()
+        c10d._tags_to_pg.update(tags)
+        c10d._world.default_pg = default
 
 
 def _local(t: Any) -> Any:
@@ -319,8 +348,7 @@ def trace_fsdp2_step(model: nn.Module, batch: Any, spec: Any, layout: FSDP2Layou
         A :class:`~memguard.estimator.trace.Trace` of one rank's allocations.
 
     Raises:
-        ConfigError: the model, batch or loss cannot be traced, FSDP2 cannot shard the model, or a
-            default process group exists (see Known limitations in the module docstring).
+        ConfigError: the model, batch or loss cannot be traced, or FSDP2 cannot shard the model.
     """
     import gc
 

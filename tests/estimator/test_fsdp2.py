@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from torch import nn
 
 import memguard
 from memguard.errors import ConfigError
@@ -183,3 +184,29 @@ def test_real_two_rank_gloo_run_matches_the_estimate():
     real = max(r["peak_bytes"] for r in closed)
     est = estimate_case(case)["peak_bytes"]
     assert abs(est - real) <= 0.03 * real, (est, real, ranks)
+
+
+def test_estimating_inside_a_running_job_leaves_its_process_group_as_it_was() -> None:
+    # memguard.prepare(..., strategy="fsdp2") plans on the first step, when the job's process group exists:
+    # the fake group the trace shards over must be set aside afterwards, and the job's group must still work.
+    import socket
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        job, names = c10d._world.default_pg, dict(c10d._pg_names)
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+        est = memguard.estimate(model, torch.randn(8, 16), loss_fn=lambda m, b: m(b).sum(), device="cpu",
+                                strategy="fsdp2", zero_stage=3, world_size=4)
+        assert est.peak_bytes > 0 and est.strategy == "fsdp2"
+        assert c10d._world.default_pg is job and dict(c10d._pg_names) == names and dist.get_world_size() == 1
+        t = torch.ones(3)
+        dist.all_reduce(t)  # the job's group still runs collectives
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
