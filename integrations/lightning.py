@@ -213,6 +213,9 @@ def _package_of(obj: Any) -> ModuleType:
 def _step_loss(model: nn.Module, micro: Any) -> torch.Tensor:
     """The loss memguard plans with: the class's ``training_step`` (during ``fit`` the instance holds the
     callback's stand-in, which must not run inside the planner's trace of a new batch shape)."""
+    own = model.__dict__.get("training_step")
+    if own is not None and not getattr(own, "_memguard_stand_in", False):
+        return _loss_of_output(own(micro, 0))[0]  # e.g. FSDP2's hooks around it in the FSDP2 trace
     return _loss_of_output(type(model).training_step(model, micro, 0))[0]
 
 
@@ -741,6 +744,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
         def training_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
             return callback._training_step(trainer, pl_module, user_step, batch, batch_idx, args, kwargs)
+
+        training_step._memguard_stand_in = True  # type: ignore[attr-defined]  # _step_loss skips it
 
         def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
             return None  # the window dropped the gradients before the window's first training_step

@@ -439,6 +439,14 @@ def _tracer_class():
                     # the offload policy's host copies do not change what the device holds in a fake
                     # trace (evaluation moves the sharded states to the host: fsdp2_factors)
                     shard_model(fmodel, dataclasses.replace(self.layout, offload=False), self.mesh, blocks)
+                    # A framework may run the root through another method than forward (Lightning's
+                    # training_step): FSDP2 runs its root hooks there too once the method is registered
+                    # (torch.distributed.fsdp.register_fsdp_forward_method), as the user's own
+                    # ModelParallelStrategy set-up would have FSDP2 gather the root's parameters.
+                    if callable(getattr(fmodel, "training_step", None)):
+                        from torch.distributed.fsdp import register_fsdp_forward_method
+
+                        register_fsdp_forward_method(fmodel, "training_step")
                 except Exception as exc:  # noqa: BLE001 - FSDP2 refusing the model is the user's problem
                     raise ConfigError(f"FSDP2 (fully_shard) could not shard the model: {type(exc).__name__}: "
                                       f"{exc}") from exc

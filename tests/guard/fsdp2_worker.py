@@ -155,7 +155,7 @@ def run(cfg: dict, stage: int, first: bool, messages: list, events: list, bug: s
                    zero_stage=stage, world_size=world, gpu=None, micro_batch_size=cfg["planned"])
     plan = Plan(micro_batch_size=cfg["planned"], grad_accum_steps=local // cfg["planned"], world_size=world,
                 global_batch_size=cfg["batch"], precision="32-true", activation_checkpointing=False,
-                zero_stage=stage, budget_bytes=64 << 20, estimate=est, device="cpu")
+                zero_stage=stage, budget_bytes=64 << 20, estimate=est, device="cpu", strategy="fsdp2")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     memguard.prepare(model, opt, plan=plan, strategy="fsdp2")
     model.register_forward_pre_hook(lambda m, a, kw: events.append(kw["idx"].tolist()), with_kwargs=True)

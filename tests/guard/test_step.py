@@ -139,7 +139,7 @@ def test_prepare_refuses_conflicting_sources_and_zero_plans() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="only one of"):
         prepare(model, opt, plan=hand_plan(4, 16), micro_batch_size=4)
-    est_plan = hand_plan(4, 16).replace(zero_stage=2)
+    est_plan = hand_plan(4, 16).replace(zero_stage=2, strategy="deepspeed")
     with pytest.raises(ConfigError, match="ZeRO stage 2"):
         prepare(model, opt, plan=est_plan)
     with pytest.raises(ConfigError, match="only apply when memguard plans"):

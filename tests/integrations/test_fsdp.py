@@ -40,7 +40,8 @@ class Net(nn.Module):
 
 def _plan(**kw) -> Plan:
     fields = dict(micro_batch_size=2, grad_accum_steps=1, world_size=1, global_batch_size=2, precision="32-true",
-                  activation_checkpointing=False, zero_stage=3, budget_bytes=1 << 30, device="cpu")
+                  activation_checkpointing=False, zero_stage=3, budget_bytes=1 << 30, device="cpu",
+                  strategy="fsdp2")
     fields.update(kw)
     est = Estimate(peak_bytes=1 << 20, breakdown={"params": 1 << 20}, context_bytes=0, peak_phase="backward",
                    allocated_peak_bytes=1 << 20, device="cpu", precision=fields["precision"],
@@ -62,7 +63,7 @@ def group():
 def test_without_a_process_group_every_problem_is_listed() -> None:
     assert not dist.is_initialized()
     with pytest.raises(fsdp.FSDPSetupError) as err:
-        fsdp.apply(Net(), _plan(zero_stage=0))
+        fsdp.apply(Net(), _plan(zero_stage=0, strategy="ddp"))
     problems = err.value.problems
     # both problems at once: the un-sharded plan and the missing process group
     assert len(problems) == 2 and "ZeRO stage 0" in problems[0] and "init_process_group" in problems[1]
