@@ -577,8 +577,8 @@ class _StepTracer:
         self.output_at = -1  # the event index at which the output was returned
 
     def run(self) -> Trace:
-        if not self.spec.train:
-            return self.run_eval()
+        """Trace one step: training (forward, backward, optimizer step) or, with ``spec.train=False``,
+        evaluation (one ``no_grad`` forward whose output is kept; see :func:`trace_step`)."""
         with _preserved_rng():
             self.setup()
             with self.mode:
@@ -587,26 +587,13 @@ class _StepTracer:
                         p.grad = torch.zeros_like(p)
             with self.mode, self.recorder:
                 self.register()
-                loss = self.forward()
-                self.backward(loss)
-                self.optimizer_step()
-                del loss  # a training loop keeps its loss until the step ends
-                self.categorise()
-                self.carry_outputs()
-            self.recorder.close()
-        return self.trace
-
-    def run_eval(self) -> Trace:
-        """The evaluation step (``spec.train=False``): see :func:`trace_step`."""
-        with _preserved_rng():
-            self.setup()
-            with self.mode:
-                if self.spec.grads_present:
-                    for p in self.trainable:
-                        p.grad = torch.zeros_like(p)
-            with self.mode, self.recorder:
-                self.register()
-                self.output = self.eval_forward()  # what the loop keeps, whatever the model returned
+                if self.spec.train:
+                    loss = self.forward()
+                    self.backward(loss)
+                    self.optimizer_step()
+                    del loss  # a training loop keeps its loss until the step ends
+                else:
+                    self.output = self.eval_forward()  # what the loop keeps, whatever the model returned
                 self.categorise()
                 self.carry_outputs()
             self.recorder.close()
