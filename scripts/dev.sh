@@ -24,6 +24,25 @@ setup() {
     "$PY" -m pip install -q --no-build-isolation "$DEEPSPEED_PIN"
   fi
   "$PY" -m pip install -q --no-deps -e .
+
+  # DeepSpeed's CPU shared-memory comm op, which its torch backend loads in deepspeed.initialize
+  # (deepspeed/comm/torch.py build_shm_op). pip installs DeepSpeed without prebuilt ops, so the first
+  # load JIT-builds it (ShareMemCommBuilder -> OpBuilder.jit_load -> torch.utils.cpp_extension.load,
+  # ninja + g++, 2-3 min) into torch's extensions dir: $TORCH_EXTENSIONS_DIR/deepspeed_shm_comm, else
+  # ~/.cache/torch_extensions/py<ver>_cpu/deepspeed_shm_comm. The engine tests in
+  # tests/integrations/test_deepspeed.py skip unless it is built and up to date there
+  # (_shm_op_prebuilt, the same check as here), so build it here, once.
+  # The default location is kept (not one inside .venv) so that a plain `pytest` and the tests'
+  # DeepSpeed subprocesses, which do not get dev.sh's environment, find the same build.
+  # Every later load runs `ninja` from PATH again, and two ninja versions do not share a build log
+  # (1.11 and 1.13 hash commands differently: all is rebuilt), so the caller's ninja comes first and
+  # the venv's (a DeepSpeed dependency) is only the fallback.
+  # cpp_extension.load guards the build with a torch.utils.file_baton.FileBaton, <build dir>/lock,
+  # created O_CREAT|O_EXCL and held open by the building process until it removes it; a build killed
+  # half-way leaves the file and every later load waits on it forever (FileBaton.wait). A lock that
+  # no live process holds open is stale: it is removed before building.
+  export PATH="$PATH:$PWD/.venv/bin"
+  DS_ACCELERATOR=cpu "$PY" scripts/build_deepspeed_op.py
 }
 
 task="${1:-demo}"
