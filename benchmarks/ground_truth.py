@@ -34,6 +34,7 @@ __all__ = [
     "default_loss",
     "live_state_bytes",
     "measure_cpu_peak",
+    "measure_op_memory",
     "measure_repeated",
 ]
 
@@ -400,3 +401,54 @@ def measure_repeated(
         gc.collect()
     peaks = [r.steady_peak_bytes for r in results]
     return results, max(peaks) - min(peaks)
+
+
+def measure_op_memory(op: Callable[..., torch.Tensor], make_inputs: Callable[[str], tuple], *, warmup: int = 1):
+    """What one real CPU op allocates, forward then backward, in the form of
+    :func:`memguard.estimator.cuda_kernels.modelled_op_memory` (bytes relative to the inputs).
+
+    The backward is driven by a pre-built ``ones`` gradient, as the modelled measurement drives it;
+    ``warmup`` calls first build oneDNN's primitives (their caches are not per-call memory).
+    """
+    from memguard.estimator.cuda_kernels import OpMemory
+
+    inputs = make_inputs("cpu")
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    out = op(*inputs)
+    grad = torch.ones_like(out)
+    for _ in range(warmup):
+        op(*inputs).backward(grad)
+    del out
+    for t in leaves:
+        t.grad = None
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function(_PREFIX + "forward"):
+            out = op(*inputs)
+        with record_function(_PREFIX + "backward"):
+            out.backward(grad)
+    fwd_range = bwd_range = None
+    for e in prof.profiler.kineto_results.events():
+        if e.name() == _PREFIX + "forward":
+            fwd_range = (e.start_ns(), e.end_ns())
+        elif e.name() == _PREFIX + "backward":
+            bwd_range = (e.start_ns(), e.end_ns())
+    fwd, bwd = [], []
+    for e in prof.profiler.kineto_results.events():
+        if e.name() != _MEMORY_EVENT:
+            continue
+        if fwd_range[0] <= e.start_ns() <= fwd_range[1]:
+            fwd.append(e.nbytes())
+        elif bwd_range[0] <= e.start_ns() <= bwd_range[1]:
+            bwd.append(e.nbytes())
+
+    def walk(sizes: list[int]) -> tuple[int, int]:
+        live = peak = 0
+        for n in sizes:
+            live += n
+            peak = max(peak, live)
+        return peak, live
+
+    fpeak, fkept = walk(fwd)
+    bpeak, bkept = walk(bwd)
+    return OpMemory(fpeak, fkept, bpeak, bkept, tuple(n for n in fwd + bwd if n > 0))

@@ -105,6 +105,18 @@ def target_gpu(device: str, gpu: Any, problems: list[str]) -> Any:
     return None
 
 
+def target_cpu(device: str, cpu: Any, problems: list[str]):
+    """The :class:`~memguard.estimator.cpu_kernels.CpuTarget` of the CPU target (``cpu`` named, or
+    this host), None for the CUDA target; a bad ``cpu`` is added to ``problems``."""
+    from memguard.estimator.cpu_kernels import CpuTarget
+
+    if device != "cpu":
+        if cpu is not None:
+            problems.append(f"cpu={cpu!r} only applies to device='cpu'; drop it or set device='cpu'")
+        return None
+    return CpuTarget.named(cpu, problems)
+
+
 def unwrap_model(model: Any) -> Any:
     """The model inside DistributedDataParallel, DataParallel and similar wrappers (their ``.module``),
     and inside ``torch.compile``'s ``OptimizedModule`` (its ``_orig_mod``: the eager module is traced)."""
@@ -135,6 +147,7 @@ def estimate(
     keep_outputs: bool = False,
     train: bool = True,
     strategy: str | None = None,
+    cpu: str | None = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state training step (or, with ``train=False``, evaluation step).
 
@@ -182,6 +195,12 @@ def estimate(
             ``world_size`` ranks (:mod:`memguard.estimator.fsdp2`); there ``*-mixed`` precisions mean
             ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)`` with no autocast
             (said in ``Estimate.notes``).
+        cpu: for ``device="cpu"``, the CPU whose kernel paths are modelled: None or ``"host"``
+            (this process's CPU at the instruction-set level its oneDNN runs, ``ONEDNN_MAX_CPU_ISA``
+            included), or a level such as ``"avx2"``, ``"avx512_core"``, ``"avx512_core_bf16"``,
+            ``"avx512_core_fp16"``, ``"avx512_core_amx"`` (see :mod:`memguard.estimator.cpu_kernels`:
+            16-bit matmuls and convolutions take oneDNN, with its reorders and scratchpads, only
+            where the CPU supports the type).
 
     Returns:
         An :class:`~memguard.Estimate`.
@@ -212,7 +231,7 @@ def estimate(
             model, batch, fn=loss_fn, device=device, precision=precision, world_size=world_size, gpu=gpu,
             optimizer=optimizer, optimizer_state=optimizer is not None, keep_outputs=keep_outputs,
             zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
-            grad_accum_steps=grad_accum_steps, offload_optimizer=offload_optimizer,
+            grad_accum_steps=grad_accum_steps, offload_optimizer=offload_optimizer, cpu=cpu,
         )
     problems: list[str] = []
     if train is not True:
@@ -235,6 +254,7 @@ def estimate(
         problems.append(f"grad_accum_steps={grad_accum_steps!r} must be an integer >= 1")
     check_strategy(strategy=strategy, zero_stage=zero_stage, offload_optimizer=offload_optimizer, problems=problems)
     spec = target_gpu(device, gpu, problems)
+    cpu_target = target_cpu(device, cpu, problems)
     if problems:
         raise ConfigError(problems)
 
@@ -247,6 +267,7 @@ def estimate(
         precision=traced_precision(precision, zero_stage, strategy),
         checkpoint_blocks=int(blocks or 0), grads_present=grad_accum_steps > 1, keep_outputs=keep_outputs,
         gpu=spec, fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer, device),
+        cpu=cpu_target,
     )
     from memguard.estimator.blocks import find_blocks
 
@@ -294,6 +315,7 @@ def trace_spec(
     keep_outputs: bool = False,
     gpu: Any = None,
     on_gpu: bool = False,
+    cpu: Any = None,
 ) -> TraceSpec:
     """The :class:`~memguard.estimator.trace.TraceSpec` that :func:`run_trace` traces with.
 
@@ -301,6 +323,7 @@ def trace_spec(
         on_gpu: the CUDA target traced on fake CUDA tensors (a GPU is present); False traces
             the CUDA target on CPU fakes, with CUDA's autocast emulated and CUDA's kernels
             modelled for ``gpu`` (a :class:`~memguard.estimator.gpus.GPUSpec`; None = generic).
+        cpu: the CPU target's :class:`~memguard.estimator.cpu_kernels.CpuTarget`; None = this host.
         The other arguments: see :func:`run_trace`.
     """
     p = precision_spec(precision)
@@ -310,7 +333,9 @@ def trace_spec(
         count_flops=count_flops, keep_outputs=keep_outputs,
     )
     if device != "cuda":
-        return TraceSpec(device="cpu", **common)
+        from memguard.estimator.cpu_kernels import CpuTarget
+
+        return TraceSpec(device="cpu", cpu_target=cpu if cpu is not None else CpuTarget.host(), **common)
     if on_gpu:
         return TraceSpec(device="cuda", **common)
     return TraceSpec(
@@ -332,7 +357,7 @@ def cuda_target(gpu: Any = None):
 
 
 def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint_blocks=0, grads_present=False,
-              keep_blocks=None, count_flops=False, keep_outputs=False, gpu=None, fsdp2=None):
+              keep_blocks=None, count_flops=False, keep_outputs=False, gpu=None, fsdp2=None, cpu=None):
     """Trace one step for ``device`` and ``precision`` (arguments already validated).
 
     For the CUDA target on a machine with a GPU the step is traced on fake CUDA tensors, so
@@ -363,7 +388,7 @@ def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint
     """
     kwargs = dict(
         device=device, precision=precision, checkpoint_blocks=checkpoint_blocks, grads_present=grads_present,
-        keep_blocks=keep_blocks, count_flops=count_flops, keep_outputs=keep_outputs, gpu=gpu,
+        keep_blocks=keep_blocks, count_flops=count_flops, keep_outputs=keep_outputs, gpu=gpu, cpu=cpu,
     )
     if fsdp2 is not None:
         import dataclasses

@@ -144,6 +144,7 @@ def modelled_op_memory(
     *,
     kernel_model: bool = True,
     round_to: int = 1,
+    cpu_target: Any = None,
 ) -> OpMemory:
     """Run ``op`` on CPU fake tensors, under :class:`CudaKernelModel` (or, with
     ``kernel_model=False``, as the CPU runs it), and measure it as the trace records it.
@@ -155,6 +156,8 @@ def modelled_op_memory(
         target: the GPU modelled; the default :class:`CudaTarget`.
         round_to: round each allocation up to a multiple of this (512 matches the CUDA caching
             allocator's ``kMinBlockSize``, as ``torch.cuda.memory_allocated`` counts).
+        cpu_target: with ``kernel_model=False``, replay this CPU's kernel paths
+            (a :class:`~memguard.estimator.cpu_kernels.CpuTarget`), as the CPU target's trace does.
 
     The backward is driven by a pre-built gradient of ``op``'s output's shape (``ones``), so
     the measured bytes are the op's own.
@@ -168,7 +171,7 @@ def modelled_op_memory(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         inputs = make_inputs("cpu")
-        recorder = Recorder(trace)
+        recorder = Recorder(trace, None if kernel_model else cpu_target)
         with recorder:
             for t in inputs:
                 if isinstance(t, torch.Tensor):

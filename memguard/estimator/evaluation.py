@@ -65,7 +65,7 @@ def _eval_problems(*, zero_stage: Any, optimizer_state: Any, grads_present: Any,
 def eval_trace(model: nn.Module, batch: Any, *, fn: Callable[[nn.Module, Any], Any] | None = None,
                device: str = "cpu", precision: str = "32-true", optimizer: Any = None,
                optimizer_state: bool = False, grads_present: bool = False, keep_outputs: bool = False,
-               gpu: Any = None, count_flops: bool = False):
+               gpu: Any = None, count_flops: bool = False, cpu: Any = None):
     """Trace one evaluation step (arguments already validated); see :func:`estimate_eval`.
 
     Returns:
@@ -78,7 +78,7 @@ def eval_trace(model: nn.Module, batch: Any, *, fn: Callable[[nn.Module, Any], A
     from memguard.estimator.trace import trace_step
 
     spec = trace_spec(device=device, precision=precision, grads_present=grads_present, keep_outputs=keep_outputs,
-                      gpu=gpu, count_flops=count_flops)
+                      gpu=gpu, count_flops=count_flops, cpu=cpu)
     spec = dataclasses.replace(spec, train=False, optimizer_state=optimizer_state)
     # Fake CUDA tensors cannot run backward without a GPU, but an evaluation step has none; the CPU
     # fakes with CUDA's autocast and kernels emulated are used everywhere for one code path.
@@ -102,6 +102,7 @@ def estimate_eval(
     activation_checkpointing: int | bool = 0,
     grad_accum_steps: int = 1,
     offload_optimizer: bool = False,
+    cpu: Any = None,
 ) -> Estimate:
     """Predict the peak memory of one evaluation step (``memguard.estimate(..., train=False)``).
 
@@ -111,7 +112,7 @@ def estimate_eval(
         fn: ``fn(model, batch) -> outputs`` run under ``no_grad``; everything it returns is kept
             until the step ends. None calls the model with the batch and keeps its whole output
             (a transformers ``ModelOutput`` with its loss and logits).
-        device, precision, world_size, gpu: the target, as for :func:`memguard.estimate`.
+        device, precision, world_size, gpu, cpu: the target, as for :func:`memguard.estimate`.
             ``*-mixed`` runs the forward under autocast; ``*-true`` casts the weights.
         optimizer: with ``optimizer_state=True``, the optimizer whose state is resident (an
             instance or ``params -> Optimizer``; None means AdamW).
@@ -146,7 +147,7 @@ def estimate_eval(
         ``Trainer``'s prediction loop without ``eval_accumulation_steps``) hold more than one
         step's outputs; that growth is not modelled.
     """
-    from memguard.estimator.api import check_common, evaluate, target_gpu, unwrap_model
+    from memguard.estimator.api import check_common, evaluate, target_cpu, target_gpu, unwrap_model
 
     problems: list[str] = []
     check_common(precision=precision, zero_stage=0, world_size=world_size, device=device, problems=problems)
@@ -166,11 +167,12 @@ def estimate_eval(
     if fn is not None and not callable(fn):
         problems.append(f"fn must be a callable(model, batch) -> outputs, got {type(fn).__name__}")
     spec = target_gpu(device, gpu, problems)
+    cpu_target = target_cpu(device, cpu, problems)
     if problems:
         raise ConfigError(problems)
     trace = eval_trace(model, batch, fn=fn, device=device, precision=precision, optimizer=optimizer,
                        optimizer_state=optimizer_state, grads_present=grads_present, keep_outputs=keep_outputs,
-                       gpu=spec)
+                       gpu=spec, cpu=cpu_target)
     est, _ = evaluate(trace, device=device, precision=precision, zero_stage=0, world_size=world_size, spec=spec,
                       micro_batch_size=int(micro or 0))
     return _with_ddp_buckets(dataclasses.replace(est, notes=(EVAL_NOTE, *est.notes)), trace, world_size, grads_present)

@@ -197,8 +197,8 @@ def _recorder_class():
         """The trace's recorder, unwrapping DTensors to their local shards, naming FSDP2's buffers
         (outputs and out-arguments of its ``fsdp::``/``c10d::`` ops) and recording storage resizes."""
 
-        def __init__(self, trace):
-            super().__init__(trace)
+        def __init__(self, trace, cpu_target=None):
+            super().__init__(trace, cpu_target)
             self._dead: set[int] = set()  # handles freed (by a resize) whose storage may live on
 
         def register(self, tensor, category):
@@ -385,7 +385,7 @@ def _tracer_class():
         def __init__(self, model, batch, optimizer, loss_fn, spec, layout, mesh):
             super().__init__(model, batch, optimizer, loss_fn, spec)
             self.layout, self.mesh = layout, mesh
-            self.recorder = _recorder_class()(self.trace)
+            self.recorder = _recorder_class()(self.trace, spec.cpu_target)
             self.recorder.gloo = layout.backend == "gloo"
 
         def run(self):

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 
 from memguard.batch import LossFn, compute_loss, map_tensors, tensor_leaves
 from memguard.errors import ConfigError
+from memguard.estimator.cpu_kernels import CPU_RULES, CpuTarget, Replay
 from memguard.estimator.cuda_kernels import CudaTarget
 from memguard.estimator.kernels import CORRECTIONS
 
@@ -94,6 +95,9 @@ class TraceSpec:
             no optimizer step (see :func:`trace_step`).
         optimizer_state: for ``train=False``: the optimizer's state is resident during the
             evaluation (an evaluation inside a training run); False: parameters only.
+        cpu_target: for the CPU target, the CPU whose kernel paths are replayed (oneDNN's reorders
+            and scratchpads, ATen's im2col buffers; :mod:`memguard.estimator.cpu_kernels`); None
+            records the fake kernels' outputs only (the CUDA target traced on CPU fakes).
     """
 
     param_dtype: torch.dtype | None = None
@@ -110,6 +114,7 @@ class TraceSpec:
     cuda_target: CudaTarget | None = None
     train: bool = True
     optimizer_state: bool = False
+    cpu_target: CpuTarget | None = None
 
 
 @dataclass
@@ -175,11 +180,17 @@ class _ScalarStub(TorchDispatchMode):
 
 
 class Recorder(TorchDispatchMode):
-    """Records the birth (first sight as an op output) and death (weakref) of storages."""
+    """Records the birth (first sight as an op output) and death (weakref) of storages.
 
-    def __init__(self, trace: Trace) -> None:
+    With a ``cpu_target``, an op that has a rule in :data:`~memguard.estimator.cpu_kernels.CPU_RULES`
+    also records the buffers that op's CPU kernel allocates and frees inside the call, in order
+    around its outputs.
+    """
+
+    def __init__(self, trace: Trace, cpu_target: CpuTarget | None = None) -> None:
         super().__init__()
         self.trace = trace
+        self.cpu_target = cpu_target
         self._by_key: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
         self.phase = "setup"
@@ -235,11 +246,26 @@ class Recorder(TorchDispatchMode):
         fix = CORRECTIONS.get(func)
         if fix is not None:
             out = fix(args, out)
+        rule = CPU_RULES.get(func) if self.cpu_target is not None else None
+        if rule is not None:
+            replay = Replay(make=self._kernel_buffer, publish=self._register_leaves, out=out)
+            rule(self.cpu_target, args, out, replay)
+            replay.close()
+        self._register_leaves(out)
+        return out
+
+    def _register_leaves(self, out: Any) -> None:
         leaves, _ = tree_flatten(out)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 self.register(leaf, None)
-        return out
+
+    def _kernel_buffer(self, nbytes: int) -> torch.Tensor:
+        """A fake byte buffer standing for memory a kernel allocates inside one call (registered;
+        freed when the replay drops it)."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.register(buffer, None)
+        return buffer
 
 
 def _fake_like(t: torch.Tensor, mode, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
@@ -569,7 +595,7 @@ class _StepTracer:
         self.device = torch.device(spec.device)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.trace = Trace()
-        self.recorder = Recorder(self.trace)
+        self.recorder = Recorder(self.trace, spec.cpu_target)
         self.emulation = None
         self.kernel_model = None
         self.flops = [contextlib.nullcontext(), contextlib.nullcontext()]  # forward, backward

@@ -82,6 +82,10 @@ def plan_key(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, options
         "torch": torch.__version__,
         "memguard": memguard.__version__,
     }
+    if options.get("device") == "cpu" and options.get("cpu") in (None, "host"):
+        from memguard.estimator.cpu_kernels import host_isa
+
+        payload["cpu"] = host_isa()  # the host's kernel paths decide a CPU plan
     blob = json.dumps(payload, sort_keys=True, default=repr).encode()
     return hashlib.sha256(blob).hexdigest()
 

@@ -76,6 +76,8 @@ class PlanRequest:
             those. Under ``"fsdp2"`` ``zero_stage`` is FSDP2's sharding level (3 =
             ``reshard_after_forward=True``, 2 = ``False``, 1 = ``False`` with gradient sync on the
             last micro-batch only).
+        cpu: for ``device="cpu"``, the CPU whose kernel paths are modelled: None or ``"host"``, or
+            an instruction-set level (see :func:`memguard.estimate`).
     """
 
     global_batch_size: int
@@ -97,6 +99,7 @@ class PlanRequest:
     train: bool = True
     finetune: str | None = None
     strategy: str | Sequence[str] | None = None
+    cpu: str | None = None
 
     @classmethod
     def from_options(cls, **options: Any) -> "PlanRequest":
@@ -227,6 +230,12 @@ class PlanRequest:
                     spec = GENERIC
         elif self.gpu is not None:
             problems.append(f"{say('gpu', self.gpu)} only applies to {say('device', 'cuda')}; drop it")
+        if device == "cpu":
+            from memguard.estimator.cpu_kernels import CpuTarget
+
+            CpuTarget.named(self.cpu, problems)
+        elif self.cpu is not None:
+            problems.append(f"{say('cpu', self.cpu)} only applies to {say('device', 'cpu')}; drop it")
 
         defaults = default_precisions(device if device in DEVICES else "cpu", spec)
         precisions = tuple(

@@ -108,6 +108,8 @@ class Planner:
     #: Called after each new trace with what was traced (precision, ckpt, keep, m, grads_present) and
     #: the seconds it took, e.g. to report progress.
     on_trace: Callable[[dict, float], None] | None = None
+    #: The CPU target's CPU (``cpu=`` of :func:`memguard.plan`): None = this host.
+    cpu: Any = None
     _traces: dict = field(default_factory=dict)
     _extended: dict = field(default_factory=dict)
     _peaks: dict = field(default_factory=dict)
@@ -119,7 +121,8 @@ class Planner:
     def for_request(cls, model: nn.Module, batch: Any, request: PlanRequest) -> "Planner":
         """A planner for ``model`` and ``batch`` with the request's tracing options."""
         return cls(model, batch, optimizer=request.optimizer, loss_fn=request.loss_fn, device=request.device,
-                   make_batch=request.make_batch, keep_outputs=request.keep_outputs, max_shape=request.max_shape)
+                   make_batch=request.make_batch, keep_outputs=request.keep_outputs, max_shape=request.max_shape,
+                   cpu=request.cpu)
 
     def mismatches(self, model: nn.Module, batch: Any, request: PlanRequest) -> list[str]:
         """Why this planner's traces cannot answer ``request`` for ``model`` and ``batch`` (empty if they can)."""
@@ -127,7 +130,7 @@ class Planner:
         if unwrap_model(model) is not self.model or batch is not self.batch:
             out.append("planner= was made for another model or example batch; make one with "
                        "Planner.for_request(model, batch, request)")
-        for name in ("optimizer", "loss_fn", "device", "make_batch", "keep_outputs", "max_shape"):
+        for name in ("optimizer", "loss_fn", "device", "make_batch", "keep_outputs", "max_shape", "cpu"):
             if getattr(request, name) is not getattr(self, name) and getattr(request, name) != getattr(self, name):
                 out.append(f"planner= traces with {name}={getattr(self, name)!r} but the request has "
                            f"{name}={getattr(request, name)!r}; make the planner with Planner.for_request")
@@ -191,12 +194,20 @@ class Planner:
                 self.model, batch, optimizer=self.optimizer, loss_fn=self.loss_fn, device=self.device,
                 precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present, keep_blocks=keep,
                 count_flops=flops, keep_outputs=self.keep_outputs, gpu=spec, fsdp2=fsdp2,
+                cpu=self._cpu_target(),
             )
             log.debug("memguard traced %s", key)
             if self.on_trace is not None:
                 self.on_trace(dict(precision=precision, ckpt=ckpt, keep=keep, m=m, grads_present=grads_present),
                               time.perf_counter() - start)
         return self._traces[key]
+
+    def _cpu_target(self) -> Any:
+        if self.device != "cpu":
+            return None
+        from memguard.estimator.cpu_kernels import CpuTarget
+
+        return CpuTarget.named(self.cpu)
 
     def probe_points(self, spec: Any = None) -> list[int | None]:
         """[1, 2] (blocks kept in the probes), or [None] (trace the whole model) when the model
@@ -395,6 +406,7 @@ def plan(
     train: bool = True,
     finetune: str | None = None,
     strategy: str | Sequence[str] | None = None,
+    cpu: str | None = None,
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing and sharding for a budget.
 
@@ -436,6 +448,8 @@ def plan(
             them (``Plan.strategy`` says which). Under ``"fsdp2"`` ``zero_stage`` is FSDP2's sharding
             level (see :func:`memguard.estimate`) and ``*-mixed`` precisions mean its
             ``MixedPrecisionPolicy`` with fp32 gradient reduction and no autocast.
+        cpu: for ``device="cpu"``: the CPU whose kernel paths are modelled, None or ``"host"`` (this
+            one) or an instruction-set level such as ``"avx2"`` (see :func:`memguard.estimate`).
 
     Returns:
         The :class:`~memguard.Plan`, verified with one full trace.
@@ -451,6 +465,7 @@ def plan(
         activation_checkpointing=activation_checkpointing, zero_stage=zero_stage,
         offload_optimizer=offload_optimizer, headroom=headroom, make_batch=make_batch, cache=cache,
         keep_outputs=keep_outputs, max_shape=max_shape, train=train, finetune=finetune, strategy=strategy,
+        cpu=cpu,
     )
     return plan_request(model, batch, request)
 
@@ -512,7 +527,8 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, planner:
             budget_bytes=space.budget_bytes, world_size=request.world_size, device=request.device,
             precision=space.precisions, ckpt=space.checkpointing, zero=space.zero_stages, offload=space.offloads,
             headroom=request.headroom, keep_outputs=request.keep_outputs, finetune=request.finetune,
-            **({"strategy": space.shardings} if request.strategy is not None else {})))
+            **({"strategy": space.shardings} if request.strategy is not None else {}),
+            **({"cpu": request.cpu} if request.cpu is not None else {})))
         hit = store.get(key)
         if hit is not None:
             log.info("memguard: plan read from cache %s", store.path_for(key))
