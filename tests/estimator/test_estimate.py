@@ -499,6 +499,7 @@ def test_optimizer_instance_with_param_groups_over_part_of_the_model():
 
 
 @pytest.mark.parametrize("name", ["sgd-momentum", "adam-foreach", "adamw-fused"])
+@pytest.mark.cpu_truth
 def test_cpu_estimate_matches_real_cpu_peak_per_optimizer(name, one_thread):
     factory = OPTIMIZERS[name]
     if "fused" in name and not _fused_supported(factory):
@@ -517,6 +518,7 @@ def test_cpu_estimate_matches_real_cpu_peak_per_optimizer(name, one_thread):
         "gpt2-dict",  # HF causal LM, dict batch, tied embeddings, SDPA attention
     ],
 )
+@pytest.mark.cpu_truth
 def test_cpu_estimate_matches_real_cpu_peak(case, one_thread):
     if case == "mlp":
         model, batch, loss_fn = build(ResMLP, norm=True), (randn(256, 64), randn(256, 64, seed=1)), None
@@ -529,6 +531,7 @@ def test_cpu_estimate_matches_real_cpu_peak(case, one_thread):
 
 
 @pytest.mark.parametrize("loss", ["mse", "smooth_l1", "bce_with_logits"])
+@pytest.mark.cpu_truth
 def test_cpu_estimate_matches_real_cpu_peak_with_reduced_losses(loss, one_thread):
     """Reduced losses whose kernels allocate the unreduced elementwise loss internally; the peak
     is at the loss, so missing that buffer would cost a quarter of it."""
@@ -546,6 +549,7 @@ def test_cpu_estimate_matches_real_cpu_peak_with_reduced_losses(loss, one_thread
 
 # ------------------------------------------------------------------ activation checkpointing
 @pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+@pytest.mark.cpu_truth
 def test_checkpointing_inside_the_model(mode, one_thread):
     batch = randn(256, 128)
     plain = memguard.estimate(build(ResMLP, dim=128, blocks=4), batch, device="cpu")
@@ -564,6 +568,7 @@ def _hf_checkpointing_on(model) -> bool:
         return bool(model.is_gradient_checkpointing)
 
 
+@pytest.mark.cpu_truth
 def test_hf_gradient_checkpointing_enable(one_thread):
     batch = lm_batch(2, 128)
     plain = llama("eager")
@@ -580,6 +585,7 @@ def test_hf_gradient_checkpointing_enable(one_thread):
     assert model.training
 
 
+@pytest.mark.cpu_truth
 def test_memguard_checkpointing_reduces_activations_and_matches_real_checkpointing(one_thread):
     from memguard.estimator.blocks import apply_activation_checkpointing
 
@@ -603,6 +609,7 @@ def test_memguard_checkpointing_reduces_activations_and_matches_real_checkpointi
 
 # ---------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.cpu_truth
 def test_attention_implementations_match_real_cpu_peak(attn, one_thread):
     model = llama(attn)
     assert model.config._attn_implementation == attn
@@ -653,6 +660,7 @@ def test_all_precisions(device):
     assert est["bf16-true"].peak_bytes < full.peak_bytes
 
 
+@pytest.mark.cpu_truth
 def test_bf16_true_matches_real_cpu_peak(one_thread):
     model, batch = build(ResMLP), (randn(256, 64), randn(256, 64, seed=1))
     est = memguard.estimate(model, batch, device="cpu", precision="bf16-true")
@@ -662,6 +670,7 @@ def test_bf16_true_matches_real_cpu_peak(one_thread):
     assert abs(relative_error(est.peak_bytes, real.steady_peak_bytes)) <= TOLERANCE, (est.peak_bytes, real)
 
 
+@pytest.mark.cpu_truth
 def test_bf16_mixed_on_the_cpu_target_matches_cpu_autocast(one_thread):
     model, batch = build(ResMLP), (randn(256, 64), randn(256, 64, seed=1))
 

@@ -17,6 +17,8 @@ from memguard.estimator.evaluation import EVAL_NOTE, estimate_eval
 from memguard.planner.eval_plan import plan_eval
 from tests.estimator.eval_ground_truth import measure_cpu_eval_peak
 
+pytestmark = pytest.mark.cpu_truth  # compares with real CPU kernels / a real memory cap
+
 FP32 = 4
 
 

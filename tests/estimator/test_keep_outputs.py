@@ -20,6 +20,8 @@ from memguard.errors import ConfigError
 from memguard.estimator.analysis import scan
 from memguard.estimator.trace import trace_step
 
+pytestmark = pytest.mark.cpu_truth  # compares with real CPU kernels / a real memory cap
+
 FP32 = 4
 
 

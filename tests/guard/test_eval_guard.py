@@ -28,6 +28,8 @@ from memguard.guard.evaluate import (
     step_in_micro_batches,
 )
 
+pytestmark = pytest.mark.cpu_truth  # compares with real CPU kernels / a real memory cap
+
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes"
 
 

@@ -26,6 +26,7 @@ TIMEOUT_S = 150
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux"),
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in"),
+    pytest.mark.cpu_truth,
 ]
 
 

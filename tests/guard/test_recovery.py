@@ -26,7 +26,8 @@ WORKER = Path(__file__).with_name("oom_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux"),
+              pytest.mark.cpu_truth]
 
 
 def _env() -> dict[str, str]:

@@ -238,6 +238,7 @@ def _check_samples(result: dict, batch: int) -> None:
         assert attempts[-1] == list(range(s * batch, (s + 1) * batch)), f"step {s}"
 
 
+@pytest.mark.cpu_truth
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
 def test_variable_length_batches_under_a_real_memory_cap(tmp_path: Path) -> None:
     # Both runs cap the address space at 64 MiB over what the process holds. 16 samples of 512 tokens

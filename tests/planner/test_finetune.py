@@ -82,6 +82,7 @@ def _real_peft(model: nn.Module) -> nn.Module:
                                                      target_modules=list(LLAMA_TARGETS)))
 
 
+@pytest.mark.cpu_truth
 def test_lora_twin_estimates_like_a_real_peft_model_and_the_real_cpu_peak():
     model = tiny_llama("cpu")
     batch = lm_batch()
