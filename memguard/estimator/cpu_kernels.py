@@ -162,15 +162,19 @@ class CpuTarget:
         threads: intra-op threads (``torch.get_num_threads()`` of the training process): oneDNN's
             brgemm scratchpad is per thread, and fp32 1x1 convolutions take oneDNN only with more
             than one thread.
+        onednn: oneDNN is enabled (``torch.backends.mkldnn.enabled``; ATen's dispatch checks
+            ``userEnabledMkldnn``); off, every op takes ATen's own kernels.
     """
 
     isa: str = "avx2"
     threads: int = 1
+    onednn: bool = True
 
     @classmethod
     def host(cls) -> "CpuTarget":
         """This process's CPU, at the level its oneDNN runs (see :func:`host_isa`), with its thread count."""
-        return cls(isa=host_isa(), threads=torch.get_num_threads())
+        onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+        return cls(isa=host_isa(), threads=torch.get_num_threads(), onednn=bool(onednn))
 
     @classmethod
     def named(cls, name: Any, problems: list[str] | None = None) -> "CpuTarget | None":
@@ -212,6 +216,8 @@ class CpuTarget:
 
     def onednn_takes(self, dtype: torch.dtype) -> bool:
         """Whether oneDNN runs 16-bit ``dtype`` matmuls/convolutions here (fp32 is decided per op)."""
+        if not self.onednn:
+            return False
         if dtype == torch.bfloat16:
             return self.bf16_onednn
         if dtype == torch.float16:
@@ -314,6 +320,8 @@ _rule(torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)(_matmul_rule
 def _conv_uses_onednn(target: CpuTarget, x: torch.Tensor, w: torch.Tensor, stride, padding, dilation,
                       transposed: bool, groups: int) -> bool:
     """``ConvParams::use_mkldnn`` (aten/src/ATen/native/Convolution.cpp, torch 2.13)."""
+    if not target.onednn:
+        return False
     if x.dtype in (torch.bfloat16, torch.float16):
         return target.onednn_takes(x.dtype)
     if x.dtype != torch.float32 or x.dim() != 4:

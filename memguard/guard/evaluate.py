@@ -38,7 +38,7 @@ from torch import nn
 
 from memguard.batch import batch_size, call_model, map_tensors, tensor_leaves
 from memguard.errors import ConfigError, OOMRecoveryError
-from memguard.guard.oom import free_memory, is_oom_error, oom_summary, release_exception
+from memguard.guard.oom import free_memory, is_oom_error, oom_summary, release_exception, turn_off_onednn_after
 
 __all__ = ["evaluate", "split_eval", "step_in_micro_batches", "combine_outputs", "EvalStatus", "eval_status", "shape_signature"]
 
@@ -175,6 +175,7 @@ def split_eval(
         except Exception as exc:  # noqa: BLE001 - only OOMs are handled; everything else re-raised
             if not is_oom_error(exc):
                 raise
+            turn_off_onednn_after(exc)
             release_exception(exc)
             retries += 1
             state.oom_retries += 1

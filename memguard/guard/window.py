@@ -55,7 +55,7 @@ from memguard.batch import batch_size, split_batch
 from memguard.errors import ConfigError, OOMRecoveryError, PeerFailedError
 from memguard.guard import distributed as ddp_sync
 from memguard.guard.distributed import ERROR, OK, OOM, RankGroup
-from memguard.guard.oom import free_memory, is_oom_error, oom_summary, release_exception
+from memguard.guard.oom import free_memory, is_oom_error, oom_summary, release_exception, turn_off_onednn_after
 from memguard.guard.sharded import PeerAbort, ShardedRankGroup, ShardingStopped
 
 __all__ = ["MicroBatchWindow", "run_micro_batches", "recovery_error", "agreed_optimizer_step", "gradient_anchor",
@@ -452,6 +452,7 @@ class MicroBatchWindow:
                 return OK, exc
             if is_oom_error(exc):
                 summary = oom_summary(exc)
+                turn_off_onednn_after(exc)
                 release_exception(exc)
                 return OOM, summary
             return ERROR, exc
