@@ -28,9 +28,12 @@ Known limitations:
     earlier 2.x releases; only its backward (``_cudnn_attention_backward``) was re-read for 2.13.
     Torch 2.5.0 put cuDNN first on sm90 and 2.5.1 took that back: ``CudaTarget.torch_version``
     carries no patch level, so 2.5 is modelled as 2.5.1.
-    Nested (jagged) tensors go to the CPU's own implementation. Grouped-query attention on the
-    memory-efficient backend is modelled with k and v repeated per query head, as the math path's
-    ``pre_process_group_query_attention_input`` does; the CUDA wrapper was not checked for it.
+    Nested (jagged) tensors go to the CPU's own implementation. Grouped-query attention (fewer
+    k/v heads than query heads) is taken by flash and cuDNN only: the memory-efficient backend of
+    torch <= 2.13 requires equal head counts, so where flash cannot run such a call takes the math
+    path (``select_sdpa_backend``). Later torch (main after 2.13, whose
+    ``check_batch_size_and_num_heads_dense`` gained a third ``supports_mqa`` parameter) admits it on
+    mem-efficient too; no such release is modelled.
 """
 
 from __future__ import annotations
@@ -206,8 +209,11 @@ def _can_use_efficient(target: CudaTarget, s: SdpaSettings, q, k, v, attn_mask, 
         for t in (q, k, v):
             if t.numel() and (t.storage_offset() * t.element_size()) % align_bytes:
                 return False
-    gqa = enable_gqa and target.torch_version >= (2, 5)
-    if not _dense_common(q, k, v, attn_mask, gqa, gqa_supported=True):
+    # check_batch_size_and_num_heads_dense<false /*supports_grouped_query_attention*/> (torch 2.5 to
+    # 2.13; the 2.13 header's template has only <supports_gqa, requires_same_num_heads>): enable_gqa
+    # is ignored, so q, k and v need equal head counts; torch's SDPA docstring: "GQA ... works only
+    # for Flash_attention and math kernel on CUDA tensor"
+    if not _dense_common(q, k, v, attn_mask, enable_gqa, gqa_supported=False):
         return False
     if not _last_dim_stride_1(q, k, v, attn_mask, ignore_singleton=False):
         return False
@@ -646,11 +652,7 @@ def sdpa_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> 
         out = _FlashAttention.apply(qp, kp, vp, dropout_p, is_causal, scale)
         return out[..., :d] if out.size(-1) != d else out
     if backend == "efficient":
-        bias = _efficient_bias(_float_mask(mask, q.dtype), q, k)
-        if gqa and k.size(1) != q.size(1):  # GQA: k and v repeated per query head (see Known limitations)
-            groups = q.size(1) // k.size(1)
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        bias = _efficient_bias(_float_mask(mask, q.dtype), q, k)  # heads are equal here (no GQA)
         return _EfficientAttention.apply(q, k, v, bias, dropout_p, is_causal, scale, grad, tuple(target.capability))
     if backend == "cudnn":
         return _CudnnAttention.apply(q, k, v, _float_mask(mask, q.dtype), dropout_p, is_causal, scale, grad)

@@ -75,6 +75,16 @@ FLOAT_MASK = torch.zeros(2, 1, 1, 128, dtype=torch.bfloat16, device="meta")
         (dict(cap=A100, h=8, h_k=2, gqa=True), "flash"),
         # different heads without enable_gqa: check_batch_size_and_num_heads_dense fails for both
         (dict(cap=A100, h=8, h_k=2), "math"),
+        # mem-efficient instantiates check_batch_size_and_num_heads_dense<false> (no GQA, torch <= 2.13):
+        # where flash cannot run (sm < 80, fp32, an attn_mask) a GQA call falls to math
+        (dict(cap=V100, dtype=torch.float16, h=8, h_k=2, gqa=True), "math"),
+        (dict(cap=A100, dtype=torch.float32, h=8, h_k=2, gqa=True), "math"),
+        (dict(cap=A100, mask=FLOAT_MASK, h=8, h_k=2, gqa=True), "math"),
+        # ...but equal head counts pass its same_num_heads check whatever enable_gqa says
+        (dict(cap=V100, dtype=torch.float16, gqa=True), "efficient"),
+        # cuDNN does take GQA and a mask (<supports_gqa=true, requires_same_num_heads=false>)
+        (dict(cap=A100, mask=FLOAT_MASK, h=8, h_k=2, gqa=True, cudnn=91000, dropout=0.125,
+              settings=replace(DEFAULT, math=False)), "cudnn"),
         # enable_gqa exists from torch 2.5: a 2.4 target treats it as absent
         (dict(cap=A100, h=8, h_k=2, gqa=True, torch_version=(2, 4)), "math"),
         # torch < 2.7: flash and mem-efficient stop at sm90 (Blackwell support came in 2.7)
@@ -387,6 +397,36 @@ def test_flash_gqa_backward_ignores_the_trace_modes():
         expanded = b * s * h * d * 2
         assert bwd[expanded] >= 3  # dq and the two expanded dk, dv (all [B, S, H, D] bf16)
         assert q.grad is not None and k.grad.shape == (b, h_k, s, d)
+    finally:
+        gc.enable()
+
+
+def test_gqa_without_flash_keeps_the_math_path_probabilities():
+    # A Qwen2.5-0.5B-like layer on a T4 (sm75: no flash): fp16, batch 4, seq 1024, 14 query heads,
+    # 2 KV heads, head dim 64, causal, enable_gqa. Mem-efficient refuses GQA in torch <= 2.13
+    # (sdp_utils.cpp), so the math composite runs and autograd keeps (MiB): the scaled fp32 q (14) and
+    # the scaled, repeated fp32 k^T (14) for the first matmul, the fp32 probabilities [4, 14, 1024,
+    # 1024] (224) and the repeated fp32 v (14) for the second, and the fp16 output (7): 273 MiB, where
+    # the mem-efficient kernel with k and v repeated (memguard before) kept 21 MiB.
+    b, h, h_k, s, d = 4, 14, 2, 1024, 64
+    gc.disable()
+    try:
+        with FakeTensorMode():
+            q = torch.empty(b, h, s, d, dtype=torch.float16, requires_grad=True)
+            k = torch.empty(b, h_k, s, d, dtype=torch.float16, requires_grad=True)
+            v = torch.empty(b, h_k, s, d, dtype=torch.float16, requires_grad=True)
+            t4 = CudaTarget((7, 5))
+            assert ca.select_sdpa_backend(t4, q, k, v, None, 0.0, True, True, settings=DEFAULT) == "math"
+            trace = Trace()
+            with Recorder(trace) as rec:
+                for t in (q, k, v):
+                    rec.register(t, "inputs")
+                n0 = len(trace.events)
+                with CudaKernelModel(t4):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                kept = sum(n for _, n in trace.events[n0:])
+        assert out.shape == (b, h, s, d)
+        assert kept == (14 + 14 + 224 + 14 + 7) << 20
     finally:
         gc.enable()
 
