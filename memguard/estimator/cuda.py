@@ -13,8 +13,9 @@ The rules reproduced (constants from ``CUDACachingAllocator.cpp``):
   *large* pool; a block never moves between pools;
 * a request is served by the smallest cached free block of its pool that fits (ties: lowest
   address); if none fits, a new segment is obtained with ``cudaMalloc``: 2 MiB
-  (``kSmallBuffer``) for the small pool, 20 MiB (``kLargeBuffer``) for large requests under
-  10 MiB (``kMinLargeAlloc``), otherwise the request rounded up to 2 MiB (``kRoundLarge``);
+  (``kSmallBuffer``) for the small pool, 20 MiB (``kLargeBuffer``; ``large_segment_size_mb``
+  in torch 2.13) for large requests under 10 MiB (``kMinLargeAlloc``), otherwise the request
+  rounded up to 2 MiB (``kRoundLarge``);
 * the block found is split, the front part being handed out, when the remainder is at least
   512 B (small pool) or more than 1 MiB (large pool); otherwise the whole block is handed out
   and counts as allocated (so ``max_memory_allocated`` can exceed the rounded request);
@@ -128,14 +129,20 @@ class AllocatorConfig:
         max_split_size: blocks at least this large are never split, and requests below it never
             take one (``max_split_size_mb``); None = unlimited (the default).
         max_non_split_rounding_size: a request of at least ``max_split_size`` may take a cached
-            block at most this much larger (``max_non_split_rounding_mb``, default 20 MiB).
+            block at most this much larger (``max_non_split_rounding_mb``; default 20 MiB, in
+            torch 2.13 ``large_segment_size``).
+        large_segment_size: the segment a large request under 10 MiB gets when no cached block
+            fits (``large_segment_size_mb``, torch 2.13; default 20 MiB, ``kLargeBuffer``).
         notes: one sentence per option that was read, or set but not modelled.
     """
 
     roundup_power2_divisions: tuple[int, ...] = (0,) * ROUNDUP_INTERVALS
     max_split_size: int | None = None
     # c10/core/AllocatorConfig.cpp: max_non_split_rounding_size_ defaults to kLargeBuffer
+    # (torch 2.13: to large_segment_size_, 20 MiB unless large_segment_size_mb is set)
     max_non_split_rounding_size: int = 20 * _MiB
+    # c10/core/AllocatorConfig.h (torch 2.13): large_segment_size_{20971520}, kLargeBuffer before
+    large_segment_size: int = LARGE_BUFFER
     notes: tuple[str, ...] = ()
 
     def divisions_for(self, size: int) -> int:
@@ -149,19 +156,22 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def allocator_config(conf: str | None = None) -> AllocatorConfig:
-    """Read ``PYTORCH_CUDA_ALLOC_CONF`` the way the caching allocator does.
+def allocator_config(conf: str | None = None, torch_version: str | None = None) -> AllocatorConfig:
+    """Read ``PYTORCH_CUDA_ALLOC_CONF`` the way the caching allocator of ``torch_version`` does.
 
     Like ``CUDAAllocatorConfig::instance()`` (c10/cuda/CUDAAllocatorConfig.h) the variable is
     ``PYTORCH_CUDA_ALLOC_CONF``, else ``PYTORCH_HIP_ALLOC_CONF`` (ROCm), else
     ``PYTORCH_ALLOC_CONF``; the options and their syntax are ``AllocatorConfig::parseArgs``'s
     (c10/core/AllocatorConfig.cpp). Modelled: ``roundup_power2_divisions`` (a number, or a list
-    ``[256:1,512:2,>:4]`` of interval-in-MiB:divisions pairs), ``max_split_size_mb`` and
-    ``max_non_split_rounding_mb``. Set but not modelled (said in ``notes``):
-    ``expandable_segments:True``, ``garbage_collection_threshold`` and a non-native ``backend``.
+    ``[256:1,512:2,>:4]`` of interval-in-MiB:divisions pairs; what ``>`` covers changed in torch
+    2.9), ``max_split_size_mb``, ``max_non_split_rounding_mb`` and, for torch 2.13,
+    ``large_segment_size_mb``. Set but not modelled (said in ``notes``):
+    ``expandable_segments:True``, ``garbage_collection_threshold``, a non-native ``backend`` and
+    ``large_segment_size_mb`` for a torch older than 2.13.
 
     Args:
         conf: the option string; None reads the environment.
+        torch_version: the torch of the training machine, e.g. ``"2.8.0"``; None = the installed one.
 
     Raises:
         ConfigError: a value the real allocator would also reject (every problem listed).
@@ -171,11 +181,11 @@ def allocator_config(conf: str | None = None) -> AllocatorConfig:
 
         env = os.environ
         conf = env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_HIP_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
-    return _parse_allocator_config(conf)
+    return _parse_allocator_config(conf, parse_torch_version(torch_version))
 
 
 @functools.lru_cache(maxsize=32)
-def _parse_allocator_config(conf: str) -> AllocatorConfig:
+def _parse_allocator_config(conf: str, version: tuple[int, int] = (2, 13)) -> AllocatorConfig:
     text = conf.replace(" ", "")
     # the options are comma-separated key:value pairs; a list value [a:b,c:d] holds commas itself
     items = re.findall(r"([^,:\[\]]+):(\[[^\]]*\]|[^,]*)", text)
@@ -183,12 +193,32 @@ def _parse_allocator_config(conf: str) -> AllocatorConfig:
     notes: list[str] = []
     divisions = [0] * ROUNDUP_INTERVALS
     max_split: int | None = None
-    non_split = 20 * _MiB
+    large_segment = LARGE_BUFFER
+    for key, value in items:
+        if key != "large_segment_size_mb":
+            continue
+        if version < (2, 13):
+            notes.append(f"PYTORCH_CUDA_ALLOC_CONF large_segment_size_mb:{value} is not modelled for torch "
+                         f"{version[0]}.{version[1]} (it was read in torch 2.13's allocator; a torch without "
+                         "it rejects the option at the first CUDA allocation): segments stay 20 MiB")
+        # AllocatorConfig.cpp parseLargeSegmentSize (torch 2.13): "must be > " kMinLargeAlloc / 1 MiB = 10
+        elif not value.isdigit() or int(value) <= 10:
+            problems.append(f"large_segment_size_mb:{value} must be a whole number of MiB > 10 (the allocator's minimum)")
+        else:
+            large_segment = int(value) * _MiB
+            notes.append(f"PYTORCH_CUDA_ALLOC_CONF large_segment_size_mb:{value} read: requests between 1 and "
+                         f"10 MiB take {value} MiB segments")
+    # torch 2.13 parses large_segment_size_mb first, wherever it stands, and then defaults
+    # max_non_split_rounding_size to it and takes it as the minimum of both *_mb options below
+    # (checked against the 2.13 libc10: "max_split_size_mb too small, must be >= 64" after large_segment_size_mb:64)
+    non_split = large_segment
+    least = large_segment // _MiB
 
     def mib_option(key: str, value: str) -> int | None:
         # AllocatorConfig.cpp parseMaxSplitSize / parseMaxNonSplitRoundingSize: >= kLargeBuffer / 1 MiB
-        if not value.isdigit() or int(value) < 20:
-            problems.append(f"{key}:{value} must be a whole number of MiB >= 20 (the allocator's minimum)")
+        # (torch 2.13: >= large_segment_size_ / 1 MiB)
+        if not value.isdigit() or int(value) < least:
+            problems.append(f"{key}:{value} must be a whole number of MiB >= {least} (the allocator's minimum)")
             return None
         return int(value) * _MiB
 
@@ -204,7 +234,7 @@ def _parse_allocator_config(conf: str) -> AllocatorConfig:
                 non_split = got
                 notes.append(f"PYTORCH_CUDA_ALLOC_CONF max_non_split_rounding_mb:{value} read")
         elif key == "roundup_power2_divisions":
-            if _parse_divisions(value, divisions, problems):
+            if _parse_divisions(value, divisions, problems, after_last=version >= (2, 9)):
                 notes.append(f"PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions:{value} read: sizes are "
                              "rounded to power-of-two divisions")
         elif key == "expandable_segments":
@@ -227,13 +257,14 @@ def _parse_allocator_config(conf: str) -> AllocatorConfig:
         raise ConfigError([f"PYTORCH_CUDA_ALLOC_CONF={conf!r}: {p}" for p in problems])
     return AllocatorConfig(
         roundup_power2_divisions=tuple(divisions), max_split_size=max_split,
-        max_non_split_rounding_size=non_split, notes=tuple(notes),
+        max_non_split_rounding_size=non_split, large_segment_size=large_segment, notes=tuple(notes),
     )
 
 
-def _parse_divisions(value: str, divisions: list[int], problems: list[str]) -> bool:
-    """Fill ``divisions`` from a ``roundup_power2_divisions`` value (AllocatorConfig.cpp
-    parseRoundUpPower2Divisions); return False (and add a problem) when it is malformed."""
+def _parse_divisions(value: str, divisions: list[int], problems: list[str], after_last: bool = True) -> bool:
+    """Fill ``divisions`` from a ``roundup_power2_divisions`` value (parseRoundUpPower2Divisions);
+    return False (and add a problem) when it is malformed. ``after_last``: a ``>`` entry fills the
+    intervals after the last one named (torch >= 2.9), not from that one on (torch < 2.9)."""
     if not value.startswith("["):  # one number for every interval ("kept for backwards compatibility")
         if not (value.isdigit() and _power_of_two(int(value))):
             problems.append(f"roundup_power2_divisions:{value} must be a power of two")
@@ -247,8 +278,13 @@ def _parse_divisions(value: str, divisions: list[int], problems: list[str]) -> b
             problems.append(f"roundup_power2_divisions entry {pair!r}: divisions must be 0 or a power of two")
             return False
         n = int(count)
-        if interval == ">":  # every interval from the last one named on
-            divisions[last:] = [n] * (ROUNDUP_INTERVALS - last)
+        if interval == ">":
+            # torch >= 2.9, c10/core/AllocatorConfig.cpp AcceleratorAllocatorConfig::
+            # parseRoundUpPower2Divisions: std::fill from last_index + 1 (checked against the 2.13
+            # libc10: [256:1,512:2,>:8] keeps 2 at index 9); torch < 2.9, c10/cuda/
+            # CUDAAllocatorConfig.cpp: from last_index, so the last interval named takes ">"'s value
+            start = last + 1 if after_last else last
+            divisions[start:] = [n] * (ROUNDUP_INTERVALS - start)
             continue
         if not (interval.isdigit() and _power_of_two(int(interval))):
             problems.append(f"roundup_power2_divisions entry {pair!r}: the interval (MiB) must be a power of two")
@@ -262,12 +298,14 @@ def _parse_divisions(value: str, divisions: list[int], problems: list[str]) -> b
     return True
 
 
-def segment_size(rounded: int) -> int:
+def segment_size(rounded: int, config: "AllocatorConfig | None" = None) -> int:
     """Bytes ``cudaMalloc`` is asked for when no cached block fits (``get_allocation_size``)."""
     if rounded <= SMALL_SIZE:
         return SMALL_BUFFER
     if rounded < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
+        # get_allocation_size: kLargeBuffer; torch 2.13: AcceleratorAllocatorConfig::large_segment_size()
+        # (as quoted from the 2.13-era CUDACachingAllocator.cpp; the CUDA source itself was not read)
+        return config.large_segment_size if config is not None else LARGE_BUFFER
     return -(-rounded // ROUND_LARGE) * ROUND_LARGE
 
 
@@ -467,7 +505,7 @@ class CachingAllocatorModel:
             bsize, addr = free_list.pop(i)
             blk = blocks[addr]
         else:
-            seg = segment_size(size)
+            seg = segment_size(size, self._config)
             limit = self._limit
             if limit is not None and self._reserved + seg > limit:
                 # malloc: alloc_block fails -> release_cached_blocks -> alloc_block(isRetry).

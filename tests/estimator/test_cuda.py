@@ -549,14 +549,90 @@ def test_roundup_power2_divisions(size, divisions, expected):
     assert round_size(size, allocator_config(f"roundup_power2_divisions:{divisions}")) == expected
 
 
-def test_roundup_power2_divisions_list_follows_the_allocator_parser():
-    cfg = allocator_config("roundup_power2_divisions:[256:1,512:2,>:8]")
-    # AllocatorConfig.cpp parseRoundUpPower2Divisions: "256" is interval index log2(256) = 8 and
-    # also fills every smaller one; "512" sets index 9; ">" fills from the last index named (9) on
-    assert cfg.roundup_power2_divisions == (1,) * 9 + (8,) * 7
+@pytest.mark.parametrize(
+    "version, expected, rounded_600",
+    [
+        # c10/core/AllocatorConfig.cpp (torch >= 2.9): "256" is interval index log2(256) = 8 and also
+        # fills every smaller one; "512" sets index 9; ">" fills from last_index + 1 = 10 on, so
+        # 600 MiB (index 9) has 2 divisions of [512, 1024) MiB: 768 MiB
+        ("2.13", (1,) * 9 + (2,) + (8,) * 6, 768 * MiB),
+        ("2.9", (1,) * 9 + (2,) + (8,) * 6, 768 * MiB),
+        # c10/cuda/CUDAAllocatorConfig.cpp (torch < 2.9): ">" fills from last_index = 9 on, over
+        # 512's 2: 8 divisions of [512, 1024) MiB put 600 MiB at 640 MiB
+        ("2.8", (1,) * 9 + (8,) * 7, 640 * MiB),
+    ],
+)
+def test_roundup_power2_divisions_list_follows_the_allocator_parser(version, expected, rounded_600):
+    cfg = allocator_config("roundup_power2_divisions:[256:1,512:2,>:8]", torch_version=version)
+    assert cfg.roundup_power2_divisions == expected
     assert cfg.divisions_for(300 * MiB) == 1  # index log2(300 MiB) - 20 = 8
-    assert cfg.divisions_for(600 * MiB) == 8  # index 9
+    assert round_size(600 * MiB, cfg) == rounded_600
     assert "roundup_power2_divisions" in cfg.notes[0]
+
+
+def test_a_lone_greater_than_entry_skips_the_first_interval_from_torch_2_9():
+    # last_index starts at 0: from 2.9 ">" alone fills from index 1, leaving sizes under 2 MiB alone
+    assert allocator_config("roundup_power2_divisions:[>:8]", torch_version="2.13").roundup_power2_divisions == (0,) + (8,) * 15
+    assert allocator_config("roundup_power2_divisions:[>:8]", torch_version="2.8").roundup_power2_divisions == (8,) * 16
+
+
+_LIBC10_DIVISIONS = textwrap.dedent(
+    """
+    import ctypes, os, sys, torch
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    f = lib._ZN3c1016CachingAllocator26AcceleratorAllocatorConfig24roundup_power2_divisionsEm
+    f.restype, f.argtypes = ctypes.c_size_t, [ctypes.c_size_t]
+    for conf in sys.argv[1:]:
+        torch._C._accelerator_setAllocatorSettings(conf)
+        print(",".join(str(f((1 << 20) << i)) for i in range(16)))
+    """
+)
+
+
+def test_roundup_power2_divisions_match_the_installed_allocator():
+    # the installed torch's own parser (libc10's AcceleratorAllocatorConfig, torch >= 2.9, which
+    # CPU builds ship too) against memguard's reading of the same strings
+    confs = ["roundup_power2_divisions:[256:1,512:2,>:8]", "roundup_power2_divisions:[64:8,256:4,1024:4,>:1]",
+             "roundup_power2_divisions:[>:8]", "roundup_power2_divisions:[1:2,>:8]", "roundup_power2_divisions:4"]
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 9):
+        pytest.skip("the allocator config moved to c10/core (AcceleratorAllocatorConfig) in torch 2.9")
+    run = subprocess.run([sys.executable, "-c", _LIBC10_DIVISIONS, *confs], capture_output=True, text=True, timeout=120)
+    if run.returncode != 0:
+        pytest.skip(f"libc10 does not export AcceleratorAllocatorConfig::roundup_power2_divisions: {run.stderr[-200:]}")
+    theirs = [tuple(int(x) for x in line.split(",")) for line in run.stdout.split()]
+    assert theirs == [allocator_config(c).roundup_power2_divisions for c in confs]
+
+
+def test_large_segment_size_sets_the_segment_of_mid_sized_requests():
+    cfg = allocator_config("large_segment_size_mb:64", torch_version="2.13")
+    # AllocatorConfig.h (2.13): large_segment_size_ replaces kLargeBuffer in get_allocation_size for
+    # large requests under kMinLargeAlloc (10 MiB); small ones keep 2 MiB, >= 10 MiB their 2 MiB rounding
+    assert cfg.large_segment_size == 64 * MiB
+    assert segment_size(5 * MiB, cfg) == 64 * MiB
+    assert segment_size(MiB, cfg) == 2 * MiB
+    assert segment_size(12 * MiB, cfg) == 12 * MiB
+    assert simulate([(0, 5 * MiB), (1, 5 * MiB)], config=cfg).peak_reserved == 64 * MiB  # one segment, split
+    # parseArgs (2.13, checked against its libc10): max_non_split_rounding_size defaults to it
+    assert cfg.max_non_split_rounding_size == 64 * MiB
+    assert "64 MiB segments" in cfg.notes[0]
+    # a torch before 2.13 is not known to have the option: said in the notes, segments stay 20 MiB
+    old = allocator_config("large_segment_size_mb:64", torch_version="2.8")
+    assert old.large_segment_size == 20 * MiB and "not modelled" in old.notes[0]
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        "large_segment_size_mb:10",  # parseLargeSegmentSize: "must be > 10 MB" (kMinLargeAlloc / 1 MiB)
+        # the *_mb minimum becomes large_segment_size, wherever large_segment_size_mb stands
+        # (2.13's libc10: "max_split_size_mb too small, must be >= 64")
+        "max_split_size_mb:40,large_segment_size_mb:64",
+        "large_segment_size_mb:64,max_non_split_rounding_mb:30",
+    ],
+)
+def test_large_segment_size_values_the_allocator_rejects(conf):
+    with pytest.raises(ConfigError):
+        allocator_config(conf, torch_version="2.13")
 
 
 def test_max_split_size_keeps_small_requests_out_of_big_blocks():
