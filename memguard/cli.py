@@ -27,7 +27,9 @@ Output is a readable report on stdout; ``--json`` prints exactly ``Plan.to_dict(
 prints ``{"error": "infeasible", "message": ..., "suggestions": [...], "closest":
 Plan.to_dict() or null}``. Progress and errors go to stderr. Exit status: 0 done; 1 no configuration fits (the closest plan and what would make it
 fit are printed) or another memguard error such as a missing optional package; 2 bad usage
-(unknown option, bad value, a model or batch that cannot be built or traced).
+(unknown option, bad value, a model or batch that cannot be built or traced): one line on stderr
+that names the option and what to write instead (one per problem when there are several), and
+with ``--verbose`` the traceback before it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from memguard.errors import ConfigError, InfeasiblePlanError, MemguardError, MissingDependencyError
+from memguard.hf import MAX_SIZE
 from memguard.planner.request import DEFAULT_HEADROOM, PlanRequest
 from memguard.vocab import PRECISION_ALIASES, PRECISIONS, format_bytes, parse_bytes
 
@@ -62,7 +65,7 @@ EXIT_USAGE = 2
 
 #: How the command line spells memguard.plan's options, for PlanRequest's problem sentences.
 CLI_OPTIONS = {
-    "global_batch_size": "--global-batch-size", "gpu": "--gpu", "budget_bytes": "--budget",
+    "global_batch_size": "--global-batch-size", "gpu": "--gpu", "cpu": "--cpu", "budget_bytes": "--budget",
     "world_size": "--world-size", "device": "--device", "precision": "--precision",
     "activation_checkpointing": "--activation-checkpointing", "zero_stage": "--zero-stage",
     "offload_optimizer": "--offload-optimizer", "headroom": "--headroom", "cache": "--cache",
@@ -76,11 +79,24 @@ CLI_OPTIONS = {
 # ------------------------------------------------------------------------------------------
 
 
+#: The largest count an option takes (int32's maximum, as for config sizes): far above any real
+#: batch, sequence or world size; beyond it torch's int64 sizes overflow, and the planner's
+#: divisor search of a global batch of 10**20 would not end.
+MAX_COUNT = MAX_SIZE
+#: The largest --budget: int64's maximum number of bytes (8 EiB), the most torch can count.
+MAX_BUDGET = 2**63 - 1
+
+
 def _bytes_arg(text: str) -> int:
     try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        value = parse_bytes(text)
+    except (ValueError, OverflowError) as exc:  # OverflowError: a number too long for a float
+        message = str(exc) if isinstance(exc, ValueError) else f"{text!r} is too large; write e.g. 80GB"
+        raise argparse.ArgumentTypeError(message) from None
+    if value > MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 8 EiB (2**63 - 1 bytes, the most torch counts); "
+                                         "write e.g. 80GB")
+    return value
 
 
 def _precision_list(text: str) -> list[str]:
@@ -111,14 +127,60 @@ def _stage_list(text: str) -> list[int]:
     return out
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+def _one_stage(text: str) -> int:
+    stages = _stage_list(text)
+    if len(stages) != 1:
+        raise argparse.ArgumentTypeError("estimate takes one ZeRO stage; use `memguard plan` to compare several")
+    return stages[0]
+
+
+def _int(text: str) -> int:
+    """``int(text)`` for a count: digits only, so ``1e3`` or ``2.0`` is refused rather than guessed."""
+    raw = text.strip()
+    if not re.fullmatch(r"[+-]?[0-9]+", raw, flags=re.ASCII):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; write digits, e.g. 8")
+    digits = raw.lstrip("+-").lstrip("0") or "0"
+    # only the digits that matter reach int(): it refuses more than 4300 of them (a ValueError of its own)
+    value = (-1 if raw.startswith("-") else 1) * (int(digits) if len(digits) <= 20 else MAX_COUNT + 1)
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large: at most {MAX_COUNT} (2**31 - 1)")
     return value
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1; write e.g. 8")
+    return value
+
+
+def _text(example: str) -> Callable[[str], str]:
+    """The type of a free-form option: any text but an empty one (``--gpu ""`` would mean "not given")."""
+
+    def text(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(f"an empty value; write e.g. {example}")
+        return value
+
+    return text
+
+
+def _cpu_level(text: str) -> str:
+    """``--cpu``: ``host`` or one of oneDNN's instruction-set levels (:class:`memguard.estimator.cpu_kernels.CpuTarget`)."""
+    from memguard.estimator.cpu_kernels import ISAS, CpuTarget
+
+    problems: list[str] = []
+    CpuTarget.named(text, problems)
+    if problems:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU target; write host (this CPU) or one of {', '.join(ISAS)}")
+    return text
+
+
+def _gpu_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty GPU name; write e.g. T4,A100-40GB")
+    return names
 
 
 def _fraction(text: str) -> float:
@@ -138,10 +200,9 @@ def _ckpt_estimate(text: str) -> int | bool:
         return True
     if low in ("off", "none", "false", "0"):
         return 0
-    try:
-        value = int(low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use on, off or a number of blocks") from None
+    if not re.fullmatch(r"[+-]?[0-9]+", low, flags=re.ASCII):
+        raise argparse.ArgumentTypeError(f"{text!r}: use on, off or a number of blocks")
+    value = _int(low)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: the number of blocks must be >= 0")
     return value
@@ -174,7 +235,8 @@ examples:
   memguard gpus --hf gpt2 --seq-len 1024 --global-batch-size 256
 
 exit status: 0 done; 1 nothing fits (the closest plan is printed) or another memguard error;
-2 bad usage, or the --model module or factory failed (one line; --verbose adds the traceback).
+2 bad usage: a bad value of any option, or the --model module or factory failed (one line that
+names the option; --verbose adds the traceback).
 Progress goes to stderr; --json keeps stdout machine-readable.
 """
 
@@ -192,9 +254,9 @@ model factory protocol (--model pkg.module:factory or path/to/file.py:factory):
 def _model_options(parser: argparse.ArgumentParser, *, required: bool) -> None:
     g = parser.add_argument_group("model" + ("" if required else " (optional: size the job on each GPU)"))
     src = g.add_mutually_exclusive_group(required=required)
-    src.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+    src.add_argument("--model", metavar="PKG.MODULE:FACTORY", type=_text("my_model:build"),
                      help="a callable returning the model and an example batch (see the protocol below)")
-    src.add_argument("--hf", metavar="MODEL_TYPE",
+    src.add_argument("--hf", metavar="MODEL_TYPE", type=_text("gpt2"),
                      help="a transformers model type (gpt2, llama, mistral, qwen2, bert, t5, ...) built from its "
                           "default config on the meta device; nothing is downloaded")
     g.add_argument("--hf-config", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
@@ -215,9 +277,13 @@ def _micro_batch_option(parser: argparse.ArgumentParser, help_text: str) -> None
 def _target_options(parser: argparse.ArgumentParser, *, budget_help: str) -> argparse._ArgumentGroup:
     g = parser.add_argument_group("target")
     g.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the training device (default cuda)")
-    g.add_argument("--gpu", metavar="NAME",
+    g.add_argument("--gpu", metavar="NAME", type=_text("A100-40GB"),
                    help="a GPU of the catalog, e.g. A100-40GB, H100, RTX-4090 (see `memguard gpus`); default: "
                         "the GPU of this machine, if any")
+    g.add_argument("--cpu", metavar="LEVEL", type=_cpu_level,
+                   help="with --device cpu: the CPU whose kernel paths are modelled, host (default: this CPU) or "
+                        "an instruction-set level: avx2, avx512_core, avx512_core_bf16, avx512_core_fp16, "
+                        "avx512_core_amx")
     g.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
                    help="data-parallel ranks (default 1)")
     g.add_argument("--budget", type=_bytes_arg, metavar="SIZE", help=budget_help)
@@ -255,7 +321,7 @@ def _output_options(parser: argparse.ArgumentParser, *, json_help: str | None, p
     if json_help:
         g.add_argument("--json", action="store_true", help=json_help)
     if plot:
-        g.add_argument("--plot", metavar="FILE.png",
+        g.add_argument("--plot", metavar="FILE.png", type=_text("plan.png"),
                        help="draw the report with matplotlib (pip install 'memguard[plot]'); .png, .svg or .pdf")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     g.add_argument("-v", "--verbose", action="count", default=0, help="log memguard's decisions on stderr (-vv: debug details)")
@@ -265,12 +331,22 @@ def _wrap(text: str) -> str:
     return textwrap.fill(text, width=88)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: the error and where the options are."""
+
+    def error(self, message: str):
+        """Print ``memguard: error: MESSAGE (run `PROG --help` for the options)`` and exit 2."""
+        # argparse's own error() prints the whole usage first: many lines that hide the one that
+        # matters; --help still prints it
+        self.exit(EXIT_USAGE, f"memguard: error: {_printable(message)} (run `{self.prog} --help` for the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``memguard`` argument parser (sub-commands set ``func``)."""
     from memguard import __version__
 
     fmt = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="memguard",
         description=_wrap("Predict the peak memory of a PyTorch training step without a GPU, and plan micro-batch, "
                           "accumulation, precision, activation checkpointing and ZeRO stage for a memory budget."),
@@ -316,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = e.add_argument_group("configuration")
     c.add_argument("--precision", type=_one_precision, default="32-true", metavar="P",
                    help="one of " + ", ".join(PRECISIONS) + " (default 32-true)")
-    c.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="DeepSpeed ZeRO stage (default 0)")
+    c.add_argument("--zero-stage", type=_one_stage, default=0, metavar="S", help="DeepSpeed ZeRO stage 0-3 (default 0)")
     c.add_argument("--activation-checkpointing", type=_ckpt_estimate, default=0, metavar="on|off|N",
                    help="checkpoint all repeated blocks (on), none (off, default) or the first N")
     c.add_argument("--offload-optimizer", action="store_true", help="optimizer state in host memory (ZeRO >= 1)")
@@ -340,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     _knob_options(d)
     d.add_argument("--cache", action="store_true", help="reuse and store plans on disk (memguard's plan cache)")
     o = d.add_argument_group("DeepSpeed config")
-    o.add_argument("--out", metavar="FILE", help="write the config here (default: print it on stdout)")
+    o.add_argument("--out", metavar="FILE", type=_text("ds.json"),
+                   help="write the config here (default: print it on stdout)")
     o.add_argument("--set", metavar="KEY=VALUE", nargs="+", action="extend", default=[], dest="ds_set",
                    help="extra config entries, dotted for nested keys, e.g. gradient_clipping=1.0 "
                         "zero_optimization.overlap_comm=true (JSON values)")
@@ -357,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     _micro_batch_option(gp, "samples in the example batch traced for the probes (default 1)")
     gp.add_argument("--global-batch-size", type=_positive_int, metavar="N",
                     help="samples per optimizer step over all GPUs (needed with a model)")
-    gp.add_argument("--gpus", metavar="NAME[,NAME...]", action="extend", type=lambda s: [x for x in s.split(",") if x],
+    gp.add_argument("--gpus", metavar="NAME[,NAME...]", action="extend", type=_gpu_names,
                     help="only these GPUs (default: the whole catalog)")
     gp.add_argument("--max-gpus", type=_positive_int, default=64, metavar="N", help="the most GPUs tried (default 64)")
     _knob_options(gp)
@@ -419,8 +496,28 @@ def _configure_logging(verbose: int) -> Callable[[], None]:
     return restore
 
 
+def _printable(text: str) -> str:
+    """``text`` with control and invisible characters escaped (``\\n``, ``\\x00``, ``\\u200b``).
+
+    Problems quote what the user typed; a newline or carriage return in it would break the one
+    line an error is, and an invisible character would hide why a name is unknown.
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _problems_text(exc: ConfigError) -> str:
+    """A :class:`ConfigError` as :func:`_fail` prints it: one line per problem (ConfigError's own form)."""
+    problems = [_printable(p) for p in exc.problems] or [_printable(str(exc))]
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
 def _fail(message: str, *, hint: str | None = None) -> None:
+    """Print ``memguard: error: MESSAGE`` on stderr; a hint ends a one-line message, in parentheses."""
     sys.stdout.flush()
+    if hint and "\n" not in message:
+        message, hint = f"{message} ({hint})", None  # one bad value, one line
     print(f"memguard: error: {message}", file=sys.stderr)
     if hint:
         print(f"memguard: {hint}", file=sys.stderr)
@@ -483,6 +580,10 @@ def _resolve_factory(spec: str) -> Callable:
             sys.modules.pop(name, None)
             raise _import_failure(spec, module_part, exc) from exc
     else:
+        if not all(part.isidentifier() for part in module_part.split(".")):
+            # importlib would raise TypeError for "..x" and import "x-y" nowhere: say what a name is
+            raise ConfigError(f"--model {spec!r}: {module_part!r} is not a module name; write pkg.module:factory "
+                              "(dotted Python names) or path/to/file.py:factory")
         cwd = os.getcwd()
         if cwd not in sys.path and "" not in sys.path:
             sys.path.insert(0, cwd)  # like `python -m`, find modules in the current folder
@@ -568,6 +669,61 @@ def _from_factory(spec: str, *, batch_size: int, seq_len: int | None) -> LoadedM
                        description=f"{spec} ({type(model).__name__}, {n / 1e6:.1f}M parameters)")
 
 
+def _flagged(flag: str, func: Callable, *args: Any) -> Any:
+    """``func(*args)``, its :class:`ConfigError` problems each starting with ``flag``."""
+    try:
+        return func(*args)
+    except ConfigError as exc:
+        raise ConfigError([p if p.startswith(flag) else f"{flag}: {p}" for p in exc.problems]) from exc
+
+
+#: The most tokens the --hf example batch may hold: its token ids and labels are real CPU tensors
+#: (1 GiB at this size), unlike the model's weights on the meta device.
+MAX_EXAMPLE_TOKENS = 2**26
+
+
+def _load_hf(args: argparse.Namespace, progress: _Progress) -> LoadedModel:
+    """:func:`load_model` for ``--hf``: flags checked before the model is built, each problem naming its flag."""
+    from memguard import hf
+
+    overrides = _flagged("--hf-config", hf.parse_overrides, args.hf_config)
+    try:
+        import transformers
+
+        if args.verbose < 2:
+            transformers.logging.set_verbosity_error()  # config notes and deprecations are noise here
+    except ImportError as exc:
+        raise MissingDependencyError("transformers", "transformers") from exc
+    # hf.build checks the same, but cannot say which flag is at fault (a config takes milliseconds)
+    _flagged("--hf", hf.config_for, args.hf)
+    config = _flagged("--hf-config", hf.config_for, args.hf, overrides)
+    problems = []
+    seq_len = args.seq_len or hf.DEFAULT_SEQ_LEN
+    tokens = args.micro_batch_size * max(seq_len, args.target_len or 0)
+    if tokens > MAX_EXAMPLE_TOKENS:
+        default = "" if args.seq_len else " (the default)"
+        problems.append(f"--micro-batch-size {args.micro_batch_size} x --seq-len {seq_len}{default}: an example batch "
+                        f"of {tokens} tokens would take {format_bytes(16 * tokens)} of this machine's memory (the "
+                        f"most is {MAX_EXAMPLE_TOKENS} tokens); use a smaller --micro-batch-size or --seq-len")
+    bound = hf.max_positions(config)
+    max_seq_len = getattr(args, "max_seq_len", None)
+    if bound is not None and max_seq_len and max_seq_len > bound[1]:
+        problems.append(f"--max-seq-len {max_seq_len} exceeds {type(config).__name__}.{bound[0]}={bound[1]}; raise it "
+                        f"(--hf-config {bound[0]}={max_seq_len}) or plan for shorter sequences")
+    if problems:
+        raise ConfigError(problems)
+    progress.say(f"building {args.hf} from its config on the meta device (no download)")
+    try:
+        built = hf.build(args.hf, overrides, batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                         target_len=args.target_len, task=args.hf_task)
+    except MemguardError:
+        raise
+    except Exception as exc:  # the config passed its checks, but transformers cannot build a model from it
+        raise ConfigError(f"--hf {args.hf}: transformers cannot build the model from this config "
+                          f"({_one_line(exc)}); change the --hf-config values") from exc
+    return LoadedModel(model=built.model, batch=built.batch, description=built.describe())
+
+
 def load_model(args: argparse.Namespace, progress: _Progress | None = None) -> LoadedModel:
     """Build the model and example batch the command line asks for.
 
@@ -585,20 +741,7 @@ def load_model(args: argparse.Namespace, progress: _Progress | None = None) -> L
     if problems:
         raise ConfigError(problems)
     if args.hf:
-        from memguard import hf
-
-        overrides = hf.parse_overrides(args.hf_config)
-        try:
-            import transformers
-
-            if args.verbose < 2:
-                transformers.logging.set_verbosity_error()  # config notes and deprecations are noise here
-        except ImportError as exc:
-            raise MissingDependencyError("transformers", "transformers") from exc
-        progress.say(f"building {args.hf} from its config on the meta device (no download)")
-        built = hf.build(args.hf, overrides, batch_size=args.micro_batch_size, seq_len=args.seq_len,
-                         target_len=args.target_len, task=args.hf_task)
-        return LoadedModel(model=built.model, batch=built.batch, description=built.describe())
+        return _load_hf(args, progress)
     progress.say(f"building the model with {args.model}")
     return _from_factory(args.model, batch_size=args.micro_batch_size, seq_len=args.seq_len)
 
@@ -631,7 +774,7 @@ def plan_request(args: argparse.Namespace, loaded: "LoadedModel | None" = None) 
     """
     return PlanRequest(
         global_batch_size=args.global_batch_size, gpu=args.gpu, budget_bytes=args.budget,
-        world_size=args.world_size, device=args.device,
+        world_size=args.world_size, device=args.device, cpu=args.cpu,
         optimizer=loaded.optimizer if loaded else None, loss_fn=loaded.loss_fn if loaded else None,
         headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
         make_batch=loaded.make_batch if loaded else None, cache=args.cache, keep_outputs=args.keep_outputs,
@@ -640,9 +783,29 @@ def plan_request(args: argparse.Namespace, loaded: "LoadedModel | None" = None) 
     )
 
 
+def _gpu_problems(name: str) -> list[str]:
+    """The catalog's problems with the GPU ``name`` (unknown, ambiguous), as it words them; [] when known."""
+    from memguard.estimator.gpus import get_gpu
+
+    try:
+        get_gpu(name)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def _gpu_sentence(flag: str, problem: str) -> str:
+    """A catalog problem in the command line's words: the flag first, its options rather than keywords."""
+    other = "leave out --gpu and give --budget" if flag == "--gpu" else "run `memguard plan --budget SIZE`"
+    return f"{flag}: " + problem.replace("pass gpu=None with budget_bytes=", other)
+
+
 def _check_request(args: argparse.Namespace) -> None:
     """Raise every problem of the plan options, in the command line's words, before building the model."""
     problems = plan_request(args).problems(spell=CLI_OPTIONS)
+    # the catalog's sentences about the GPU name come without the flag: say it is --gpu's value
+    unknown = set(_gpu_problems(args.gpu)) if args.gpu else set()
+    problems = [_gpu_sentence("--gpu", p) if p in unknown else p for p in problems]
     if problems:
         raise ConfigError(problems)
     if args.device == "cpu" and args.budget is None:
@@ -650,10 +813,31 @@ def _check_request(args: argparse.Namespace) -> None:
 
 
 def _check_output_path(option: str, path: str | None) -> None:
-    if path:
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise ConfigError(f"{option} {path}: the folder {parent} does not exist; create it first")
+    """Raise :class:`ConfigError` unless ``path`` can be a file to write (checked before the slow work)."""
+    if not path:
+        return
+    if "\0" in path:
+        raise ConfigError(f"{option} {path!r}: a file name cannot hold a NUL character")
+    if os.path.isdir(path):
+        raise ConfigError(f"{option} {path}: that is a folder; give a file name in it")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{option} {path}: the folder {parent} does not exist; create it first")
+
+
+def _check_plot_path(path: str | None) -> None:
+    """:func:`_check_output_path` for ``--plot``, and a suffix matplotlib can write (it decides the format)."""
+    _check_output_path("--plot", path)
+    if not path:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in kinds:
+        what = f"a .{suffix} file" if suffix else "a file without a suffix"
+        raise ConfigError(f"--plot {path}: matplotlib cannot write {what}; end the name in .png, .svg or .pdf "
+                          f"(or {', '.join('.' + k for k in sorted(kinds) if k not in ('png', 'svg', 'pdf'))})")
 
 
 def _plan_with_progress(args, loaded: LoadedModel, progress: _Progress):
@@ -708,7 +892,7 @@ def _cmd_plan(args: argparse.Namespace, progress: _Progress) -> int:
         from memguard.plot import require_matplotlib
 
         require_matplotlib()
-    _check_output_path("--plot", args.plot)
+    _check_plot_path(args.plot)
     _check_request(args)
     loaded = load_model(args, progress)
     plan, infeasible, planner = _plan_with_progress(args, loaded, progress)
@@ -736,7 +920,15 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
         from memguard.plot import require_matplotlib
 
         require_matplotlib()
-    _check_output_path("--plot", args.plot)
+    _check_plot_path(args.plot)
+    if args.gpu:  # before the model is built, in the command line's words (as plan_request says them)
+        if args.device != "cuda":
+            raise ConfigError(f"--gpu {args.gpu} only applies to --device cuda; drop it")
+        bad = _gpu_problems(args.gpu)
+        if bad:
+            raise ConfigError([_gpu_sentence("--gpu", p) for p in bad])
+    if args.cpu and args.device != "cpu":
+        raise ConfigError(f"--cpu {args.cpu} only applies to --device cpu; drop it or add --device cpu")
     loaded = load_model(args, progress)
     progress.say(f"estimating {loaded.description}: tracing one step on fake tensors")
     progress.restart()
@@ -744,7 +936,7 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
         loaded.model, loaded.batch, optimizer=loaded.optimizer, loss_fn=loaded.loss_fn, device=args.device,
         precision=args.precision, zero_stage=args.zero_stage, world_size=args.world_size, gpu=args.gpu,
         activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
-        offload_optimizer=args.offload_optimizer, keep_outputs=args.keep_outputs,
+        offload_optimizer=args.offload_optimizer, keep_outputs=args.keep_outputs, cpu=args.cpu,
     )
     progress.say(f"estimated in {progress.elapsed()}")
     budget = args.budget
@@ -777,12 +969,15 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
 def _set_dotted(items: Sequence[str]) -> dict[str, Any]:
     from memguard.hf import parse_overrides
 
-    flat = parse_overrides(items)
+    flat = _flagged("--set", parse_overrides, items)
     out: dict[str, Any] = {}
     problems = []
     for key, value in flat.items():
         node = out
         parts = key.split(".")
+        if not all(parts):
+            problems.append(f"--set {key}: an empty name between dots; write e.g. zero_optimization.overlap_comm=true")
+            continue
         for part in parts[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
@@ -808,8 +1003,12 @@ def _cmd_deepspeed(args: argparse.Namespace, progress: _Progress) -> int:
     config = to_config(plan, **overrides)
     text = json.dumps(config, indent=2)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+        try:
+            with open(args.out, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        except OSError as exc:  # no permission, a read-only disk, a name too long, ...
+            raise ConfigError(f"--out {args.out}: cannot write the config ({exc.strerror or exc}); choose another "
+                              "file") from exc
         print(f"Model: {loaded.description}\n")
         print(plan.explain())
         print(f"\nDeepSpeed config written to {args.out}")
@@ -852,11 +1051,12 @@ def _cmd_gpus(args: argparse.Namespace, progress: _Progress) -> int:
     names = None
     if args.gpus:
         names = []
-        for n in args.gpus:
-            try:
+        for n in dict.fromkeys(args.gpus):  # T4,T4: one GPU, and one problem if it is unknown
+            bad = _gpu_problems(n)
+            if bad:
+                problems.extend(_gpu_sentence("--gpus", p) for p in bad)
+            else:
                 names.append(get_gpu(n).name)
-            except ConfigError as exc:
-                problems.extend(exc.problems)
     if problems:
         raise ConfigError(problems)
 
@@ -920,6 +1120,13 @@ def _cmd_gpus(args: argparse.Namespace, progress: _Progress) -> int:
 # ------------------------------------------------------------------------------------------
 
 
+def _print_traceback(args: argparse.Namespace, exc: BaseException) -> None:
+    """With --verbose, the traceback of ``exc`` (and of what caused it) on stderr, for debugging."""
+    if args.verbose:
+        sys.stdout.flush()
+        traceback.print_exception(exc, file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 done, 1 nothing fits, 2 bad usage)."""
     parser = build_parser()
@@ -935,14 +1142,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose and exc.__cause__ is not None:
             sys.stdout.flush()
             traceback.print_exception(exc.__cause__, file=sys.stderr)
-            _fail(str(exc))
+            _fail(_problems_text(exc))
         else:
-            _fail(f"{exc} (--verbose shows the traceback)")
+            _fail(f"{_problems_text(exc)} (--verbose shows the traceback)")
         return EXIT_USAGE
     except ConfigError as exc:
-        _fail(str(exc), hint=hint)
+        _print_traceback(args, exc)
+        foreign = exc.__cause__ is not None and not isinstance(exc.__cause__, MemguardError)
+        _fail(_problems_text(exc), hint="--verbose shows the traceback" if foreign and not args.verbose else hint)
         return EXIT_USAGE
     except MemguardError as exc:
+        _print_traceback(args, exc)
         _fail(str(exc))
         return EXIT_INFEASIBLE
     except KeyboardInterrupt:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import difflib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping
 
@@ -103,43 +104,158 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     """Parse ``key=value`` strings into config overrides.
 
     A value is read as JSON (``2``, ``0.1``, ``true``, ``null``, ``[1, 2]``), else as a Python
-    literal (``True``, ``None``), else kept as a string (``attn_implementation=eager``).
+    literal (``True``, ``None``), else kept as a string (``attn_implementation=eager``). A key
+    given twice keeps its last value.
 
     Raises:
-        ConfigError: an item without ``=`` or with an empty key (every bad item listed).
+        ConfigError: an item without ``=``, with an empty key or value, or several settings
+            joined by commas (``a=1,b=2``: they go in separate items, ``a=1 b=2``); every bad
+            item listed.
     """
     out: dict[str, Any] = {}
     problems: list[str] = []
     for item in items:
         key, sep, raw = str(item).partition("=")
-        key = key.strip()
+        key, raw = key.strip(), raw.strip()
         if not sep or not key:
             problems.append(f"config override {item!r} is not key=value; write e.g. n_layer=2")
             continue
-        out[key] = _parse_value(raw.strip())
+        if not raw:
+            problems.append(f"config override {item!r} has no value; write e.g. {key}=2 (JSON; \"\" for an "
+                            "empty string)")
+            continue
+        value = _parse_value(raw)
+        if value == raw and _JOINED.search(raw):  # a bare string (not a quoted one) holding ",b="
+            # "a=1,b=2" would set a to the string "1,b=2": almost surely meant as two settings
+            parts = _JOINED_SPLIT.split(str(item).strip())
+            problems.append(f"config override {item!r} joins {len(parts)} settings with commas; separate them "
+                            f"with spaces: {' '.join(parts)}")
+            continue
+        out[key] = value
     if problems:
         raise ConfigError(problems)
     return out
 
 
+# ",b=" inside a value: a second key=value after a comma.
+_JOINED = re.compile(r",\s*[A-Za-z_][\w.]*\s*=")
+_JOINED_SPLIT = re.compile(r"\s*,\s*(?=[A-Za-z_][\w.]*\s*=)")
+
+
 def _parse_value(raw: str) -> Any:
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested deeper than Python's stack
         pass
     try:
         return ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # literal_eval's failures
         return raw
+
+
+#: The largest size or count an override may set: int32's maximum. No dimension of a trainable
+#: model comes near it, and larger ones overflow torch's int64 byte counts of the tensors.
+MAX_SIZE = 2**31 - 1
+
+# Token ids (pad_token_id, eos_token_id, ...): any id, a list of ids or null; not sizes.
+_TOKEN_ID = re.compile(r"(^|_)ids?$")
+# A dimension of the model: zero of these builds no model (or an empty one), so at least 1. Layer
+# and head counts by name (n_layer, num_hidden_layers, encoder_attention_heads, ...): other counts
+# of layers may be 0 (Qwen2's max_window_layers, DeepSeek's num_nextn_predict_layers).
+_DIMENSION = re.compile(
+    r"(^|_)(size|dim|embd|embed|embeddings|positions|ctx|model|ff|kv|inner)$"
+    r"|^(n|num)_((hidden|attention|key_value|kv|encoder|decoder)_)?(layers?|heads?)$"
+    r"|^(encoder|decoder)_(attention_)?(layers|heads)$"
+)
+
+
+def _override_problems(config: Any, overrides: Mapping[str, Any]) -> list[str]:
+    """What is wrong with ``overrides`` for ``config`` (a model type's default config), one sentence each.
+
+    The rules, from the default config's own values:
+
+    * a key must be a setting of the config (or an alias in its ``attribute_map``); close matches
+      are named;
+    * a value takes the type of the default: true/false for a boolean, an integer for an integer
+      (not ``2.0``), a number for a float, a string for a string; ``null`` passes (the config
+      decides);
+    * a size or count (an integer setting with a positive default other than a token id
+      ``..._id``, or a dimension with no default) is at least 0 and at most :data:`MAX_SIZE`;
+      a dimension (a name ending in ``size``, ``dim``, ``positions``, ... or counting layers or
+      heads: ``n_layer``, ``num_hidden_layers``, ``hidden_size``, ``num_heads``, ``vocab_size``,
+      ...) at least 1. A default of 0 or -1 marks a switch or a sentinel, not a size: only its
+      type is checked.
+
+    Returns:
+        The problems; empty when the overrides pass.
+    """
+    name = type(config).__name__
+    aliases = dict(getattr(config, "attribute_map", {}) or {})
+    known = set(config.to_dict()) | set(aliases) | _EXTRA_KEYS
+    problems: list[str] = []
+    for key, value in overrides.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            problems.append(f"{name} has no setting {key!r}{hint}")
+            continue
+        if key in _EXTRA_KEYS or _TOKEN_ID.search(key):
+            continue
+        target = aliases.get(key, key)
+        problem = _value_problem(key, value, getattr(config, target, None),
+                                 dimension=bool(_DIMENSION.search(key) or _DIMENSION.search(target)))
+        if problem:
+            problems.append(f"{name}.{key} {problem}")
+    return problems
+
+
+def _value_problem(key: str, value: Any, default: Any, *, dimension: bool) -> str | None:
+    """Why ``value`` cannot replace ``default`` (None when it can); see :func:`_override_problems`."""
+    if value is None:
+        return None  # e.g. num_key_value_heads=null: the config fills it in, or refuses it itself
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return None
+        return f"is true or false, got {value!r}; write {key}=true or {key}=false"
+    if isinstance(default, int) or (dimension and default is None):
+        positive = isinstance(default, int) and default > 0
+        example = default if positive else 1
+        if not is_int:
+            return f"takes an integer, got {value!r}; write e.g. {key}={example}"
+        if not (positive or (dimension and default is None)):
+            return None  # a default of 0 or -1 is a switch or a sentinel, not a size
+        low = 1 if dimension else 0
+        if value < low:
+            return f"is a size or count and must be at least {low}, got {value}; write e.g. {key}={example}"
+        if value > MAX_SIZE:
+            return f"must be at most {MAX_SIZE} (2**31 - 1), got {value}; write e.g. {key}={example}"
+        return None
+    if isinstance(default, float):
+        if is_int or isinstance(value, float):
+            return None
+        return f"takes a number, got {value!r}; write e.g. {key}={default!r}"
+    if isinstance(default, str):
+        if isinstance(value, str):
+            return None
+        return f"takes a string, got {value!r}; write e.g. {key}={default}"
+    return None
+
+
+def _is_float_setting(config: Any, key: str) -> bool:
+    """Whether ``key`` (or the setting it aliases) holds a float in ``config``."""
+    target = (getattr(config, "attribute_map", {}) or {}).get(key, key)
+    return type(getattr(config, target, None)) is float
 
 
 def config_for(model_type: str, overrides: Mapping[str, Any] | None = None) -> Any:
     """``transformers.AutoConfig.for_model(model_type, **overrides)``, with checked names.
 
     Raises:
-        ConfigError: unknown model type, or override keys the config does not have (a typo such
-            as ``n_layers`` for GPT-2 would otherwise be stored and silently ignored); close
-            matches are named.
+        ConfigError: unknown model type; override keys the config does not have (a typo such
+            as ``n_layers`` for GPT-2 would otherwise be stored and silently ignored; close
+            matches are named), values of the wrong type or sizes out of range (see
+            :func:`_override_problems`), or values the config itself refuses.
         MissingDependencyError: transformers is not installed.
     """
     transformers = _transformers()
@@ -154,19 +270,19 @@ def config_for(model_type: str, overrides: Mapping[str, Any] | None = None) -> A
             "'gpt2', 'llama', 'mistral', 'qwen2', 'bert' or 't5'"
         )
     default = transformers.AutoConfig.for_model(model_type)
-    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}) or {}) | _EXTRA_KEYS
-    unknown = sorted(k for k in overrides if k not in known)
-    if unknown:
-        problems = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            problems.append(f"{type(default).__name__} has no setting {key!r}{hint}")
+    problems = _override_problems(default, overrides)
+    if problems:
         raise ConfigError(problems)
     try:
+        # JSON reads 0 as an integer: a float setting takes it as 0.0 (transformers 5 refuses an int there)
+        overrides = {k: float(v) if type(v) is int and _is_float_setting(default, k) else v
+                     for k, v in overrides.items()}
         return transformers.AutoConfig.for_model(model_type, **overrides)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{type(default).__name__} refused the overrides {overrides}: {exc}") from exc
+    except Exception as exc:  # the default config built, so the overrides are at fault (ValueError,
+        # TypeError, huggingface_hub's StrictDataclassError in transformers 5, an int too large for a
+        # float); one line of it
+        reason = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+        raise ConfigError(f"{type(default).__name__} refused the overrides {overrides}: {reason}") from exc
 
 
 def _mapping_names() -> dict[str, Any]:

@@ -354,7 +354,143 @@ def test_argparse_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
-    assert "error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # one line: the error and where the options are, not argparse's usage block
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("memguard: error: ") and "--help` for the options" in err
+
+
+# ------------------------------------------------------------------------------------------
+# A bad value: exit 2 and one line that names the flag and what to write instead
+# ------------------------------------------------------------------------------------------
+
+
+def one_error_line(argv: list[str], capsys) -> str:
+    """Run ``memguard`` on ``argv`` (quiet); assert exit 2, nothing on stdout and one line on stderr; return it."""
+    try:
+        rc = main([*argv, "-q"])
+    except SystemExit as exc:  # argparse's errors
+        rc = exc.code
+    captured = capsys.readouterr()
+    assert rc == 2, captured.err
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err  # one line, no traceback
+    assert lines[0].startswith("memguard: error: ")
+    return lines[0]
+
+
+HF_PLAN = ["plan", "--hf", "gpt2", "--global-batch-size", "8", "--gpu", "T4", "--seq-len", "8"]
+
+
+def test_hf_config_value_of_the_wrong_type_from_the_command_line():
+    # the issue's case: huggingface_hub's validation traceback (exit 1, "nothing fits") before; and
+    # hidden_size, an alias of GPT-2's n_embd, slipped past that validation and failed in torch
+    proc = run_cli(*HF_PLAN, "--hf-config", "hidden_size=abc")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "memguard: error: --hf-config: GPT2Config.hidden_size takes an integer, got 'abc'; write e.g. "
+        "hidden_size=768 (run `memguard plan --help` for the options)"
+    ]
+
+
+def test_hf_config_comma_list_says_to_separate_with_spaces(capsys):
+    line = one_error_line([*HF_PLAN, "--hf-config", "a=1,b=2"], capsys)
+    assert "--hf-config" in line and "separate them with spaces: a=1 b=2" in line
+    line = one_error_line([*HF_PLAN, "--hf-config", "n_layer=2,n_embd=64"], capsys)
+    assert "n_layer=2 n_embd=64" in line
+
+
+def test_hf_config_unknown_key_names_the_close_match(capsys):
+    line = one_error_line([*HF_PLAN, "--hf-config", "n_layers=2"], capsys)
+    assert "--hf-config: GPT2Config has no setting 'n_layers'; did you mean n_layer" in line
+
+
+@pytest.mark.parametrize("item, message", [
+    ("n_layer=-2", "GPT2Config.n_layer is a size or count and must be at least 1, got -2; write e.g. n_layer=12"),
+    ("n_layer=0", "must be at least 1, got 0"),  # a model without blocks is not a model
+    ("num_attention_heads=-1", "GPT2Config.num_attention_heads is a size or count"),  # an alias of n_head
+    ("vocab_size=3000000000", "must be at most 2147483647"),  # beyond any vocabulary, and torch's sizes
+    ("n_embd=2.0", "takes an integer, got 2.0"),
+    ("resid_pdrop=high", "takes a number, got 'high'"),
+    ("scale_attn_weights=yes", "is true or false, got 'yes'"),
+    ("n_layer=", "has no value"),
+])
+def test_hf_config_sizes_and_types_are_checked(item, message, capsys):
+    line = one_error_line([*HF_PLAN, "--hf-config", item], capsys)
+    assert line.startswith("memguard: error: --hf-config: ") and message in line, line
+
+
+def test_the_python_api_raises_the_same_config_errors():
+    # the checks live in memguard.hf: the API raises ConfigError (a MemguardError), not the config's own error
+    with pytest.raises(memguard.ConfigError, match="n_layer is a size or count"):
+        hf.build("gpt2", {"n_layer": -2, "n_embd": 64, "n_head": 2}, seq_len=8)
+    with pytest.raises(memguard.ConfigError, match="takes an integer, got 'abc'"):
+        hf.config_for("gpt2", {"hidden_size": "abc"})
+    with pytest.raises(memguard.ConfigError, match="separate them with spaces: a=1 b=2"):
+        hf.parse_overrides(["a=1,b=2"])
+    # null passes to the config, which fills it in (Llama: as many key/value heads as heads)
+    assert hf.config_for("llama", {"num_key_value_heads": None}).num_key_value_heads == 32
+
+
+@pytest.mark.parametrize("argv, message", [
+    # every kind of option: a count, a size, a fraction, a list, a choice, a name, a path, key=value
+    (["--micro-batch-size", "abc"], "argument --micro-batch-size: 'abc' is not a whole number"),
+    (["--world-size", "99999999999"], "argument --world-size: '99999999999' is too large"),
+    (["--budget", "1" + "0" * 400], "argument --budget: "),  # too long for a float: was an OverflowError
+    (["--headroom", "nan"], "argument --headroom: 'nan' must be in [0, 1)"),
+    (["--precision", "bf16,fp8"], "argument --precision: 'fp8' is not a precision"),
+    (["--zero-stage", "1,,2"], "argument --zero-stage: '' is not a ZeRO stage"),
+    (["--gpu", ""], "argument --gpu: an empty value"),
+    (["--gpu", "B300"], "--gpu: unknown gpu 'B300'"),
+    (["--plot", "plan.txt"], "--plot plan.txt: matplotlib cannot write a .txt file"),
+    (["--max-seq-len", "4096"], "--max-seq-len 4096 exceeds GPT2Config.n_positions=1024"),
+    (["--micro-batch-size", "2000000000"], "--micro-batch-size 2000000000 x --seq-len 8: an example batch"),
+    (["--hf", "gtp2"], "--hf: unknown transformers model type 'gtp2'; did you mean 'gpt2'"),
+    (["--hf-config", "n_head=2\nn_layer=1"], "takes an integer, got '2\\nn_layer=1'"),  # a newline, escaped
+])
+def test_any_bad_value_is_one_line_naming_the_flag(argv, message, capsys):
+    line = one_error_line([*HF_PLAN, *argv], capsys)
+    assert message in line, line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["estimate", *TINY, "--zero-stage", "4"], "argument --zero-stage: '4' is not a ZeRO stage"),
+    (["estimate", *TINY, "--device", "cpu", "--gpu", "T4"], "--gpu T4 only applies to --device cuda"),
+    (["gpus", "--gpus", "T4,,H100"], "argument --gpus: 'T4,,H100' has an empty GPU name"),
+    (["gpus", "--gpus", "B300,B300"], "--gpus: unknown gpu 'B300'"),  # once, though given twice
+    (["plan", "--model", "..pkg:make", "--global-batch-size", "8", "--gpu", "T4"], "'..pkg' is not a module name"),
+    (["deepspeed-config", *TINY, "--global-batch-size", "8", "--gpu", "T4", "--set", "a=1,b=2"],
+     "--set: config override 'a=1,b=2' joins 2 settings with commas"),
+    (["deepspeed-config", *TINY, "--global-batch-size", "8", "--gpu", "T4", "--set", "zero_optimization..stage=1"],
+     "an empty name between dots"),
+    (["deepspeed-config", *TINY, "--global-batch-size", "8", "--gpu", "T4", "--out", "."], "--out .: that is a folder"),
+    (["plan", *TINY, "--global-batch-size", "8", "--gpu", "T4", "--json=yes"], "ignored explicit argument 'yes'"),
+])
+def test_each_sub_command_says_which_flag(argv, message, capsys):
+    assert message in one_error_line(argv, capsys)
+
+
+def test_verbose_keeps_the_traceback(capsys):
+    argv = [*HF_PLAN, "--hf-config", "hidden_size=abc"]
+    assert main([*argv, "-q"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert main([*argv, "-q", "--verbose"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "in config_for" in err, err
+    # the one line still ends the output
+    assert err.strip().splitlines()[-1].startswith("memguard: error: --hf-config: GPT2Config.hidden_size")
+
+
+def test_a_config_transformers_cannot_build_is_one_line_and_verbose_shows_why(capsys):
+    # the value passes the config (a string), but transformers has no such activation when it builds
+    # the model: its KeyError is not a traceback, and --verbose shows it
+    argv = [*HF_PLAN, "--hf-config", "n_layer=1", "n_embd=32", "n_head=2", "activation_function=nope"]
+    line = one_error_line(argv, capsys)
+    assert "--hf gpt2: transformers cannot build the model from this config" in line
+    assert "(--verbose shows the traceback)" in line
+    assert main([*argv, "-q", "-v"]) == 2
+    assert "KeyError" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -430,3 +566,22 @@ def test_failing_factory_from_the_command_line(tmp_path):
         "memguard: error: --model bad_factory:make: the factory raised RuntimeError: checkpoint shards missing "
         "(--verbose shows the traceback)"
     ]
+
+
+def test_cpu_names_the_cpu_target_of_an_estimate(capsys):
+    """--cpu is memguard.estimate's cpu=: a named CPU's kernel paths, checked like every value."""
+    args = ["estimate", *TINY, "--device", "cpu", "--precision", "bf16-true", "--json", "-q"]
+    peaks = {}
+    for level in ("avx2", "avx512_core"):
+        assert main([*args, "--cpu", level]) == 0
+        peaks[level] = json.loads(capsys.readouterr().out)["peak_bytes"]
+    model, batch = tiny_model()
+    expected = memguard.estimate(model, batch, device="cpu", precision="bf16-true", cpu="avx512_core").peak_bytes
+    assert peaks["avx512_core"] == expected and peaks["avx512_core"] > peaks["avx2"]  # gemm:jit's fp32 accumulator
+    with pytest.raises(SystemExit) as bad:  # argparse's type check: exit 2
+        main([*args, "--cpu", "sse9"])
+    assert bad.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--cpu" in err and "avx512_core_bf16" in err
+    assert main(["estimate", *TINY, "--cpu", "avx2", "-q"]) == 2  # the CUDA target
+    assert "--cpu avx2 only applies to --device cpu" in capsys.readouterr().err
