@@ -32,7 +32,8 @@ Cross-entropy needs no rule of its own: ``cross_entropy`` is composite (``LossNL
 ``log_softmax`` then ``nll_loss``), the same on both devices, and CUDA's ``nll_loss`` kernels
 (``cuda/Loss.cu``) allocate what the meta kernels do (``output``, ``total_weight``; a zeroed
 ``grad_input``). Its only CUDA difference is the fp16 ``log_softmax`` above, which the rule covers.
-Optimizers need none either; see :func:`cuda_optimizer_path`.
+Optimizers need none either, only the path torch.optim would choose on CUDA; see
+:func:`cuda_group_foreach` and :func:`cuda_optimizer_path`.
 
 Known limitations:
     Memory a CUDA library allocates through the caching allocator without a tensor is not
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,7 @@ from memguard.estimator.cuda_kernels import CudaTarget, cuda_rule
 
 __all__ = [
     "conv_workspace_cap_bytes",
+    "cuda_group_foreach",
     "cuda_optimizer_path",
     "embedding_backward_temporaries",
     "layer_norm_partial_rows",
@@ -546,27 +548,77 @@ for _nd, _f in ((1, F.conv_transpose1d), (2, F.conv_transpose2d), (3, F.conv_tra
 # --------------------------------------------------------------------------------------------
 
 
-def cuda_optimizer_path(optimizer: torch.optim.Optimizer, target: CudaTarget) -> str:
-    """The implementation ``optimizer.step()`` takes on CUDA tensors: ``"fused"``, ``"foreach"``
-    or ``"for-loop"``.
+#: Built-in optimizers whose functional form resolves ``foreach=None`` (with ``fused=None``) by
+#: ``_default_to_fused_or_foreach`` (torch/optim/adam.py, sgd.py, ... torch 2.13; AdamW subclasses Adam).
+#: Not: Adafactor (_adafactor.py ``if foreach:``, so None takes the for-loop), Muon (_muon.py: for-loop
+#: only, foreach=True raises), LBFGS and SparseAdam (no foreach implementation).
+_FOREACH_BY_DEFAULT = ("Adadelta", "Adagrad", "Adam", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD")
+_NO_FOREACH_BY_DEFAULT = ("Adafactor", "Muon", "LBFGS", "SparseAdam")
 
-    torch/optim/optimizer.py ``_default_to_fused_or_foreach`` (torch 2.13): with both flags left
-    at None, every built-in optimizer passes ``use_fused=False``, so CUDA parameters get the
-    foreach path; an explicit ``fused=True`` or ``foreach=...`` wins. Traced on CPU fake tensors
-    the same Python code runs with the same ``_foreach_*`` calls, and each ``_foreach_*`` CUDA
-    kernel (cuda/ForeachBinaryOpList.cu etc. over ``multi_tensor_apply``, whose tensor lists
-    travel as kernel arguments) allocates exactly its output list, which is what the CPU's
-    per-tensor fallbacks allocate; ``_fused_adam(w)_`` (cuda/fused_adam_impl.cu) updates in place
-    and allocates nothing, like its CPU kernel. So memguard forces ``foreach=True`` for the CUDA
-    target and traces the optimizer unchanged.
+
+def _is_optimizer(cls: type, names: tuple[str, ...]) -> bool:
+    return any(isinstance(getattr(torch.optim, n, None), type) and issubclass(cls, getattr(torch.optim, n))
+               for n in names)
+
+
+def cuda_group_foreach(optimizer_cls: type, group: Mapping[str, Any], params: Iterable[Any] | None = None) -> bool:
+    """Whether ``optimizer.step()`` takes the foreach path for one param group on CUDA tensors.
+
+    torch 2.13: an explicit ``fused=True`` or ``foreach=...`` wins. Left at None, the built-in
+    optimizers call ``_default_to_fused_or_foreach(params, differentiable, use_fused=False)``
+    (torch/optim/optimizer.py), which is False with ``differentiable=True`` or when a parameter's
+    exact type is not in ``torch.optim.optimizer._foreach_supported_types`` (Tensor, Parameter, and
+    DTensor once torch.distributed.tensor is imported: a tensor subclass takes the for-loop);
+    Adam and AdamW then also keep the for-loop for a Tensor ``lr`` without ``capturable=True``
+    (adam.py: "Do not flip on foreach for the unsupported case"). Other optimizers with a Tensor lr
+    keep foreach. Dtypes play no part in the foreach choice (only ``fused`` checks them).
+
+    Args:
+        optimizer_cls: the optimizer's class (subclasses of a built-in follow its functional form).
+        group: the param group (its ``foreach``, ``fused``, ``differentiable``, ``lr``, ``capturable``).
+        params: the tensors whose types decide, as they will be in training: the user's parameters,
+            not the trace's fake tensors (``FakeTensor`` is no supported type); None = ``group["params"]``.
+
+    An optimizer memguard does not know with a ``foreach`` option is taken to default to foreach on
+    CUDA, as every built-in one documents.
+    """
+    if group.get("fused"):
+        return False
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    if _is_optimizer(optimizer_cls, _NO_FOREACH_BY_DEFAULT) or "foreach" not in group:
+        return False
+    if group.get("differentiable"):  # _default_to_fused_or_foreach: differentiable -> (False, False)
+        return False
+    from torch.optim.optimizer import _foreach_supported_types  # the live list (DTensor appends itself)
+
+    # _default_to_fused_or_foreach: type(p) in _foreach_supported_types and a foreach device (CUDA here)
+    if not all(p is None or type(p) in _foreach_supported_types for p in (group["params"] if params is None else params)):
+        return False
+    # adam.py adam(): foreach stays off for a Tensor lr without capturable (Adam, and AdamW through it)
+    if _is_optimizer(optimizer_cls, ("Adam",)) and isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable"):
+        return False
+    return True
+
+
+def cuda_optimizer_path(optimizer: torch.optim.Optimizer, target: CudaTarget) -> str:
+    """The implementation ``optimizer.step()`` takes on CUDA tensors: ``"fused"``, ``"foreach"``,
+    ``"for-loop"``, or ``"mixed"`` when its param groups differ.
+
+    Per group: ``fused=True`` gives the fused kernels, otherwise :func:`cuda_group_foreach` decides
+    (torch/optim/optimizer.py ``_default_to_fused_or_foreach``, torch 2.13), judging the types of the
+    optimizer's own parameters. Traced on CPU fake tensors the same Python code runs with the same
+    ``_foreach_*`` calls, and each ``_foreach_*`` CUDA kernel (cuda/ForeachBinaryOpList.cu etc. over
+    ``multi_tensor_apply``, whose tensor lists travel as kernel arguments) allocates exactly its
+    output list, which is what the CPU's per-tensor fallbacks allocate; ``_fused_adam(w)_``
+    (cuda/fused_adam_impl.cu) updates in place and allocates nothing, like its CPU kernel. So the
+    CUDA target only has to set each group's ``foreach`` flag to torch's CUDA choice.
     """
     del target  # no compute-capability dependence in torch 2.13's choice
-    for group in optimizer.param_groups:
-        if group.get("fused"):
-            return "fused"
-    flags = [g.get("foreach") for g in optimizer.param_groups]
-    if any(f is False for f in flags) or getattr(optimizer, "defaults", {}).get("differentiable", False):
-        return "for-loop"
-    if "foreach" not in optimizer.defaults:
+    if "foreach" not in getattr(optimizer, "defaults", {}):
         return "for-loop"  # optimizers without a foreach implementation (LBFGS, SparseAdam)
-    return "foreach"
+    paths = {
+        "fused" if g.get("fused") else "foreach" if cuda_group_foreach(type(optimizer), g) else "for-loop"
+        for g in optimizer.param_groups
+    }
+    return paths.pop() if len(paths) == 1 else "mixed"

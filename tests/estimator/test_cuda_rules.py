@@ -298,12 +298,74 @@ def test_conv_with_a_cap_allocates_the_workspace_in_forward_and_backward(monkeyp
 # ---------------------------------------------------------------------------------------------
 
 
-def test_optimizer_paths_follow_the_flags():
-    p = [nn.Parameter(torch.zeros(4))]
-    assert cuda_optimizer_path(torch.optim.AdamW(p), A100) == "foreach"  # None/None -> foreach on CUDA
-    assert cuda_optimizer_path(torch.optim.AdamW(p, fused=True), A100) == "fused"
-    assert cuda_optimizer_path(torch.optim.AdamW(p, foreach=False), A100) == "for-loop"
-    assert cuda_optimizer_path(torch.optim.LBFGS(p), A100) == "for-loop"
+class _Subclass(torch.Tensor):
+    """A plain tensor subclass (as quantized or wrapper parameters are): not in _foreach_supported_types."""
+
+
+def _lr(x):
+    return torch.tensor(x)
+
+
+# (optimizer factory, path on CUDA, why: torch 2.13's torch/optim sources)
+OPTIMIZER_PATHS = [
+    (lambda p: torch.optim.AdamW(p), "foreach"),  # None/None -> _default_to_fused_or_foreach -> foreach
+    (lambda p: torch.optim.AdamW(p, fused=True), "fused"),
+    (lambda p: torch.optim.AdamW(p, foreach=False), "for-loop"),
+    (lambda p: torch.optim.LBFGS(p), "for-loop"),  # no foreach implementation
+    # adam.py adam(): "Do not flip on foreach for the unsupported case where lr is a Tensor and capturable=False"
+    (lambda p: torch.optim.Adam(p, lr=_lr(0.01)), "for-loop"),
+    (lambda p: torch.optim.AdamW(p, lr=_lr(0.01)), "for-loop"),  # AdamW subclasses Adam
+    (lambda p: torch.optim.Adam(p, lr=_lr(0.01), capturable=True), "foreach"),  # capturable: CUDA params only
+    # sgd.py and the others keep foreach with a Tensor lr
+    (lambda p: torch.optim.SGD(p, lr=_lr(0.01), momentum=0.9), "foreach"),
+    (lambda p: torch.optim.RMSprop(p, lr=_lr(0.01)), "foreach"),
+    # _default_to_fused_or_foreach(differentiable=True) -> (False, False)
+    (lambda p: torch.optim.Adam(p, differentiable=True), "for-loop"),
+    # _adafactor.py: `if foreach:` -> None takes _single_tensor_adafactor
+    (lambda p: torch.optim.Adafactor(p), "for-loop"),
+    # type(p) in _foreach_supported_types ([Tensor, Parameter]): a subclass parameter takes the for-loop
+    (lambda p: torch.optim.AdamW([nn.Parameter(_Subclass(torch.zeros(4)))]), "for-loop"),
+    # param groups decide one by one
+    (lambda p: torch.optim.Adam([{"params": p}, {"params": [nn.Parameter(torch.zeros(2))], "foreach": False}]), "mixed"),
+]
+
+
+@pytest.mark.parametrize("make, expected", OPTIMIZER_PATHS)
+def test_optimizer_paths_follow_torchs_choice(make, expected):
+    assert cuda_optimizer_path(make([nn.Parameter(torch.zeros(4))]), A100) == expected
+
+
+# the rows a CPU run of the installed torch can replay (not fused, capturable, differentiable (its step
+# needs non-leaf parameters), LBFGS or mixed groups)
+_REPLAYABLE = [OPTIMIZER_PATHS[i] for i in (0, 2, 4, 5, 7, 8, 10, 11)]
+
+
+@pytest.mark.parametrize("make, expected", _REPLAYABLE)
+def test_optimizer_paths_match_the_installed_torch(make, expected, monkeypatch):
+    # run the installed torch's own step on CPU tensors with the CPU counted as a foreach device
+    # (torch.optim.optimizer._get_foreach_kernels_supported_devices: ["cuda", ...] -> + "cpu"), and
+    # see which implementation it calls: _multi_tensor_* or _single_tensor_*
+    import importlib
+
+    import torch.optim.optimizer as opt_base
+
+    real = opt_base._get_foreach_kernels_supported_devices
+    monkeypatch.setattr(opt_base, "_get_foreach_kernels_supported_devices", lambda: [*real(), "cpu"])
+    called = set()
+    for mod in ("adam", "sgd", "rmsprop", "_adafactor"):
+        module = importlib.import_module(f"torch.optim.{mod}")
+        for name in dir(module):
+            if name.startswith(("_multi_tensor_", "_single_tensor_")):
+                fn = getattr(module, name)
+                kind = "foreach" if name.startswith("_multi") else "for-loop"
+                monkeypatch.setattr(module, name, (lambda f, k: lambda *a, **kw: (called.add(k), f(*a, **kw))[1])(fn, kind))
+    optimizer = make([nn.Parameter(torch.zeros(4))])
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert called == {expected}
+    assert cuda_optimizer_path(optimizer, A100) == expected
 
 
 def test_foreach_adamw_step_temporaries_are_one_parameter_sized_list():
