@@ -70,7 +70,14 @@ CLI_OPTIONS = {
     "activation_checkpointing": "--activation-checkpointing", "zero_stage": "--zero-stage",
     "offload_optimizer": "--offload-optimizer", "headroom": "--headroom", "cache": "--cache",
     "keep_outputs": "--keep-outputs",
-    "max_shape": "--max-seq-len",
+    "max_shape": "--max-seq-len", "strategy": "--strategy", "finetune": "--finetune", "train": "--eval",
+}
+
+#: memguard.plan's options that take Python objects, so the command line has no flag for them.
+API_ONLY_OPTIONS = {
+    "optimizer": "an optimizer instance or factory: return it from a --model factory (its 'optimizer' key)",
+    "loss_fn": "a Python callable: return it from a --model factory (its 'loss_fn' key)",
+    "make_batch": "a Python callable: return it from a --model factory (its 'make_batch' key)",
 }
 
 
@@ -124,6 +131,18 @@ def _stage_list(text: str) -> list[int]:
         if part not in ("0", "1", "2", "3"):
             raise argparse.ArgumentTypeError(f"{part!r} is not a ZeRO stage; use 0, 1, 2, 3 or a comma list")
         out.append(int(part))
+    return out
+
+
+STRATEGIES = ("ddp", "deepspeed", "fsdp2")  # memguard.plan's strategy= values
+
+
+def _strategy_list(text: str) -> list[str]:
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if part not in STRATEGIES:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a strategy; use {', '.join(STRATEGIES)} or a comma list")
+        out.append(part)
     return out
 
 
@@ -369,6 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
     _target_options(p, budget_help="memory per rank (default: the GPU's memory less its CUDA context; required for "
                                    "--device cpu or an unknown GPU), e.g. 40GiB, 80GB")
     _knob_options(p)
+    w = p.add_argument_group("what is planned")
+    w.add_argument("--strategy", type=_strategy_list, action="extend", metavar="S[,S...]",
+                   help="the sharding strategy: ddp, deepspeed or fsdp2, or a comma list to choose among (default: "
+                        "DDP, or DeepSpeed ZeRO for stages >= 1); under fsdp2 --zero-stage is FSDP2's sharding level")
+    w.add_argument("--finetune", choices=("full", "lora"),
+                   help="full: when nothing fits, list measured LoRA, QLoRA, 8-bit AdamW, bf16 and offload "
+                        "alternatives; lora: plan a LoRA twin of the model (needs peft)")
+    w.add_argument("--eval", action="store_true",
+                   help="plan an evaluation step (no_grad forward, outputs kept) instead of a training step: "
+                        "--global-batch-size is the evaluation batch over all ranks")
     p.add_argument("--max-seq-len", type=_positive_int, metavar="N",
                    help="plan for the longest batch the data can produce: every sequence dim of the example batch "
                         "set to N tokens (memguard.plan's max_shape={'seq_len': N}); the plan says which shape it "
@@ -751,17 +780,19 @@ def load_model(args: argparse.Namespace, progress: _Progress | None = None) -> L
 # ------------------------------------------------------------------------------------------
 
 
-def _knobs(args: argparse.Namespace) -> dict[str, Any]:
-    def restrict(values):
-        if not values:
-            return None
-        unique = list(dict.fromkeys(values))
-        return unique[0] if len(unique) == 1 else unique
+def _restrict(values):
+    """A flag's list as a plan knob: None (memguard chooses), one value (fixed) or several (a restriction)."""
+    if not values:
+        return None
+    unique = list(dict.fromkeys(values))
+    return unique[0] if len(unique) == 1 else unique
 
+
+def _knobs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
-        precision=restrict(args.precision),
+        precision=_restrict(args.precision),
         activation_checkpointing=_TRISTATE[args.activation_checkpointing],
-        zero_stage=restrict(args.zero_stage),
+        zero_stage=_restrict(args.zero_stage),
         offload_optimizer=_TRISTATE[args.offload_optimizer],
     )
 
@@ -775,6 +806,8 @@ def plan_request(args: argparse.Namespace, loaded: "LoadedModel | None" = None) 
     return PlanRequest(
         global_batch_size=args.global_batch_size, gpu=args.gpu, budget_bytes=args.budget,
         world_size=args.world_size, device=args.device, cpu=args.cpu,
+        strategy=_restrict(getattr(args, "strategy", None)), finetune=getattr(args, "finetune", None),
+        train=not getattr(args, "eval", False),
         optimizer=loaded.optimizer if loaded else None, loss_fn=loaded.loss_fn if loaded else None,
         headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
         make_batch=loaded.make_batch if loaded else None, cache=args.cache, keep_outputs=args.keep_outputs,
@@ -846,8 +879,9 @@ def _plan_with_progress(args, loaded: LoadedModel, progress: _Progress):
     from memguard.planner.search import plan_request as run_plan
 
     request = plan_request(args, loaded)
-    planner = Planner.for_request(loaded.model, loaded.batch, request)
-    planner.on_trace = progress.trace_done
+    planner = Planner.for_request(loaded.model, loaded.batch, request) if request.train else None
+    if planner is not None:  # an evaluation plan traces its own steps (planner.eval_plan)
+        planner.on_trace = progress.trace_done
     progress.say(f"planning {loaded.description}: tracing probes on fake tensors (no memory is allocated)")
     progress.restart()
     try:

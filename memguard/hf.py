@@ -3,7 +3,10 @@
 ``build("gpt2", {"n_layer": 2}, seq_len=128)`` makes the model of ``model_type`` from
 ``transformers.AutoConfig.for_model(model_type, **overrides)`` on ``torch.device("meta")``: no
 weights are downloaded or allocated, so it works offline and is nearly free even for a model
-of billions of parameters. The result holds an example batch of token ids with labels, shaped
+of billions of parameters. ``model_type`` may also be a local checkpoint directory (its
+``config.json``) or a Hub id such as ``meta-llama/Llama-3.1-8B``, whose config
+``AutoConfig.from_pretrained`` reads from the local Hugging Face cache or, where the Hub can be
+reached, downloads (the config alone; no weights are ever read). The result holds an example batch of token ids with labels, shaped
 for the model's task, ready for :func:`memguard.estimate` and :func:`memguard.plan`.
 
 The task, and so the auto class, follows the model type (``task="auto"``):
@@ -33,6 +36,7 @@ from __future__ import annotations
 import ast
 import difflib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping
@@ -262,14 +266,16 @@ def config_for(model_type: str, overrides: Mapping[str, Any] | None = None) -> A
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     overrides = dict(overrides or {})
-    if model_type not in CONFIG_MAPPING:
+    pretrained = model_type not in CONFIG_MAPPING and _pretrained_source(model_type)
+    if model_type not in CONFIG_MAPPING and not pretrained:
         close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
         raise ConfigError(
             f"unknown transformers model type {model_type!r}; {hint}use a config's model_type such as "
-            "'gpt2', 'llama', 'mistral', 'qwen2', 'bert' or 't5'"
+            "'gpt2', 'llama', 'mistral', 'qwen2', 'bert' or 't5', a Hub id such as 'meta-llama/Llama-3.1-8B', "
+            "or a checkpoint directory with a config.json"
         )
-    default = transformers.AutoConfig.for_model(model_type)
+    default = _pretrained_config(model_type) if pretrained else transformers.AutoConfig.for_model(model_type)
     problems = _override_problems(default, overrides)
     if problems:
         raise ConfigError(problems)
@@ -277,12 +283,70 @@ def config_for(model_type: str, overrides: Mapping[str, Any] | None = None) -> A
         # JSON reads 0 as an integer: a float setting takes it as 0.0 (transformers 5 refuses an int there)
         overrides = {k: float(v) if type(v) is int and _is_float_setting(default, k) else v
                      for k, v in overrides.items()}
+        if pretrained:  # from_pretrained's keyword arguments override the loaded config's values
+            return transformers.AutoConfig.from_pretrained(model_type, **overrides)
         return transformers.AutoConfig.for_model(model_type, **overrides)
     except Exception as exc:  # the default config built, so the overrides are at fault (ValueError,
         # TypeError, huggingface_hub's StrictDataclassError in transformers 5, an int too large for a
         # float); one line of it
         reason = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
         raise ConfigError(f"{type(default).__name__} refused the overrides {overrides}: {reason}") from exc
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as huggingface_hub's validate_repo_id
+
+
+def _pretrained_source(name: Any) -> bool:
+    """Whether ``name`` is a checkpoint directory or looks like a Hub id (``owner/name``)."""
+    return isinstance(name, str) and (os.path.isdir(name) or bool(_HUB_ID.match(name)))
+
+
+def _pretrained_config(source: str) -> Any:
+    """``AutoConfig.from_pretrained(source)``: a directory's config.json, or a Hub id's from the local
+    cache or the Hub; only the config is read.
+
+    Raises:
+        ConfigError: no config.json there, the Hub cannot be reached and the cache lacks the id, or a
+            config transformers cannot read; the message says how to get the config.
+    """
+    transformers = _transformers()
+    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+        raise ConfigError(f"{source} has no config.json: point at a checkpoint directory (the folder "
+                          "save_pretrained wrote) or give a model type such as 'llama'")
+    try:
+        return _from_pretrained_quietly(transformers, source)
+    except OSError as exc:  # not in the cache and the Hub unreachable (or offline), or no such repository
+        raise ConfigError(
+            f"cannot read the config of {source!r} ({_first_line(exc)}): offline, it must be in the local Hugging "
+            f"Face cache; fetch only the config once with `huggingface-cli download {source} config.json` (no "
+            "weights), or pass a directory holding its config.json, or a model type with --hf-config sizes"
+        ) from exc
+    except ValueError as exc:  # a config.json transformers cannot map to a model type
+        raise ConfigError(f"cannot read the config of {source!r}: {_first_line(exc)}") from exc
+
+
+def _from_pretrained_quietly(transformers: Any, source: str) -> Any:
+    """The local cache (or directory) first; the Hub only when that fails and it is not switched off
+    (``HF_HUB_OFFLINE``), with huggingface_hub's retry warnings silenced (an error says it all)."""
+    import logging
+
+    try:
+        return transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    except OSError:
+        if os.path.isdir(source) or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            raise
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
+    try:
+        return transformers.AutoConfig.from_pretrained(source)
+    finally:
+        hub_log.setLevel(level)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
 
 
 def _mapping_names() -> dict[str, Any]:

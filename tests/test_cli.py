@@ -585,3 +585,66 @@ def test_cpu_names_the_cpu_target_of_an_estimate(capsys):
     assert "\n" not in err and "--cpu" in err and "avx512_core_bf16" in err
     assert main(["estimate", *TINY, "--cpu", "avx2", "-q"]) == 2  # the CUDA target
     assert "--cpu avx2 only applies to --device cpu" in capsys.readouterr().err
+
+
+def _llama_dir(path: Path) -> Path:
+    import transformers
+
+    sizes = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                 intermediate_size=128, vocab_size=256, max_position_embeddings=128)
+    transformers.AutoConfig.for_model("llama", **sizes).save_pretrained(path)
+    return path
+
+
+def test_hf_takes_a_checkpoint_directory(tmp_path, capsys):
+    """--hf DIR reads DIR/config.json (as save_pretrained wrote it); no weights are read."""
+    ckpt = _llama_dir(tmp_path / "ckpt")
+    built = hf.build(str(ckpt), {"num_hidden_layers": 1}, seq_len=16)
+    same = hf.build("llama", {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 2,
+                              "num_key_value_heads": 1, "intermediate_size": 128, "vocab_size": 256,
+                              "max_position_embeddings": 128}, seq_len=16)
+    assert built.num_params == same.num_params and built.config.num_hidden_layers == 1  # the override applies
+    assert main(["estimate", "--hf", str(ckpt), "--seq-len", "16", "--gpu", "A100-40GB", "--json", "-q"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] == memguard.estimate(
+        hf.build(str(ckpt), seq_len=16).model, hf.build(str(ckpt), seq_len=16).batch, gpu="A100-40GB").peak_bytes
+    with pytest.raises(memguard.ConfigError, match="has no config.json"):
+        hf.build(str(tmp_path))
+
+
+def test_hf_hub_id_offline_without_the_config_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["estimate", "--hf", "meta-llama/Llama-3.1-8B", "--seq-len", "16", "--gpu", "A100-40GB", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "huggingface-cli download meta-llama/Llama-3.1-8B config.json" in err
+
+
+def test_every_plan_option_has_a_flag_or_is_api_only():
+    """memguard.plan's keywords (PlanRequest's fields) all reach the command line, or say why not."""
+    import dataclasses
+
+    from memguard.cli import API_ONLY_OPTIONS, CLI_OPTIONS, build_parser
+    from memguard.planner.request import PlanRequest
+
+    parser = build_parser()
+    plan_parser = next(a for a in parser._actions if hasattr(a, "choices") and a.choices and "plan" in a.choices
+                       ).choices["plan"]
+    flags = {s for a in plan_parser._actions for s in a.option_strings}
+    for f in dataclasses.fields(PlanRequest):
+        if f.name in API_ONLY_OPTIONS:
+            assert API_ONLY_OPTIONS[f.name] and f.name not in CLI_OPTIONS
+        else:
+            assert CLI_OPTIONS.get(f.name) in flags, f"memguard.plan's {f.name} has no flag on `memguard plan`"
+
+
+def test_strategy_finetune_and_eval_flags_plan_what_the_api_plans(capsys):
+    base = ["plan", *TINY, "--gpu", "A100-40GB", "--global-batch-size", "8", "--json", "-q"]
+    model, batch = tiny_model()
+    assert main([*base, "--eval"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    api = memguard.plan(model, batch, global_batch_size=8, gpu="A100-40GB", train=False)
+    assert cli["micro_batch_size"] == api.micro_batch_size and cli["estimate"]["peak_bytes"] == api.estimate.peak_bytes
+    assert main([*base, "--world-size", "2", "--strategy", "fsdp2"]) == 0
+    assert json.loads(capsys.readouterr().out)["strategy"] == "fsdp2"
+    with pytest.raises(SystemExit) as bad:
+        main([*base, "--strategy", "zero"])
+    assert bad.value.code == 2 and "is not a strategy" in capsys.readouterr().err
