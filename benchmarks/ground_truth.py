@@ -410,7 +410,7 @@ def measure_op_memory(op: Callable[..., torch.Tensor], make_inputs: Callable[[st
     The backward is driven by a pre-built ``ones`` gradient, as the modelled measurement drives it;
     ``warmup`` calls first build oneDNN's primitives (their caches are not per-call memory).
     """
-    from memguard.estimator.cuda_kernels import OpMemory
+    from memguard.estimator.cuda_kernels import OpMemory, _signed_walk
 
     inputs = make_inputs("cpu")
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -442,13 +442,6 @@ def measure_op_memory(op: Callable[..., torch.Tensor], make_inputs: Callable[[st
         elif bwd_range[0] <= e.start_ns() <= bwd_range[1]:
             bwd.append(e.nbytes())
 
-    def walk(sizes: list[int]) -> tuple[int, int]:
-        live = peak = 0
-        for n in sizes:
-            live += n
-            peak = max(peak, live)
-        return peak, live
-
-    fpeak, fkept = walk(fwd)
-    bpeak, bkept = walk(bwd)
+    fpeak, fkept = _signed_walk(fwd)
+    bpeak, bkept = _signed_walk(bwd)
     return OpMemory(fpeak, fkept, bpeak, bkept, tuple(n for n in fwd + bwd if n > 0))

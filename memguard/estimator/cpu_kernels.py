@@ -57,9 +57,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 

@@ -33,25 +33,10 @@ Known limitations:
 
 from __future__ import annotations
 
-import struct
+
+from memguard.estimator.onednn import book, div_up, f32, rnd_up
 
 __all__ = ["bwd_weights_scratchpad_bytes"]
-
-
-def _f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def _div_up(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _rnd_up(a: int, b: int) -> int:
-    return _div_up(a, b) * b
-
-
-def _book(nbytes: int) -> int:
-    return nbytes + 128 if nbytes > 0 else 0
 
 
 def _barrier(contexts: int) -> int:
@@ -66,28 +51,28 @@ def _jit_balance(mb: int, ic: int, oc: int, ih: int, oh: int, tr_iw: int, tr_ow:
         return threads, 1, 1, 1
     nthr = threads // groups
     src_size, dst_size, wei_size = mb * ic * ih * tr_iw * 2, mb * oc * oh * tr_ow * 2, oc * ic * kh * kw * 4
-    wcs = _f32(_f32(_f32(0.5) * _f32(dst_size + src_size)) / _f32(wei_size))
-    oicr = _f32(_f32(nb_oc) / _f32(nb_ic))
-    src_coef = max(_f32(1.0 / oicr), 1.0)
+    wcs = f32(f32(f32(0.5) * f32(dst_size + src_size)) / f32(wei_size))
+    oicr = f32(f32(nb_oc) / f32(nb_ic))
+    src_coef = max(f32(1.0 / oicr), 1.0)
     if wcs < 1.0:
-        src_coef = _f32(src_coef * 4.0)
+        src_coef = f32(src_coef * 4.0)
     dst_coef, wei_coef = max(oicr, 1.0), max(wcs, 1.0)
 
     def product(start: float, factors: tuple, divisors: tuple = ()) -> float:
         v = start
         for f in factors:
-            v = _f32(v * f)
+            v = f32(v * f)
         for d in divisors:
-            v = _f32(v / d)
+            v = f32(v / d)
         return v
 
     def cost(nmb: int, noc: int, nic: int) -> float:
-        src = product(_f32(src_coef * _div_up(mb_work, nmb)), (1, _div_up(nb_ic, nic), mb, ic_block, 1, ih, tr_iw),
+        src = product(f32(src_coef * div_up(mb_work, nmb)), (1, div_up(nb_ic, nic), mb, ic_block, 1, ih, tr_iw),
                       (mb_work, 1, stride, stride))
-        wei = product(wei_coef, (1, _div_up(nb_oc, noc), _div_up(nb_ic, nic), kh, kw, 1, ic_block, oc_block))
-        dst = product(_f32(dst_coef * _div_up(mb_work, nmb)), (1, _div_up(nb_oc, noc), mb, oc_block, 1, oh, tr_ow),
+        wei = product(wei_coef, (1, div_up(nb_oc, noc), div_up(nb_ic, nic), kh, kw, 1, ic_block, oc_block))
+        dst = product(f32(dst_coef * div_up(mb_work, nmb)), (1, div_up(nb_oc, noc), mb, oc_block, 1, oh, tr_ow),
                       (mb_work,))
-        return _f32(_f32(src + dst) + wei)
+        return f32(f32(src + dst) + wei)
 
     best, pick = cost(1, 1, 1), (1, 1, 1)
     for nmb in range(1, min(nthr, mb_work) + 1):
@@ -109,28 +94,28 @@ def _jit(n, ic, oc, ih, iw, kh, kw, stride, pad, groups, threads, channels_last,
     ic, oc = ic // groups, oc // groups
     first = ic < 16 and groups == 1  # is_1stconv
     if groups == 1 and not first and not channels_last:
-        ic, oc = _rnd_up(ic, 16), _rnd_up(oc, 16)
+        ic, oc = rnd_up(ic, 16), rnd_up(oc, 16)
     oc_block, ic_block = 16, (ic if first else 16)
-    nb_oc, nb_ic = _div_up(oc, oc_block), _div_up(ic, ic_block)
+    nb_oc, nb_ic = div_up(oc, oc_block), div_up(ic, ic_block)
     tr_src = not (first and (not channels_last or ic == 1))
-    tr_pad = _rnd_up(max(pad, r_pad + 1), 2)
-    tr_iw = _rnd_up(_div_up(iw, stride) + tr_pad, 2) * stride if tr_src else iw
-    tr_ow = _rnd_up(ow, 2)
+    tr_pad = rnd_up(max(pad, r_pad + 1), 2)
+    tr_iw = rnd_up(div_up(iw, stride) + tr_pad, 2) * stride if tr_src else iw
+    tr_ow = rnd_up(ow, 2)
     working_set = (ic_block * tr_iw * 2 + oc_block * tr_ow * 2) * max(1, b_pad, pad)
     full_spatial = (native and ih == oh and iw == ow and kh != 1 and kw != 1 and stride == 1 and pad == kw // 2
                     and pad == kh // 2 and not first and working_set <= 48 * 1024 and ic >= 128)
     mb_work = n if full_spatial else n * oh
     nthr, nmb, noc, nic = _jit_balance(n, ic, oc, ih, oh, tr_iw, tr_ow, kh, kw, nb_ic, nb_oc, ic_block, oc_block,
                                        groups, mb_work, stride, threads)
-    total = _book(((nmb * nb_ic * groups * tr_iw * ic_block * ih) if tr_src else 0) * 2 + tr_pad * 2)
+    total = book(((nmb * nb_ic * groups * tr_iw * ic_block * ih) if tr_src else 0) * 2 + tr_pad * 2)
     if noc > 1:
         total += _barrier(nthr // noc)
-    total += _book(nmb * nb_oc * groups * tr_ow * oc_block * oh * 2)
+    total += book(nmb * nb_oc * groups * tr_ow * oc_block * oh * 2)
     if nic > 1:
         total += _barrier(nthr // nic)
     weights = groups * nb_oc * oc_block * nb_ic * ic_block * kh * kw
     bias_elems = groups * nb_oc * oc_block if bias else 0
-    total += _book((weights + bias_elems) * nmb * 4) + _barrier(1)
+    total += book((weights + bias_elems) * nmb * 4) + _barrier(1)
     return total
 
 
@@ -140,8 +125,8 @@ def _best_divider(value: int, low: int, high: int, find_max: bool, step: int = 1
     low = max(1, min(low, high))
     best, pick = 3.4e38, high
     for d in range(high, low - 1, -step):
-        r = _rnd_up(value, d)
-        loss = _f32(_f32(r - value) / r)
+        r = rnd_up(value, d)
+        loss = f32(f32(r - value) / r)
         if (find_max and loss < best) or (not find_max and loss <= best):
             best, pick = loss, d
     return pick
@@ -154,7 +139,7 @@ def _one_by_one(n, ic, oc, ih, iw, stride, threads, channels_last, bias) -> int:
     if rtus:
         ih, iw = oh, ow
     if not channels_last:
-        ic, oc = _rnd_up(ic, 16), _rnd_up(oc, 16)
+        ic, oc = rnd_up(ic, 16), rnd_up(oc, 16)
     spatial = ih * iw
     permw = not channels_last and oh > 14 and ow > 14
     rb = _best_divider(spatial, 7, min(256, spatial), True, 2) if permw else _best_divider(spatial, 8, 16, True, 2)
@@ -163,16 +148,16 @@ def _one_by_one(n, ic, oc, ih, iw, stride, threads, channels_last, bias) -> int:
     if rb > 256:
         rb = 1
     if not permw:
-        rb = _rnd_up(rb, 2)
-    nb_bcast, nb_load, nb_reduce = _div_up(ic, 16), _div_up(oc, 16), _div_up(spatial, rb)
+        rb = rnd_up(rb, 2)
+    nb_bcast, nb_load, nb_reduce = div_up(ic, 16), div_up(oc, 16), div_up(spatial, rb)
     nmb = noc = nic = 1
     mult = 1 if stride != 1 and not rtus else max(1, oc // ic)
 
     def cost(m: int, o: int, i: int) -> int:
         step = 1 if rtus else stride
-        return (_div_up(n * nb_reduce, m) * _div_up(nb_bcast, i) * 16 * rb // step // step
-                + _div_up(n * nb_reduce, m) * _div_up(nb_load, o) * 16 * rb
-                + 4 * mult * _div_up(nb_load, o) * _div_up(nb_bcast, i) * 256)
+        return (div_up(n * nb_reduce, m) * div_up(nb_bcast, i) * 16 * rb // step // step
+                + div_up(n * nb_reduce, m) * div_up(nb_load, o) * 16 * rb
+                + 4 * mult * div_up(nb_load, o) * div_up(nb_bcast, i) * 256)
 
     best = cost(1, 1, 1)
     for m in range(1, min(threads, n * nb_reduce) + 1):
@@ -185,28 +170,28 @@ def _one_by_one(n, ic, oc, ih, iw, stride, threads, channels_last, bias) -> int:
         nmb = min(n, threads)
     nthr = nmb * noc * nic
     load_blk, bcast_blk = _best_divider(nb_load, 16, nb_load, False), _best_divider(nb_bcast, 5, nb_bcast, False)
-    total = _book(oc * 2) if bias and oc_given % 16 else 0
-    total += _book((_rnd_up(oc, 16) * _rnd_up(ic, 16) + (_rnd_up(oc, 16) if bias else 0)) * nmb * 4)
+    total = book(oc * 2) if bias and oc_given % 16 else 0
+    total += book((rnd_up(oc, 16) * rnd_up(ic, 16) + (rnd_up(oc, 16) if bias else 0)) * nmb * 4)
     if nmb > 1:
         total += _barrier(1)
     if not permw:
-        total += _book(nthr * _rnd_up(spatial, 2) * 16 * load_blk * 2)
-        total += _book(nthr * _rnd_up(spatial, 2) * 16 * bcast_blk * 2)
+        total += book(nthr * rnd_up(spatial, 2) * 16 * load_blk * 2)
+        total += book(nthr * rnd_up(spatial, 2) * 16 * bcast_blk * 2)
     if rtus:
-        total += _book(nthr * (spatial * ic if channels_last else bcast_blk * spatial * 16) * 2)
+        total += book(nthr * (spatial * ic if channels_last else bcast_blk * spatial * 16) * 2)
     return total
 
 
 def _depthwise(n, channels, kh, kw, threads, channels_last, bias) -> int:
     if channels_last:
-        total = _book(_rnd_up(channels, 16) * kh * kw * threads * 4) + (_book(channels * threads * 4) if bias else 0)
+        total = book(rnd_up(channels, 16) * kh * kw * threads * 4) + (book(channels * threads * 4) if bias else 0)
     else:
-        nmb = min(max(1, threads // min(_div_up(channels, 16), threads)), n)
+        nmb = min(max(1, threads // min(div_up(channels, 16), threads)), n)
         if nmb > 1:
-            total = _book(channels * kh * kw * nmb * 4) + (_book(channels * (nmb - 1) * 4) if bias else 0)
+            total = book(channels * kh * kw * nmb * 4) + (book(channels * (nmb - 1) * 4) if bias else 0)
         else:
-            total = _book(channels * kh * kw * 4)
-    return total + (_book(channels * 4) if bias else 0)  # the bf16 bias conversion buffer
+            total = book(channels * kh * kw * 4)
+    return total + (book(channels * 4) if bias else 0)  # the bf16 bias conversion buffer
 
 
 def bwd_weights_scratchpad_bytes(*, n: int, ic: int, oc: int, ih: int, iw: int, kh: int, kw: int, stride: int,

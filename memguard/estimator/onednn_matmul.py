@@ -32,25 +32,12 @@ Known limitations:
 
 from __future__ import annotations
 
-import struct
+
+from memguard.estimator.onednn import BOOK_PAD, div_up, f32, rnd_up
 
 __all__ = ["matmul_scratchpad_bytes"]
 
-_BOOK_PAD = 128  # memory_tracking.hpp: each booking's capacity is its size + 128-byte alignment
 _BATCH_ELEMENT = 40  # sizeof(brgemm_batch_element_t): cpu/x64/brgemm/brgemm_types.hpp
-
-
-def _f32(x: float) -> float:
-    """Round to float32, as oneDNN's imbalance arithmetic does."""
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def _div_up(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _rnd_up(a: int, b: int) -> int:
-    return _div_up(a, b) * b
 
 
 def _is_pow2(x: int) -> bool:
@@ -61,22 +48,22 @@ def _disbalance(work: int, parts: int) -> float:
     """``calculate_spatial_disbalance`` (utils.cpp)."""
     mod = work % parts
     share = (parts - mod) if work < parts else min(parts - mod, mod)
-    return _f32(share / parts)
+    return f32(share / parts)
 
 
 def _imbalance(m: int, n: int, k: int, batch: int, threads: int,
                m_blk: int, n_blk: int, n_chunk: int, k_blk: int, threads_k: int) -> float:
     """``matmul_avx512_blocking_params_t::get_imbalance`` (utils.cpp), in float32."""
     mn_threads = threads // threads_k
-    work = _div_up(m, m_blk) * _div_up(n, n_blk * n_chunk) * batch
+    work = div_up(m, m_blk) * div_up(n, n_blk * n_chunk) * batch
     parallel = _disbalance(work, mn_threads)
-    m_waste = _f32(((m_blk * _div_up(m, m_blk)) % m) / m)
-    n_blocks = _div_up(n, n_blk)
-    n_waste = _f32((_div_up(n_blocks, n_chunk) * n_chunk - n_blocks) / n_blocks)
+    m_waste = f32(((m_blk * div_up(m, m_blk)) % m) / m)
+    n_blocks = div_up(n, n_blk)
+    n_waste = f32((div_up(n_blocks, n_chunk) * n_chunk - n_blocks) / n_blocks)
     k_waste = _disbalance(k, threads_k * k_blk)
-    idle = _f32((threads - mn_threads * threads_k) / threads) if mn_threads * threads_k != threads else 0.0
-    total = _f32(_f32(_f32(_f32(parallel + m_waste) + n_waste) + idle) + k_waste)
-    return _f32(total / 5)
+    idle = f32((threads - mn_threads * threads_k) / threads) if mn_threads * threads_k != threads else 0.0
+    total = f32(f32(f32(f32(parallel + m_waste) + n_waste) + idle) + k_waste)
+    return f32(total / 5)
 
 
 def _blocking(m: int, n: int, k: int, batch: int, threads: int, n_blk: int, copy_a: bool,
@@ -84,7 +71,7 @@ def _blocking(m: int, n: int, k: int, batch: int, threads: int, n_blk: int, copy
     """``(m_blk, n_blk, n_chunk, k_blk, threads_k)``: ``compute_blocking_heuristic_avx512``
     (``_avx2`` for ``avx2_vnni_2``), 16-bit types only."""
     max_m_blk, min_m_blk = min(256, m), min(32, m)
-    n_chunks = _div_up(n, n_blk)
+    n_chunks = div_up(n, n_blk)
     chunk_start = min(16 if copy_a else 1, n_chunks)
     k_blk = min(k, 1024) if avx2 or (k > 1024 and not a_transposed) else min(k, 512)
     threads_k = 1
@@ -101,7 +88,7 @@ def _blocking(m: int, n: int, k: int, batch: int, threads: int, n_blk: int, copy
             for m_blk in range(max_m_blk, min_m_blk - 1, -1):
                 score = _imbalance(m, n, k, batch, threads, m_blk, n_blk, chunk, k_blk, tk)
                 if not avx2:
-                    work = batch * _div_up(m, m_blk) * _div_up(n, n_blk * chunk)
+                    work = batch * div_up(m, m_blk) * div_up(n, n_blk * chunk)
                     mn_threads = threads // tk
                     if work < mn_threads * 3 and work % mn_threads != 0 and threads_k == 1:
                         continue
@@ -133,29 +120,29 @@ def _brgemm_bytes(m: int, k: int, n: int, batch: int, a_transposed: bool, fp16: 
     m_blk, n_blk, chunk, k_blk, threads_k = _blocking(
         m, n, k, batch, threads, min(wei_n_blk, n), copy_a, src_ba, ndims, isa == "avx2_vnni_2", fp16)
     if wei_n_blk > n_blk and n != n_blk:
-        wei_n_blk = _rnd_up(n_blk, 64 // (vnni * item))
+        wei_n_blk = rnd_up(n_blk, 64 // (vnni * item))
     if copy_a:  # get_actual_lda
-        lda = _rnd_up(k_blk, 64 // item)
+        lda = rnd_up(k_blk, 64 // item)
         if lda >= 512 and _is_pow2(lda):
             lda += 64 // item
     ldc = n_blk if threads_k <= 1 else n
     c_block = 4 * ldc * (m if threads_k > 1 else m_blk)
     c = c_block if threads_k > 1 or k_blk >= k else c_block * chunk
     a = item * m_blk * lda if copy_a else 0
-    b = item * _rnd_up(n_blk, wei_n_blk) * _rnd_up(k_blk, wei_k_blk)
+    b = item * rnd_up(n_blk, wei_n_blk) * rnd_up(k_blk, wei_k_blk)
     per_thread = (16 * _BATCH_ELEMENT, a, b, c)
-    return sum(threads * s + _BOOK_PAD for s in per_thread if s > 0)
+    return sum(threads * s + BOOK_PAD for s in per_thread if s > 0)
 
 
 def _gemm_bf16_bytes(m: int, n: int, batch: int, threads: int) -> int:
     """``gemm:jit:bf16``'s fp32 accumulator (``get_scratchpad_num_elements``, per-thread form)."""
 
     def block(parts: int) -> int:
-        share = _div_up(batch * m * n, parts)
+        share = div_up(batch * m * n, parts)
         size = min(m * n, share // n * n) if share >= n else share
-        return _rnd_up(size, 64)
+        return rnd_up(size, 64)
 
-    return 4 * max(block(1), threads * block(threads)) + _BOOK_PAD
+    return 4 * max(block(1), threads * block(threads)) + BOOK_PAD
 
 
 def matmul_scratchpad_bytes(m: int, k: int, n: int, *, batch: int = 1, a_transposed: bool = False,

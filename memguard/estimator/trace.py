@@ -373,7 +373,13 @@ def _rebuild(cls, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
 
 
 def _make_optimizer(optimizer, params: list[nn.Parameter], originals, foreach: bool | None):
-    """A new optimizer of the user's kind over the fake parameters."""
+    """A new optimizer of the user's kind over the fake parameters.
+
+    ``foreach=True`` (the CUDA target traced on CPU fakes) resolves every group left at
+    ``foreach=None`` as torch.optim resolves it for CUDA tensors
+    (:func:`memguard.estimator.cuda_rules.cuda_group_foreach`); False/None leave the CPU's choice."""
+    from memguard.estimator.cuda_rules import cuda_group_foreach
+
     if optimizer is None:
         kwargs = {"foreach": foreach} if foreach is not None else {}
         return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-3, **kwargs)
@@ -384,7 +390,8 @@ def _make_optimizer(optimizer, params: list[nn.Parameter], originals, foreach: b
             new = {k: v for k, v in group.items() if k != "params"}
             new["params"] = [fake_of[id(p)] for p in group["params"] if id(p) in fake_of]
             if foreach is not None and new.get("foreach", "absent") is None:
-                new["foreach"] = foreach
+                # the CUDA target (foreach=True): the path torch.optim takes on CUDA for this group
+                new["foreach"] = cuda_group_foreach(type(optimizer), group) if foreach else foreach
             groups.append(new)
         try:
             return _rebuild(type(optimizer), groups, optimizer.defaults)
@@ -394,7 +401,12 @@ def _make_optimizer(optimizer, params: list[nn.Parameter], originals, foreach: b
                 "optimizer=lambda params: YourOptimizer(params, ...) instead of an instance"
             ) from exc
     if callable(optimizer):
-        return optimizer([p for p in params])
+        opt = optimizer([p for p in params])
+        if foreach:  # the CUDA target: a group left at foreach=None takes the path CUDA would
+            for g in getattr(opt, "param_groups", []):
+                if g.get("foreach", "absent") is None:
+                    g["foreach"] = cuda_group_foreach(type(opt), g, [originals.get(id(p), p) for p in g["params"]])
+        return opt
     raise ConfigError(
         f"optimizer must be a torch.optim.Optimizer, a callable(params) -> Optimizer, or None; got "
         f"{type(optimizer).__name__}"
