@@ -63,14 +63,17 @@ def _worker(mode: str, name: str, steps: int) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     if mode == "truth":
         from benchmarks.ground_truth import measure_cpu_peak
+        from benchmarks.zoo import real_step
 
+        model, batch, loss_fn = real_step(model, batch, loss_fn, case.precision)
         optimizer = case.optimizer(model.parameters())
         gt = measure_cpu_peak(model, batch, loss_fn, optimizer, steps=steps)
         return {"build_seconds": build_s, "max_rss_bytes": _max_rss_bytes(), **gt.to_dict()}
     import memguard
 
     t0 = time.perf_counter()
-    est = memguard.estimate(model, batch, optimizer=case.optimizer, loss_fn=loss_fn, device="cpu")
+    est = memguard.estimate(model, batch, optimizer=case.optimizer, loss_fn=loss_fn, device="cpu",
+                            precision=case.precision)
     seconds = time.perf_counter() - t0
     return {
         "build_seconds": build_s,
@@ -81,6 +84,16 @@ def _worker(mode: str, name: str, steps: int) -> dict[str, Any]:
         "phase_peaks": dict(getattr(est, "phase_peaks", {}) or {}),
         "max_rss_bytes": _max_rss_bytes(),
     }
+
+
+def _cpu_isa() -> str:
+    """The instruction-set level the workers' oneDNN runs at, and the cap that set it if any."""
+    import os
+
+    from memguard.estimator.cpu_kernels import host_isa
+
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return host_isa() + (f" (ONEDNN_MAX_CPU_ISA={cap})" if cap else " (the host's own)")
 
 
 def _run_worker(mode: str, name: str, steps: int, timeout: float) -> dict[str, Any]:
@@ -109,6 +122,7 @@ def render_markdown(rows: list[dict[str, Any]], summary: dict[str, Any], meta: d
         f"- date: {meta['date']}",
         f"- machine: {m.get('cpu_model')}, {m.get('cpus_usable')} usable of {m.get('cpu_count')} cores, "
         f"{m.get('ram_bytes', 0) / (1 << 30):.1f} GiB RAM, {m.get('os')}",
+        f"- CPU kernel path (oneDNN's instruction-set level): {m.get('cpu_isa', '—')}",
         f"- software: Python {m.get('python')}, torch {m.get('torch')}, transformers {m.get('transformers', '—')}; "
         "1 intra-op thread",
         f"- ground truth: {meta['steps']} real steps under torch.profiler (profile_memory), peak of the last step; "
@@ -207,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--out", default=str(Path("benchmarks") / "results"), help="folder for the .json/.md")
+    parser.add_argument("--name", default="accuracy_cpu", help="file name of the .json/.md (default accuracy_cpu)")
     parser.add_argument("--no-estimate", action="store_true", help="ground truth only")
     parser.add_argument("--repeat", type=int, default=2, help="independent ground-truth runs per case")
     parser.add_argument("--steps", type=int, default=2, help="training steps per measurement")
@@ -243,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "command": "python benchmarks/accuracy_cpu.py" + ("" if not argv else " " + shlex.join(argv)),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_description(torch_threads=1),  # the workers use one thread
+        "machine": machine_description(torch_threads=1, cpu_isa=_cpu_isa()),  # the workers use one thread
         "steps": args.steps,
         "repeat": args.repeat,
         "wall_seconds": time.perf_counter() - t0,
@@ -254,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     md = render_markdown(rows, summary, meta)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "accuracy_cpu.json").write_text(json.dumps({**meta, "summary": summary, "cases": rows}, indent=2) + "\n")
-    (out / "accuracy_cpu.md").write_text(md)
+    (out / f"{args.name}.json").write_text(json.dumps({**meta, "summary": summary, "cases": rows}, indent=2) + "\n")
+    (out / f"{args.name}.md").write_text(md)
     print(md)
     return 0
 

@@ -50,6 +50,7 @@ class ZooCase:
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``; receives
             ``model.parameters()`` and selects the trainable ones itself where needed.
         notes: what the case exercises.
+        precision: the Lightning precision the step runs in (see :func:`real_step`).
     """
 
     name: str
@@ -57,6 +58,27 @@ class ZooCase:
     build: Callable[..., tuple[nn.Module, Batch, LossFn | None]]
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     notes: str = ""
+    precision: str = "32-true"
+
+
+def real_step(model: nn.Module, batch: Batch, loss_fn: LossFn | None, precision: str):
+    """The model, batch and loss of a real CPU step in ``precision``, as memguard models it:
+    ``*-true`` casts the floating weights, buffers and inputs; ``*-mixed`` runs the loss under CPU
+    autocast (the model and batch stay fp32)."""
+    from memguard.batch import compute_loss, map_tensors
+
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
+    if dtype is None:
+        return model, batch, loss_fn
+    if precision.endswith("-true"):
+        cast = map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        return model.to(dtype), cast, loss_fn
+
+    def mixed(m: nn.Module, b: Batch) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=dtype):
+            return compute_loss(m, b, loss_fn)
+
+    return model, batch, mixed
 
 
 def seeded_generator(seed: int = SEED) -> torch.Generator:
@@ -339,6 +361,47 @@ def _build_resnet(device: str = "cpu"):
     return model, (images, labels), _classification_loss
 
 
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt block (Liu et al. 2022, arXiv 2201.03545): depthwise 7x7 convolution, LayerNorm over
+    channels, pointwise MLP as Linear layers on channels-last activations, residual."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.pw1, self.pw2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.dw(x).permute(0, 2, 3, 1))
+        return x + self.pw2(F.gelu(self.pw1(y))).permute(0, 3, 1, 2)
+
+
+class SmallConvNeXt(nn.Module):
+    """A ConvNeXt-style classifier: 4x4 stride-4 stem, two stages (downsampled by a 2x2 stride-2
+    convolution), global pool, linear head."""
+
+    def __init__(self, widths: tuple[int, int] = (64, 128), depth: int = 2, classes: int = 100) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, widths[0], 4, stride=4)
+        self.stage1 = nn.Sequential(*(ConvNeXtBlock(widths[0]) for _ in range(depth)))
+        self.down = nn.Conv2d(widths[0], widths[1], 2, stride=2)
+        self.stage2 = nn.Sequential(*(ConvNeXtBlock(widths[1]) for _ in range(depth)))
+        self.head = nn.Linear(widths[1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stage2(self.down(self.stage1(self.stem(x))))
+        return self.head(x.mean((2, 3)))
+
+
+def _build_convnext(device: str = "cpu"):
+    with _building_on(device):
+        model = SmallConvNeXt()
+    model.train()
+    g = seeded_generator()
+    images, labels = torch.randn(16, 3, 128, 128, generator=g), torch.randint(0, 100, (16,), generator=g)
+    return model, (images, labels), _classification_loss
+
+
 class MLPRegressor(nn.Module):
     """A GELU MLP whose forward takes ``(x, target)`` and returns the MSE loss itself."""
 
@@ -528,6 +591,26 @@ _ALL = [
             "nn.TransformerEncoder classifier, embedding + 2 of 4 layers frozen; AdamW on trainable only"),
     ZooCase("ckpt-mlp", "regression", _build_ckpt, _rmsprop_centered,
             "residual MLP blocks under torch.utils.checkpoint(use_reentrant=False), RMSprop centered"),
+    ZooCase("convnext", "image-classification", _build_convnext, _adamw,
+            "ConvNeXt-style net (depthwise 7x7 + Linear MLP blocks, 2 stages), 16 x 128px, AdamW"),
+    # 16-bit steps: oneDNN takes bf16 (and, where the CPU has AVX-512-FP16, fp16) matmuls and
+    # convolutions, so these follow the host's instruction set (memguard.estimator.cpu_kernels)
+    ZooCase("gpt2-bf16-true", "causal-lm", _build_gpt2, _adamw, "GPT-2 as above, weights and step in bf16",
+            precision="bf16-true"),
+    ZooCase("llama-bf16-mixed", "causal-lm", _build_llama_sdpa, _adam_foreach,
+            "Llama as above under CPU bf16 autocast", precision="bf16-mixed"),
+    ZooCase("vit-bf16-mixed", "image-classification", _build_vit, _sgd_nesterov_wd,
+            "ViT as above under CPU bf16 autocast", precision="bf16-mixed"),
+    ZooCase("resnet-bn-bf16-mixed", "image-classification", _build_resnet, _sgd_nesterov_wd,
+            "ResNet-like conv net as above under CPU bf16 autocast (NCHW convolutions)", precision="bf16-mixed"),
+    ZooCase("convnext-bf16-true", "image-classification", _build_convnext, _adamw,
+            "ConvNeXt-style net as above, weights and step in bf16", precision="bf16-true"),
+    ZooCase("convnext-bf16-mixed", "image-classification", _build_convnext, _adamw,
+            "ConvNeXt-style net as above under CPU bf16 autocast", precision="bf16-mixed"),
+    ZooCase("mlp-bf16-true", "regression", _build_mlp, _rmsprop, "GELU MLP as above in bf16",
+            precision="bf16-true"),
+    ZooCase("mlp-16-true", "regression", _build_mlp, _rmsprop, "GELU MLP as above in fp16",
+            precision="16-true"),
 ]
 
 #: Every case, by name.
