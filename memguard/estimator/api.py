@@ -415,7 +415,7 @@ def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint
 
 
 def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_optimizer=False,
-             micro_batch_size=0, checkpointed=0, limit_bytes=None, strategy=None):
+             micro_batch_size=0, checkpointed=0, limit_bytes=None, strategy=None, zero_config=None):
     """Turn a trace into an :class:`Estimate` for one target (sharding, allocator, workspaces).
 
     With ``limit_bytes`` (CUDA only) the allocator model runs under that cap: like the real
@@ -427,6 +427,10 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
     scaled, except that ``CPUOffloadPolicy`` moves the sharded parameters, gradients, optimizer
     state and the optimizer step to the host.
 
+    Under DeepSpeed, ``zero_config`` (the config's ``zero_optimization`` block, or the whole config)
+    gives the bucket sizes the engine allocates (DeepSpeed's defaults for absent keys); without it
+    the buckets are left out (see :func:`~memguard.estimator.sharding.model_state_factors`).
+
     Returns the estimate and the scaled :class:`~memguard.estimator.analysis.Timeline`.
     """
     strategy = resolve_strategy(strategy, zero_stage)
@@ -436,15 +440,21 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
         factors = fsdp2_factors(offload_optimizer)
     else:
         factors = _zero_factors(trace, precision=precision, zero_stage=zero_stage, world_size=world_size,
-                                offload_optimizer=offload_optimizer)
+                                offload_optimizer=offload_optimizer, zero_config=zero_config)
     return _evaluate(trace, factors, device=device, precision=precision, zero_stage=zero_stage,
                      world_size=world_size, spec=spec, offload_optimizer=offload_optimizer,
                      micro_batch_size=micro_batch_size, checkpointed=checkpointed, limit_bytes=limit_bytes,
                      strategy=strategy)
 
 
-def _zero_factors(trace, *, precision, zero_stage, world_size, offload_optimizer):
+def _zero_factors(trace, *, precision, zero_stage, world_size, offload_optimizer, zero_config=None):
+    from memguard.estimator.sharding import ZeroBuckets
+
+    from memguard.estimator.trace import OPTIMIZER_TEMPORARIES
+
     totals = _category_totals(trace)
+    param_sizes = [trace.sizes[h] for h, c in enumerate(trace.category) if c == "params"]
+    item = trace.trainable_param_bytes / trace.num_trainable_params if trace.num_trainable_params else 4
     return model_state_factors(
         zero_stage=zero_stage,
         world_size=world_size,
@@ -457,6 +467,11 @@ def _zero_factors(trace, *, precision, zero_stage, world_size, offload_optimizer
         sixteen_bit=precision != "32-true",
         offload_optimizer=offload_optimizer,
         state_scale=2.0 if traced_precision(precision, zero_stage) != precision else 1.0,
+        buckets=None if zero_config is None else ZeroBuckets.from_config(zero_config),
+        traced_temporaries=totals.get(OPTIMIZER_TEMPORARIES, 0),
+        largest_param_bytes=max(param_sizes, default=0),
+        traced_activations=totals.get("activations", 0),
+        param_numels=tuple(int(b // item) for b in param_sizes) if item else (),
     )
 
 
@@ -464,6 +479,8 @@ def _evaluate(trace, factors, *, device, precision, zero_stage, world_size, spec
               micro_batch_size, checkpointed, limit_bytes, strategy):
     extra = {"grads": factors.extra_grads, "params": factors.extra_params}
     timeline = _fold_optimizer_temporaries(scan(trace, factors.as_dict(), extra))
+    if getattr(factors, "gathered_share", 0.0):
+        timeline = _fold_gathered_params(timeline, factors.gathered_share)
     breakdown = dict(timeline.breakdown)
     allocated_peak = timeline.peak_bytes
     context = 0
@@ -506,6 +523,25 @@ def _evaluate(trace, factors, *, device, precision, zero_stage, world_size, spec
         strategy=strategy,
     )
     return est, timeline
+
+
+def _fold_gathered_params(tl, share):
+    """ZeRO-3: report the gathered parameters, which the scaled activations carry (see
+    ``model_state_factors``), as "params"."""
+    import dataclasses
+
+    def fold(bd):
+        bd = dict(bd)
+        moved = int(round(bd.get("activations", 0) * share))
+        if moved:
+            bd["activations"] -= moved
+            bd["params"] = bd.get("params", 0) + moved
+        return bd
+
+    return dataclasses.replace(
+        tl, breakdown=fold(tl.breakdown),
+        phase_breakdowns={k: fold(v) for k, v in (tl.phase_breakdowns or {}).items()},
+    )
 
 
 def _fold_optimizer_temporaries(tl):

@@ -29,8 +29,53 @@ precisions add DeepSpeed's fp32 master copy and fp32 gradient partition (4 + 4 b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
-__all__ = ["ShardFactors", "model_state_factors"]
+__all__ = ["ShardFactors", "ZeroBuckets", "model_state_factors"]
+
+
+@dataclass(frozen=True)
+class ZeroBuckets:
+    """The bucket settings of a DeepSpeed ``zero_optimization`` block, in elements.
+
+    Defaults are DeepSpeed 0.19.8's (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig):
+    ``reduce_bucket_size`` 5e8, ``allgather_bucket_size`` 5e8, ``stage3_prefetch_bucket_size``
+    5e7, ``stage3_max_live_parameters`` 1e9, ``stage3_param_persistence_threshold`` 1e5,
+    ``stage3_max_reuse_distance`` 1e9, ``contiguous_gradients`` True.
+    """
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+    max_reuse_distance: int = 1_000_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default (False for stages 1-2, True for stage 3)
+    contiguous_gradients: bool = True
+
+    _KEYS = {
+        "reduce_bucket_size": "reduce_bucket_size",
+        "allgather_bucket_size": "allgather_bucket_size",
+        "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+        "stage3_max_live_parameters": "max_live_parameters",
+        "stage3_param_persistence_threshold": "param_persistence_threshold",
+        "stage3_max_reuse_distance": "max_reuse_distance",
+        "overlap_comm": "overlap_comm",
+        "contiguous_gradients": "contiguous_gradients",
+    }
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "ZeroBuckets":
+        """From a ``zero_optimization`` block or a whole DeepSpeed config; absent keys (and
+        ``"auto"``, which DeepSpeed drops inside this block) take DeepSpeed's defaults."""
+        zero = config.get("zero_optimization", config) if isinstance(config, Mapping) else {}
+        kw: dict[str, Any] = {}
+        for key, field_name in cls._KEYS.items():
+            value = zero.get(key)
+            if value is None or isinstance(value, str):
+                continue
+            kw[field_name] = bool(value) if isinstance(value, bool) else int(value)
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -47,10 +92,19 @@ class ShardFactors:
     extra_grads: int = 0
     extra_params: int = 0
     optimizer_temporaries: float = 1.0
+    activations: float = 1.0  # ZeRO-3: > 1 when gathered parameters follow the activations
 
     def as_dict(self) -> dict[str, float]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "optimizer_temporaries": self.optimizer_temporaries}
+        out = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+               "optimizer_temporaries": self.optimizer_temporaries}
+        if self.activations != 1.0:
+            out["activations"] = self.activations
+        return out
+
+    @property
+    def gathered_share(self) -> float:
+        """The share of the scaled activations that is ZeRO-3's gathered parameters."""
+        return 1.0 - 1.0 / self.activations if self.activations > 1.0 else 0.0
 
 
 def model_state_factors(
@@ -66,6 +120,11 @@ def model_state_factors(
     sixteen_bit: bool,
     offload_optimizer: bool = False,
     state_scale: float = 1.0,
+    buckets: ZeroBuckets | None = None,
+    traced_temporaries: int = 0,
+    largest_param_bytes: int = 0,
+    traced_activations: int = 0,
+    param_numels: tuple[int, ...] = (),
 ) -> ShardFactors:
     """Scale factors that turn single-device traced bytes into one rank's bytes.
 
@@ -78,43 +137,131 @@ def model_state_factors(
         sixteen_bit: training in fp16/bf16 (DeepSpeed then keeps fp32 master weights and grads).
         state_scale: multiply the traced optimizer bytes per parameter by this to get fp32 bytes
             (2 when the trace ran with 16-bit parameters, whose optimizer state is 16-bit too).
+        buckets: the engine's ``zero_optimization`` settings (:class:`ZeroBuckets`). None: unknown;
+            the bucket buffers, ZeRO-3's persistent parameters and its parameter retention are then
+            left out (DeepSpeed's estimators' ``2·largest_layer`` gathered parameters stand in).
+        traced_temporaries: peak bytes of the trace's optimizer-step temporaries, and
+            largest_param_bytes: bytes of the largest traced parameter tensor they belong to (the
+            step's temporaries per parameter byte; DeepSpeed's optimizer steps one flat partition).
+            0: the traced temporaries are scaled by 1/N.
+        traced_activations: peak bytes of the trace's activations (ZeRO-3's gathered parameters
+            follow them: gathered module by module in forward, released module by module in backward).
+        param_numels: numel of every parameter tensor (ZeRO-3 persistence threshold).
     """
     n = max(1, world_size)
     if zero_stage == 0:
-        buckets = traced_grads if n > 1 else 0  # DDP docs: buckets as large as all gradients
-        return ShardFactors(extra_grads=buckets)
+        buckets_ddp = traced_grads if n > 1 else 0  # DDP docs: buckets as large as all gradients
+        return ShardFactors(extra_grads=buckets_ddp)
 
     p_bytes = 2 if sixteen_bit else 4  # DeepSpeed keeps module weights in the training dtype
-    master = 4 if sixteen_bit else 0  # fp32 master params (stage_1_and_2.py comment: "4_params_32bit")
-    grad32 = 4 if sixteen_bit else 0  # fp32 grad partition ("4_grads_32bit")
+    # fp32 master partition, in fp32 training too. stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__:
+    # ``weights_partition = self.parallel_partitioned_bit16_groups[i][partition_id].detach().clone()
+    # .to(device=self.device, dtype=self.master_weights_and_grads_dtype)`` (a clone whatever the dtype).
+    # stage3.py, DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions: the partition is shared only
+    # when ``self.fp16_partitioned_groups_flat[i].device == self.device``, a torch.device compared with
+    # the accelerator's device-name string (``get_accelerator().current_device_name()``, "cpu" or
+    # "cuda:0"), which is False: the ``else`` branch, ``converted.clone().detach()``, runs.
+    master = 4
+    grad32 = 4 if sixteen_bit else 0  # fp32 grad partition ("4_grads_32bit"; stage 1/2 step(): .to(fp32))
     states = state_scale * traced_optimizer / num_trainable if num_trainable else 0.0  # Adam: 8 ("8_optimizer_states_32bit")
     psi, psi_t = num_params, num_trainable
+    part = psi_t / n  # one rank's partition of the trainable parameters
 
-    params_b = p_bytes * psi if zero_stage < 3 else 0.0
-    grads_b = p_bytes * psi_t if zero_stage < 2 else p_bytes * psi_t / n
-    host_part = (grad32 + master + states) * psi_t / n
     extra_params = 0
-    if zero_stage == 3:
-        extra_params = int((p_bytes + p_bytes) * largest_layer)  # stage3.py: largest_layer_memory = 4 * params
+    extra_grads = 0
+    activations = 1.0
+    if zero_stage < 3:
+        params_b = p_bytes * psi
+        if zero_stage == 1:
+            # full gradients on every rank, plus the partition's own copy: stage_1_and_2.py,
+            # reduce_ipg_grads ("zero stage 1 - partition only optimizer state"): with
+            # contiguous_gradients, copy_grads_in_partition copies into ``self.grads_in_partition =
+            # torch.empty(total_size, dtype=self.dtype)`` (the parameters of this partition)
+            grads_b = p_bytes * psi_t + (p_bytes * part if _contiguous(buckets) else 0.0)
+        else:
+            grads_b = p_bytes * part  # stage 2: only grads_in_partition survives the reduction
+        host_part = (grad32 + master + states) * part
+        if buckets is not None and _contiguous(buckets):
+            # stage_1_and_2.py, setup_buckets (every backward): ``torch.empty(int(self.reduce_bucket_size),
+            # dtype=self._gradient_reduction_buffer_dtype())``, a second one when overlap_comm; the
+            # dtype is gradient_accumulation_dtype (fp32) for stage 1 with 16-bit weights
+            # (use_grad_accum_attribute, __init__), else the weights' dtype
+            item = 4 if zero_stage == 1 else p_bytes
+            copies = 2 if buckets.overlap_comm else 1  # DeepSpeedZeroConfig: overlap_comm defaults False below stage 3
+            extra_grads += int(buckets.reduce_bucket_size) * item * copies
+        # step(): ``flat_grad_partition = self.flatten(self.averaged_gradients[i])`` (a copy of the
+        # partition's grads; the per-parameter grads are freed by free_grad_in_param_list)
+        step_copy = p_bytes * part
+        grads_in_step = grads_b
+    else:
+        # the parameter partition: stage3.py, _create_fp16_partitions_with_defragmentation
+        # (``self.lp_param_buffer``, the ds_tensor of every parameter, Ψ/N in the weights' dtype)
+        params_b = p_bytes * psi / n
+        # the gradient partition: stage3.py, _setup_for_real_optimizer: ``self.grad_partitions_flat_buffer =
+        # torch.zeros(sum(p.partition_numel() ...), dtype=self.gradient_accumulation_dtype)`` (fp32 by
+        # default), allocated once and kept; the per-module grads are reduced into it
+        grads_b = 0.0
+        extra_grads += int(4 * part)
+        host_part = (master + states) * part  # the flat fp32 grad buffer above is DeepSpeed's "4_grads_32bit"
+        # DeepSpeed's estimator (estimate_zero3_model_states_mem_needs): largest_layer_memory =
+        # 4 * largest_layer_params (two 16-bit layers: the one in use and the one prefetched)
+        extra_params = int(2 * p_bytes * largest_layer)
+        if buckets is not None:
+            persistent = sum(k for k in param_numels if k <= buckets.param_persistence_threshold)
+            # parameters at or under stage3_param_persistence_threshold stay gathered
+            # (parameter_offload.py, DeepSpeedZeRoOffload.mark_persistent_parameters: ds_persist)
+            params_b += p_bytes * persistent
+            if _contiguous(buckets):
+                # stage3.py, _setup_for_real_optimizer: ``bucket.buffer = torch.empty(self.reduce_bucket_size,
+                # dtype=dtype)``, kept for the engine's life
+                extra_grads += int(buckets.reduce_bucket_size) * p_bytes
+            # partitioned_param_coordinator.py, PartitionedParameterCoordinator.__params_to_release: a
+            # module's parameters are kept gathered when they recur within stage3_max_reuse_distance
+            # elements of the trace. Every forward module recurs in backward after at most 2Ψ
+            # elements, so with the default (1e9) and Ψ <= 5e8 nothing is released in forward: the
+            # whole model is gathered at the end of forward and released module by module in backward.
+            if buckets.max_reuse_distance >= 2 * psi and traced_activations > 0:
+                gathered = p_bytes * (psi - persistent) - extra_params
+                if gathered > 0:
+                    activations = 1.0 + gathered / traced_activations
+        # _prepare_fp32_grad_for_sub_group: ``self.flatten(self.averaged_gradients[i]).to(fp32)``
+        step_copy = 4 * part
+        grads_in_step = 0.0
     if offload_optimizer:
         host_part = 0.0  # optimizer state, fp32 grads and master params live in host memory
         if zero_stage == 2:
             grads_b = 0.0  # stage_1_and_2.py: gpu_mem = 2 * total_params with cpu_offload
         if zero_stage == 3:
             grads_b = 0.0
+            extra_grads -= int(4 * part)  # the flat gradient partition is pinned host memory
             params_b = p_bytes * psi / n  # stage3.py: largest_layer_memory + 2 * total_params / total_gpus
 
     def ratio(target: float, traced: int) -> float:
         return target / traced if traced else 0.0
 
+    # The optimizer step's temporaries. DeepSpeed steps one flat fp32 partition: the torch
+    # optimizer's temporaries per parameter byte (read from the trace, whose largest parameter
+    # tensor sets their peak) times the partition's bytes, plus the flat gradient copy above where
+    # the traced gradients (still live in the step) do not already stand for it.
+    if offload_optimizer:
+        temporaries = 0.0
+    elif traced_temporaries and largest_param_bytes:
+        per_byte = traced_temporaries / largest_param_bytes
+        need = per_byte * 4 * part + step_copy
+        temporaries = max(0.0, need - grads_in_step) / traced_temporaries
+    else:
+        temporaries = 1.0 / n
     # fp32 grads and master params are owned by the optimizer in DeepSpeed; count them there.
-    # The optimizer step's temporaries follow the partition it updates (none on the device when
-    # the optimizer runs on the host).
     return ShardFactors(
-        optimizer_temporaries=0.0 if offload_optimizer else 1.0 / n,
+        optimizer_temporaries=temporaries,
         params=ratio(params_b, traced_params),
         grads=ratio(grads_b, traced_grads),
         optimizer=ratio(host_part, traced_optimizer) if traced_optimizer else 0.0,
         extra_params=extra_params,
-        extra_grads=0 if traced_optimizer or host_part == 0 else int(host_part),
+        extra_grads=max(0, extra_grads) + (0 if traced_optimizer or host_part == 0 else int(host_part)),
+        activations=activations,
     )
+
+
+def _contiguous(buckets: ZeroBuckets | None) -> bool:
+    return True if buckets is None else buckets.contiguous_gradients

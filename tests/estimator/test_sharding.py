@@ -135,13 +135,15 @@ def test_ddp_buckets_are_as_large_as_all_gradients():
 
 def test_zero_1_partitions_only_optimizer_side_state():
     # ZeRO paper §5.1 (P_os) with DeepSpeed's byte layout: 2Ψ weights + 2Ψ grads on every rank,
-    # fp32 grads, fp32 master weights and Adam moments (4 + 4 + 8 bytes) partitioned
+    # fp32 grads, fp32 master weights and Adam moments (4 + 4 + 8 bytes) partitioned; plus the
+    # partition's own 16-bit gradient copy (stage_1_and_2.py, reduce_ipg_grads "zero stage 1":
+    # copy_grads_in_partition into grads_in_partition, contiguous_gradients being DeepSpeed's default)
     psi = 1000
     f = model_state_factors(zero_stage=1, world_size=4, traced_params=4 * psi, traced_grads=4 * psi,
                             traced_optimizer=8 * psi, num_params=psi, num_trainable=psi, largest_layer=10,
                             sixteen_bit=True)
     ours = 4 * psi * f.params + 4 * psi * f.grads + 8 * psi * f.optimizer + f.extra_params + f.extra_grads
-    assert ours == pytest.approx(4 * psi + 16 * psi / 4)
+    assert ours == pytest.approx(4 * psi + 18 * psi / 4)
 
 
 # ------------------------------------------------------------ the estimator, end to end
@@ -217,16 +219,19 @@ def test_zero_1_end_to_end():
     psi = sum(p.numel() for p in model.parameters())
     for n in (1, 4):
         ours = end_of_backward_state(model, batch, stage=1, world_size=n)
-        assert 0 <= ours - (4 * psi + 16 * psi // n) <= step_slack(model, n)
+        assert 0 <= ours - (4 * psi + 18 * psi // n) <= step_slack(model, n)  # see the test above
 
 
-def test_fp32_training_has_no_master_copy():
-    # 32-true: weights 4Ψ replicated (stage 2), grads 4Ψ/N and Adam's 8Ψ/N partitioned, nothing else
+def test_fp32_training_keeps_an_fp32_master_partition():
+    # 32-true: weights 4Ψ replicated (stage 2), grads 4Ψ/N, Adam's 8Ψ/N and the fp32 master
+    # partition 4Ψ/N: DeepSpeed clones the partition whatever the dtype (stage_1_and_2.py,
+    # DeepSpeedZeroOptimizer.__init__: ``weights_partition = ...detach().clone().to(...)``); a real
+    # 2-rank engine holds it (benchmarks/results/deepspeed_cpu.md: 20Ψ/N at rest, not 16Ψ/N)
     model, batch = mlp(), torch.randn(4, 256)
     psi = sum(p.numel() for p in model.parameters())
     for n in (1, 4):
         ours = end_of_backward_state(model, batch, stage=2, world_size=n, precision="32-true")
-        assert 0 <= ours - (4 * psi + 12 * psi // n) <= step_slack(model, n)
+        assert 0 <= ours - (4 * psi + 16 * psi // n) <= step_slack(model, n)
 
 
 def test_optimizer_state_size_comes_from_the_trace():
@@ -267,9 +272,10 @@ def test_ddp_adds_gradient_buckets_when_world_size_is_above_one():
     assert two.peak_bytes - one.peak_bytes == grads  # buckets live through the whole step
     assert eight == memguard.estimate(model, batch, loss_fn=loss_fn, device="cpu", world_size=8)
     assert eight.peak_bytes == two.peak_bytes  # DDP replicates: the rank count does not matter
-    # with ZeRO the gradients are reduced by DeepSpeed, not DDP: no buckets
+    # with ZeRO the gradients are reduced by DeepSpeed, not DDP: no all-gradient buckets (ZeRO-1
+    # holds the full gradients plus its partition's copy, 1.5x on 2 ranks, not DDP's 2x)
     z1 = memguard.estimate(model, batch, loss_fn=loss_fn, device="cpu", world_size=2, zero_stage=1)
-    assert z1.breakdown["grads"] <= one.breakdown["grads"]
+    assert z1.breakdown["grads"] < two.breakdown["grads"]
 
 
 def test_ddp_buckets_on_the_cuda_target():
