@@ -292,3 +292,138 @@ def test_estimate_reports_its_target():
                             zero_stage=3, world_size=4)
     assert (est.zero_stage, est.world_size) == (3, 4)
     assert est.model_state_bytes == sum(est.breakdown.get(c, 0) for c in STATE)
+
+
+# ------------------------------------------- the real engine's terms (DeepSpeed 0.19.8's source)
+# Byte layouts read from deepspeed/runtime/zero/stage_1_and_2.py and stage3.py and checked against
+# real 2-rank CPU engines (benchmarks/deepspeed_cpu.py; results in benchmarks/results/deepspeed_cpu.md).
+from memguard.estimator.sharding import ZeroBuckets  # noqa: E402
+
+PSI = 1_000_000
+
+
+def fp32_factors(stage: int, n: int = 2, **kw) -> ShardFactors:
+    """Factors for an fp32 Adam trace of PSI parameters (4Ψ weights, 4Ψ grads, 8Ψ moments)."""
+    base = dict(zero_stage=stage, world_size=n, traced_params=4 * PSI, traced_grads=4 * PSI,
+                traced_optimizer=8 * PSI, num_params=PSI, num_trainable=PSI, largest_layer=PSI // 10,
+                sixteen_bit=False)
+    base.update(kw)
+    return model_state_factors(**base)
+
+
+def test_zero_buckets_read_deepspeeds_keys_and_defaults():
+    d = ZeroBuckets()
+    # deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig) defaults
+    assert (d.reduce_bucket_size, d.allgather_bucket_size, d.prefetch_bucket_size) == (500_000_000, 500_000_000,
+                                                                                       50_000_000)
+    assert (d.max_live_parameters, d.param_persistence_threshold, d.max_reuse_distance) == (10**9, 100_000, 10**9)
+    zero = {"stage": 3, "reduce_bucket_size": 65536, "stage3_prefetch_bucket_size": 58982,
+            "stage3_param_persistence_threshold": 2560, "stage3_max_reuse_distance": "auto", "overlap_comm": True}
+    b = ZeroBuckets.from_config(zero)
+    assert (b.reduce_bucket_size, b.prefetch_bucket_size, b.param_persistence_threshold) == (65536, 58982, 2560)
+    assert b.max_reuse_distance == 10**9  # "auto" is dropped by DeepSpeed inside zero_optimization
+    assert b.overlap_comm is True
+    assert ZeroBuckets.from_config({"zero_optimization": zero}) == b  # a whole config works too
+    from_ds = pytest.importorskip("deepspeed.runtime.zero.config").DeepSpeedZeroConfig()
+    assert (from_ds.reduce_bucket_size, from_ds.allgather_bucket_size, from_ds.prefetch_bucket_size,
+            from_ds.max_live_parameters, from_ds.param_persistence_threshold, from_ds.max_reuse_distance) == (
+        d.reduce_bucket_size, d.allgather_bucket_size, d.prefetch_bucket_size, d.max_live_parameters,
+        d.param_persistence_threshold, d.max_reuse_distance)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp32_master_partition_at_stages_1_and_2(stage):
+    # at rest: Adam's 8Ψ/N plus the fp32 master clone 4Ψ/N (optimizer category)
+    f = fp32_factors(stage, n=4)
+    assert 8 * PSI * f.optimizer == pytest.approx(12 * PSI / 4)
+    assert 4 * PSI * f.params == pytest.approx(4 * PSI)
+
+
+def test_zero_3_fp32_rank_holds_twenty_bytes_per_partition_element_at_rest():
+    # parameter partition 4 (lp_param_buffer) + fp32 master clone 4 (_create_fp32_partitions, else
+    # branch) + flat gradient partition 4 (grad_partitions_flat_buffer) + Adam 8 = 20Ψ/N. The
+    # benchmark's llama-z3 rank starts every step at 37.94 MiB = 20 x 3,950,848 / 2 bytes + the
+    # 65536-element reduce bucket.
+    n = 2
+    f = fp32_factors(3, n=n, buckets=ZeroBuckets(reduce_bucket_size=65536, param_persistence_threshold=0))
+    at_rest = 4 * PSI * f.params + 8 * PSI * f.optimizer + f.extra_grads
+    assert at_rest == pytest.approx(20 * PSI / n + 65536 * 4, abs=2)
+    assert f.grads == 0.0  # per-module grads are reduced into the flat partition at once
+
+
+@pytest.mark.parametrize("stage,item,copies", [(1, 4, 1), (2, 4, 1), (3, 4, 1)])
+def test_reduce_bucket_is_allocated_whole(stage, item, copies):
+    # setup_buckets / _setup_for_real_optimizer: torch.empty(reduce_bucket_size), whatever the model's size
+    without = fp32_factors(stage, buckets=ZeroBuckets(reduce_bucket_size=1, param_persistence_threshold=0))
+    default = fp32_factors(stage, buckets=ZeroBuckets(param_persistence_threshold=0))
+    assert default.extra_grads - without.extra_grads == (500_000_000 - 1) * item * copies  # the ~2 GB buffer
+
+
+def test_overlap_comm_doubles_the_stage_2_bucket():
+    one = fp32_factors(2, buckets=ZeroBuckets(reduce_bucket_size=1000))
+    two = fp32_factors(2, buckets=ZeroBuckets(reduce_bucket_size=1000, overlap_comm=True))
+    assert two.extra_grads - one.extra_grads == 1000 * 4
+    assert fp32_factors(2).extra_grads == 0  # no config: buckets unknown, left out
+
+
+def test_zero_1_keeps_full_grads_and_the_partition_copy():
+    f = fp32_factors(1, n=2)
+    assert 4 * PSI * f.grads == pytest.approx(4 * PSI + 4 * PSI / 2)
+    assert fp32_factors(1, n=2, buckets=ZeroBuckets(contiguous_gradients=False)).grads == pytest.approx(1.0)
+
+
+def test_zero_3_gathers_the_whole_model_with_the_default_reuse_distance():
+    # __params_to_release keeps a module's parameters while they recur within max_reuse_distance
+    # elements: with 1e9 nothing is released in forward. The gathered bytes ride on the activations
+    # (gathered and released with them); 2·largest_layer of them are the constant extra_params.
+    acts = 3 * PSI
+    f = fp32_factors(3, traced_activations=acts, buckets=ZeroBuckets(param_persistence_threshold=0))
+    assert acts * (f.activations - 1) + f.extra_params == pytest.approx(4 * PSI)
+    assert f.gathered_share == pytest.approx(1 - 1 / f.activations)
+    short = fp32_factors(3, traced_activations=acts,
+                         buckets=ZeroBuckets(param_persistence_threshold=0, max_reuse_distance=PSI))
+    assert short.activations == 1.0 and short.extra_params == 2 * 4 * (PSI // 10)  # DeepSpeed's 4·largest_layer
+    assert fp32_factors(3, traced_activations=acts).activations == 1.0  # no config: DeepSpeed's estimator
+
+
+def test_zero_3_persistent_parameters_stay_gathered():
+    numels = (1000,) * 100 + (PSI - 100_000,)  # 100 small tensors at the threshold, one large
+    f = fp32_factors(3, param_numels=numels, buckets=ZeroBuckets(param_persistence_threshold=1000))
+    assert 4 * PSI * f.params == pytest.approx(4 * PSI / 2 + 4 * 100_000)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_step_temporaries_are_those_of_one_flat_partition(stage):
+    # torch AdamW (single tensor) makes two temporaries of a parameter's size (sqrt, div): the trace's
+    # peak step temporaries are twice its largest parameter tensor. DeepSpeed steps one flat partition:
+    # two temporaries of Ψ/N fp32 elements plus the flattened gradient copy (step() /
+    # _prepare_fp32_grad_for_sub_group), less what the traced gradients, still live in the step,
+    # already stand for.
+    n, largest = 2, 4 * (PSI // 10)
+    f = fp32_factors(stage, n=n, traced_temporaries=2 * largest, largest_param_bytes=largest)
+    temps = 2 * largest * f.optimizer_temporaries
+    grads_in_step = 4 * PSI * f.grads
+    expected = {1: 0.0, 2: 2 * 4 * PSI / n, 3: 3 * 4 * PSI / n}[stage]
+    assert temps == pytest.approx(expected)
+    # what the engine adds over its resting state in the step: 3Ψ/N x 4 bytes at every stage
+    assert temps + grads_in_step == pytest.approx(
+        3 * 4 * PSI / n + (4 * PSI + 4 * PSI / n - 3 * 4 * PSI / n if stage == 1 else 0))
+
+
+def test_evaluate_takes_the_engines_buckets():
+    from memguard.estimator.api import evaluate, run_trace
+
+    model, batch = mlp(), torch.randn(2, 256)
+    trace = run_trace(model, batch, optimizer=adam, loss_fn=loss_fn, device="cpu", precision="32-true")
+    kw = dict(device="cpu", precision="32-true", world_size=2, spec=None, strategy="deepspeed")
+    for stage in (1, 2, 3):
+        plain, _ = evaluate(trace, zero_stage=stage, **kw)
+        small, _ = evaluate(trace, zero_stage=stage, zero_config={"reduce_bucket_size": 1,
+                                                                  "stage3_param_persistence_threshold": 0}, **kw)
+        big, _ = evaluate(trace, zero_stage=stage, zero_config={"stage3_param_persistence_threshold": 0}, **kw)
+        assert big.peak_bytes - small.peak_bytes == (500_000_000 - 1) * FP32  # DeepSpeed's default bucket
+        if stage < 3:
+            assert small.peak_bytes - plain.peak_bytes == FP32  # the 1-element bucket
+        else:  # plus the whole model gathered at the end of forward, reported as params
+            assert small.peak_bytes > plain.peak_bytes
+            assert small.breakdown["params"] >= plain.breakdown["params"]
