@@ -1,0 +1,548 @@
+"""DeepSpeed ZeRO on CPU: memguard's per-rank estimate against real 2-rank engines.
+
+Each case builds a small HF model (Llama- or GPT-2-shaped, ``AutoConfig.for_model``, nothing
+downloaded), hands it with a ``torch.optim.AdamW`` to ``deepspeed.initialize`` on ``world_size``
+gloo ranks of this machine (``DS_ACCELERATOR=cpu``, ``MALLOC_ARENA_MAX=1``, one process per rank),
+with the ZeRO stage and bucket sizes that ``memguard.integrations.deepspeed.to_config`` writes for
+the model's hidden size (``buckets="plan"``) or with DeepSpeed's defaults (``buckets="default"``:
+no bucket keys, what a user's own config gets), ``gradient_clipping: 0`` (DeepSpeed 0.19.8 clips
+at 1.0 otherwise, which the plain step does not do) and fp32.
+
+Measurement: the profiler (``profile_memory=True``) runs from before the model is built, so every
+tensor of the rank is seen being allocated; the rank's live bytes are replayed from the
+``[memory]`` events of the profiler's event tree, paired by address (see :func:`_replay`). gloo's
+worker thread sometimes drops the last reference to a collective's buffer, where the profiler does
+not record the free, so a plain signed sum can stay high by a whole buffer: every collective is
+settled (waited on, then a 2 ms pause, :func:`_settle_collectives`) so that the caller's drop is the
+last, and the replay retires a block whose address is allocated again. Closure check: every
+steady-state step starts at the same level (``steady_starts_equal``). The peak of a case is the
+worst rank's peak over the steady-state steps (after ``--warmup`` steps) of ``--runs`` runs;
+``peak_sites`` lists each rank's live bytes at its last step's peak by allocation site.
+
+The estimate is ``memguard.estimate``'s pipeline (``run_trace`` + ``evaluate``) on the same model
+built on the meta device, ``device="cpu"``, ``zero_stage`` 1-3, ``world_size`` 2, given the
+``zero_optimization`` block the engine ran with (``zero_config=``) so that its buckets are modelled.
+
+Usage::
+
+    python benchmarks/deepspeed_cpu.py                              # every case, 1 run each
+    python benchmarks/deepspeed_cpu.py --cases llama-z3-plan --runs 2
+
+Writes ``deepspeed_cpu.json`` and ``deepspeed_cpu.md`` to ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
+from benchmarks.common import REPO, machine_description  # noqa: E402
+
+_MARKER = "@@DEEPSPEED_CPU_RESULT@@ "
+_MIB = 1 << 20
+_PREFIX = "deepspeed_cpu::"  # our record_function ranges
+HIDDEN = 256
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # "llama" or "gpt2"
+    zero_stage: int
+    buckets: str = "plan"  # "plan": to_config's (HF rule from the hidden size); "default": DeepSpeed's
+    world_size: int = 2
+    precision: str = "32-true"
+    batch: int = 2
+    seq: int = 64
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-z{self.zero_stage}-{self.buckets}"
+
+
+def all_cases() -> dict[str, Case]:
+    out = {}
+    for buckets in ("plan", "default"):
+        for model in ("llama", "gpt2"):
+            for stage in (1, 2, 3):
+                c = Case(model, stage, buckets)
+                out[c.name] = c
+    return out
+
+
+def build_model(name: str, device: str = "cpu"):
+    """A small HF causal LM from ``AutoConfig.for_model`` (nothing downloaded)."""
+    import torch
+    import transformers
+
+    if name == "llama":
+        cfg = transformers.AutoConfig.for_model(
+            "llama", hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=2048, max_position_embeddings=256)
+    elif name == "gpt2":
+        cfg = transformers.AutoConfig.for_model("gpt2", n_layer=4, n_embd=HIDDEN, n_head=4, vocab_size=2048,
+                                                n_positions=256)
+    else:
+        raise ValueError(f"unknown model {name!r}")
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def make_batch(case: Case):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 2048, (case.batch, case.seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def ds_config(case: Case) -> dict[str, Any]:
+    """The engine's config: ``to_config`` of a hand-made plan for the case (as a memguard plan would
+    write it), plus no clipping and a torch optimizer."""
+    from integrations.deepspeed import to_config
+    from memguard import Estimate, Plan
+
+    est = Estimate(peak_bytes=1, breakdown={}, context_bytes=0, peak_phase="backward", allocated_peak_bytes=1,
+                   device="cpu", precision=case.precision, zero_stage=case.zero_stage,
+                   world_size=case.world_size, gpu=None, micro_batch_size=case.batch)
+    plan = Plan(micro_batch_size=case.batch, grad_accum_steps=1, world_size=case.world_size,
+                global_batch_size=case.batch * case.world_size, precision=case.precision,
+                activation_checkpointing=False, zero_stage=case.zero_stage, budget_bytes=1 << 40, estimate=est,
+                hidden_size=HIDDEN if case.buckets == "plan" else None)
+    return to_config(plan, gradient_clipping=0.0, zero_allow_untested_optimizer=True,
+                     steps_per_print=1 << 30, wall_clock_breakdown=False)
+
+
+def estimate_case(case: Case, *, with_buckets: bool = True) -> dict[str, Any]:
+    """memguard's estimate for ``case`` (``with_buckets=False``: without the engine's config, as
+    ``memguard.estimate`` runs today)."""
+    from memguard.estimator.api import evaluate, run_trace, traced_precision
+
+    model = build_model(case.model, "meta")
+    t0 = time.perf_counter()
+    trace = run_trace(model, make_batch(case), optimizer=None, loss_fn=None, device="cpu",
+                      precision=traced_precision(case.precision, case.zero_stage, "deepspeed"))
+    kw = {"zero_config": ds_config(case)["zero_optimization"]} if with_buckets else {}
+    est, _ = evaluate(trace, device="cpu", precision=case.precision, zero_stage=case.zero_stage,
+                      world_size=case.world_size, spec=None, strategy="deepspeed", **kw)
+    return {"peak_bytes": int(est.peak_bytes), "peak_phase": est.peak_phase, "breakdown": dict(est.breakdown),
+            "phase_peaks": dict(est.phase_peaks), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+# --------------------------------------------------------------------------------------------
+# one rank (run in its own process)
+# --------------------------------------------------------------------------------------------
+
+
+_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+                "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+                "_all_gather_base_coalesced", "broadcast", "all_to_all_single", "all_to_all", "gather", "scatter")
+
+
+COLLECTIVE_CALLS: dict[str, int] = {}
+
+
+_DS_COLLECTIVES = ("reduce_scatter_fn", "allgather_fn", "inference_all_reduce", "all_gather_coalesced",
+                   "all_reduce_coalesced")
+
+
+def _settle_collectives(pause_s: float = 0.002, *, deepspeed_comm: bool = False) -> None:
+    """Make every collective complete, and gloo's worker thread let go of it, before the caller goes on.
+
+    gloo's worker thread holds the work (and through it the collective's tensors) until it has
+    finished with it; when the caller has already dropped its references, the last one goes on that
+    thread, where the profiler does not record the free. Waiting on the work and pausing ``pause_s``
+    lets the worker thread drop its references first, so the caller's own drop is the last (seen).
+    Patched before DeepSpeed is imported (its comm backend captures some of these functions then),
+    and ``deepspeed.comm``'s own functions (``deepspeed_comm=True``) once it is: DeepSpeed's CPU
+    backend may serve a collective from its shared-memory op instead of torch.distributed.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def settled(fn):
+        def call(*args, **kwargs):
+            COLLECTIVE_CALLS[fn.__name__] = COLLECTIVE_CALLS.get(fn.__name__, 0) + 1
+            work = fn(*args, **kwargs)
+            if work is not None and hasattr(work, "wait"):
+                work.wait()
+            time.sleep(pause_s)
+            return work
+
+        call.__wrapped__ = fn
+        return call
+
+    mods = [dist, c10d]
+    if deepspeed_comm:
+        import deepspeed.comm
+        import deepspeed.comm.comm
+
+        mods = [deepspeed.comm, deepspeed.comm.comm]
+    for name in _COLLECTIVES + (_DS_COLLECTIVES if deepspeed_comm else ()):
+        for mod in mods:
+            fn = getattr(mod, name, None)
+            if fn is not None and not hasattr(fn, "__wrapped__"):
+                setattr(mod, name, settled(fn))
+
+
+def _rank_worker(case: Case, steps: int, warmup: int) -> dict[str, Any]:
+    import logging
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.set_num_threads(1)
+    _settle_collectives()
+    import deepspeed
+
+    _settle_collectives(deepspeed_comm=True)
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    batch = make_batch(case)
+    config = ds_config(case)
+    gc.disable()  # frees by reference count only
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    prof.start()  # before the model exists: every tensor of the rank is seen being allocated
+    with record_function(_PREFIX + "setup"):
+        model = build_model(case.model)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    t0 = time.perf_counter()
+    for _ in range(warmup + steps):
+        with record_function(_PREFIX + "step"):
+            with record_function(_PREFIX + "forward"):
+                loss = engine(**batch).loss
+            with record_function(_PREFIX + "backward"):
+                engine.backward(loss)
+            with record_function(_PREFIX + "optimizer"):
+                engine.step()
+            del loss
+    seconds = time.perf_counter() - t0
+    torch.distributed.barrier()
+    prof.stop()
+    replay = _replay(prof)
+    gc.enable()
+    return {"rank": rank, **replay, "warmup": warmup, "settled_collective_calls": COLLECTIVE_CALLS,
+            "seconds": round(seconds, 2),
+            "config": config["zero_optimization"]}
+
+
+def _replay(prof: Any) -> dict[str, Any]:
+    """Live bytes over the run, from the allocator events of the profiler's event tree, by address.
+
+    The CPU allocator reports an allocation or a free only on a thread where profiling is on
+    (``memoryProfilingEnabled()`` is thread-local; c10/core/CPUAllocator.cpp). A block freed on
+    gloo's worker thread is therefore never seen freed; an allocation at the address of a block
+    still thought live means that block was freed unseen, so it is retired then. A free at an
+    address never seen allocated (a block allocated on an unwatched thread) is ignored. A block
+    allocated inside a c10d collective and still live when the collective returns is a buffer of
+    the collective's own work (the profiled calls are synchronous: the work is complete on return),
+    so it is retired at the op's end.
+
+    Returns each step's peak and starting level (a steady state starts every step at the same
+    level: the closure check), the plain signed sum's step peaks for comparison, and phase peaks.
+    """
+    allocs: list[tuple[int, int, int, int]] = []  # (time, order, ptr, signed bytes)
+    coll_end: dict[int, int] = {}
+    spans: list[tuple[int, int, str]] = []
+    where: list[str] = []  # the innermost ops around each allocation (for the residue report)
+
+    def walk(node: Any, coll: int | None, stack: tuple[str, ...] = ()) -> None:
+        kind = type(node.extra_fields).__name__
+        name = node.name
+        if kind == "_ExtraFields_Allocation":
+            order = len(allocs)
+            allocs.append((node.start_time_ns, order, node.extra_fields.ptr, node.extra_fields.alloc_size))
+            where.append(" > ".join(stack[-3:]))
+            if coll is not None and node.extra_fields.alloc_size > 0:
+                coll_end[order] = coll
+            return
+        if name.startswith(_PREFIX):
+            spans.append((node.start_time_ns, node.end_time_ns, name[len(_PREFIX):]))
+        if coll is None and name.startswith(("c10d::", "gloo:")):
+            coll = node.end_time_ns
+        for child in node.children:
+            walk(child, coll, stack + (name,))
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None)
+    timeline = sorted([(t, 0, o, ptr, n) for t, o, ptr, n in allocs]
+                      + [(coll_end[o], 1, o, ptr, -n) for t, o, ptr, n in allocs if o in coll_end])
+    steps = sorted((a, b) for a, b, name in spans if name == "step")
+    phases = [(a, b, name) for a, b, name in spans if name not in ("step", "setup")]
+    live: dict[int, tuple[int, int]] = {}
+    level = raw = 0
+    step_peaks = [0] * len(steps)
+    step_starts = [None] * len(steps)
+    raw_peaks = [0] * len(steps)
+    phase_peaks: dict[str, list[int]] = {}
+    retired_unseen = 0
+    at_peak: dict[int, tuple[int, int]] = {}
+    k = 0
+    for t, synthetic, order, ptr, nbytes in timeline:
+        while k < len(steps) and t > steps[k][0] and step_starts[k] is None:
+            step_starts[k] = level
+            k += 1
+        if synthetic:
+            if live.get(ptr, (None,))[0] == order:
+                level -= live.pop(ptr)[1]
+        elif nbytes > 0:
+            raw += nbytes
+            if ptr in live:
+                level -= live.pop(ptr)[1]
+                retired_unseen += 1
+            live[ptr] = (order, nbytes)
+            level += nbytes
+        else:
+            raw += nbytes
+            if ptr in live:
+                level -= live.pop(ptr)[1]
+        for j, (a, b) in enumerate(steps):
+            if a <= t <= b:
+                if j == len(steps) - 1 and level > step_peaks[j]:
+                    at_peak = dict(live)
+                step_peaks[j] = max(step_peaks[j], level)
+                raw_peaks[j] = max(raw_peaks[j], raw)
+                phase = next((name for a2, b2, name in phases if a2 <= t <= b2), "other")
+                pp = phase_peaks.setdefault(phase, [0] * len(steps))
+                pp[j] = max(pp[j], level)
+    # blocks allocated during the last two steps and live at the end (a steady step leaves none
+    # behind except what the next step replaces)
+    first = steps[-2][0] if len(steps) >= 2 else 0
+    residue = sorted(((nbytes, where[order]) for ptr, (order, nbytes) in live.items() if allocs[order][0] >= first),
+                     reverse=True)[:20]
+    sites: dict[str, int] = {}
+    for order, nbytes in at_peak.values():
+        sites[where[order]] = sites.get(where[order], 0) + nbytes
+    peak_sites = sorted(((b, w) for w, b in sites.items()), reverse=True)[:16]
+    return {"peak_sites": peak_sites, "step_peaks": step_peaks, "step_starts": step_starts, "raw_step_peaks": raw_peaks,
+            "phase_peaks": phase_peaks, "final_level": level, "retired_unseen": retired_unseen,
+            "residue": residue}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case(case: Case, *, steps: int, warmup: int, timeout: float = 600.0) -> list[dict[str, Any]]:
+    """One real run of ``case``: ``world_size`` rank processes; each rank's measurement (or an error)."""
+    port = _free_port()
+    procs = []
+    for rank in range(case.world_size):
+        env = dict(os.environ)
+        env.update(RANK=str(rank), WORLD_SIZE=str(case.world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(case.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                   MALLOC_ARENA_MAX="1")  # glibc arenas per gloo thread make memory erratic otherwise
+        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [sys.executable, "-m", "benchmarks.deepspeed_cpu", "--worker", json.dumps(asdict(case)),
+               "--steps", str(steps), "--warmup", str(warmup)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return [{"error": f"timed out after {timeout:.0f} s"}]
+        line = next((ln for ln in out.splitlines() if ln.startswith(_MARKER)), None)
+        if line is None:
+            tail = " | ".join(err.strip().splitlines()[-3:])
+            results.append({"error": f"exit {p.returncode}: {tail}"})
+        else:
+            results.append(json.loads(line[len(_MARKER):]))
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# the report
+# --------------------------------------------------------------------------------------------
+
+
+def steady(rank: dict[str, Any]) -> list[int]:
+    """The steady-state step peaks of one rank (the steps after the warm-up)."""
+    return rank["step_peaks"][rank["warmup"]:]
+
+
+def summarise(row: dict[str, Any]) -> dict[str, Any]:
+    ranks = [r for rs in row["runs"] for r in rs if "step_peaks" in r]
+    peaks = [p for r in ranks for p in steady(r)]
+    worst = max(peaks)
+    starts = [s for r in ranks for s in r["step_starts"][r["warmup"]:]]
+    est, old = row["estimate"], row["estimate_without_buckets"]
+    row.update(real_peak_bytes=worst, real_min_peak_bytes=min(peaks), rank_step_peaks=peaks,
+               distinct_peaks=len(set(peaks)),
+               steady_starts_equal=all(len(set(r["step_starts"][r["warmup"]:])) == 1 for r in ranks),
+               raw_worst_bytes=max(p for r in ranks for p in r["raw_step_peaks"][r["warmup"]:]),
+               error_pct=round(100 * (est["peak_bytes"] - worst) / worst, 2),
+               old_error_pct=round(100 * (old["peak_bytes"] - worst) / worst, 2), start_levels=sorted(set(starts)))
+    if "estimate_before" in row:
+        row["before_error_pct"] = round(100 * (row["estimate_before"]["peak_bytes"] - worst) / worst, 2)
+    return row
+
+
+def measure(case: Case, *, runs: int, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
+    per_run = [run_case(case, steps=steps, warmup=warmup, timeout=timeout) for _ in range(runs)]
+    errors = [r["error"] for rs in per_run for r in rs if "error" in r]
+    row: dict[str, Any] = {"case": case.name, **asdict(case), "runs": per_run}
+    if errors:
+        row["error"] = errors[0]
+        return row
+    row.update(estimate=estimate_case(case), estimate_without_buckets=estimate_case(case, with_buckets=False))
+    return summarise(row)
+
+
+#: What the per-rank peaks show (the ``peak_sites`` of the ranks: live bytes at the peak by
+#: allocation site) for cases the estimate misses by more than 3%; printed under the table then.
+_KNOWN_GAPS = {
+    "gpt2-z1-plan": "the rank peaks at the end of backward with the full gradients, the partition copy and "
+                    "the 65536-element bucket, as modelled; the surplus is the single-device trace's own "
+                    "end-of-backward temporaries (4 MiB for GPT-2's tied embedding gradient, 2 MiB on the real rank).",
+    "gpt2-z2-plan": "rank 1 (whose partition holds the last blocks, whose gradients backward produces first) "
+                    "peaks early in backward with 8.3 MiB of its partition's gradients still held as "
+                    "AccumulateGrad outputs, not yet copied into grads_in_partition (rank 0 peaks at 56.64 MiB, "
+                    "1.4% under the estimate); with DeepSpeed's default 5e8-element bucket both ranks peak alike. "
+                    "Not modelled.",
+}
+
+
+def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    ok = [r for r in rows if "error_pct" in r]
+    m = meta["machine"]
+    lines = [
+        "# DeepSpeed ZeRO on CPU: estimate vs. real 2-rank engines", "",
+        f"Command: `{meta['command']}`  ",
+        f"Date: {meta['date']}" + (f" (estimates re-run {meta['rescored']} with `--rescore`)" if meta.get("rescored")
+                                    else "") + "  ",
+        f"Machine: {m.get('cpu_model', '?')}, {m.get('cpu_count')} cores, torch {m.get('torch')}, "
+        f"deepspeed {m.get('deepspeed')}, transformers {m.get('transformers')}; {meta['runs']} run(s) x "
+        f"{meta['steps']} steady-state steps per case after {meta['warmup']} warm-up step(s); "
+        f"cases done: {meta.get('cases_done', '?')}", "",
+        "Real peak: the worst rank's peak of live tensor bytes over the steady-state steps of all runs, "
+        "replayed by address from the profiler's allocator events (profiling from before the model is "
+        "built; see `_replay`). `plan` buckets: what `to_config` writes for hidden size 256 "
+        "(`reduce_bucket_size` 65536, stage 3 `stage3_prefetch_bucket_size` 58982 and "
+        "`stage3_param_persistence_threshold` 2560); `default`: no bucket keys (DeepSpeed's defaults). "
+        "Estimate: `evaluate(..., zero_config=<the engine's zero_optimization>)`; "
+        "`without config`: the same estimate without `zero_config` (what `memguard.estimate` gives). "
+        "`before`: the estimate of the ZeRO model before it was fitted to these engines (commit "
+        f"{meta.get('before_commit', '?')}, attached with `--before`).", "",
+        "| case | real worst (MiB) | distinct rank-step peaks | estimate (MiB) | error | "
+        "estimate without config (MiB) | error | before (MiB) | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error_pct" not in r:
+            lines.append(f"| {r['case']} | error: {str(r.get('error', '?'))[:80]} | | | | | | | |")
+            continue
+        before = (f"{r['estimate_before']['peak_bytes'] / _MIB:.2f} | {r['before_error_pct']:+.2f}%"
+                  if "estimate_before" in r else "| ")
+        lines.append(
+            f"| {r['case']} | {r['real_peak_bytes'] / _MIB:.2f} | {r['distinct_peaks']} of "
+            f"{len(r['rank_step_peaks'])} | {r['estimate']['peak_bytes'] / _MIB:.2f} | {r['error_pct']:+.2f}% | "
+            f"{r['estimate_without_buckets']['peak_bytes'] / _MIB:.2f} | {r['old_error_pct']:+.2f}% | {before} |")
+    if ok:
+        worst = max(ok, key=lambda r: abs(r["error_pct"]))
+        within = sum(1 for r in ok if abs(r["error_pct"]) <= 3)
+        lines += ["", f"Estimate with the engine's config: worst {worst['error_pct']:+.2f}% ({worst['case']}); "
+                  f"{within} of {len(ok)} cases within 3%."]
+        for r in ok:
+            if abs(r["error_pct"]) > 3 and r["case"] in _KNOWN_GAPS:
+                lines += ["", f"{r['case']} ({r['error_pct']:+.2f}%): {_KNOWN_GAPS[r['case']]}"]
+        bad = [r["case"] for r in ok if not r["steady_starts_equal"]]
+        if bad:
+            lines += ["", "Steady-state steps that did not start at the same level (a free the replay "
+                      "missed): " + ", ".join(bad) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--runs", type=int, default=1, help="real runs per case (fresh processes each)")
+    ap.add_argument("--steps", type=int, default=2, help="steady-state steps per run, after the warm-up")
+    ap.add_argument("--warmup", type=int, default=2, help="steps before the steady state")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--rescore", default=None, help="re-estimate the rows of this deepspeed_cpu.json (no runs)")
+    ap.add_argument("--before", default=None,
+                    help="with --rescore: a JSON {case: estimate} from an older checkout, shown as 'before'")
+    ap.add_argument("--before-commit", default="?", help="the commit --before was estimated at")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker is not None:
+        case = Case(**json.loads(args.worker))
+        print(_MARKER + json.dumps(_rank_worker(case, args.steps, args.warmup)), flush=True)
+        os._exit(0)  # no interpreter teardown: destroying a gloo group can deadlock at exit
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.rescore:
+        data = json.loads(Path(args.rescore).read_text())
+        before = json.loads(Path(args.before).read_text()) if args.before else {}
+        rows = []
+        for row in data["rows"]:
+            if row["case"] in before:
+                row["estimate_before"] = before[row["case"]]
+            if "error" not in row:
+                case = Case(**{k: row[k] for k in Case.__dataclass_fields__})
+                row.update(estimate=estimate_case(case),
+                           estimate_without_buckets=estimate_case(case, with_buckets=False))
+                row = summarise(row)
+            rows.append(row)
+        meta = data["meta"]
+        if args.before:
+            meta["before_commit"] = args.before_commit
+        meta["rescored"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    else:
+        cases = all_cases()
+        names = [n for n in args.cases.split(",") if n] or list(cases)
+        unknown = [n for n in names if n not in cases]
+        if unknown:
+            ap.error(f"unknown cases {unknown}; known: {', '.join(cases)}")
+        meta = {
+            "command": "python benchmarks/deepspeed_cpu.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine_description(packages=("deepspeed", "transformers"), gpu=False, torch_threads=1),
+            "runs": args.runs, "steps": args.steps, "warmup": args.warmup,
+        }
+        rows = []
+        for name in names:
+            t0 = time.perf_counter()
+            row = measure(cases[name], runs=args.runs, steps=args.steps, warmup=args.warmup, timeout=args.timeout)
+            rows.append(row)
+            msg = (f"real {row['real_peak_bytes'] / _MIB:.2f} MiB, estimate {row['error_pct']:+.2f}% "
+                   f"(without config {row['old_error_pct']:+.2f}%)" if "error_pct" in row else row.get("error"))
+            print(f"{name}: {msg}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+            meta["cases_done"] = f"{len(rows)} of {len(names)}"
+            (out / "deepspeed_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+            (out / "deepspeed_cpu.md").write_text(render_markdown(rows, meta))
+    (out / "deepspeed_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (out / "deepspeed_cpu.md").write_text(render_markdown(rows, meta))
+    print(render_markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
