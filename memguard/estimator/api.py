@@ -480,7 +480,7 @@ def _evaluate(trace, factors, *, device, precision, zero_stage, world_size, spec
     extra = {"grads": factors.extra_grads, "params": factors.extra_params}
     timeline = _fold_optimizer_temporaries(scan(trace, factors.as_dict(), extra))
     if getattr(factors, "gathered_share", 0.0):
-        timeline = _fold_gathered_params(timeline, factors.gathered_share)
+        timeline = _fold_gathered_params(timeline, factors.gathered_share, trace.phase_of(timeline.peak_index))
     breakdown = dict(timeline.breakdown)
     allocated_peak = timeline.peak_bytes
     context = 0
@@ -525,13 +525,18 @@ def _evaluate(trace, factors, *, device, precision, zero_stage, world_size, spec
     return est, timeline
 
 
-def _fold_gathered_params(tl, share):
+def _fold_gathered_params(tl, share, peak_phase):
     """ZeRO-3: report the gathered parameters, which the scaled activations carry (see
-    ``model_state_factors``), as "params"."""
+    ``model_state_factors``), as "params", in forward and backward (where DeepSpeed gathers; the
+    few activation bytes left in the optimizer step stay activations)."""
     import dataclasses
 
-    def fold(bd):
+    gathering = ("forward", "backward")
+
+    def fold(bd, phase):
         bd = dict(bd)
+        if phase not in gathering:
+            return bd
         moved = int(round(bd.get("activations", 0) * share))
         if moved:
             bd["activations"] -= moved
@@ -539,8 +544,8 @@ def _fold_gathered_params(tl, share):
         return bd
 
     return dataclasses.replace(
-        tl, breakdown=fold(tl.breakdown),
-        phase_breakdowns={k: fold(v) for k, v in (tl.phase_breakdowns or {}).items()},
+        tl, breakdown=fold(tl.breakdown, peak_phase),
+        phase_breakdowns={k: fold(v, k) for k, v in (tl.phase_breakdowns or {}).items()},
     )
 
 

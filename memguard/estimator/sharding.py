@@ -1,29 +1,45 @@
 """Per-rank model-state bytes under DDP and DeepSpeed ZeRO, as category factors.
 
 The trace counts the whole model on one rank. Sharding is applied by scaling the ``params``,
-``grads`` and ``optimizer`` categories of the timeline (see ``analysis.scan``) so that, at the
-end of backward, they hold exactly what DeepSpeed's own estimators say a rank holds:
+``grads``, ``optimizer`` and optimizer-step temporaries categories of the timeline (see
+``analysis.scan``) and adding constant bytes, so that a rank holds what a real DeepSpeed 0.19.8
+engine holds (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py, partitioned_param_coordinator.py;
+each term cites its line below; checked against real 2-rank CPU engines in
+benchmarks/deepspeed_cpu.py). Per rank, with Ψ parameters, P = Ψ_t/N the rank's partition of the
+trainable ones, b the weights' bytes (2 in fp16/bf16, 4 in fp32) and s the optimizer's state bytes
+per parameter (read from the trace: 8 for Adam):
 
-* ZeRO-2 (``estimate_zero2_model_states_mem_needs`` in deepspeed/runtime/zero/stage_1_and_2.py):
-  ``2Ψ + 18Ψ/N`` — 16-bit params on every rank; 16-bit grads, fp32 grads, fp32 master params and
-  Adam's two fp32 moments (2 + 4 + 4 + 8 bytes) partitioned. With CPU offload: ``2Ψ``.
-* ZeRO-3 (``estimate_zero3_model_states_mem_needs`` in deepspeed/runtime/zero/stage3.py):
-  ``4·largest_layer + 18Ψ/N``; with the optimizer offloaded: ``4·largest_layer + 2Ψ/N``.
-* ZeRO-1 (not in DeepSpeed's estimators; the ZeRO paper, arXiv 1910.02054, §5.1, partitions
-  only optimizer state): 16-bit params and grads on every rank, the rest partitioned, ``4Ψ + 16Ψ/N``
-  with DeepSpeed's byte layout above.
+* ZeRO-1: weights bΨ and gradients bΨ_t on every rank, plus the partition's gradient copy bP
+  (``grads_in_partition``); fp32 master partition 4P (even in fp32: the partition is cloned), the
+  optimizer state sP, and in 16-bit the fp32 gradient partition 4P. With mixed precision and Adam
+  that is ``4Ψ + 18Ψ/N`` (the ZeRO paper's P_os, arXiv 1910.02054 §5.1, plus the copy).
+* ZeRO-2: as ZeRO-1 but the gradients are bP only: ``2Ψ + 18Ψ/N``, DeepSpeed's
+  ``estimate_zero2_model_states_mem_needs``; in fp32 ``4Ψ + 16Ψ/N``. With CPU offload: ``bΨ``.
+* ZeRO-3: the parameter partition bΨ/N, the flat fp32 gradient partition 4P (kept allocated), the
+  fp32 master 4P and sP: ``18Ψ/N`` mixed (DeepSpeed's ``estimate_zero3_model_states_mem_needs``)
+  and ``20Ψ/N`` in fp32; plus ``2b·largest_layer`` gathered parameters (DeepSpeed's estimator).
+  Under the default ``stage3_max_reuse_distance`` (1e9) the whole model is gathered by the end of
+  forward and released module by module in backward; those bytes follow the activations' shape
+  (the ``activations`` factor; ``api.evaluate`` reports them as params). With the engine's config,
+  parameters under ``stage3_param_persistence_threshold`` stay gathered all the time.
+* Buckets (only with the engine's config, :class:`ZeroBuckets`): the reduce bucket,
+  ``reduce_bucket_size`` elements allocated whole whatever the model's size (DeepSpeed's default
+  5e8 is a 2 GB fp32 buffer), twice with ``overlap_comm`` at stages 1-2.
+* The optimizer step: DeepSpeed steps one flat partition, so the torch optimizer's temporaries are
+  those of P elements (per parameter byte as in the trace), plus the flattened gradient partition.
 * DDP without ZeRO (``world_size > 1``): every rank holds everything, plus gradient buckets as
   large as all gradients (torch.nn.parallel.DistributedDataParallel docs,
   ``gradient_as_bucket_view``: "the saved memory size will be equal to the total gradients size").
+
+``allgather_bucket_size`` allocates nothing measurable on the CPU engines (all_gather_dp_groups
+gathers into the flat buffer; the step peaks with 5e8 and with 65536 are the same), and
+``stage3_prefetch_bucket_size`` / ``stage3_max_live_parameters`` do not matter while the reuse
+distance keeps the whole model gathered; neither is modelled.
 
 Under ZeRO, DeepSpeed's fp16/bf16 modes keep the module's weights in 16 bits and run without
 autocast (engine.py: the model is cast with ``module.half()``/``module.bfloat16()``), so a
 ``*-mixed`` precision with ``zero_stage >= 1`` is traced with 16-bit weights; no cached fp32→16-bit
 weight casts exist then.
-
-The byte counts generalise Adam's: the optimizer's own state bytes per parameter are read from
-the trace (8 for Adam's two fp32 moments, 4 for SGD momentum, 0 for plain SGD), and 16-bit
-precisions add DeepSpeed's fp32 master copy and fp32 gradient partition (4 + 4 bytes).
 """
 
 from __future__ import annotations
@@ -138,8 +154,8 @@ def model_state_factors(
         state_scale: multiply the traced optimizer bytes per parameter by this to get fp32 bytes
             (2 when the trace ran with 16-bit parameters, whose optimizer state is 16-bit too).
         buckets: the engine's ``zero_optimization`` settings (:class:`ZeroBuckets`). None: unknown;
-            the bucket buffers, ZeRO-3's persistent parameters and its parameter retention are then
-            left out (DeepSpeed's estimators' ``2·largest_layer`` gathered parameters stand in).
+            the bucket buffers and ZeRO-3's persistent parameters are then left out, and ZeRO-3's
+            parameter retention takes DeepSpeed's default ``stage3_max_reuse_distance``.
         traced_temporaries: peak bytes of the trace's optimizer-step temporaries, and
             largest_param_bytes: bytes of the largest traced parameter tensor they belong to (the
             step's temporaries per parameter byte; DeepSpeed's optimizer steps one flat partition).
@@ -163,7 +179,8 @@ def model_state_factors(
     # "cuda:0"), which is False: the ``else`` branch, ``converted.clone().detach()``, runs.
     master = 4
     grad32 = 4 if sixteen_bit else 0  # fp32 grad partition ("4_grads_32bit"; stage 1/2 step(): .to(fp32))
-    states = state_scale * traced_optimizer / num_trainable if num_trainable else 0.0  # Adam: 8 ("8_optimizer_states_32bit")
+    # Adam: 8 ("8_optimizer_states_32bit")
+    states = state_scale * traced_optimizer / num_trainable if num_trainable else 0.0
     psi, psi_t = num_params, num_trainable
     part = psi_t / n  # one rank's partition of the trainable parameters
 
@@ -206,6 +223,7 @@ def model_state_factors(
         # DeepSpeed's estimator (estimate_zero3_model_states_mem_needs): largest_layer_memory =
         # 4 * largest_layer_params (two 16-bit layers: the one in use and the one prefetched)
         extra_params = int(2 * p_bytes * largest_layer)
+        persistent = 0
         if buckets is not None:
             persistent = sum(k for k in param_numels if k <= buckets.param_persistence_threshold)
             # parameters at or under stage3_param_persistence_threshold stay gathered
@@ -215,15 +233,18 @@ def model_state_factors(
                 # stage3.py, _setup_for_real_optimizer: ``bucket.buffer = torch.empty(self.reduce_bucket_size,
                 # dtype=dtype)``, kept for the engine's life
                 extra_grads += int(buckets.reduce_bucket_size) * p_bytes
-            # partitioned_param_coordinator.py, PartitionedParameterCoordinator.__params_to_release: a
-            # module's parameters are kept gathered when they recur within stage3_max_reuse_distance
-            # elements of the trace. Every forward module recurs in backward after at most 2Ψ
-            # elements, so with the default (1e9) and Ψ <= 5e8 nothing is released in forward: the
-            # whole model is gathered at the end of forward and released module by module in backward.
-            if buckets.max_reuse_distance >= 2 * psi and traced_activations > 0:
-                gathered = p_bytes * (psi - persistent) - extra_params
-                if gathered > 0:
-                    activations = 1.0 + gathered / traced_activations
+        # partitioned_param_coordinator.py, PartitionedParameterCoordinator.__params_to_release: a
+        # module's parameters are kept gathered when they recur within stage3_max_reuse_distance
+        # elements of the trace. Every forward module recurs in backward after at most 2Ψ
+        # elements, so with the default (1e9, which memguard's to_config never changes) and
+        # Ψ <= 5e8 nothing is released in forward: the whole model is gathered at the end of
+        # forward and released module by module in backward.
+        # (On one rank the partition is the whole parameter: nothing is gathered beyond it.)
+        reuse = (buckets or ZeroBuckets()).max_reuse_distance
+        if n > 1 and reuse >= 2 * psi and traced_activations > 0:
+            gathered = p_bytes * (psi - persistent) - extra_params
+            if gathered > 0:
+                activations = 1.0 + gathered / traced_activations
         # _prepare_fp32_grad_for_sub_group: ``self.flatten(self.averaged_gradients[i]).to(fp32)``
         step_copy = 4 * part
         grads_in_step = 0.0

@@ -383,7 +383,8 @@ def test_zero_3_gathers_the_whole_model_with_the_default_reuse_distance():
     short = fp32_factors(3, traced_activations=acts,
                          buckets=ZeroBuckets(param_persistence_threshold=0, max_reuse_distance=PSI))
     assert short.activations == 1.0 and short.extra_params == 2 * 4 * (PSI // 10)  # DeepSpeed's 4·largest_layer
-    assert fp32_factors(3, traced_activations=acts).activations == 1.0  # no config: DeepSpeed's estimator
+    # no config: DeepSpeed's default reuse distance (to_config never sets it)
+    assert fp32_factors(3, traced_activations=acts).activations == f.activations
 
 
 def test_zero_3_persistent_parameters_stay_gathered():
@@ -427,3 +428,53 @@ def test_evaluate_takes_the_engines_buckets():
         else:  # plus the whole model gathered at the end of forward, reported as params
             assert small.peak_bytes > plain.peak_bytes
             assert small.breakdown["params"] >= plain.breakdown["params"]
+
+
+def _deepspeed_engines_run_here() -> bool:
+    """DeepSpeed installed and its shm comm op built, unlocked and up to date for the ninja on PATH
+    (the check of tests/integrations/test_deepspeed.py, _shm_op_prebuilt: a load otherwise rebuilds
+    it, minutes on a small machine); always in CI, which builds it in its set-up."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("CI"):
+        return True
+    try:
+        import deepspeed  # noqa: F401
+        from torch.utils.cpp_extension import get_default_build_root
+    except ImportError:
+        return False
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        v = torch.version
+        acc = f"rocm{v.hip.replace('.', '')}" if v.hip else f"cu{v.cuda.replace('.', '')}" if v.cuda else "cpu"
+        root = os.path.join(get_default_build_root(),
+                            f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{acc}")
+    build = os.path.join(root, "deepspeed_shm_comm")
+    if not os.path.exists(os.path.join(build, "deepspeed_shm_comm.so")) or os.path.exists(os.path.join(build, "lock")):
+        return False
+    try:
+        ninja = subprocess.run(["ninja", "-n", "-C", build], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "no work to do" in ninja.stdout
+
+
+@pytest.mark.skipif(not _deepspeed_engines_run_here(),
+                    reason="needs DeepSpeed with its shm comm op built (bash scripts/dev.sh setup)")
+def test_real_zero_3_engine_on_two_cpu_ranks_matches_the_estimate():
+    """One real case of benchmarks/deepspeed_cpu.py (about 15 s): a 2-rank ZeRO-3 engine on CPU
+    with to_config's buckets; the estimate given its zero_optimization block is within 3% of the
+    worst rank's steady-state peak, and the replay closes (both steady steps start level)."""
+    pytest.importorskip("transformers")
+    from benchmarks.deepspeed_cpu import Case, estimate_case, run_case, steady
+
+    case = Case("llama", 3, "plan")
+    ranks = run_case(case, steps=2, warmup=1, timeout=240)
+    assert all("error" not in r for r in ranks), ranks
+    for r in ranks:
+        assert len(set(r["step_starts"][1:])) == 1, r["step_starts"]
+    real = max(p for r in ranks for p in steady(r))
+    est = estimate_case(case)["peak_bytes"]
+    assert abs(est - real) / real <= 0.03, (est, real)
