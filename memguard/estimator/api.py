@@ -472,6 +472,7 @@ def _zero_factors(trace, *, precision, zero_stage, world_size, offload_optimizer
         largest_param_bytes=max(param_sizes, default=0),
         traced_activations=totals.get("activations", 0),
         param_numels=tuple(int(b // item) for b in param_sizes) if item else (),
+        trainable_param_bytes=trace.trainable_param_bytes,
     )
 
 

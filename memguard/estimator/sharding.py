@@ -141,6 +141,7 @@ def model_state_factors(
     largest_param_bytes: int = 0,
     traced_activations: int = 0,
     param_numels: tuple[int, ...] = (),
+    trainable_param_bytes: int = 0,
 ) -> ShardFactors:
     """Scale factors that turn single-device traced bytes into one rank's bytes.
 
@@ -159,7 +160,8 @@ def model_state_factors(
         traced_temporaries: peak bytes of the trace's optimizer-step temporaries, and
             largest_param_bytes: bytes of the largest traced parameter tensor they belong to (the
             step's temporaries per parameter byte; DeepSpeed's optimizer steps one flat partition).
-            0: the traced temporaries are scaled by 1/N.
+            0: the traced temporaries are scaled by 1/N. trainable_param_bytes: the traced
+            trainable parameters' bytes (for a foreach step, whose temporaries cover them all).
         traced_activations: peak bytes of the trace's activations (ZeRO-3's gathered parameters
             follow them: gathered module by module in forward, released module by module in backward).
         param_numels: numel of every parameter tensor (ZeRO-3 persistence threshold).
@@ -267,7 +269,12 @@ def model_state_factors(
     if offload_optimizer:
         temporaries = 0.0
     elif traced_temporaries and largest_param_bytes:
+        # a single-tensor step (torch's CPU default) peaks on its largest parameter; a foreach step
+        # (the CUDA default) makes its temporaries for every parameter at once: more than a few
+        # temporaries per byte of the largest tensor means the latter
         per_byte = traced_temporaries / largest_param_bytes
+        if per_byte > _MAX_TEMPORARIES_PER_BYTE and trainable_param_bytes:
+            per_byte = traced_temporaries / trainable_param_bytes
         need = per_byte * 4 * part + step_copy
         temporaries = max(0.0, need - grads_in_step) / traced_temporaries
     else:
@@ -282,6 +289,10 @@ def model_state_factors(
         extra_grads=max(0, extra_grads) + (0 if traced_optimizer or host_part == 0 else int(host_part)),
         activations=activations,
     )
+
+
+#: More temporaries per parameter byte than any torch optimizer's single-tensor step makes (Adam: 2).
+_MAX_TEMPORARIES_PER_BYTE = 8
 
 
 def _contiguous(buckets: ZeroBuckets | None) -> bool:

@@ -478,3 +478,14 @@ def test_real_zero_3_engine_on_two_cpu_ranks_matches_the_estimate():
     real = max(p for r in ranks for p in steady(r))
     est = estimate_case(case)["peak_bytes"]
     assert abs(est - real) / real <= 0.03, (est, real)
+
+
+def test_foreach_step_temporaries_cover_every_parameter():
+    # a foreach step (CUDA's default) makes its temporaries for all parameters at once: the trace's
+    # peak is then ~2x all parameter bytes, not 2x the largest tensor; the flat partition still gets 2x
+    n, largest, all_bytes = 2, 4 * (PSI // 100), 4 * PSI
+    single = fp32_factors(2, n=n, traced_temporaries=2 * largest, largest_param_bytes=largest)
+    foreach = fp32_factors(2, n=n, traced_temporaries=2 * all_bytes, largest_param_bytes=largest,
+                           trainable_param_bytes=all_bytes)
+    assert 2 * largest * single.optimizer_temporaries == pytest.approx(2 * 4 * PSI / n)
+    assert 2 * all_bytes * foreach.optimizer_temporaries == pytest.approx(2 * 4 * PSI / n)
