@@ -428,8 +428,9 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
     state and the optimizer step to the host.
 
     Under DeepSpeed, ``zero_config`` (the config's ``zero_optimization`` block, or the whole config)
-    gives the bucket sizes the engine allocates (DeepSpeed's defaults for absent keys); without it
-    the buckets are left out (see :func:`~memguard.estimator.sharding.model_state_factors`).
+    gives the bucket sizes the engine allocates and ZeRO-3's persistence threshold and reuse
+    distance (DeepSpeed's defaults for absent keys); without it the buckets and persistent
+    parameters are left out (see :func:`~memguard.estimator.sharding.model_state_factors`).
 
     Returns the estimate and the scaled :class:`~memguard.estimator.analysis.Timeline`.
     """
@@ -449,7 +450,6 @@ def evaluate(trace, *, device, precision, zero_stage, world_size, spec, offload_
 
 def _zero_factors(trace, *, precision, zero_stage, world_size, offload_optimizer, zero_config=None):
     from memguard.estimator.sharding import ZeroBuckets
-
     from memguard.estimator.trace import OPTIMIZER_TEMPORARIES
 
     totals = _category_totals(trace)
