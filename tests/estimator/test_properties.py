@@ -137,19 +137,20 @@ def test_checkpointing_never_increases_activations(batch, blocks, device, precis
     device=st.sampled_from(["cpu", "cuda"]),
 )
 def test_zero_stages(world_size, precision, batch, device):
-    """Per-rank bytes never grow with the ZeRO stage, with the two exceptions DeepSpeed's formulas
-    imply: on one rank with 16-bit training, ZeRO-1 adds fp32 master weights and fp32 gradients
-    (``2Ψ + 18Ψ/N`` > plain mixed precision's 16Ψ at N = 1); and ZeRO-3's ``4·largest_layer``
-    exceeds ZeRO-2's ``2Ψ`` when one layer holds more than half the model (not so here)."""
+    """Per-rank model states shrink from ZeRO-1 to ZeRO-2 on two or more ranks (ZeRO-2 partitions the
+    gradients ZeRO-1 keeps whole), and ZeRO-1 holds less than DDP from four ranks on. Not more: real
+    engines (benchmarks/results/deepspeed_cpu.md) keep an fp32 master partition even in fp32, so on one
+    or two ranks ZeRO-1 can exceed plain training (stage 1 adds 4Ψ + 16Ψ/N in bf16-true against plain
+    bf16's 10Ψ with DDP's buckets), and ZeRO-3 gathers the whole model under DeepSpeed's default
+    stage3_max_reuse_distance, so its peak can exceed ZeRO-2's (measured: 66.4 vs 60.3 MiB on 2 ranks)."""
     model, x = mlp(), torch.zeros(batch, 32)
     est = [memguard.estimate(model, x, device=device, precision=precision, zero_stage=s, world_size=world_size)
            for s in range(4)]
-    first = 0 if (world_size > 1 or precision == "32-true") else 1
-    for lower, higher in zip(est[first:], est[first + 1:]):
-        assert higher.model_state_bytes <= lower.model_state_bytes
-        assert higher.allocated_peak_bytes <= lower.allocated_peak_bytes
-        if device == "cpu":
-            assert higher.peak_bytes <= lower.peak_bytes
+    states = [e.model_state_bytes for e in est]
+    if world_size >= 2:
+        assert states[2] <= states[1], states
+    if world_size >= 4:
+        assert states[1] <= states[0], states
 
 
 @FEW
