@@ -431,34 +431,14 @@ def test_evaluate_takes_the_engines_buckets():
 
 
 def _deepspeed_engines_run_here() -> bool:
-    """DeepSpeed installed and its shm comm op built, unlocked and up to date for the ninja on PATH
-    (the check of tests/integrations/test_deepspeed.py, _shm_op_prebuilt: a load otherwise rebuilds
-    it, minutes on a small machine); always in CI, which builds it in its set-up."""
+    """DeepSpeed installed and its shm comm op built (tests/deepspeed_op.py); always in CI, which
+    builds it in its set-up."""
+    import importlib.util
     import os
-    import subprocess
-    import sys
 
-    if os.environ.get("CI"):
-        return True
-    try:
-        import deepspeed  # noqa: F401
-        from torch.utils.cpp_extension import get_default_build_root
-    except ImportError:
-        return False
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        v = torch.version
-        acc = f"rocm{v.hip.replace('.', '')}" if v.hip else f"cu{v.cuda.replace('.', '')}" if v.cuda else "cpu"
-        root = os.path.join(get_default_build_root(),
-                            f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{acc}")
-    build = os.path.join(root, "deepspeed_shm_comm")
-    if not os.path.exists(os.path.join(build, "deepspeed_shm_comm.so")) or os.path.exists(os.path.join(build, "lock")):
-        return False
-    try:
-        ninja = subprocess.run(["ninja", "-n", "-C", build], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "no work to do" in ninja.stdout
+    from tests.deepspeed_op import shm_op_prebuilt
+
+    return bool(os.environ.get("CI")) or (importlib.util.find_spec("deepspeed") is not None and shm_op_prebuilt())
 
 
 @pytest.mark.skipif(not _deepspeed_engines_run_here(),
