@@ -125,25 +125,25 @@ def _one_precision(text: str) -> str:
     return names[0]
 
 
-def _stage_list(text: str) -> list[int]:
+def _comma_choices(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """A comma list of ``allowed`` names; any other part is a one-line usage error."""
     out = []
     for part in (p.strip() for p in text.split(",")):
-        if part not in ("0", "1", "2", "3"):
-            raise argparse.ArgumentTypeError(f"{part!r} is not a ZeRO stage; use 0, 1, 2, 3 or a comma list")
-        out.append(int(part))
+        if part not in allowed:
+            raise argparse.ArgumentTypeError(f"{part!r} is not {what}; use {', '.join(allowed)} or a comma list")
+        out.append(part)
     return out
+
+
+def _stage_list(text: str) -> list[int]:
+    return [int(s) for s in _comma_choices(text, ("0", "1", "2", "3"), "a ZeRO stage")]
 
 
 STRATEGIES = ("ddp", "deepspeed", "fsdp2")  # memguard.plan's strategy= values
 
 
 def _strategy_list(text: str) -> list[str]:
-    out = []
-    for part in (p.strip() for p in text.split(",")):
-        if part not in STRATEGIES:
-            raise argparse.ArgumentTypeError(f"{part!r} is not a strategy; use {', '.join(STRATEGIES)} or a comma list")
-        out.append(part)
-    return out
+    return _comma_choices(text, STRATEGIES, "a strategy")
 
 
 def _one_stage(text: str) -> int:

@@ -316,8 +316,7 @@ _rule(torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)(_matmul_rule
 
 
 # ------------------------------------------------------------------------------------ convolution
-def _conv_uses_onednn(target: CpuTarget, x: torch.Tensor, w: torch.Tensor, stride, padding, dilation,
-                      transposed: bool, groups: int) -> bool:
+def _conv_uses_onednn(target: CpuTarget, x: torch.Tensor, w: torch.Tensor, stride, dilation, groups: int) -> bool:
     """``ConvParams::use_mkldnn`` (aten/src/ATen/native/Convolution.cpp, torch 2.13)."""
     if not target.onednn:
         return False
@@ -357,7 +356,7 @@ def _weight_bytes(w: torch.Tensor, groups: int, block: int) -> int:
     return groups * _round_up(o_per_group, block) * _round_up(w.shape[1], block) * spatial * w.element_size()
 
 
-def _columns_bytes(x: torch.Tensor, w: torch.Tensor, out_spatial: int, stride, padding, groups: int) -> int:
+def _columns_bytes(x: torch.Tensor, w: torch.Tensor, out_spatial: int, stride, padding) -> int:
     """ATen's slow path im2col buffer ``[N, C/groups*kh*kw, oH*oW]`` for one group (the slow path
     loops over groups; ConvolutionMM2d.cpp ``slow_conv2d_forward_out_cpu``); none for an unstrided,
     unpadded 1x1 kernel, which multiplies the input in place."""
@@ -385,10 +384,10 @@ def _convolution(target: CpuTarget, args: tuple, out: Any, replay: Replay) -> No
     x, w, stride, padding, dilation, transposed, groups = _conv_args(args)
     if x.dim() != 4 or transposed or not isinstance(out, torch.Tensor):
         return
-    if not _conv_uses_onednn(target, x, w, stride, padding, dilation, transposed, groups):
+    if not _conv_uses_onednn(target, x, w, stride, dilation, groups):
         # the slow path runs each group on its own slice and concatenates the group outputs
         # (Convolution.cpp ``_convolution`` for ConvBackend::Slow2d with groups > 1)
-        columns = _columns_bytes(x, w, math.prod(out.shape[2:]), stride, padding, groups)
+        columns = _columns_bytes(x, w, math.prod(out.shape[2:]), stride, padding)
         if groups > 1:  # one group's columns at a time; the group outputs are kept for the join
             replay.alloc("group_outputs", _nbytes(out))
             replay.alloc("columns", columns)
@@ -423,8 +422,8 @@ def _convolution_backward(target: CpuTarget, args: tuple, out: Any, replay: Repl
     if x.dim() != 4 or transposed:
         return
     grad_input, grad_weight, grad_bias = out
-    if not _conv_uses_onednn(target, x, w, stride, padding, dilation, transposed, groups):
-        _slow_backward(args, out, x, w, grad_out, stride, padding, groups, mask, replay)
+    if not _conv_uses_onednn(target, x, w, stride, dilation, groups):
+        _slow_backward(out, x, w, grad_out, stride, padding, groups, mask, replay)
         return
     block = target.channel_block
     plain = _channels_last(x, w)
@@ -465,7 +464,7 @@ def _convolution_backward(target: CpuTarget, args: tuple, out: Any, replay: Repl
         replay.free("grad_w")
 
 
-def _slow_backward(args: tuple, out: Any, x: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, stride,
+def _slow_backward(out: Any, x: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, stride,
                    padding, groups: int, mask: list, replay: Replay) -> None:
     """The slow path's backward (ConvolutionMM2d.cpp ``slow_conv2d_backward_out_cpu``): the input
     gradient first; the bias gradient of a 16-bit convolution sums an fp32 copy of the output
@@ -481,7 +480,7 @@ def _slow_backward(args: tuple, out: Any, x: torch.Tensor, w: torch.Tensor, grad
         replay.alloc("grad_out_fp32", grad_out.numel() * 4)
         replay.free("grad_out_fp32")
     if mask[1]:
-        replay.alloc("columns", _columns_bytes(x, w, math.prod(grad_out.shape[2:]), stride, padding, groups))
+        replay.alloc("columns", _columns_bytes(x, w, math.prod(grad_out.shape[2:]), stride, padding))
         replay.free("columns")
     replay.outputs()
     replay.free("group_grads")
