@@ -57,18 +57,10 @@ from torch import nn
 
 from memguard.batch import LossFn, batch_size
 from memguard.errors import ConfigError
-from memguard.guard.core import (
-    DEFAULT_MAX_RETRIES,
-    Constraints,
-    Guard,
-    GuardStatus,
-    guard_of,
-    option_problems,
-    plan_problems,
-    register,
-    wrapper_problems,
-)
+from memguard.guard.core import Guard, GuardStatus, guard_of, register
 from memguard.guard.distributed import rank_group_of
+from memguard.guard.options import Constraints, GuardOptions, option_problems, plan_problems, wrapper_problems
+from memguard.guard.window import DEFAULT_MAX_RETRIES
 from memguard.integrations import require
 from memguard.planner.plan import Plan
 
@@ -313,9 +305,10 @@ def prepare(
     already = isinstance(optimizer, acc.optimizer.AcceleratedOptimizer)
     raw_optimizer = optimizer.optimizer if already else optimizer
     # The accumulation is the Accelerator's own; a plan memguard makes only splits its batches.
-    guard = Guard(inner, _constraints(accelerator, inner, accumulation=False), world_size=accelerator.num_processes,
-                  loss_fn=loss_fn, max_retries=max_retries, sync_gradients=True, global_batch_size=global_batch_size,
-                  plan_options=plan_options, max_grad_norm=max_grad_norm)
+    options = GuardOptions(loss_fn=loss_fn, max_retries=max_retries, max_grad_norm=max_grad_norm,
+                           global_batch_size=global_batch_size, plan_options=plan_options)
+    guard = Guard(inner, _constraints(accelerator, inner, accumulation=False), options,
+                  world_size=accelerator.num_processes)
     # "*-true": cast the model now (as memguard.prepare does), before Accelerate wraps it in DDP.
     guard.set_precision(plan.precision if isinstance(plan, Plan) else constraints.precisions[0], raw_optimizer,
                         wrapped=isinstance(model, nn.parallel.DistributedDataParallel))
@@ -355,7 +348,7 @@ def step(accelerator: Any, model: nn.Module, optimizer: Any, batch: Any, loss_fn
         PeerFailedError: under DDP, another rank failed with an error that is not an OOM.
     """
     guard = guard_of(model, _HOW_TO_PREPARE)
-    loss_fn = loss_fn if loss_fn is not None else guard.loss_fn
+    loss_fn = loss_fn if loss_fn is not None else guard.options.loss_fn
     raw = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
     if guard.micro_batch_size is None:
         guard.plan_and_apply(batch, raw, loss_fn, accumulation=accelerator.gradient_accumulation_steps)

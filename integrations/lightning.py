@@ -106,15 +106,10 @@ from torch import nn
 
 from memguard.batch import batch_size
 from memguard.errors import ConfigError, MissingDependencyError
-from memguard.guard.core import (
-    DEFAULT_MAX_RETRIES,
-    Constraints,
-    Guard,
-    GuardStatus,
-    option_problems,
-    plan_problems,
-)
+from memguard.guard.core import Guard, GuardStatus
 from memguard.guard.distributed import RankGroup, rank_group_of
+from memguard.guard.options import Constraints, GuardOptions, option_problems, plan_problems
+from memguard.guard.window import DEFAULT_MAX_RETRIES
 from memguard.planner.plan import Plan
 from memguard.vocab import PRECISIONS
 
@@ -567,10 +562,10 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         user_batch = parsing.lightning_getattr(pl_module, self.batch_arg_name)
         user_accum = trainer.accumulate_grad_batches
         rank_group = rank_group_of(trainer.strategy.model) if guarded else _world_rank_group(trainer.strategy)
-        guard = Guard(pl_module, _constraints(trainer, sharding), world_size=world, rank_group=rank_group,
-                      loss_fn=_step_loss, max_retries=self.max_retries,
-                      grad_scaler=getattr(trainer.precision_plugin, "scaler", None),
-                      sync_gradients=False, global_batch_size=self.global_batch_size, plan_options=self.plan_options)
+        options = GuardOptions(loss_fn=_step_loss, max_retries=self.max_retries, sync_gradients=False,
+                               global_batch_size=self.global_batch_size, plan_options=self.plan_options)
+        guard = Guard(pl_module, _constraints(trainer, sharding), options, world_size=world, rank_group=rank_group,
+                      grad_scaler=getattr(trainer.precision_plugin, "scaler", None))
         self._guard = guard
         plan = self._given_plan
         if plan is None:

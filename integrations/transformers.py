@@ -32,7 +32,9 @@ import torch
 
 from memguard.batch import batch_size
 from memguard.errors import ConfigError
-from memguard.guard.core import DEFAULT_MAX_RETRIES, Constraints, Guard, GuardStatus, option_problems
+from memguard.guard.core import Guard, GuardStatus
+from memguard.guard.options import Constraints, GuardOptions, option_problems
+from memguard.guard.window import DEFAULT_MAX_RETRIES
 from memguard.guard.distributed import rank_group_of
 from memguard.integrations import require
 from memguard.integrations.deepspeed import AUTO, fill_auto, to_config
@@ -458,9 +460,10 @@ class MemguardCallback(_tf.TrainerCallback):
         problems = self._trainer_problems(trainer, constraints)
         if problems:
             raise ConfigError(problems)
-        guard = Guard(trainer.model, constraints, world_size=int(args.world_size), rank_group=_world_group(args),
-                      max_retries=self.max_retries, sync_gradients=True, global_batch_size=self.global_batch_size,
-                      plan_options=self._planning_options(args, constraints))
+        options = GuardOptions(max_retries=self.max_retries, global_batch_size=self.global_batch_size,
+                               plan_options=self._planning_options(args, constraints))
+        guard = Guard(trainer.model, constraints, options, world_size=int(args.world_size),
+                      rank_group=_world_group(args))
         self._guard = guard
         plan = self._given_plan
         if plan is None:

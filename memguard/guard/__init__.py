@@ -6,15 +6,27 @@ micro-batches and, on an OOM, halves the micro-batch and runs the same batch aga
 DistributedDataParallel rank together. Every front-end (``prepare``/``step``, the Lightning
 callback, the Accelerate hooks) is a thin translation onto the same core:
 
-* :mod:`memguard.guard.core` is the guard core: option checks, planning under a front-end's
-  constraints, the per-model state, applying a plan, the optimizer step, the status;
+* :mod:`memguard.guard.options` is what a front-end fixes (``Constraints``), the checks of its
+  arguments, the options the guard keeps (``GuardOptions``), and the guard's one call into the planner;
+* :mod:`memguard.guard.core` is the guard core: the per-model state, planning under a
+  front-end's constraints, applying a plan, the window life cycle, the optimizer step, the status;
+* :mod:`memguard.guard.sizing` is the micro-batch of each batch shape (planned before a new shape
+  runs, halved for its own shape only);
+* :mod:`memguard.guard.shapes` is the batch shape signatures and the micro-batches a compiled
+  model sees;
+* :mod:`memguard.guard.plan_cache` remembers a micro-batch reduced after an OOM for the next run;
 * :mod:`memguard.guard.oom` recognises OOMs and frees their memory;
 * :mod:`memguard.guard.precision` applies a precision by Lightning's name;
 * :mod:`memguard.guard.distributed` makes ranks agree before any collective that could hang;
 * :mod:`memguard.guard.window` runs the batches of one optimizer step in micro-batches, halving and
   replaying them on an OOM (one batch for ``step``; the framework integrations feed one
   dataloader batch at a time);
-* :mod:`memguard.guard.runner` is ``prepare`` and ``step``, the plain-PyTorch front-end.
+* :mod:`memguard.guard.sharded` is the agreement protocol under FSDP2, whose collectives run
+  inside forward and backward;
+* :mod:`memguard.guard.runner` is ``prepare`` and ``step``, the plain-PyTorch front-end, and
+  :mod:`memguard.guard.fsdp2` its ``strategy="fsdp2"`` path;
+* :mod:`memguard.guard.evaluate` is ``memguard.evaluate``: an evaluation batch in micro-batches,
+  halved on an OOM, with the unsplit result.
 
 Batches are split by :mod:`memguard.batch`.
 """

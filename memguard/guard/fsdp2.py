@@ -26,23 +26,24 @@ sharding level, ``MixedPrecisionPolicy``, activation checkpointing and ``CPUOffl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from memguard.batch import LossFn
 from memguard.errors import ConfigError
-from memguard.guard.core import Constraints, Guard, forget, option_problems, register
+from memguard.guard.core import Guard, blocks_for, forget, register
+from memguard.guard.options import Constraints, GuardOptions, model_and_optimizer, option_problems
 from memguard.guard.distributed import RankGroup
 from memguard.guard.sharded import fsdp_states, is_fsdp_model, sharded_rank_group
 from memguard.planner.plan import Plan
 
 __all__ = ["prepare_fsdp2", "FSDP2Guard", "constraints_for", "fsdp2_constraints", "FSDPSetupError", "shard",
-           "shard_layout", "stage_settings", "PRECISION_DTYPES"]
+           "shard_layout", "ShardLayout", "stage_settings", "PRECISION_DTYPES"]
 
 logger = logging.getLogger("memguard")
 
@@ -53,6 +54,30 @@ PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf
 
 class FSDPSetupError(ConfigError):
     """A model, plan or process group that cannot be sharded as asked (every problem listed in ``.problems``)."""
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How :func:`shard_layout` shards a model: the fields of a :class:`~memguard.planner.plan.Plan` it reads.
+
+    The guard's fixed ``micro_batch_size=`` path has no plan and shards with one of these.
+
+    Attributes:
+        zero_stage: the FSDP2 sharding level (3, 2 or 1; see :func:`stage_settings`).
+        precision: the precision name (a key of :data:`PRECISION_DTYPES`).
+        checkpoint_blocks: how many repeated blocks to checkpoint (0: none).
+        offload_optimizer: offload parameters, gradients and optimizer states with ``CPUOffloadPolicy``.
+    """
+
+    zero_stage: int = 3
+    precision: str = "32-true"
+    checkpoint_blocks: int = 0
+    offload_optimizer: bool = False
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether any block is checkpointed (as :attr:`Plan.activation_checkpointing`)."""
+        return self.checkpoint_blocks > 0
 
 
 def stage_settings(zero_stage: int) -> tuple[bool, bool]:
@@ -123,11 +148,10 @@ def shard(model: nn.Module, plan: Any, *, mesh: Any = None, reshard_after_forwar
     return shard_layout(model, plan, mesh=mesh, reshard_after_forward=reshard_after_forward, offload=offload)
 
 
-def shard_layout(model: nn.Module, layout: Any, *, mesh: Any = None, reshard_after_forward: bool | None = None,
-                 offload: bool | None = None) -> Callable[[], None]:
-    """Shard ``model`` as ``layout`` says, without checking it: anything with a plan's ``zero_stage``,
-    ``precision``, ``activation_checkpointing``, ``checkpoint_blocks`` and ``offload_optimizer``
-    (the guard's fixed ``micro_batch_size=`` path has no Plan). Returns the checkpointing's undo.
+def shard_layout(model: nn.Module, layout: Plan | ShardLayout, *, mesh: Any = None,
+                 reshard_after_forward: bool | None = None, offload: bool | None = None) -> Callable[[], None]:
+    """Shard ``model`` as ``layout`` (a plan, or a :class:`ShardLayout`) says, without checking it.
+    Returns the checkpointing's undo.
 
     Raises:
         FSDPSetupError: an unknown sharding level, or checkpointing on a model without repeated blocks.
@@ -223,9 +247,9 @@ class FSDP2Guard(Guard):
         (the rest as :class:`Guard`)
     """
 
-    def __init__(self, module: nn.Module, constraints: Constraints, *, sharded: bool, mesh: Any = None,
-                 **kwargs: Any) -> None:
-        super().__init__(module, constraints, **kwargs)
+    def __init__(self, module: nn.Module, constraints: Constraints, options: GuardOptions, *, sharded: bool,
+                 mesh: Any = None, world_size: int = 1, rank_group: RankGroup | None = None) -> None:
+        super().__init__(module, constraints, options, world_size=world_size, rank_group=rank_group)
         self.sharded = sharded
         self.mesh = mesh
         if sharded:
@@ -244,14 +268,8 @@ class FSDP2Guard(Guard):
             memguard.integrations.fsdp.FSDPSetupError: the model cannot be sharded as asked.
             ConfigError: the optimizer already has state (it was stepped before sharding).
         """
-        layout: Any = plan
-        if plan is None:
-            from memguard.guard.core import blocks_for
-
-            blocks = blocks_for(self.module, activation_checkpointing)
-            layout = SimpleNamespace(zero_stage=3, precision=precision or "32-true",
-                                     activation_checkpointing=blocks > 0, checkpoint_blocks=blocks,
-                                     offload_optimizer=False, world_size=self.world_size)
+        layout: Plan | ShardLayout = plan if plan is not None else ShardLayout(
+            precision=precision or "32-true", checkpoint_blocks=blocks_for(self.module, activation_checkpointing))
         if not self.sharded:
             module = self.module
             if optimizer is not None and len(optimizer.state) > 0:
@@ -281,12 +299,10 @@ class FSDP2Guard(Guard):
                       precision=layout.precision, activation_checkpointing=activation_checkpointing)
 
 
-def prepare_fsdp2(first: Any, second: Any, *, plan: Plan | None, micro_batch_size: int | None,
-                  global_batch_size: int | None, example_batch: Any, loss_fn: LossFn | None, max_retries: int,
-                  probe_up_after: int | None, grad_scaler: Any, plan_options: dict[str, Any],
-                  mesh: Any = None) -> tuple[Any, Any]:
+def prepare_fsdp2(first: Any, second: Any, given: GuardOptions, *, plan: Plan | None, micro_batch_size: int | None,
+                  example_batch: Any, grad_scaler: Any, mesh: Any = None) -> tuple[Any, Any]:
     """``memguard.prepare(first, second, strategy="fsdp2", ...)``: see :func:`memguard.prepare` and the module
-    docstring.
+    docstring (``given``: its guard options, unchecked).
 
     Raises:
         ConfigError: bad arguments (every problem listed): no process group, a DDP or DeepSpeed
@@ -294,10 +310,8 @@ def prepare_fsdp2(first: Any, second: Any, *, plan: Plan | None, micro_batch_siz
         memguard.integrations.fsdp.FSDPSetupError: the model cannot be sharded as the plan says.
         InfeasiblePlanError: planning now (``example_batch``) found nothing that fits.
     """
-    from memguard.guard.runner import _sort_args
-
     problems: list[str] = []
-    model, optimizer = _sort_args(first, second, problems)
+    model, optimizer = model_and_optimizer(first, second, problems)
     initialised = dist.is_available() and dist.is_initialized()
     if not initialised:
         problems.append("strategy='fsdp2' needs a process group: call torch.distributed.init_process_group on every "
@@ -317,7 +331,7 @@ def prepare_fsdp2(first: Any, second: Any, *, plan: Plan | None, micro_batch_siz
     if grad_scaler is not None:
         problems.append("grad_scaler= is for 16-mixed, which strategy='fsdp2' does not run; use bf16-mixed")
     constraints = constraints_for(model, world) if already else fsdp2_constraints(world_size=world)
-    options = dict(plan_options)
+    options = dict(given.plan_options)
     if plan is None and micro_batch_size is None and constraints.precisions is None:
         options.setdefault("precision", list(FSDP2_PRECISIONS))
     wanted = options.get("precision")
@@ -334,18 +348,18 @@ def prepare_fsdp2(first: Any, second: Any, *, plan: Plan | None, micro_batch_siz
             problems.append("the plan uses 16-mixed, which strategy='fsdp2' does not run; plan with "
                             "precision='bf16-mixed'")
     problems += option_problems(constraints, plan=plan, micro_batch_size=micro_batch_size,
-                                example_batch=example_batch, global_batch_size=global_batch_size, loss_fn=loss_fn,
-                                max_retries=max_retries, probe_up_after=probe_up_after, plan_options=options)
+                                example_batch=example_batch, global_batch_size=given.global_batch_size,
+                                loss_fn=given.loss_fn, max_retries=given.max_retries,
+                                probe_up_after=given.probe_up_after, plan_options=options)
     if problems:
         raise ConfigError(problems)
     if plan is None and micro_batch_size is None:
         options["strategy"] = "fsdp2"
     assert model is not None
     forget(model)
-    guard = FSDP2Guard(model, constraints, sharded=already, mesh=mesh, world_size=world,
-                       rank_group=None if already else _planning_group(world), loss_fn=loss_fn,
-                       max_retries=max_retries, probe_up_after=probe_up_after, sync_gradients=False,
-                       global_batch_size=global_batch_size, plan_options=options)
+    guard = FSDP2Guard(model, constraints, dataclasses.replace(given, sync_gradients=False, plan_options=options),
+                       sharded=already, mesh=mesh, world_size=world,
+                       rank_group=None if already else _planning_group(world))
     if isinstance(plan, Plan):
         guard.apply(plan, optimizer)
     elif micro_batch_size is not None:
@@ -354,7 +368,7 @@ def prepare_fsdp2(first: Any, second: Any, *, plan: Plan | None, micro_batch_siz
                                           "32-true"),
                     activation_checkpointing=options.get("activation_checkpointing", False))
     elif example_batch is not None:
-        guard.plan_and_apply(example_batch, optimizer, loss_fn)
+        guard.plan_and_apply(example_batch, optimizer, given.loss_fn)
     register(model, guard)
     return first, second
 

@@ -45,18 +45,16 @@ from torch import nn
 
 from memguard.batch import LossFn, compute_loss
 from memguard.errors import ConfigError
-from memguard.guard.core import (
-    DEFAULT_MAX_RETRIES,
+from memguard.guard.core import Guard, GuardStatus, forget, guard_of, register
+from memguard.guard.distributed import rank_group_of
+from memguard.guard.options import (
     Constraints,
-    Guard,
-    GuardStatus,
-    forget,
-    guard_of,
+    GuardOptions,
+    model_and_optimizer,
     option_problems,
-    register,
     wrapper_problems,
 )
-from memguard.guard.distributed import rank_group_of
+from memguard.guard.window import DEFAULT_MAX_RETRIES
 from memguard.planner.plan import Plan
 
 __all__ = ["prepare", "step", "guard_status", "GuardStatus", "compute_loss"]
@@ -143,13 +141,13 @@ def prepare(
     Known limitations:
         ``*-true`` precisions cast the model in place; they cannot be undone by preparing again.
     """
+    options = GuardOptions(loss_fn=loss_fn, max_retries=max_retries, probe_up_after=probe_up_after,
+                           global_batch_size=global_batch_size, plan_options=plan_options)
     if strategy == "fsdp2":
         from memguard.guard.fsdp2 import prepare_fsdp2
 
-        return prepare_fsdp2(first, second, plan=plan, micro_batch_size=micro_batch_size,
-                             global_batch_size=global_batch_size, example_batch=example_batch, loss_fn=loss_fn,
-                             max_retries=max_retries, probe_up_after=probe_up_after, grad_scaler=grad_scaler,
-                             plan_options=plan_options, mesh=mesh)
+        return prepare_fsdp2(first, second, options, plan=plan, micro_batch_size=micro_batch_size,
+                             example_batch=example_batch, grad_scaler=grad_scaler, mesh=mesh)
     problems: list[str] = []
     if mesh is not None:
         problems.append("mesh= is for strategy='fsdp2'; drop it, or pass strategy='fsdp2'")
@@ -157,7 +155,7 @@ def prepare(
         problems.append(f"strategy must be None, 'ddp' or 'fsdp2', got {strategy!r}" + (
             "; DeepSpeed runs its own step: turn the plan into a config with memguard.integrations.deepspeed."
             "to_config" if strategy == "deepspeed" else ""))
-    model, optimizer = _sort_args(first, second, problems)
+    model, optimizer = model_and_optimizer(first, second, problems)
     if model is not None:
         problems += wrapper_problems(model)
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
@@ -172,9 +170,8 @@ def prepare(
     rg = rank_group_of(model)
     world = rg.world_size if rg is not None else _world_size()
     forget(model)  # preparing again undoes the previous call's checkpointing
-    guard = Guard(inner, CONSTRAINTS, world_size=world, rank_group=rg, loss_fn=loss_fn, max_retries=max_retries,
-                  probe_up_after=probe_up_after, grad_scaler=grad_scaler, sync_gradients=True,
-                  global_batch_size=global_batch_size, plan_options=plan_options)
+    guard = Guard(inner, CONSTRAINTS, options, world_size=world, rank_group=rg,
+                  grad_scaler=grad_scaler)
     if isinstance(plan, Plan):
         if plan.world_size != world:
             logger.warning("the plan was made for %d ranks but %d are running; its micro-batch %d is used as is",
@@ -188,19 +185,6 @@ def prepare(
         guard.plan_and_apply(example_batch, optimizer, loss_fn)
     register(model, guard)
     return first, second
-
-
-def _sort_args(first: Any, second: Any, problems: list[str]) -> tuple[nn.Module | None, Any]:
-    pair = (first, second)
-    models = [x for x in pair if isinstance(x, nn.Module)]
-    optimizers = [x for x in pair if isinstance(x, torch.optim.Optimizer)]
-    if len(models) != 1 or len(optimizers) != 1:
-        problems.append(
-            "prepare takes the model (an nn.Module) and its optimizer (a torch.optim.Optimizer), in either "
-            f"order; got {type(first).__name__} and {type(second).__name__}"
-        )
-        return None, None
-    return models[0], optimizers[0]
 
 
 def _world_size() -> int:
@@ -245,7 +229,7 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
         is reserved before the first micro-batch).
     """
     guard = guard_of(model, _HOW_TO_PREPARE)
-    loss_fn = loss_fn if loss_fn is not None else guard.loss_fn
+    loss_fn = loss_fn if loss_fn is not None else guard.options.loss_fn
     if guard.micro_batch_size is None:
         guard.plan_and_apply(batch, optimizer, loss_fn)
     guard.open_window(model, [optimizer], warn_stale_grads=True)

@@ -8,16 +8,8 @@ from torch import nn
 
 from memguard.errors import ConfigError, InfeasiblePlanError, PeerFailedError
 from memguard.estimator.result import Estimate
-from memguard.guard.core import (
-    Constraints,
-    Guard,
-    forget,
-    guard_of,
-    option_problems,
-    plan_options_problems,
-    plan_problems,
-    register,
-)
+from memguard.guard.core import Guard, forget, guard_of, register
+from memguard.guard.options import Constraints, option_problems, plan_options_problems, plan_problems
 from memguard.guard.distributed import planning_error_payload, rebuild_planning_error
 from memguard.planner.plan import Plan
 

@@ -385,7 +385,8 @@ def test_strategy_for_fsdp2_plans(stage: int, fsdp1: str) -> None:
 
 
 def test_batch_keys_in_a_deepspeed_config_follow_the_plan_and_are_restored() -> None:
-    from memguard.guard.core import Constraints, Guard
+    from memguard.guard.core import Guard
+    from memguard.guard.options import Constraints
     from memguard.integrations.lightning import _apply_to_deepspeed_config
 
     # a user's config with its own micro-batch and global batch (Lightning keeps keys that are present)
