@@ -97,7 +97,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -315,8 +315,8 @@ def _world_rank_group(strategy: Any) -> RankGroup | None:
     return RankGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank(), 0, device)
 
 
-def _apply_to_deepspeed_config(strategy: Any, plan: Plan, guard: Guard) -> None:
-    """Make batch keys a user wrote into the DeepSpeed config agree with the plan (undone with the guard).
+def _apply_to_deepspeed_config(strategy: Any, plan: Plan) -> dict[str, Any]:
+    """Make batch keys a user wrote into the DeepSpeed config agree with the plan; the values they had.
 
     Lightning fills ``gradient_accumulation_steps`` from the Trainer and ``train_micro_batch_size_per_gpu``
     from the dataloader only when absent (strategies/deepspeed.py, _format_batch_size_and_grad_accum_config);
@@ -324,17 +324,34 @@ def _apply_to_deepspeed_config(strategy: Any, plan: Plan, guard: Guard) -> None:
     """
     config = strategy.config
     if not isinstance(config, dict):
-        return
+        return {}
+    saved = {}
     for key, value in (("train_micro_batch_size_per_gpu", plan.micro_batch_size),
                        ("train_batch_size", plan.global_batch_size)):
         if key in config and config[key] != value:
-            previous = config[key]
+            saved[key] = config[key]
             config[key] = value
+    return saved
 
-            def undo(key: str = key, previous: Any = previous) -> None:
-                config[key] = previous
 
-            guard.on_undo(undo)
+@dataclass
+class _Saved:
+    """What the callback changes, as it was before: dumped before each change and put back once by
+    :meth:`MemguardCallback._restore`, as Lightning's BatchSizeFinder dumps, resets and restores the
+    Trainer (tuner/batch_size_scaling.py).
+
+    Attributes:
+        batch: the module's batch-size attribute (None: ``fit`` changed nothing yet).
+        accumulate: the Trainer's ``accumulate_grad_batches``.
+        deepspeed: the batch keys of a user's DeepSpeed config that the plan replaced.
+        attributes: the module's own (instance) ``training_step``, ``optimizer_zero_grad``,
+            ``validation_step`` and ``test_step`` the callback stands in for (None: it had none).
+    """
+
+    batch: Any = None
+    accumulate: int | None = None
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 def strategy_for(plan: Plan, *, package: str | ModuleType | None = None, fsdp_version: int = 2) -> Any:
@@ -465,6 +482,7 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._guard: Guard | None = None
         self._sharding: _Sharding | None = None
         self._checked_first_batch = False
+        self._saved = _Saved()
 
     # ----------------------------------------------------------------------------------------------
     # state for users and tests
@@ -585,23 +603,18 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 raise ConfigError(problems)
         self.plan = plan
 
-        # Apply the plan (checkpointing by the guard, the rest through the Trainer); every change is undone
-        # by the guard, in reverse order.
+        # Apply the plan: checkpointing by the guard (guard.undo), the rest through the Trainer, whose values
+        # before are dumped first and put back by _restore.
+        self._saved.batch, self._saved.accumulate = user_batch, user_accum
         guard.apply(plan, trainer.optimizers[0] if trainer.optimizers else None)
         if plan.micro_batch_size != user_batch:
             parsing.lightning_setattr(pl_module, self.batch_arg_name, plan.micro_batch_size)
-            guard.on_undo(lambda: parsing.lightning_setattr(pl_module, self.batch_arg_name, user_batch))
             # Lightning's BatchSizeFinder forces the rebuild the same way (tuner/batch_size_scaling.py,
             # _reset_dataloaders): the fit loop calls setup_data() again and builds a new DataLoader.
             trainer.fit_loop._combined_loader = None
         trainer.accumulate_grad_batches = plan.grad_accum_steps
-
-        def restore_accum() -> None:
-            trainer.accumulate_grad_batches = user_accum
-
-        guard.on_undo(restore_accum)
         if sharding.strategy == "deepspeed":
-            _apply_to_deepspeed_config(trainer.strategy, plan, guard)
+            self._saved.deepspeed = _apply_to_deepspeed_config(trainer.strategy, plan)
         if guarded:
             self._patch_module(trainer, pl_module)
         if trainer.is_global_zero:
@@ -620,8 +633,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Undo every change the callback made."""
         if stage == "fit":
-            self._restore_all()
-        self._unpatch_eval_steps(pl_module)
+            self._restore(trainer, pl_module)
+        self._restore_attributes(pl_module)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         """Run ``validation_step`` on micro-batches when a validation batch does not fit."""
@@ -629,7 +642,7 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         """Give the module its own ``validation_step`` back."""
-        self._unpatch_eval_steps(pl_module, "validation_step")
+        self._restore_attributes(pl_module, "validation_step")
 
     def on_test_start(self, trainer: Any, pl_module: Any) -> None:
         """Run ``test_step`` on micro-batches when a test batch does not fit."""
@@ -637,7 +650,7 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def on_test_end(self, trainer: Any, pl_module: Any) -> None:
         """Give the module its own ``test_step`` back."""
-        self._unpatch_eval_steps(pl_module, "test_step")
+        self._restore_attributes(pl_module, "test_step")
 
     def _patch_eval_step(self, trainer: Any, pl_module: Any, name: str) -> None:
         """Stand in for ``validation_step``/``test_step``: the user's step per micro-batch, halving on an
@@ -646,10 +659,6 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         from memguard.guard.evaluate import eval_status, step_in_micro_batches
 
         user_step = getattr(pl_module, name)
-        saved = getattr(self, "_eval_saved", None)
-        if saved is None:
-            saved = self._eval_saved = {}
-        saved.setdefault(name, pl_module.__dict__.get(name))
 
         def before_micro(micro: Any) -> None:
             # Lightning weights an epoch-level logged mean by the size of the batch it holds for the
@@ -670,10 +679,22 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                     results.batch = batch
                     results.batch_size = None
 
-        pl_module.__dict__[name] = step
+        self._stand_in(pl_module, name, step)
 
-    def _unpatch_eval_steps(self, pl_module: Any, *names: str) -> None:
-        saved = getattr(self, "_eval_saved", None) or {}
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Undo every change the callback made (Lightning calls no ``teardown`` after an exception)."""
+        self._restore(trainer, pl_module)
+        self._restore_attributes(pl_module)
+
+    def _stand_in(self, pl_module: Any, name: str, value: Any) -> None:
+        """Make ``value`` the module's own ``name``; its own value before is dumped (once) for
+        :meth:`_restore_attributes`."""
+        self._saved.attributes.setdefault(name, pl_module.__dict__.get(name))
+        pl_module.__dict__[name] = value
+
+    def _restore_attributes(self, pl_module: Any, *names: str) -> None:
+        """Give the module back its own ``names`` (default: every one the callback stands in for)."""
+        saved = self._saved.attributes
         for name in names or tuple(saved):
             if name not in saved:
                 continue
@@ -683,10 +704,23 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             else:
                 pl_module.__dict__[name] = previous
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """Undo every change the callback made (Lightning calls no ``teardown`` after an exception)."""
-        self._restore_all()
-        self._unpatch_eval_steps(pl_module)
+    def _restore(self, trainer: Any, pl_module: Any) -> None:
+        """Put back what ``fit`` changed, newest first, from the values dumped before; the guard's own changes
+        (checkpointing) are undone whatever happens."""
+        saved = self._saved
+        try:
+            self._restore_attributes(pl_module, "training_step", "optimizer_zero_grad")
+            if saved.deepspeed:
+                trainer.strategy.config.update(saved.deepspeed)
+            if saved.accumulate is not None:
+                trainer.accumulate_grad_batches = saved.accumulate
+                parsing = _package_of(trainer).utilities.parsing
+                if parsing.lightning_getattr(pl_module, self.batch_arg_name) != saved.batch:
+                    parsing.lightning_setattr(pl_module, self.batch_arg_name, saved.batch)
+        finally:
+            saved.batch, saved.accumulate, saved.deepspeed = None, None, {}
+            if self._guard is not None:
+                self._guard.undo()
 
     # ----------------------------------------------------------------------------------------------
     # internals
@@ -745,17 +779,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
             return None  # the window dropped the gradients before the window's first training_step
 
-        for name, value in (("training_step", training_step), ("optimizer_zero_grad", optimizer_zero_grad)):
-            previous = pl_module.__dict__.get(name)
-            pl_module.__dict__[name] = value
-
-            def undo(name: str = name, previous: Any = previous) -> None:
-                if previous is None:
-                    pl_module.__dict__.pop(name, None)
-                else:
-                    pl_module.__dict__[name] = previous
-
-            self._guard.on_undo(undo)
+        self._stand_in(pl_module, "training_step", training_step)
+        self._stand_in(pl_module, "optimizer_zero_grad", optimizer_zero_grad)
 
     def _training_step(self, trainer: Any, pl_module: Any, user_step: Callable[..., Any], batch: Any, batch_idx: int,
                        args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -785,7 +810,3 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         loss = guard.run(batch, loss_of, weight=1.0 / accumulate)
         out = guard.anchor(loss)
         return {"loss": out, **extras} if extras else out
-
-    def _restore_all(self) -> None:
-        if self._guard is not None:
-            self._guard.undo()

@@ -418,7 +418,7 @@ class MemguardCallback(_tf.TrainerCallback):
         self._given_plan = plan
         self._trainer: Any = None
         self._guard: Guard | None = None
-        self._patched = False
+        self._saved: dict[str, Any] | None = None  # the Trainer's own training_step before the stand-in (None: none)
 
     # ----------------------------------------------------------------------------------------------
     # state for users and tests
@@ -603,9 +603,9 @@ class MemguardCallback(_tf.TrainerCallback):
         plugin.deepspeed_config = hf_config.config
 
     def _patch(self, trainer: Any) -> None:
+        """Stand in for the Trainer's ``training_step``, its own (instance) value dumped first for :meth:`_restore`."""
         self._restore()
         original = trainer.training_step  # the bound method (or a user's instance attribute)
-        previous = trainer.__dict__.get("training_step")
         callback = self
 
         def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -615,20 +615,22 @@ class MemguardCallback(_tf.TrainerCallback):
                 callback._restore()
                 raise
 
-        def undo() -> None:
-            if previous is None:
-                trainer.__dict__.pop("training_step", None)
-            else:
-                trainer.__dict__["training_step"] = previous
-
+        self._saved = {"training_step": trainer.__dict__.get("training_step")}
         trainer.__dict__["training_step"] = training_step
-        self._undo_patch = undo
-        self._patched = True
 
     def _restore(self) -> None:
-        if self._patched:
-            self._undo_patch()
-            self._patched = False
+        """Give the Trainer back its own ``training_step`` from the value dumped before; the guard's own changes
+        are undone whatever happens."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        try:
+            for name, previous in saved.items():
+                if previous is None:
+                    self._trainer.__dict__.pop(name, None)
+                else:
+                    self._trainer.__dict__[name] = previous
+        finally:
             if self._guard is not None:
                 self._guard.undo()
 

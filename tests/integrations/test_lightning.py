@@ -385,18 +385,15 @@ def test_strategy_for_fsdp2_plans(stage: int, fsdp1: str) -> None:
 
 
 def test_batch_keys_in_a_deepspeed_config_follow_the_plan_and_are_restored() -> None:
-    from memguard.guard.core import Guard
-    from memguard.guard.options import Constraints
     from memguard.integrations.lightning import _apply_to_deepspeed_config
 
     # a user's config with its own micro-batch and global batch (Lightning keeps keys that are present)
     strategy = pl.strategies.DeepSpeedStrategy(config={"zero_optimization": {"stage": 2},
                                                        "train_micro_batch_size_per_gpu": 32, "train_batch_size": 64})
-    guard = Guard(nn.Linear(2, 2), Constraints())
-    _apply_to_deepspeed_config(strategy, _plan(micro_batch_size=4, grad_accum_steps=8, world_size=2), guard)
+    saved = _apply_to_deepspeed_config(strategy, _plan(micro_batch_size=4, grad_accum_steps=8, world_size=2))
     # DeepSpeed's batch rule: 4 x 8 x 2 = 64 samples per step, now with micro-batch 4
     assert (strategy.config["train_micro_batch_size_per_gpu"], strategy.config["train_batch_size"]) == (4, 64)
-    guard.undo()
+    strategy.config.update(saved)  # what MemguardCallback._restore puts back
     assert strategy.config["train_micro_batch_size_per_gpu"] == 32
 
 
