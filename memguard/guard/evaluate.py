@@ -9,7 +9,8 @@ exactly once. The results are merged so that the metric equals the unsplit one
 result (a mean loss) is the mean of the micro-batches' means weighted by their sample counts (or by
 ``weight_fn``, e.g. the tokens a token-mean loss averaged over).
 
-The evaluation's micro-batch lives in its own state, per model and batch shape: an eval OOM never
+The evaluation's micro-batch lives in its own state, per model and exact batch shape (the exact
+signatures of :mod:`memguard.guard.shapes`, dtypes included): an eval OOM never
 changes the training micro-batch of :func:`memguard.step`, the Lightning callback or the
 Accelerate hooks (the guard core is not touched). :func:`split_eval` is the framework-free core
 that the Lightning callback's validation and test hooks call with the user's own step.
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -36,9 +36,17 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from memguard.batch import batch_size, call_model, map_tensors, tensor_leaves
+from memguard.batch import batch_size, call_model, map_tensors
 from memguard.errors import ConfigError, OOMRecoveryError
-from memguard.guard.oom import free_memory, is_oom_error, oom_summary, release_exception, turn_off_onednn_after
+from memguard.guard.oom import (
+    Halvings,
+    free_memory,
+    is_oom_error,
+    oom_summary,
+    release_exception,
+    turn_off_onednn_after,
+)
+from memguard.guard.shapes import Signature, signature_of
 
 __all__ = ["evaluate", "split_eval", "step_in_micro_batches", "combine_outputs", "EvalStatus", "eval_status", "shape_signature"]
 
@@ -51,8 +59,9 @@ _MAX_SIGNATURES = 64
 
 def shape_signature(batch: Any) -> tuple:
     """The non-batch shapes and dtypes of ``batch``'s tensors: batches with the same signature need
-    the same memory per sample, so they share an eval micro-batch."""
-    return tuple((tuple(t.shape[1:]), t.dtype) for t in tensor_leaves(batch))
+    the same memory per sample, so they share an eval micro-batch (the :meth:`Signature.key` of
+    ``signature_of(batch, exact=True)``)."""
+    return signature_of(batch, exact=True).key()
 
 
 @dataclasses.dataclass
@@ -73,13 +82,16 @@ class EvalStatus:
 
     def remembered(self, signature: tuple) -> int | None:
         """The micro-batch to start from for ``signature``: its own if known; else, from a known
-        signature at least as large in every dim, that one's size scaled by how much smaller the
-        inputs that differ are (:func:`_scaled`); else None (the whole batch is tried)."""
+        signature at least as large in every dim (:meth:`Signature.covers`), that one's size scaled by
+        how much smaller the inputs that differ are (:meth:`Signature.scaled`); else None (the whole
+        batch is tried)."""
         size = self.micro_batch_size.get(signature)
         if size is not None:
             self.micro_batch_size.move_to_end(signature)
             return size
-        known = [_scaled(n, sig, signature) for sig, n in self.micro_batch_size.items() if _dominates(sig, signature)]
+        want = Signature.from_key(signature)
+        known = [Signature.from_key(k).scaled(n, want) for k, n in self.micro_batch_size.items()
+                 if Signature.from_key(k).covers(want)]
         return max(known) if known else None
 
     def remember(self, signature: tuple, size: int) -> None:
@@ -87,23 +99,6 @@ class EvalStatus:
         self.micro_batch_size.move_to_end(signature)
         while len(self.micro_batch_size) > _MAX_SIGNATURES:
             self.micro_batch_size.popitem(last=False)
-
-
-def _dominates(big: tuple, small: tuple) -> bool:
-    """Same tensors and dtypes, and every non-batch dim of ``big`` at least ``small``'s."""
-    return len(big) == len(small) and all(
-        db == ds and len(sb) == len(ss) and all(a >= b for a, b in zip(sb, ss))
-        for (sb, db), (ss, ds) in zip(big, small))
-
-
-def _scaled(size: int, big: tuple, small: tuple) -> int:
-    """``size`` samples of signature ``big`` scaled to ``small``: times the smallest ratio of elements
-    per sample over the inputs whose shapes differ. A sequence model's memory per sample grows at
-    least in proportion to its sequence length (activations linearly, attention scores
-    quadratically), so this many shorter samples need no more memory than ``size`` longer ones; a
-    model for which that is false meets an OOM, which halves as usual."""
-    ratios = [math.prod(sb) / max(1, math.prod(ss)) for (sb, _), (ss, _) in zip(big, small) if sb != ss]
-    return max(size, int(size * min(ratios))) if ratios else size
 
 
 _STATES: "weakref.WeakKeyDictionary[Any, EvalStatus]" = weakref.WeakKeyDictionary()
@@ -165,7 +160,7 @@ def split_eval(
     size = cap or n  # may exceed n: each micro-batch is cut at n below, and a cap is remembered whole
     results: list[Any] = []
     weights: list[Any] = []
-    start, retries = 0, 0
+    start, halvings = 0, Halvings(max_retries)
     state.forwards = 0
     while start < n:
         stop = min(start + size, n)
@@ -177,12 +172,11 @@ def split_eval(
                 raise
             turn_off_onednn_after(exc)
             release_exception(exc)
-            retries += 1
             state.oom_retries += 1
             failed = stop - start
             summary = oom_summary(exc)
-            if failed == 1 or (max_retries is not None and retries > max_retries):
-                why = "one sample does not fit" if failed == 1 else f"{retries} OOMs in one evaluation"
+            if halvings.stop(failed) is not None:
+                why = "one sample does not fit" if failed == 1 else f"{halvings.done + 1} OOMs in one evaluation"
                 raise OOMRecoveryError(
                     f"evaluation ran out of memory and cannot split further: {why} ({summary}); evaluate in a "
                     "16-bit precision, with shorter sequences, or drop the optimizer state during evaluation",
@@ -190,7 +184,7 @@ def split_eval(
                 ) from exc
             del exc, micro
             free_memory()
-            size = max(1, failed // 2)
+            size = halvings.halve(failed)
             log.warning("memguard: OOM in evaluation at micro-batch %d (%s); halving to %d (training "
                         "micro-batch unchanged)", failed, summary, size)
             continue
@@ -199,7 +193,7 @@ def split_eval(
         weights.append(weight_fn(micro) if weight_fn is not None else m)
         state.forwards += 1
         start = stop
-    if cap is not None or retries:
+    if cap is not None or halvings.done:
         # Only a cap or an OOM says how large a micro-batch may be: a batch that ran whole, or a short
         # last batch, must not shrink what the next, full batches start from.
         state.remember(sig, size)

@@ -10,7 +10,9 @@ only when the process is also out of memory (see :func:`_onednn_out_of_memory`).
 
 :func:`release_exception` and :func:`free_memory` are what the guard does after an OOM: drop the
 local variables of the failed frames (they hold the partial autograd graph), collect reference
-cycles and return cached blocks to the device.
+cycles and return cached blocks to the device. :class:`Halvings` is the one rule by which both
+OOM loops (training's :class:`memguard.guard.window.MicroBatchWindow` and evaluation's
+:func:`memguard.guard.evaluate.split_eval`) halve the micro-batch after one, and when they stop.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import mmap
 import re
 import sys
 import traceback
+from dataclasses import dataclass
 from types import TracebackType
 
 import torch
 
-__all__ = ["is_oom_error", "release_exception", "free_memory", "oom_summary", "turn_off_onednn_after"]
+__all__ = ["is_oom_error", "release_exception", "free_memory", "oom_summary", "turn_off_onednn_after", "Halvings"]
 
 logger = logging.getLogger("memguard")
 
@@ -253,3 +256,32 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+@dataclass
+class Halvings:
+    """The halvings of one OOM loop (one training window, one evaluation call) and when they stop.
+
+    After an OOM at ``failed`` samples the next micro-batch is ``failed // 2``, unless halving cannot
+    help: one sample does not split, and at most ``max_retries`` halvings run (None: no limit).
+
+    Attributes:
+        max_retries: the most halvings (None: until one sample fails).
+        done: halvings so far.
+    """
+
+    max_retries: int | None
+    done: int = 0
+
+    def stop(self, failed: int) -> str | None:
+        """Why an OOM at ``failed`` samples ends the loop: ``"one sample"``, ``"max_retries"``, or None (halve)."""
+        if failed <= 1:
+            return "one sample"
+        if self.max_retries is not None and self.done >= self.max_retries:
+            return "max_retries"
+        return None
+
+    def halve(self, failed: int) -> int:
+        """Count one halving; the micro-batch after an OOM at ``failed`` samples (at least 2)."""
+        self.done += 1
+        return failed // 2

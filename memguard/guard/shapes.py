@@ -5,6 +5,11 @@ activation memory grows with them (on the CPU target, GPT-2's attention scores g
 square of the length: a 2-layer, 64-wide GPT-2 needs 1.6 MiB per sample at 64 tokens and 23 MiB at
 512, 14x for 8x the length, measured with :func:`memguard.estimate`). The guard therefore keeps one
 micro-batch per *signature*: the non-batch dims of the batch's tensors, bucketed.
+Guarded evaluation (:mod:`memguard.guard.evaluate`) keeps its own micro-batch per *exact*
+signature (``signature_of(batch, exact=True)``: the dims as they are, with the dtypes), and
+starts a new, smaller shape from a larger one's micro-batch scaled by how much smaller it is
+(:meth:`Signature.scaled`). Both use one rule for which shape needs at least another's memory
+(:meth:`Signature.covers`).
 
 Bucketing (:func:`bucket`): a size up to 8 is kept exactly; a larger one is rounded up to a
 multiple of an eighth of the next power of two at or above it, i.e. four buckets per doubling
@@ -34,7 +39,7 @@ the step), and inductor's autotuning (``mode="max-autotune"``), which benchmarks
 workspaces during the first steps.
 
 Known limitations:
-    A signature leaves out dtypes and non-tensor leaves (they rarely change within a job).
+    A training signature leaves out dtypes and non-tensor leaves (they rarely change within a job).
     Under DistributedDataParallel every rank's batch must have the same structure (the same
     tensor leaves with the same number of dims), as DDP training batches do: the ranks agree on
     the element-wise largest signature.
@@ -42,6 +47,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -72,18 +78,30 @@ def bucket(n: int) -> int:
 
 @dataclass(frozen=True)
 class Signature:
-    """The bucketed non-batch dims of a batch's tensor leaves, in the batch's order.
+    """The non-batch dims of a batch's tensor leaves, in the batch's order (see :func:`signature_of`).
 
-    Two batches with equal signatures share a micro-batch. Only ``dims`` identify it; ``names``
-    (the leaves' paths, such as ``input_ids``) are for messages.
+    Two batches with equal signatures share a micro-batch. ``dims`` and ``dtypes`` identify it;
+    ``names`` (the leaves' paths, such as ``input_ids``) are for messages.
 
     Attributes:
-        dims: for each tensor leaf with a batch dim, its other dims, bucketed.
+        dims: for each tensor leaf with a batch dim, its other dims, bucketed (exact: every tensor
+            leaf's, as they are).
         names: the leaves' paths.
+        dtypes: each leaf's dtype in an exact signature; empty in a bucketed one.
     """
 
     dims: tuple[tuple[int, ...], ...]
     names: tuple[str, ...] = field(default=(), compare=False, hash=False)
+    dtypes: tuple[torch.dtype, ...] = ()
+
+    def key(self) -> tuple:
+        """An exact signature as the key guarded evaluation keeps: ``((dims, dtype), ...)`` per leaf."""
+        return tuple(zip(self.dims, self.dtypes))
+
+    @classmethod
+    def from_key(cls, key: tuple) -> "Signature":
+        """The exact signature of a :meth:`key`."""
+        return cls(tuple(tuple(dims) for dims, _ in key), dtypes=tuple(dtype for _, dtype in key))
 
     def flat(self) -> list[int]:
         """The dims as one list of ints (for the ranks' agreement)."""
@@ -95,14 +113,26 @@ class Signature:
         for dims in self.dims:
             out.append(tuple(int(v) for v in values[i:i + len(dims)]))
             i += len(dims)
-        return Signature(tuple(out), self.names)
+        return Signature(tuple(out), self.names, self.dtypes)
 
     def covers(self, other: "Signature") -> bool:
-        """Whether every dim of this signature is at least ``other``'s (same structure): a batch of this
-        signature then needs at least the memory of one of ``other``'s at the same micro-batch."""
-        return (len(self.dims) == len(other.dims)
+        """Whether every dim of this signature is at least ``other``'s (same structure and dtypes): a batch of
+        this signature then needs at least the memory of one of ``other``'s at the same micro-batch."""
+        return (len(self.dims) == len(other.dims) and self.dtypes == other.dtypes
                 and all(len(a) == len(b) and all(x >= y for x, y in zip(a, b))
                         for a, b in zip(self.dims, other.dims)))
+
+    def scaled(self, size: int, smaller: "Signature") -> int:
+        """``size`` samples of this signature scaled to ``smaller``, which it :meth:`covers`: times the
+        smallest ratio of elements per sample over the leaves whose dims differ.
+
+        A sequence model's memory per sample grows at least in proportion to its sequence length
+        (activations linearly, attention scores quadratically), so this many shorter samples need no
+        more memory than ``size`` longer ones; a model for which that is false meets an OOM, which
+        halves as usual.
+        """
+        ratios = [math.prod(a) / max(1, math.prod(b)) for a, b in zip(self.dims, smaller.dims) if a != b]
+        return max(size, int(size * min(ratios))) if ratios else size
 
     def __str__(self) -> str:
         parts = [f"{name}[*{''.join(f',{d}' for d in dims)}]" for name, dims in zip(self.names, self.dims)]
@@ -120,11 +150,16 @@ def _tensor_paths(batch: Any, path: str = "") -> Iterable[tuple[str, torch.Tenso
             yield from _tensor_paths(v, f"{path}[{i}]")
 
 
-def signature_of(batch: Any) -> Signature:
+def signature_of(batch: Any, *, exact: bool = False) -> Signature:
     """The :class:`Signature` of ``batch``: each tensor leaf's dims after dim 0, bucketed by :func:`bucket`.
 
-    0-dim tensors and non-tensor leaves go whole to every micro-batch and are left out.
+    0-dim tensors and non-tensor leaves go whole to every micro-batch and are left out. With
+    ``exact`` (guarded evaluation's), every tensor leaf's dims after dim 0 as they are, with its dtype.
     """
+    if exact:
+        leaves = list(_tensor_paths(batch))
+        return Signature(tuple(tuple(int(d) for d in t.shape[1:]) for _, t in leaves), tuple(p for p, _ in leaves),
+                         tuple(t.dtype for _, t in leaves))
     leaves = [(p, t) for p, t in _tensor_paths(batch) if t.dim() > 0]
     return Signature(tuple(tuple(bucket(int(d)) for d in t.shape[1:]) for _, t in leaves),
                      tuple(p for p, _ in leaves))

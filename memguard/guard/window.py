@@ -55,7 +55,14 @@ from memguard.batch import batch_size, split_batch
 from memguard.errors import ConfigError, OOMRecoveryError, PeerFailedError
 from memguard.guard import distributed as ddp_sync
 from memguard.guard.distributed import ERROR, OK, OOM, RankGroup
-from memguard.guard.oom import free_memory, is_oom_error, oom_summary, release_exception, turn_off_onednn_after
+from memguard.guard.oom import (
+    Halvings,
+    free_memory,
+    is_oom_error,
+    oom_summary,
+    release_exception,
+    turn_off_onednn_after,
+)
 from memguard.guard.sharded import PeerAbort, ShardedRankGroup, ShardingStopped
 
 __all__ = ["MicroBatchWindow", "run_micro_batches", "recovery_error", "agreed_optimizer_step", "gradient_anchor",
@@ -341,7 +348,7 @@ class MicroBatchWindow:
             raise
         self._batches.append(_Batch(batch, n, loss_of, backward, weight))
         todo = self._batches[-1:]
-        halvings = 0
+        halvings = Halvings(self.max_retries)
         sharded = rg if isinstance(rg, ShardedRankGroup) else None
         while True:
             mbs = self.micro_batch_size
@@ -385,14 +392,15 @@ class MicroBatchWindow:
             where = f" on rank {', '.join(map(str, failed))}" if rg is not None else ""
             detail = f" ({info})" if code == OOM else ""
             effective = min(mbs, n_max)
-            if effective <= 1:
+            stop = halvings.stop(effective)
+            if stop == "one sample":
                 raise recovery_error(f"out of memory at micro-batch 1{where}{detail}", 1, plan=self.plan,
                                      precision=self.precision)
-            if halvings >= self.max_retries:
-                raise recovery_error(f"out of memory at micro-batch {effective}{where}{detail} after {halvings} "
+            if stop is not None:
+                raise recovery_error(f"out of memory at micro-batch {effective}{where}{detail} after {halvings.done} "
                                      f"halvings in this step (max_retries={self.max_retries})", effective,
                                      plan=self.plan, precision=self.precision)
-            new = effective // 2
+            new = halvings.halve(effective)
             if len(self._batches) == 1:
                 what = f"the same batch of {n} samples from its first sample"
             else:
@@ -402,7 +410,6 @@ class MicroBatchWindow:
                            effective, where, detail, what, new)
             self.micro_batch_size = new
             self.oom_retries += 1
-            halvings += 1
             if self.on_halve is not None:
                 self.on_halve(new)
             todo = list(self._batches)
