@@ -165,7 +165,7 @@ class Guard(ShapeSizing):
     Args:
         module: the model the micro-batches run through (inside any DDP wrapper).
         constraints: what the front-end fixes.
-        options: the user's guard options (loss function, retries, planning options, ...).
+        options: the user's guard options (loss function, retries, planning options, ...); None: the defaults.
         world_size: data-parallel ranks.
         rank_group: the DDP group (:func:`memguard.guard.distributed.rank_group_of`), or None.
         grad_scaler: the GradScaler for ``16-mixed`` (memguard's own, or the framework's).
@@ -180,11 +180,11 @@ class Guard(ShapeSizing):
         steps: optimizer steps taken through the guard.
     """
 
-    def __init__(self, module: nn.Module, constraints: Constraints, options: GuardOptions = GuardOptions(), *,
+    def __init__(self, module: nn.Module, constraints: Constraints, options: GuardOptions | None = None, *,
                  world_size: int = 1, rank_group: RankGroup | None = None, grad_scaler: Any = None) -> None:
         self._module = weakref.ref(module)
         self.constraints = constraints
-        self.options = options
+        self.options = options if options is not None else GuardOptions()
         self.world_size = world_size
         self.rank_group = rank_group
         self.grad_scaler = grad_scaler
@@ -248,11 +248,12 @@ class Guard(ShapeSizing):
         return self.precision.scaler if self.precision is not None else self.grad_scaler
 
     def on_undo(self, undo: Callable[[], None]) -> None:
-        """Remember how to undo a change the front-end made; :meth:`undo` runs them in reverse order."""
+        """Remember how to undo a change the guard made to the model (checkpointing, FSDP2's sharding);
+        :meth:`undo` runs them in reverse order. A front-end restores its framework's own values itself."""
         self._undo.append(undo)
 
     def undo(self) -> None:
-        """Undo every change (checkpointing, the front-end's own), newest first, and close the window."""
+        """Undo every change the guard made, newest first, and close the window."""
         while self._undo:
             undo = self._undo.pop()
             try:
@@ -295,8 +296,11 @@ class Guard(ShapeSizing):
         self._context = {"optimizer": optimizer, "loss_fn": loss_fn, "options": options}
         # The plan cache also remembers what the guard learnt: a micro-batch reduced after an OOM is stored
         # under a key derived from the planner's plan, and used instead of it on the next run.
-        self._reduced = ReducedPlans.for_plan(plan, module, batch, optimizer, loss_fn, options)
-        return self._reduced.get(plan) if self._reduced is not None else plan
+        reduced = ReducedPlans.for_plan(plan, module, batch, optimizer, loss_fn, options)
+        if reduced is None:
+            return plan
+        self._reduced = reduced
+        return reduced.get(plan)
 
     def agree_on_plan(self, make: Callable[[], Plan]) -> Plan:
         """``make()`` on rank 0, broadcast to every rank, checked against the constraints.
