@@ -109,6 +109,7 @@ class ShapeSizing:
     _planning_signature: bool
 
     def _init_sizing(self) -> None:
+        """Start with no signature seen (the guard's ``__init__`` calls it)."""
         self.shapes = ShapeSizes()
         self.open = OpenWindow()
         self._context = None  # what planning a new signature needs (see make_plan)

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from memguard.guard.oom import is_oom_error, oom_summary, release_exception
+from memguard.guard.oom import Halvings, is_oom_error, oom_summary, release_exception
 
 
 def _real_cpu_oom() -> BaseException:
@@ -100,3 +100,11 @@ def test_release_exception_frees_the_failed_frames_tensors() -> None:
     gc.collect()
     assert ref[0]() is None
     assert is_oom_error(kept)
+
+
+def test_both_oom_loops_halve_by_one_rule() -> None:
+    halvings = Halvings(max_retries=2)
+    assert halvings.stop(12) is None and halvings.halve(12) == 6
+    assert halvings.stop(6) is None and halvings.halve(6) == 3
+    assert halvings.stop(3) == "max_retries" and halvings.done == 2
+    assert Halvings(max_retries=None).stop(1) == "one sample"

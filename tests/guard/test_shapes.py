@@ -62,6 +62,18 @@ def test_a_covering_signature_needs_at_most_the_smaller_micro_batch() -> None:
     assert halvings(12) == [12, 6, 3, 1] and snap_to(5, halvings(16)) == 4 and snap_to(0, [4, 2, 1]) == 1
 
 
+def test_an_exact_signature_keeps_the_dims_and_dtypes_that_evaluation_keys_by() -> None:
+    batch = {"input_ids": torch.zeros(4, 100, dtype=torch.long), "scale": torch.tensor(2.0)}
+    sig = signature_of(batch, exact=True)
+    # evaluation's key: every tensor leaf's dims after dim 0, unbucketed, with its dtype
+    assert sig.key() == (((100,), torch.long), ((), torch.float32))
+    assert Signature.from_key(sig.key()) == sig
+    shorter = signature_of({**batch, "input_ids": torch.zeros(4, 50, dtype=torch.long)}, exact=True)
+    # one covers rule for both: an exact signature covers only one of the same dtypes
+    assert sig.covers(shorter) and sig.scaled(8, shorter) == 16
+    assert not sig.covers(signature_of({**batch, "input_ids": torch.zeros(4, 50)}, exact=True))
+
+
 def test_constraints_pass_strategies_to_the_planner_only_when_set() -> None:
     assert "strategy" not in Constraints().planning_options({})
     one, two = (Constraints(strategies=s).planning_options({}) for s in (("fsdp2",), ("ddp", "fsdp2")))
