@@ -70,7 +70,7 @@ from memguard.guard.core import (
 )
 from memguard.guard.distributed import rank_group_of
 from memguard.integrations import require
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 
 __all__ = ["accelerator_kwargs", "prepare", "step", "status"]
 

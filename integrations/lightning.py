@@ -115,7 +115,7 @@ from memguard.guard.core import (
     plan_problems,
 )
 from memguard.guard.distributed import RankGroup, rank_group_of
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 from memguard.vocab import PRECISIONS
 
 __all__ = ["MemguardCallback", "strategy_for"]

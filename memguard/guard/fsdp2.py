@@ -39,7 +39,7 @@ from memguard.errors import ConfigError
 from memguard.guard.core import Constraints, Guard, forget, option_problems, register
 from memguard.guard.distributed import RankGroup
 from memguard.guard.sharded import fsdp_states, is_fsdp_model, sharded_rank_group
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 
 __all__ = ["prepare_fsdp2", "FSDP2Guard", "constraints_for", "fsdp2_constraints", "FSDPSetupError", "shard",
            "shard_layout", "stage_settings", "PRECISION_DTYPES"]

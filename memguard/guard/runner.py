@@ -57,7 +57,7 @@ from memguard.guard.core import (
     wrapper_problems,
 )
 from memguard.guard.distributed import rank_group_of
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 
 __all__ = ["prepare", "step", "guard_status", "GuardStatus", "compute_loss"]
 
