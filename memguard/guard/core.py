@@ -857,6 +857,7 @@ class Guard:
         :func:`memguard.planner.api.fit_shape` on a batch of ``sig`` (padded to the top of its buckets),
         with the plan and the step the guard planned with; under ``torch.compile`` only halvings of
         ``base`` are tried. None when nothing can be planned (no plan, or the trace fails: logged once).
+        Where the prediction is low (see ``fit_shape``'s known limitations), the OOM retry is the backstop.
         """
         plan, ctx = self.plan, self._context
         if plan is None or ctx is None:

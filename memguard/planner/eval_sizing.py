@@ -143,5 +143,7 @@ def _micro_batch_plan(space: SearchSpace, m: int, est: Any, shape_reason: str | 
     }
     if shape_reason is not None:
         reasons["planned_shape"] = shape_reason
-    cand = Candidate("ddp", precision, m, 1, 0, 0, False, est.peak_bytes, 0.0, 0.0)
+    cand = Candidate(strategy="ddp", precision=precision, micro_batch_size=m, grad_accum_steps=1, checkpoint_blocks=0,
+                     zero_stage=0, offload_optimizer=False, predicted_bytes=est.peak_bytes, step_seconds=0.0,
+                     throughput=0.0)
     return build_plan(space, cand, est, reasons)

@@ -1,8 +1,8 @@
 """The trace session: the traces and probe models of one model and example batch, cached.
 
-Every question the planner asks about a model (the search's probes and verifications, the
-evaluation sizing's traces, the guard's sizing of a new batch shape, the plot's curves) is answered
-from traces of its training step on fake tensors (:func:`memguard.estimator.api.run_trace`).
+Every question the planner asks about a model's training step (the search's probes and
+verifications, the sizing of a new batch shape for the guard, the plot's curves) is answered from
+traces of that step on fake tensors (:func:`memguard.estimator.api.run_trace`).
 A :class:`TraceSession` holds the model, the example batch and the tracing options, and caches
 every trace by what it depends on, so that planning the same job for other budgets, GPUs and
 world sizes traces nothing twice. :meth:`TraceSession.probe_model` turns the 1- and 2-block probe
