@@ -201,8 +201,8 @@ class PlanRequest:
                                        activation_checkpointing=0, grad_accum_steps=1, offload_optimizer=False,
                                        optimizer=self.optimizer))
         say = _speller(None)
-        target = [*_job_problems(say, world=self.world_size, device=self.device, headroom=self.headroom,
-                                 budget=self.budget_bytes)]
+        target = _job_problems(say, world=self.world_size, device=self.device, headroom=self.headroom,
+                               budget=self.budget_bytes)
         spec = _target_spec(say, device=self.device, gpu=self.gpu, cpu=None, budget=self.budget_bytes,
                             problems=target)
         if precision in PRECISIONS:
@@ -212,14 +212,13 @@ class PlanRequest:
             problems.extend(shape_problems(batch, self.max_shape))
         if problems:
             raise ConfigError(problems)
-        world = self.world_size
         budget = _budget(self.device, spec, self.budget_bytes, problems)
         if problems:
             raise ConfigError(problems)
         return SearchSpace(
             spec=spec, precisions=(precision,), checkpointing=(False,), zero_stages=(0,), offloads=(False,),
             budget_bytes=int(budget), usable_bytes=int(budget * (1 - self.headroom)), explicit_precision=True,
-            shardings=(("ddp", 0),), global_batch_size=self.global_batch_size, world_size=world,
+            shardings=(("ddp", 0),), global_batch_size=self.global_batch_size, world_size=self.world_size,
             device=self.device, headroom=float(self.headroom), train=False,
         )
 
