@@ -41,7 +41,7 @@ from memguard.planner.cache import PlanCache, plan_key
 from memguard.planner.eval_sizing import size_eval
 from memguard.planner.plan import Plan
 from memguard.planner.probe import divisors
-from memguard.planner.request import DEFAULT_HEADROOM, OPTION_NAMES, PlanRequest, shape_problems
+from memguard.planner.request import DEFAULT_HEADROOM, OPTION_NAMES, PlanRequest, SearchSpace, shape_problems
 from memguard.planner.search import search
 from memguard.planner.session import TraceSession
 
@@ -193,13 +193,7 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, session:
     store = None
     if request.cache:
         store = request.cache if isinstance(request.cache, PlanCache) else PlanCache()
-        key = plan_key(session.model, session.traced_batch, request.optimizer, request.loss_fn, dict(
-            global_batch_size=request.global_batch_size, gpu=space.spec.name if space.spec else None,
-            budget_bytes=space.budget_bytes, world_size=request.world_size, device=request.device,
-            precision=space.precisions, ckpt=space.checkpointing, zero=space.zero_stages, offload=space.offloads,
-            headroom=request.headroom, keep_outputs=request.keep_outputs, finetune=request.finetune,
-            **({"strategy": space.shardings} if request.strategy is not None else {}),
-            **({"cpu": request.cpu} if request.cpu is not None else {})))
+        key = _cache_key(session, request, space)
         hit = store.get(key)
         if hit is not None:
             log.info("memguard: plan read from cache %s", store.path_for(key))
@@ -225,6 +219,18 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, session:
     if store is not None:
         store.put(key, result)
     return result
+
+
+def _cache_key(session: TraceSession, request: PlanRequest, space: SearchSpace) -> str:
+    """The plan cache's key of ``request`` (see :mod:`memguard.planner.cache`): the traced model and
+    batch, the step, and every resolved option a plan depends on."""
+    return plan_key(session.model, session.traced_batch, request.optimizer, request.loss_fn, dict(
+        global_batch_size=request.global_batch_size, gpu=space.spec.name if space.spec else None,
+        budget_bytes=space.budget_bytes, world_size=request.world_size, device=request.device,
+        precision=space.precisions, ckpt=space.checkpointing, zero=space.zero_stages, offload=space.offloads,
+        headroom=request.headroom, keep_outputs=request.keep_outputs, finetune=request.finetune,
+        **({"strategy": space.shardings} if request.strategy is not None else {}),
+        **({"cpu": request.cpu} if request.cpu is not None else {})))
 
 
 def alternatives(model: nn.Module, batch: Any, request: PlanRequest, *, only: Sequence[str] | None = None,

@@ -67,7 +67,6 @@ def search(session: TraceSession, space: SearchSpace) -> Plan:
     n_blocks = session.num_blocks
     if n_blocks < 1:
         ckpts = tuple(c for c in ckpts if not c) or (False,)
-    session._first_precision = session._first_precision or precisions[0]
     cost = session.cost_inputs(spec, precisions[0])
     rank = {p: i for i, p in enumerate(sorted(precisions, key=lambda p: (p != "32-true", p)))}
     configs = [(st, z, o) for st, z in shardings for o in offloads if not (o and z == 0)]

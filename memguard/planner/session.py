@@ -306,7 +306,12 @@ class TraceSession:
         return model
 
     def cost_inputs(self, spec, precision: str) -> CostInputs:
-        """FLOPs and op counts (the same for every precision) from ``precision``'s probes."""
+        """FLOPs and op counts (the same for every precision) from ``precision``'s probes.
+
+        The first precision asked about is the one whose probes count FLOPs from then on (and in
+        which the probes check whether the model runs with fewer blocks).
+        """
+        self._first_precision = self._first_precision or precision
         if self._cost is None:
             pts = self.probe_points(spec)
             trs = [self.trace(precision, keep=j, m=self.m0, flops=True, spec=spec) for j in pts]
