@@ -216,7 +216,7 @@ class RealPeaks:
 
     def largest_divisor(self, budget: int) -> int | None:
         """The largest divisor of the global batch whose real step fits (binary search)."""
-        from memguard.planner.probe import divisors
+        from memguard.planner.api import divisors
 
         divs = divisors(self.global_batch)
         below = [d for d in divs if d < self.global_batch]
@@ -268,7 +268,7 @@ def accelerate_backoff(fits: Callable[[int], bool], start: int) -> tuple[int | N
 
 
 def _round_to_divisor(m: int | None, g: int) -> int | None:
-    from memguard.planner.probe import divisors
+    from memguard.planner.api import divisors
 
     if m is None:
         return None
@@ -288,8 +288,7 @@ def _worker(name: str) -> dict[str, Any]:
     torch.set_num_threads(1)  # one intra-op thread: deterministic, comparable, kind to shared cores
     import memguard
     from benchmarks.zoo import CASES as ZOO
-    from memguard.planner.request import PlanRequest
-    from memguard.planner.search import Planner, plan_request
+    from memguard.planner.api import PlanRequest, TraceSession, plan_request
 
     case, zoo = CASES[name], ZOO[name]
     model, batch, loss_fn = zoo.build("cpu")
@@ -300,7 +299,7 @@ def _worker(name: str) -> dict[str, Any]:
     slope = real.line[1]
     budgets = [int(p1 + slope * (t - 1)) for t in case.targets]
 
-    planner = Planner(model, batch, optimizer=zoo.optimizer, loss_fn=loss_fn, device="cpu")
+    planner = TraceSession(model, batch, optimizer=zoo.optimizer, loss_fn=loss_fn, device="cpu")
     rows = []
     for t, budget in zip(case.targets, budgets):
         traces_before = planner.trace_count
@@ -309,7 +308,7 @@ def _worker(name: str) -> dict[str, Any]:
             request = PlanRequest(global_batch_size=GLOBAL_BATCH, device="cpu", budget_bytes=budget, headroom=0.0,
                                   precision="32-true", activation_checkpointing=False, optimizer=zoo.optimizer,
                                   loss_fn=loss_fn)
-            p = plan_request(model, batch, request, planner=planner)
+            p = plan_request(model, batch, request, session=planner)
             mg = {"micro_batch_size": p.micro_batch_size, "grad_accum_steps": p.grad_accum_steps,
                   "predicted_peak_bytes": int(p.estimate.peak_bytes)}
         except memguard.InfeasiblePlanError as exc:

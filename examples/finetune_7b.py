@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 import memguard
-from memguard.planner.finetune import alternatives
-from memguard.planner.request import PlanRequest
+from memguard.planner.api import PlanRequest, alternatives
 from memguard.vocab import format_bytes
 
 GPU = "RTX-4090"
@@ -38,7 +37,7 @@ def run(*, layers: int = 32, seq_len: int = SEQ_LEN, global_batch_size: int = GL
         only=None, **options):
     """Plan the full fine-tune; return (the plan or the InfeasiblePlanError, the measured alternatives).
 
-    ``only`` limits the alternatives measured (names as in :func:`memguard.planner.finetune.alternatives`);
+    ``only`` limits the alternatives measured (names as in :func:`memguard.planner.api.alternatives`);
     ``options`` are more :func:`memguard.plan` options (e.g. ``budget_bytes``)."""
     model = llama2_7b_meta(layers)
     ids = torch.zeros(1, seq_len, dtype=torch.long)

@@ -62,7 +62,7 @@ from memguard.guard.distributed import rank_group_of
 from memguard.guard.options import Constraints, GuardOptions, option_problems, plan_problems, wrapper_problems
 from memguard.guard.window import DEFAULT_MAX_RETRIES
 from memguard.integrations import require
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 
 __all__ = ["accelerator_kwargs", "prepare", "step", "status"]
 

@@ -77,7 +77,7 @@ import weakref
 from typing import Any, Mapping
 
 from memguard.errors import ConfigError
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 from memguard.vocab import PRECISIONS
 
 __all__ = ["to_config", "fill_auto", "step", "micro_batch_size", "oom_retries", "AUTO"]

@@ -110,7 +110,7 @@ from memguard.guard.core import Guard, GuardStatus
 from memguard.guard.distributed import RankGroup, rank_group_of
 from memguard.guard.options import Constraints, GuardOptions, option_problems, plan_problems
 from memguard.guard.window import DEFAULT_MAX_RETRIES
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 from memguard.vocab import PRECISIONS
 
 __all__ = ["MemguardCallback", "strategy_for"]

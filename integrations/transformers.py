@@ -38,7 +38,7 @@ from memguard.guard.window import DEFAULT_MAX_RETRIES
 from memguard.guard.distributed import rank_group_of
 from memguard.integrations import require
 from memguard.integrations.deepspeed import AUTO, fill_auto, to_config
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 
 __all__ = ["apply", "MemguardCallback"]
 

@@ -20,8 +20,7 @@ from memguard.estimator.api import estimate
 from memguard.estimator.result import Estimate
 from memguard.guard import prepare, step
 from memguard.guard.evaluate import evaluate
-from memguard.planner.plan import Plan
-from memguard.planner.search import plan
+from memguard.planner.api import Plan, plan
 
 __version__ = "0.1.0.dev0"
 

@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 from memguard.errors import ConfigError, InfeasiblePlanError, MemguardError, MissingDependencyError
 from memguard.hf import MAX_SIZE
-from memguard.planner.request import DEFAULT_HEADROOM, PlanRequest
+from memguard.planner.api import DEFAULT_HEADROOM, PlanRequest
 from memguard.vocab import PRECISION_ALIASES, PRECISIONS, format_bytes, parse_bytes
 
 __all__ = ["main", "build_parser", "parse_bytes", "load_model", "LoadedModel"]
@@ -496,7 +496,7 @@ class _Progress:
         return f"{time.perf_counter() - self.start:.1f} s"
 
     def trace_done(self, what: dict, seconds: float) -> None:
-        """Report one new trace (the :attr:`memguard.planner.search.Planner.on_trace` hook)."""
+        """Report one new trace (the :attr:`memguard.planner.session.TraceSession.on_trace` hook)."""
         self.traces += 1
         keep, ckpt = what.get("keep"), what.get("ckpt") or 0
         bits = [what["precision"], "whole model" if keep is None else f"{keep}-block probe"]
@@ -875,17 +875,17 @@ def _check_plot_path(path: str | None) -> None:
 
 def _plan_with_progress(args, loaded: LoadedModel, progress: _Progress):
     """Plan as the command line asks; return (plan or None, InfeasiblePlanError or None, planner)."""
-    from memguard.planner.search import Planner
-    from memguard.planner.search import plan_request as run_plan
+    from memguard.planner.api import TraceSession
+    from memguard.planner.api import plan_request as run_plan
 
     request = plan_request(args, loaded)
-    planner = Planner.for_request(loaded.model, loaded.batch, request) if request.train else None
-    if planner is not None:  # an evaluation plan traces its own steps (planner.eval_plan)
+    planner = TraceSession.for_request(loaded.model, loaded.batch, request) if request.train else None
+    if planner is not None:  # an evaluation plan traces its own steps (planner.eval_sizing)
         planner.on_trace = progress.trace_done
     progress.say(f"planning {loaded.description}: tracing probes on fake tensors (no memory is allocated)")
     progress.restart()
     try:
-        plan = run_plan(loaded.model, loaded.batch, request, planner=planner)
+        plan = run_plan(loaded.model, loaded.batch, request, session=planner)
     except InfeasiblePlanError as exc:
         progress.say(f"no plan fits ({progress.traces} traces, {progress.elapsed()})")
         return None, exc, planner
@@ -1109,7 +1109,7 @@ def _cmd_gpus(args: argparse.Namespace, progress: _Progress) -> int:
                 print(f"  {s.name}: {s.source}")
         return EXIT_OK
 
-    from memguard.planner.sizing import fit_gpus
+    from memguard.planner.api import fit_gpus
 
     loaded = load_model(args, progress)
     count = len(names) if names else sum(1 for s in GPUS.values() if s.memory_bytes)

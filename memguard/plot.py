@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from memguard.errors import MissingDependencyError
 from memguard.estimator.result import CATEGORIES, Estimate
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 from memguard.vocab import PRECISIONS, GiB, KiB, MiB, TiB, default_precisions, format_bytes
 
 __all__ = ["MemoryCurve", "memory_curves", "plot_plan", "plot_estimate", "require_matplotlib", "FIGSIZE", "DPI"]
@@ -122,7 +122,7 @@ def memory_curves(
         plan: the plan (or an infeasible plan's ``closest``).
         precisions: the precisions to draw; default: those :func:`memguard.plan` considers by
             default for the plan's target, plus the plan's own.
-        planner: the :class:`memguard.planner.search.Planner` that made the plan, to reuse its
+        planner: the :class:`memguard.planner.session.TraceSession` that made the plan, to reuse its
             traces; a new one traces the probes again.
         keep_outputs: as given to :func:`memguard.plan` (used when ``planner`` is None).
 
@@ -133,12 +133,11 @@ def memory_curves(
         ConfigError: the plan names a GPU that is not in the catalog.
     """
     from memguard.estimator.gpus import GENERIC, get_gpu
-    from memguard.planner.probe import divisors
-    from memguard.planner.search import Planner
+    from memguard.planner.api import TraceSession, divisors
 
     if planner is None:
-        planner = Planner(model, batch, optimizer=optimizer, loss_fn=loss_fn, device=plan.device,
-                          make_batch=make_batch, keep_outputs=keep_outputs)
+        planner = TraceSession(model, batch, optimizer=optimizer, loss_fn=loss_fn, device=plan.device,
+                               make_batch=make_batch, keep_outputs=keep_outputs)
     spec = None
     if plan.device == "cuda":
         spec = get_gpu(plan.gpu) if plan.gpu else GENERIC

@@ -16,7 +16,7 @@ import memguard  # noqa: E402
 from memguard import hf, plot  # noqa: E402
 from memguard.errors import ConfigError, MissingDependencyError  # noqa: E402
 from memguard.planner.request import PlanRequest  # noqa: E402
-from memguard.planner.search import Planner, plan_request  # noqa: E402
+from memguard.planner.api import TraceSession, plan_request  # noqa: E402
 
 # Block activations dominate this tiny GPT-2 (a 128-token vocabulary keeps the logits small), so
 # checkpointing and precision visibly change the curves.
@@ -27,9 +27,9 @@ GLOBAL_BATCH = 16
 @pytest.fixture(scope="module")
 def planned():
     built = hf.build("gpt2", TINY, seq_len=64)
-    planner = Planner(built.model, built.batch, device="cuda")
+    planner = TraceSession(built.model, built.batch, device="cuda")
     request = PlanRequest(global_batch_size=GLOBAL_BATCH, gpu="A100-40GB")
-    plan = plan_request(built.model, built.batch, request, planner=planner)
+    plan = plan_request(built.model, built.batch, request, session=planner)
     return built, planner, plan
 
 

@@ -66,7 +66,7 @@ from memguard.guard.precision import PrecisionSetup, setup_precision
 from memguard.guard.shapes import Signature, is_compiled, mark_batch_dynamic, signature_of, uncompiled
 from memguard.guard.sizing import ShapeSizing
 from memguard.guard.window import MicroBatchWindow, agreed_optimizer_step
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 from memguard.vocab import ALL_BLOCKS
 
 __all__ = [

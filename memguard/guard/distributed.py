@@ -182,7 +182,7 @@ def plan_on_rank_zero(rg: RankGroup | None, make_plan: Callable[[], Any]) -> Any
     Returns:
         The :class:`memguard.Plan`.
     """
-    from memguard.planner.plan import Plan
+    from memguard.planner.api import Plan
 
     if rg is None or rg.world_size == 1:
         return make_plan()
@@ -220,7 +220,7 @@ def rebuild_planning_error(payload: dict[str, Any]) -> Exception:
     ConfigError with the same ``.problems``, an InfeasiblePlanError with the same ``.closest`` and
     ``.suggestions``, else a :class:`memguard.PeerFailedError` naming rank 0's error."""
     from memguard.errors import ConfigError, InfeasiblePlanError, PeerFailedError
-    from memguard.planner.plan import Plan
+    from memguard.planner.api import Plan
 
     if "problems" in payload:
         return ConfigError(payload["problems"])

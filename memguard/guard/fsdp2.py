@@ -40,7 +40,7 @@ from memguard.guard.core import Guard, blocks_for, forget, register
 from memguard.guard.options import Constraints, GuardOptions, model_and_optimizer, option_problems
 from memguard.guard.distributed import RankGroup
 from memguard.guard.sharded import fsdp_states, is_fsdp_model, sharded_rank_group
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 
 __all__ = ["prepare_fsdp2", "FSDP2Guard", "constraints_for", "fsdp2_constraints", "FSDPSetupError", "shard",
            "shard_layout", "ShardLayout", "stage_settings", "PRECISION_DTYPES"]

@@ -21,9 +21,9 @@ from torch import nn
 from memguard.batch import LossFn
 from memguard.errors import ConfigError
 from memguard.guard.window import DEFAULT_MAX_RETRIES
-from memguard.planner.plan import Plan
-from memguard.planner.request import PlanRequest
-from memguard.planner.search import plan_request
+from memguard.planner.api import Plan
+from memguard.planner.api import PlanRequest
+from memguard.planner.api import plan_request
 from memguard.vocab import PRECISIONS
 
 __all__ = [

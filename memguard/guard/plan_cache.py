@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from memguard.batch import LossFn
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 
 __all__ = ["ReducedPlans"]
 
@@ -47,7 +47,7 @@ class ReducedPlans:
         cache = options.get("cache")
         if not cache:
             return None
-        from memguard.planner.cache import PlanCache, plan_key
+        from memguard.planner.api import PlanCache, plan_key
 
         store = cache if isinstance(cache, PlanCache) else PlanCache()
         knobs = {k: getattr(plan, k) for k in _PLAN_IDENTITY}

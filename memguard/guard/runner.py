@@ -55,7 +55,7 @@ from memguard.guard.options import (
     wrapper_problems,
 )
 from memguard.guard.window import DEFAULT_MAX_RETRIES
-from memguard.planner.plan import Plan
+from memguard.planner.api import Plan
 
 __all__ = ["prepare", "step", "guard_status", "GuardStatus", "compute_loss"]
 

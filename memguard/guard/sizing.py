@@ -24,9 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from memguard.batch import batch_size
 from memguard.guard.distributed import RankGroup
-from memguard.guard.options import _request
 from memguard.guard.shapes import Signature, halvings, pad_batch, signature_of, size_bound, snap_to, uncompiled
 
 if TYPE_CHECKING:
@@ -34,7 +32,7 @@ if TYPE_CHECKING:
 
     from memguard.guard.options import GuardOptions
     from memguard.guard.window import MicroBatchWindow
-    from memguard.planner.plan import Plan
+    from memguard.planner.api import Plan
 
 __all__ = ["ShapeSizes", "OpenWindow", "ShapeSizing"]
 
@@ -177,64 +175,23 @@ class ShapeSizing:
     def _plan_signature(self, sig: Signature, batch: Any, base: int) -> int | None:
         """The largest micro-batch up to ``base`` predicted to fit the plan's budget for batches of ``sig``.
 
-        The probe model (:class:`memguard.planner.probe.ProbeModel`) of the new shape: 1- and 2-block
-        probe traces at one micro-batch (on the CUDA target also the 2-block probe at twice it, for the
-        allocator model), so two or three small traces. Memory is not affine in the sequence length
-        (attention scores grow with its square on the CPU target and CUDA's math path), so a new shape
-        needs new probes, but none of the planner's search or verification. Under ``torch.compile`` only
-        halvings of ``base`` are tried. None when nothing can be planned (no plan, or the trace fails:
-        logged once).
-
-        Known limitations:
-            With activation checkpointing in the plan, the probes trace the module whose blocks the guard
-            already checkpointed, so the "no checkpointing" probe is not one; the prediction may then be
-            low, and the OOM retry is the backstop.
+        :func:`memguard.planner.api.fit_shape` on a batch of ``sig`` (padded to the top of its buckets),
+        with the plan and the step the guard planned with; under ``torch.compile`` only halvings of
+        ``base`` are tried. None when nothing can be planned (no plan, or the trace fails: logged once).
+        Where the prediction is low (see ``fit_shape``'s known limitations), the OOM retry is the backstop.
         """
         plan, ctx = self.plan, self._context
         if plan is None or ctx is None:
             return None
-        from memguard.planner.search import Planner
+        from memguard.planner.api import fit_shape
 
         start = time.perf_counter()
         self._planning_signature = True
         try:
-            options = {k: v for k, v in ctx["options"].items() if k in ("keep_outputs",)}
-            strategy = getattr(plan, "strategy", None)  # a planner with strategies plans the shape for the plan's
-            if strategy is not None:
-                options["strategy"] = strategy
-            request = _request(options, global_batch_size=plan.global_batch_size, optimizer=ctx["optimizer"],
-                               loss_fn=ctx["loss_fn"], world_size=plan.world_size, device=plan.device, gpu=plan.gpu,
-                               budget_bytes=plan.budget_bytes, headroom=plan.headroom, precision=plan.precision)
-            space = request.resolve()
-            example = pad_batch(batch, sig)
-            planner = Planner.for_request(uncompiled(self.module), example, request)
-            k = plan.checkpoint_blocks if plan.activation_checkpointing else 0
-            extra = {"strategy": strategy} if "strategy" in options else {}
-            model = planner.probe_model(plan.precision, zero_stage=plan.zero_stage, world_size=plan.world_size,
-                                        spec=space.spec, offload=plan.offload_optimizer, checkpointing=k > 0, **extra)
-            if plan.device == "cpu":
-                # The CPU target's peak is its live bytes, which the probe features predict (the larger of the
-                # forward/backward and the optimizer moments, ProbeModel.allocated); the extended traces at a
-                # second micro-batch only refine that moment, for one more trace.
-                model.device_peak = None
-            n = batch_size(batch)
-
-            def fits(m: int) -> bool:
-                # gradients are present while a micro-batch runs when it is not the step's first
-                accumulating = plan.grad_accum_steps > 1 or m < n
-                return model.predict(m, k, 2 if accumulating else 1) <= space.usable_bytes
-
-            if self.compiled:
-                size = next((m for m in halvings(base) if fits(m)), 1)
-            else:  # the peak grows with the micro-batch: the largest that fits, by bisection
-                lo, hi = 1, base
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if fits(mid):
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                size = lo
+            size = fit_shape(uncompiled(self.module), pad_batch(batch, sig), plan, most=base,
+                             optimizer=ctx["optimizer"], loss_fn=ctx["loss_fn"],
+                             keep_outputs=ctx["options"].get("keep_outputs", False),
+                             sizes=halvings(base) if self.compiled else None)
         except Exception as exc:  # noqa: BLE001 - planning a shape must never stop training
             if not self._warned_signature_planning:
                 logger.warning("could not plan the micro-batch of batch shape %s (%s); it starts from the planned "

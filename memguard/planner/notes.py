@@ -1,6 +1,7 @@
 """Operational advice for a plan: the environment and library settings that go with it.
 
-:func:`plan_notes` returns the lines of ``Plan.notes``: each applies only where its condition holds
+:func:`operational_notes` returns the lines of ``Plan.notes`` for a run's :class:`RunSettings`
+(:func:`notes_of` for a plan's): each applies only where its condition holds
 and names its source. The rules:
 
 * **DDP gradient buckets** (more than one rank, no ZeRO, DistributedDataParallel): DDP copies every
@@ -28,11 +29,12 @@ and names its source. The rules:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from memguard.vocab import MiB, format_bytes
 
-__all__ = ["plan_notes", "notes_for_plan", "DDP_BUCKET_BYTES", "NCCL_DEFAULT_BUFFSIZE", "TIGHT_FRACTION"]
+__all__ = ["RunSettings", "operational_notes", "notes_of", "DDP_BUCKET_BYTES", "NCCL_DEFAULT_BUFFSIZE", "TIGHT_FRACTION"]
 
 #: DistributedDataParallel's default ``bucket_cap_mb`` (torch/nn/parallel/distributed.py).
 DDP_BUCKET_BYTES = 25 * MiB
@@ -46,13 +48,11 @@ TIGHT_FRACTION = 0.95
 _ALLOC_DOC = ("PyTorch docs, CUDA semantics, 'Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF'")
 
 
-def plan_notes(*, device: str, world_size: int, zero_stage: int = 0, strategy: str | None = "ddp",
-               gpu: Any = None, peak_bytes: int = 0, usable_bytes: int = 0, grad_bytes: int = 0,
-               hidden_size: int | None = None, precision: str = "32-true", offload_optimizer: bool = False,
-               variable_shapes: bool = False) -> tuple[str, ...]:
-    """The operational notes for a plan with these settings (see the module docstring for the rules).
+@dataclass(frozen=True)
+class RunSettings:
+    """What the notes' rules read of a run (see the module docstring for the rules).
 
-    Args:
+    Attributes:
         device: ``"cuda"`` or ``"cpu"``.
         world_size: data-parallel ranks.
         zero_stage: the ZeRO stage (the sharding level under ``"fsdp2"``).
@@ -65,10 +65,32 @@ def plan_notes(*, device: str, world_size: int, zero_stage: int = 0, strategy: s
         precision: the plan's precision (bucket element size).
         offload_optimizer: ZeRO-Offload.
         variable_shapes: the batch shape changes between steps (variable sequence lengths).
+    """
+
+    device: str
+    world_size: int
+    zero_stage: int = 0
+    strategy: str | None = "ddp"
+    gpu: Any = None
+    peak_bytes: int = 0
+    usable_bytes: int = 0
+    grad_bytes: int = 0
+    hidden_size: int | None = None
+    precision: str = "32-true"
+    offload_optimizer: bool = False
+    variable_shapes: bool = False
+
+
+def operational_notes(run: RunSettings) -> tuple[str, ...]:
+    """The operational notes for a run with these settings (see the module docstring for the rules).
 
     Returns:
         One sentence per applicable rule, each naming its source; empty when none applies.
     """
+    device, world_size, zero_stage, strategy = run.device, run.world_size, run.zero_stage, run.strategy
+    gpu, peak_bytes, usable_bytes, grad_bytes = run.gpu, run.peak_bytes, run.usable_bytes, run.grad_bytes
+    hidden_size, precision, offload_optimizer = run.hidden_size, run.precision, run.offload_optimizer
+    variable_shapes = run.variable_shapes
     from memguard.estimator.gpus import lookup_gpu
 
     spec = lookup_gpu(gpu) if isinstance(gpu, str) else gpu
@@ -125,14 +147,14 @@ def plan_notes(*, device: str, world_size: int, zero_stage: int = 0, strategy: s
     return tuple(notes)
 
 
-def notes_for_plan(plan: Any, *, variable_shapes: bool = False) -> tuple[str, ...]:
-    """:func:`plan_notes` for a :class:`~memguard.Plan` (or anything with its attributes)."""
+def notes_of(plan: Any, *, variable_shapes: bool = False) -> tuple[str, ...]:
+    """:func:`operational_notes` for a :class:`~memguard.Plan` (or anything with its attributes)."""
     est = plan.estimate
     # gradients have their parameter's dtype: 16-bit under *-true 16-bit precisions, else fp32
     grad_item = 2 if plan.precision in ("16-true", "bf16-true") else 4
-    return plan_notes(
+    return operational_notes(RunSettings(
         device=plan.device, world_size=plan.world_size, zero_stage=plan.zero_stage,
         strategy=getattr(plan, "strategy", None), gpu=plan.gpu, peak_bytes=est.peak_bytes,
         usable_bytes=plan.usable_bytes, grad_bytes=est.num_trainable_params * grad_item,
         hidden_size=plan.hidden_size, precision=plan.precision, offload_optimizer=plan.offload_optimizer,
-        variable_shapes=variable_shapes)
+        variable_shapes=variable_shapes))

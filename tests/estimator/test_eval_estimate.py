@@ -14,7 +14,7 @@ from memguard.batch import resize_batch
 from memguard.errors import ConfigError
 from memguard.estimator.api import estimate
 from memguard.estimator.evaluation import EVAL_NOTE, estimate_eval
-from memguard.planner.eval_plan import plan_eval
+from memguard.planner.api import plan as plan_for
 from tests.estimator.eval_ground_truth import measure_cpu_eval_peak
 
 pytestmark = pytest.mark.cpu_truth  # compares with real CPU kernels / a real memory cap
@@ -118,7 +118,7 @@ def test_plan_eval_picks_the_largest_fitting_micro_batch():
     params = (64 * 256 + 256 + 256 * 10 + 10) * FP32
     per_sample = 64 * FP32 + 2 * 256 * FP32  # the input row and two hidden rows (test_mlp_bytes_by_hand)
     budget = params + 100 * per_sample + 1000  # 100 samples fit, with no headroom
-    plan = plan_eval(model, x, eval_batch_size=512, device="cpu", budget_bytes=budget, headroom=0.0)
+    plan = plan_for(model, x, global_batch_size=512, train=False, device="cpu", budget_bytes=budget, headroom=0.0)
     assert plan.micro_batch_size == 100
     assert estimate_eval(model, resize_batch(x, 4, 101), device="cpu").peak_bytes > budget
     assert plan.grad_accum_steps == 1 and plan.global_batch_size == 100
@@ -132,8 +132,8 @@ def test_plan_eval_max_shape_is_explained():
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     batch = {"input_ids": torch.zeros(2, 64, dtype=torch.long)}
-    short = plan_eval(model, batch, eval_batch_size=64, device="cpu", budget_bytes=200 << 20)
-    long = plan_eval(model, batch, eval_batch_size=64, device="cpu", budget_bytes=200 << 20,
-                     max_shape={"seq_len": 512})
+    short = plan_for(model, batch, global_batch_size=64, train=False, device="cpu", budget_bytes=200 << 20)
+    long = plan_for(model, batch, global_batch_size=64, train=False, device="cpu", budget_bytes=200 << 20,
+                    max_shape={"seq_len": 512})
     assert long.micro_batch_size < short.micro_batch_size  # 8x the tokens per sample: fewer samples fit
     assert "input_ids (512,)" in long.reasons["planned_shape"] and "planned_shape" in long.explain()

@@ -13,8 +13,10 @@ from torch import nn
 
 import memguard
 from memguard import ConfigError
+from memguard.estimator import twins
 from memguard.planner import finetune as ft
-from memguard.planner.request import PlanRequest
+from memguard.planner.api import alternatives
+from memguard.planner.request import PlanRequest, finetune_problems
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -43,19 +45,19 @@ def lm_batch(n: int = 2, seq: int = 16) -> dict:
 # ------------------------------------------------------------------------------ target modules
 def test_lora_targets_follow_the_architecture():
     # Llama: the attention projections and the gated MLP (every nn.Linear in a decoder layer)
-    assert ft.lora_target_modules(tiny_llama()) == LLAMA_TARGETS
+    assert twins.lora_target_modules(tiny_llama()) == LLAMA_TARGETS
     # GPT-2: transformers' Conv1D layers c_attn/c_proj (attention) and c_fc/c_proj (MLP)
     with torch.device("meta"):
         gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2))
-    assert ft.lora_target_modules(gpt2) == ("c_attn", "c_fc", "c_proj")
+    assert twins.lora_target_modules(gpt2) == ("c_attn", "c_fc", "c_proj")
     # the output layer is never adapted
-    assert "lm_head" not in ft.lora_target_modules(tiny_llama())
+    assert "lm_head" not in twins.lora_target_modules(tiny_llama())
 
 
 def test_lora_model_leaves_the_users_model_alone():
     model = tiny_llama("cpu")
     before = {n: (p.device, p.dtype, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
-    lora = ft.lora_model(model)
+    lora = twins.lora_model(model)
     after = dict(model.named_parameters())
     assert set(after) == set(before)  # no adapters grafted onto the user's model
     for n, (dev, dtype, rg, value) in before.items():
@@ -68,7 +70,7 @@ def test_lora_model_leaves_the_users_model_alone():
     assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable)
     assert all(p.dtype == torch.bfloat16 for n, p in lora.named_parameters() if not p.requires_grad)
     # r=8 adapters on 7 linear layers per block: (in + out) * r parameters each
-    h, i, r = 64, 176, ft.LORA_RANK
+    h, i, r = 64, 176, twins.LORA_RANK
     per_block = 4 * (h + h) * r + 2 * (h + i) * r + (i + h) * r
     assert sum(p.numel() for _, p in trainable) == 2 * per_block
 
@@ -78,7 +80,7 @@ def _real_peft(model: nn.Module) -> nn.Module:
     real = copy.deepcopy(model)
     for p in real.parameters():
         p.data = p.data.to(torch.bfloat16)
-    return peft.get_peft_model(real, peft.LoraConfig(r=ft.LORA_RANK, lora_alpha=ft.LORA_ALPHA,
+    return peft.get_peft_model(real, peft.LoraConfig(r=twins.LORA_RANK, lora_alpha=twins.LORA_ALPHA,
                                                      target_modules=list(LLAMA_TARGETS)))
 
 
@@ -86,7 +88,7 @@ def _real_peft(model: nn.Module) -> nn.Module:
 def test_lora_twin_estimates_like_a_real_peft_model_and_the_real_cpu_peak():
     model = tiny_llama("cpu")
     batch = lm_batch()
-    twin = ft.lora_model(model)
+    twin = twins.lora_model(model)
     real = _real_peft(model)
     kw = dict(device="cpu", precision="32-true")
     est_twin = memguard.estimate(twin, batch, **kw)
@@ -119,19 +121,19 @@ def test_lora_twin_estimates_like_a_real_peft_model_and_the_real_cpu_peak():
     (5000, 2 * 5000 + 8 * 3),
 ])
 def test_adamw8bit_state_bytes_formula(numel, expected):
-    assert ft.adamw8bit_state_bytes(numel) == expected
+    assert twins.adamw8bit_state_bytes(numel) == expected
 
 
 def test_adamw8bit_stand_in_allocates_the_formulas_bytes():
     params = [nn.Parameter(torch.randn(n)) for n in (10, 4096, 5000, 3 * 2048)]
-    opt = ft.AdamW8bitStandIn(params, lr=1e-2)
+    opt = twins.AdamW8bitStandIn(params, lr=1e-2)
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
     for p in params:
         state_bytes = sum(t.numel() * t.element_size() for t in opt.state[p].values() if torch.is_tensor(t))
-        assert state_bytes == ft.adamw8bit_state_bytes(p.numel())
-        big = p.numel() >= ft.BNB_MIN_8BIT_SIZE
+        assert state_bytes == twins.adamw8bit_state_bytes(p.numel())
+        big = p.numel() >= twins.BNB_MIN_8BIT_SIZE
         assert opt.state[p]["state1"].dtype == (torch.uint8 if big else torch.float32)
 
 
@@ -139,12 +141,12 @@ def test_adamw8bit_estimate_saves_what_the_formula_says():
     model = tiny_llama("cpu")
     batch = lm_batch()
     adam = memguard.estimate(model, batch, device="cpu")
-    eight = memguard.estimate(model, batch, device="cpu", optimizer=ft.AdamW8bitStandIn)
+    eight = memguard.estimate(model, batch, device="cpu", optimizer=twins.AdamW8bitStandIn)
     # AdamW keeps two fp32 moments (8 bytes/element) plus a step scalar per parameter; the 8-bit
     # optimizer keeps adamw8bit_state_bytes: the model states differ by exactly that
     params = list(model.parameters())
     step_scalars = sum(4 for _ in params)  # torch AdamW's fp32 "step" tensor per parameter
-    expected = sum(8 * p.numel() - ft.adamw8bit_state_bytes(p.numel()) for p in params) + step_scalars
+    expected = sum(8 * p.numel() - twins.adamw8bit_state_bytes(p.numel()) for p in params) + step_scalars
     assert adam.model_state_bytes - eight.model_state_bytes == expected
 
 
@@ -152,11 +154,11 @@ def test_adamw8bit_estimate_saves_what_the_formula_says():
 def test_nf4_bytes_and_layer_buffers():
     # 4096 x 4096: codes 8 MiB, uint8 absmax per 64 (262,144), fp32 per 256 absmax (1,024 x 4)
     n = 4096 * 4096
-    assert ft.nf4_weight_bytes(n) == n // 2 + n // 64 + 4 * (n // 64 // 256)
+    assert twins.nf4_weight_bytes(n) == n // 2 + n // 64 + 4 * (n // 64 // 256)
     # without double quantisation: fp32 absmax per 64 (QLoRA's 0.5 bit/param overhead)
-    assert ft.nf4_weight_bytes(n, double_quant=False) == n // 2 + 4 * (n // 64)
-    layer = ft.NF4Linear(4096, 4096, False, compute_dtype=torch.bfloat16)
-    assert sum(b.numel() * b.element_size() for b in layer.buffers()) == ft.nf4_weight_bytes(n)
+    assert twins.nf4_weight_bytes(n, double_quant=False) == n // 2 + 4 * (n // 64)
+    layer = twins.NF4Linear(4096, 4096, False, compute_dtype=torch.bfloat16)
+    assert sum(b.numel() * b.element_size() for b in layer.buffers()) == twins.nf4_weight_bytes(n)
 
 
 def test_nf4_dequantize_real_values():
@@ -164,7 +166,7 @@ def test_nf4_dequantize_real_values():
     packed = torch.full((32,), 0xF0, dtype=torch.uint8)  # 64 weights, one block
     absmax = torch.tensor([2], dtype=torch.uint8)
     absmax2 = torch.tensor([0.5])
-    w = ft._nf4_dequantize(packed, absmax, absmax2, (8, 8), torch.float32)
+    w = twins._nf4_dequantize(packed, absmax, absmax2, (8, 8), torch.float32)
     assert torch.equal(w.reshape(-1), torch.tensor([1.0, -1.0] * 32))
 
 
@@ -172,12 +174,12 @@ def test_qlora_twin_needs_less_than_lora():
     model = tiny_llama("meta", layers=2)
     batch = lm_batch()
     kw = dict(device="cpu", precision="bf16-mixed")
-    lora = memguard.estimate(ft.lora_model(model), batch, **kw)
-    qlora = memguard.estimate(ft.qlora_model(model), batch, **kw)
+    lora = memguard.estimate(twins.lora_model(model), batch, **kw)
+    qlora = memguard.estimate(twins.qlora_model(model), batch, **kw)
     # the adapted linear weights go from 2 bytes to ~0.52 bytes each; everything else is equal
     linear = sum(m.weight.numel() for n, m in model.named_modules()
                  if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LLAMA_TARGETS)
-    saved = 2 * linear - sum(ft.nf4_weight_bytes(m.weight.numel()) for n, m in model.named_modules()
+    saved = 2 * linear - sum(twins.nf4_weight_bytes(m.weight.numel()) for n, m in model.named_modules()
                              if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LLAMA_TARGETS)
     assert lora.breakdown["params"] - qlora.breakdown["params"] == saved
     assert qlora.peak_bytes < lora.peak_bytes
@@ -209,7 +211,7 @@ def test_alternatives_when_a_full_finetune_does_not_fit():
     batch = lm_batch(1, 32)
     # the budget: between the LoRA twin's peak and the full fine-tune's peak at micro-batch 1
     full_est = memguard.estimate(model, batch, device="cpu", precision="bf16-mixed")
-    lora_est = memguard.estimate(ft.lora_model(model), batch, device="cpu", precision="bf16-mixed")
+    lora_est = memguard.estimate(twins.lora_model(model), batch, device="cpu", precision="bf16-mixed")
     budget = int((lora_est.peak_bytes + 0.5 * (full_est.peak_bytes - lora_est.peak_bytes)) / 0.9)
     # one precision, no checkpointing: the fewest traces per alternative (CI time)
     request = PlanRequest(global_batch_size=2, device="cpu", budget_bytes=budget, precision="bf16-mixed",
@@ -217,7 +219,7 @@ def test_alternatives_when_a_full_finetune_does_not_fit():
     with pytest.raises(memguard.InfeasiblePlanError) as info:
         memguard.plan(model, batch, **request.options())
     full_peak = info.value.closest.estimate.peak_bytes
-    found = ft.alternatives(model, batch, request)
+    found = alternatives(model, batch, request)
     alts = {a.name: a for a in found}
     assert set(alts) == {"lora", "qlora", "adamw8bit", "bf16-true", "cpu-offload"}
     usable = request.resolve().usable_bytes
@@ -242,8 +244,8 @@ def test_alternatives_when_a_full_finetune_does_not_fit():
 
 
 def test_finetune_problems():
-    assert ft.finetune_problems(None) == [] and ft.finetune_problems("lora") == []
-    assert "must be None" in ft.finetune_problems("LoRA")[0]
+    assert finetune_problems(None) == [] and finetune_problems("lora") == []
+    assert "must be None" in finetune_problems("LoRA")[0]
 
 
 def test_finetune_7b_example_core():

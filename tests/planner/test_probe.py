@@ -12,7 +12,8 @@ import memguard
 from memguard.estimator.gpus import get_gpu
 from memguard.planner.probe import ProbeFeatures, ProbeModel, divisors, extend_trace
 from memguard.planner.request import PlanRequest
-from memguard.planner.search import Planner, plan_request
+from memguard.planner.api import plan_request
+from memguard.planner.session import TraceSession
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -86,7 +87,7 @@ _CASES = [
 def test_probe_model_matches_the_full_estimate(tiny_gpt2, device, gpu, precision, k, accum):
     m = 16
     if device not in _PLANNERS:
-        _PLANNERS[device] = Planner(tiny_gpt2, _lm(2), device=device)
+        _PLANNERS[device] = TraceSession(tiny_gpt2, _lm(2), device=device)
     planner = _PLANNERS[device]
     assert planner.num_blocks == 4
     spec = get_gpu(gpu) if gpu else None
@@ -111,7 +112,7 @@ def test_cuda_checkpointing_every_block_matches_the_full_estimate(precision, acc
     config = transformers.GPT2Config(n_embd=256, n_layer=6, n_head=4, vocab_size=8192, n_positions=512)
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(config)
-    planner = Planner(model, _lm(2, 256), device="cuda")
+    planner = TraceSession(model, _lm(2, 256), device="cuda")
     probe = planner.probe_model(precision, zero_stage=0, world_size=1, spec=get_gpu("A100-80GB"), offload=False,
                                 checkpointing=True)
     predicted = probe.predict(24, 6, accum)
@@ -128,7 +129,7 @@ def test_extended_trace_replays_like_the_whole_model(tiny_gpt2, precision):
     # not kept to the end.
     from memguard.estimator.cuda import simulate
 
-    planner = Planner(tiny_gpt2, _lm(8), device="cuda")
+    planner = TraceSession(tiny_gpt2, _lm(8), device="cuda")
     spec = get_gpu("A100-80GB")
     one, two = (planner.trace(precision, keep=j, spec=spec) for j in (1, 2))
     whole = planner.trace(precision, spec=spec)
@@ -177,8 +178,8 @@ def test_plan_level_prediction_matches_the_full_estimate_on_cuda(model_type, ove
     built = hf.build(model_type, overrides, batch_size=2, seq_len=128)
     request = PlanRequest(global_batch_size=64, gpu="A100-80GB", budget_bytes=700 << 20, precision=precision,
                           activation_checkpointing=False)
-    planner = Planner.for_request(built.model, built.batch, request)
-    plan = plan_request(built.model, built.batch, request, planner=planner)
+    planner = TraceSession.for_request(built.model, built.batch, request)
+    plan = plan_request(built.model, built.batch, request, session=planner)
     probe = planner.probe_model(plan.precision, zero_stage=plan.zero_stage, world_size=1,
                                 spec=get_gpu("A100-80GB"), offload=False, checkpointing=plan.checkpoint_blocks > 0)
     predicted = probe.predict(plan.micro_batch_size, plan.checkpoint_blocks, plan.grad_accum_steps)

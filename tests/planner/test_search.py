@@ -3,7 +3,7 @@
 Most tests plan for the CPU target with an explicit ``budget_bytes`` on a tiny residual MLP whose
 activations (token dimension 16) dominate its parameters, so the budget really decides the
 micro-batch. Tracing costs ~0.1-1 s, so tests that ask many questions share one
-:class:`~memguard.planner.search.Planner` (``plan_request(..., planner=)``): it only caches traces,
+:class:`~memguard.planner.session.TraceSession` (``plan_request(..., session=)``): it only caches traces,
 which depend on neither the budget nor the batch arithmetic.
 """
 
@@ -19,7 +19,8 @@ from torch import nn
 import memguard
 from memguard import ConfigError, InfeasiblePlanError, MemguardError, Plan
 from memguard.planner.request import PlanRequest
-from memguard.planner.search import DEFAULT_HEADROOM, Planner, plan_request
+from memguard.planner.api import DEFAULT_HEADROOM, plan_request
+from memguard.planner.session import TraceSession
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -59,8 +60,8 @@ def batch():
 
 
 @pytest.fixture(scope="module")
-def planner(model, batch) -> Planner:
-    return Planner(model, batch, device="cpu")
+def planner(model, batch) -> TraceSession:
+    return TraceSession(model, batch, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +77,9 @@ def peaks(model):
     return peak
 
 
-def plan_with(planner: Planner, model, batch, **options) -> Plan:
+def plan_with(planner: TraceSession, model, batch, **options) -> Plan:
     """``memguard.plan(model, batch, **options)``, reusing ``planner``'s traces."""
-    return plan_request(model, batch, PlanRequest.from_options(**options), planner=planner)
+    return plan_request(model, batch, PlanRequest.from_options(**options), session=planner)
 
 
 def _check_invariant(p: Plan, global_batch_size: int, world_size: int) -> None:
@@ -283,7 +284,7 @@ def meta_mlp():
     x = torch.empty(1, 256, 512, device="meta")
     y = torch.empty(1, 256, device="meta")
     batch = (x, y)
-    return m, batch, Planner(m, batch, device="cuda")
+    return m, batch, TraceSession(m, batch, device="cuda")
 
 
 @pytest.mark.parametrize("gpu", ["T4", "V100-16GB"])  # Turing (7.5) and Volta (7.0) have no bf16 arithmetic

@@ -10,7 +10,7 @@ from torch import nn
 
 from memguard import ConfigError, Plan
 from memguard.estimator.gpus import get_gpu
-from memguard.planner.sizing import GpuFit, fit_gpus
+from memguard.planner.api import GpuFit, fit_gpus
 
 # ~1.0e9 parameters (60 x Linear(4096, 4096), 16.8M each) on meta: 16 bytes/param of mixed-
 # precision Adam states (ZeRO paper) = 16 GB, too much for one 16 GB-class GPU, comfortable on 80 GB.
