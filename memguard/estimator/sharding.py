@@ -20,7 +20,7 @@ per parameter (read from the trace: 8 for Adam):
   and ``20Ψ/N`` in fp32; plus ``2b·largest_layer`` gathered parameters (DeepSpeed's estimator).
   Under the default ``stage3_max_reuse_distance`` (1e9) the whole model is gathered by the end of
   forward and released module by module in backward; those bytes follow the activations' shape
-  (the ``activations`` factor; ``api.evaluate`` reports them as params). With the engine's config,
+  (the ``activations`` factor; ``pricing.estimate_from_trace`` reports them as params). With the engine's config,
   parameters under ``stage3_param_persistence_threshold`` stay gathered all the time.
 * Buckets (only with the engine's config, :class:`ZeroBuckets`): the reduce bucket,
   ``reduce_bucket_size`` elements allocated whole whatever the model's size (DeepSpeed's default

@@ -48,7 +48,7 @@ from memguard.batch import LossFn, compute_loss, map_tensors, tensor_leaves
 from memguard.errors import ConfigError
 from memguard.estimator.cpu_kernels import CPU_RULES, CpuTarget, Replay
 from memguard.estimator.cuda_kernels import CudaTarget
-from memguard.estimator.kernels import CORRECTIONS
+from memguard.estimator.fake_corrections import CORRECTIONS
 
 __all__ = ["Trace", "TraceSpec", "Recorder", "trace_step", "PHASES", "OPTIMIZER_TEMPORARIES"]
 
@@ -65,7 +65,7 @@ class TraceSpec:
     """How one training step is traced: everything but the model, batch, optimizer and loss.
 
     Frozen and hashable, so a set of traces can be keyed by it (the planner's trace cache).
-    :func:`memguard.estimator.api.trace_spec` builds the spec for a target and precision.
+    :func:`memguard.estimator.tracing.trace_spec` builds the spec for a target and precision.
 
     Attributes:
         param_dtype: cast floating parameters, buffers and inputs to this dtype (``*-true``

@@ -71,7 +71,7 @@ def plan_eval(
             :func:`memguard.plan`.
         precision: the precision the evaluation runs in (one name: the training run's).
         fn, optimizer, optimizer_state, grads_present, keep_outputs: what the step runs and what is
-            resident, as for :func:`memguard.estimator.evaluation.estimate_eval`.
+            resident, as for :func:`memguard.estimator.eval_step.estimate_eval`.
         max_shape: plan for this worst-case shape (see :mod:`memguard.data`).
 
     Returns:
@@ -82,8 +82,9 @@ def plan_eval(
         InfeasiblePlanError: not even one sample fits; ``.closest`` is the one-sample plan.
     """
     from memguard.data import planning_batch
-    from memguard.estimator.api import evaluate, unwrap_model
-    from memguard.estimator.evaluation import _eval_problems, eval_trace
+    from memguard.estimator.pricing import estimate_from_trace
+    from memguard.estimator.targets import unwrap_model
+    from memguard.estimator.eval_step import _eval_problems, eval_trace
 
     problems: list[str] = []
     example = first_dim(batch)
@@ -126,10 +127,10 @@ def plan_eval(
         return traces[m]
 
     def estimate(tr, m: int):
-        from memguard.estimator.evaluation import EVAL_NOTE, _with_ddp_buckets
+        from memguard.estimator.eval_step import EVAL_NOTE, _with_ddp_buckets
         import dataclasses
 
-        est, _ = evaluate(tr, device=device, precision=precision, zero_stage=0, world_size=world_size, spec=spec,
+        est, _ = estimate_from_trace(tr, device=device, precision=precision, zero_stage=0, world_size=world_size, spec=spec,
                           micro_batch_size=m)
         return _with_ddp_buckets(dataclasses.replace(est, notes=(EVAL_NOTE, *est.notes)), tr, world_size,
                                  grads_present)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from memguard.errors import ConfigError, InfeasiblePlanError, MissingDependencyError
-from memguard.estimator.api import unwrap_model
+from memguard.estimator.targets import unwrap_model
 from memguard.estimator.blocks import find_blocks
 from memguard.vocab import format_bytes
 
@@ -664,7 +664,7 @@ def alternatives(model: nn.Module, batch: Any, request: Any, *, only: Sequence[s
                                "bf16: model.to(torch.bfloat16))", peak, plan is not None, BF16_TRUE_NOTE, plan))
     if want("cpu-offload") and True not in space.offloads:
         zeros = tuple(z for z in space.zero_stages if z >= 1) or ((1, 2) if request.world_size == 1 else (1, 2, 3))
-        # ZeRO >= 1 traces *-mixed as *-true (memguard.estimator.api.traced_precision): the
+        # ZeRO >= 1 traces *-mixed as *-true (memguard.estimator.targets.traced_precision): the
         # bf16-true alternative's traces serve here too
         peak, plan = _measure(model, batch, _plain_request(request, offload_optimizer=True, zero_stage=zeros,
                                                           precision=precision), planner)

@@ -253,7 +253,7 @@ class PlanRequest:
         offloads = _choices(say("offload_optimizer", self.offload_optimizer), self.offload_optimizer,
                             (False, True), (False, True), problems)
         multi = _is_int(world) and world > 1
-        from memguard.estimator.api import STRATEGIES
+        from memguard.estimator.targets import STRATEGIES
 
         strategies = _choices(say("strategy", self.strategy), self.strategy, ("ddp", "deepspeed"), STRATEGIES,
                               problems)

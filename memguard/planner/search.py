@@ -38,7 +38,9 @@ from torch import nn
 
 from memguard.batch import first_dim, resize_batch
 from memguard.errors import ConfigError, InfeasiblePlanError
-from memguard.estimator.api import evaluate, fsdp2_layout, run_trace, traced_precision, unwrap_model
+from memguard.estimator.pricing import estimate_from_trace
+from memguard.estimator.targets import traced_precision, unwrap_model
+from memguard.estimator.tracing import fsdp2_layout, run_trace
 from memguard.estimator.blocks import find_blocks, hidden_size
 from memguard.estimator.result import Estimate
 from memguard.planner.cost import CPU_TFLOPS, CostInputs, step_seconds
@@ -243,7 +245,7 @@ class Planner:
         for j in self.probe_points(spec):
             tr = self._probe_trace(precision, zero_stage, ckpt_all, j, spec, strategy, world_size)
             # allocated bytes only: the CPU target's evaluation is the sharded timeline without the allocator
-            _, tl = evaluate(tr, device="cpu", precision=precision, zero_stage=zero_stage, world_size=world_size,
+            _, tl = estimate_from_trace(tr, device="cpu", precision=precision, zero_stage=zero_stage, world_size=world_size,
                              spec=None, offload_optimizer=offload, micro_batch_size=self.m0, strategy=strategy)
             feats.append(ProbeFeatures.of(tl))
         if len(feats) == 1:
@@ -340,7 +342,7 @@ class Planner:
                                                traced_accum)
                     if accumulating and not traced_accum:
                         whole = with_gradients_present(whole)
-                    est, _ = evaluate(whole, device=self.device, precision=precision, zero_stage=zero_stage,
+                    est, _ = estimate_from_trace(whole, device=self.device, precision=precision, zero_stage=zero_stage,
                                        world_size=world_size, spec=spec, offload_optimizer=offload,
                                        micro_batch_size=m, checkpointed=self.num_blocks if ckpt_all else 0,
                                        strategy=strategy)
@@ -697,7 +699,7 @@ def _verify(planner: Planner, spec, cand: _Candidate, world_size: int, usable: i
     tr = planner.trace(traced_precision(cand.precision, cand.zero_stage, cand.strategy), ckpt=cand.checkpoint_blocks,
                        m=cand.micro_batch_size, grads_present=cand.grad_accum_steps > 1, spec=spec,
                        fsdp2=planner._layout(cand.strategy, cand.precision, cand.zero_stage, world_size))
-    est, _ = evaluate(tr, device=planner.device, precision=cand.precision, zero_stage=cand.zero_stage,
+    est, _ = estimate_from_trace(tr, device=planner.device, precision=cand.precision, zero_stage=cand.zero_stage,
                       strategy=cand.strategy,
                       world_size=world_size, spec=spec, offload_optimizer=cand.offload_optimizer,
                       micro_batch_size=cand.micro_batch_size, checkpointed=cand.checkpoint_blocks,

@@ -13,7 +13,7 @@ from torch import nn
 from memguard.batch import resize_batch
 from memguard.errors import ConfigError
 from memguard.estimator.api import estimate
-from memguard.estimator.evaluation import EVAL_NOTE, estimate_eval
+from memguard.estimator.eval_step import EVAL_NOTE, estimate_eval
 from memguard.planner.eval_plan import plan_eval
 from tests.estimator.eval_ground_truth import measure_cpu_eval_peak
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import memguard
 from memguard.batch import resize_batch
-from memguard.estimator.evaluation import estimate_eval
+from memguard.estimator.eval_step import estimate_eval
 
 FP32 = 4
 

@@ -412,16 +412,17 @@ def test_step_temporaries_are_those_of_one_flat_partition(stage):
 
 
 def test_evaluate_takes_the_engines_buckets():
-    from memguard.estimator.api import evaluate, run_trace
+    from memguard.estimator.pricing import estimate_from_trace
+    from memguard.estimator.tracing import run_trace
 
     model, batch = mlp(), torch.randn(2, 256)
     trace = run_trace(model, batch, optimizer=adam, loss_fn=loss_fn, device="cpu", precision="32-true")
     kw = dict(device="cpu", precision="32-true", world_size=2, spec=None, strategy="deepspeed")
     for stage in (1, 2, 3):
-        plain, _ = evaluate(trace, zero_stage=stage, **kw)
-        small, _ = evaluate(trace, zero_stage=stage, zero_config={"reduce_bucket_size": 1,
+        plain, _ = estimate_from_trace(trace, zero_stage=stage, **kw)
+        small, _ = estimate_from_trace(trace, zero_stage=stage, zero_config={"reduce_bucket_size": 1,
                                                                   "stage3_param_persistence_threshold": 0}, **kw)
-        big, _ = evaluate(trace, zero_stage=stage, zero_config={"stage3_param_persistence_threshold": 0}, **kw)
+        big, _ = estimate_from_trace(trace, zero_stage=stage, zero_config={"stage3_param_persistence_threshold": 0}, **kw)
         assert big.peak_bytes - small.peak_bytes == (500_000_000 - 1) * FP32  # DeepSpeed's default bucket
         if stage < 3:
             assert small.peak_bytes - plain.peak_bytes == FP32  # the 1-element bucket

@@ -30,7 +30,11 @@ from torch import nn
 
 from memguard.batch import first_dim
 from memguard.errors import ConfigError
+from memguard.estimator.pricing import estimate_from_trace
 from memguard.estimator.result import Estimate
+from memguard.estimator.targets import check_common, target_cpu, target_gpu, unwrap_model
+from memguard.estimator.trace import trace_step
+from memguard.estimator.tracing import trace_spec
 from memguard.vocab import Device, Precision
 
 __all__ = ["estimate_eval", "eval_trace", "EVAL_NOTE"]
@@ -74,9 +78,6 @@ def eval_trace(model: nn.Module, batch: Any, *, fn: Callable[[nn.Module, Any], A
     Raises:
         ConfigError: the model or ``fn`` cannot be called with the batch.
     """
-    from memguard.estimator.api import trace_spec
-    from memguard.estimator.trace import trace_step
-
     spec = trace_spec(device=device, precision=precision, grads_present=grads_present, keep_outputs=keep_outputs,
                       gpu=gpu, count_flops=count_flops, cpu=cpu)
     spec = dataclasses.replace(spec, train=False, optimizer_state=optimizer_state)
@@ -147,8 +148,6 @@ def estimate_eval(
         ``Trainer``'s prediction loop without ``eval_accumulation_steps``) hold more than one
         step's outputs; that growth is not modelled.
     """
-    from memguard.estimator.api import check_common, evaluate, target_cpu, target_gpu, unwrap_model
-
     problems: list[str] = []
     check_common(precision=precision, zero_stage=0, world_size=world_size, device=device, problems=problems)
     problems.extend(_eval_problems(zero_stage=zero_stage, optimizer_state=optimizer_state,
@@ -173,8 +172,8 @@ def estimate_eval(
     trace = eval_trace(model, batch, fn=fn, device=device, precision=precision, optimizer=optimizer,
                        optimizer_state=optimizer_state, grads_present=grads_present, keep_outputs=keep_outputs,
                        gpu=spec, cpu=cpu_target)
-    est, _ = evaluate(trace, device=device, precision=precision, zero_stage=0, world_size=world_size, spec=spec,
-                      micro_batch_size=int(micro or 0))
+    est, _ = estimate_from_trace(trace, device=device, precision=precision, zero_stage=0, world_size=world_size,
+                                 spec=spec, micro_batch_size=int(micro or 0))
     return _with_ddp_buckets(dataclasses.replace(est, notes=(EVAL_NOTE, *est.notes)), trace, world_size, grads_present)
 
 
@@ -182,7 +181,7 @@ def _with_ddp_buckets(est: Estimate, trace: Any, world_size: int, grads_present:
     """Add DDP's gradient buckets, which exist for as long as the DDP wrapper does (allocated when it
     is built: torch/csrc/distributed/c10d/reducer.cpp, ``Reducer::initialize_buckets``), so they are
     resident during evaluation too. The training device model adds them from the traced gradients;
-    an evaluation trace has none unless ``grads_present``, when ``evaluate`` already added them."""
+    an evaluation trace has none unless ``grads_present``, when :func:`~memguard.estimator.pricing.estimate_from_trace` already added them."""
     if world_size <= 1 or grads_present:
         return est
     from memguard.estimator.cuda import ROUND_LARGE
