@@ -472,7 +472,8 @@ def _tracer_class():
 
                 self.flops = [FlopCounterMode(display=False), FlopCounterMode(display=False)]
             if spec.cuda_target is not None:
-                from memguard.estimator.cuda_kernels import CudaKernelModel, load_rules
+                from memguard.estimator.cuda_kernels import CudaKernelModel
+                from memguard.estimator.trace import load_rules
 
                 load_rules()
                 self.kernel_model = CudaKernelModel(spec.cuda_target)

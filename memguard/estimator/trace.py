@@ -50,7 +50,7 @@ from memguard.estimator.cpu_kernels import CPU_RULES, CpuTarget, Replay
 from memguard.estimator.cuda_kernels import CudaTarget
 from memguard.estimator.fake_corrections import CORRECTIONS
 
-__all__ = ["Trace", "TraceSpec", "Recorder", "trace_step", "PHASES", "OPTIMIZER_TEMPORARIES"]
+__all__ = ["Trace", "TraceSpec", "Recorder", "trace_step", "load_rules", "PHASES", "OPTIMIZER_TEMPORARIES"]
 
 PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
 
@@ -550,6 +550,13 @@ def _engine_backward(loss: torch.Tensor) -> None:
     )
 
 
+def load_rules() -> None:
+    """Register every CUDA rule in :data:`~memguard.estimator.cuda_kernels.RULES` (importing the rule
+    modules registers them; repeated calls are free). A trace for the CUDA target on CPU fakes calls
+    it before it turns the :class:`~memguard.estimator.cuda_kernels.CudaKernelModel` on."""
+    from memguard.estimator import cuda_attention, cuda_rules  # noqa: F401 - imported for registration
+
+
 def trace_step(
     model: nn.Module,
     batch: Any,
@@ -673,7 +680,7 @@ class _StepTracer:
 
             self.emulation = CudaAutocastEmulation(spec.autocast_dtype)
         if spec.cuda_target is not None:
-            from memguard.estimator.cuda_kernels import CudaKernelModel, load_rules
+            from memguard.estimator.cuda_kernels import CudaKernelModel
 
             load_rules()
             self.kernel_model = CudaKernelModel(spec.cuda_target)

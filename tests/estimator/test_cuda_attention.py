@@ -14,8 +14,8 @@ from torch._subclasses import FakeTensorMode
 
 from memguard.errors import ConfigError
 from memguard.estimator import cuda_attention as ca
-from memguard.estimator.cuda_kernels import RULES, CudaKernelModel, CudaTarget, load_rules
-from memguard.estimator.trace import Trace, Recorder
+from memguard.estimator.cuda_kernels import RULES, CudaKernelModel, CudaTarget
+from memguard.estimator.trace import Trace, Recorder, load_rules
 
 load_rules()
 
