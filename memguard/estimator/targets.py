@@ -20,6 +20,7 @@ from memguard.vocab import PRECISIONS
 
 __all__ = [
     "STRATEGIES",
+    "is_int",
     "check_strategy",
     "resolve_strategy",
     "check_common",
@@ -28,6 +29,11 @@ __all__ = [
     "unwrap_model",
     "traced_precision",
 ]
+
+def is_int(value: Any) -> bool:
+    """An ``int`` that is not a ``bool`` (``True == 1``, but ``zero_stage=True`` is no stage)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 #: The data-parallel strategies memguard estimates: DDP (no sharding), DeepSpeed ZeRO, FSDP2.
 STRATEGIES: tuple[str, ...] = ("ddp", "deepspeed", "fsdp2")
@@ -40,7 +46,7 @@ def check_strategy(*, strategy: Any, zero_stage: Any, offload_optimizer: Any = F
     no sharding (``zero_stage=0``); "deepspeed" needs a ZeRO stage >= 1; "fsdp2" takes
     ``zero_stage`` as its sharding level 1-3.
     """
-    stage_ok = isinstance(zero_stage, int) and not isinstance(zero_stage, bool) and 0 <= zero_stage <= 3
+    stage_ok = is_int(zero_stage) and 0 <= zero_stage <= 3
     if strategy is not None and strategy not in STRATEGIES:
         problems.append(f"strategy={strategy!r} is not one of None, {', '.join(map(repr, STRATEGIES))}")
         return
@@ -79,9 +85,9 @@ def check_common(
     """Append a sentence to ``problems`` for each invalid target argument."""
     if precision not in PRECISIONS:  # full names only: an Estimate records exactly what was asked
         problems.append(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
-    if not (isinstance(zero_stage, int) and 0 <= zero_stage <= 3):
+    if not (is_int(zero_stage) and 0 <= zero_stage <= 3):  # True is not stage 1 (as memguard.plan refuses it)
         problems.append(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
-    if not (isinstance(world_size, int) and world_size >= 1):
+    if not (is_int(world_size) and world_size >= 1):
         problems.append(f"world_size={world_size!r} must be an integer >= 1 (the number of data-parallel ranks)")
     if device not in ("cuda", "cpu"):
         problems.append(f"device={device!r} must be 'cuda' or 'cpu'")
