@@ -15,7 +15,7 @@ import torch
 
 from memguard.estimator.analysis import scaled_events, scan
 from memguard.estimator.cuda import ROUND_LARGE
-from memguard.estimator.result import Estimate
+from memguard.estimator.result import Category, Estimate
 from memguard.estimator.sharding import model_state_factors
 from memguard.estimator.targets import resolve_strategy, traced_precision
 from memguard.vocab import round_up
@@ -102,8 +102,8 @@ def _estimate_from_factors(trace, factors, *, device, precision, zero_stage, wor
         reserved, allocated_peak, workspace, notes = _cuda_reserved(trace, factors.as_dict(), spec, cap)
         reserved += round_up(constant, ROUND_LARGE)  # constant buffers: their own segments, kRoundLarge-rounded
         allocated_peak += constant
-        breakdown["workspace"] = workspace
-        breakdown["allocator_overhead"] = max(0, reserved - timeline.peak_bytes - workspace)
+        breakdown[Category.WORKSPACE] = workspace
+        breakdown[Category.ALLOCATOR_OVERHEAD] = max(0, reserved - timeline.peak_bytes - workspace)
         peak = sum(breakdown.values())
         context = spec.context_bytes
     if strategy == "fsdp2":

@@ -49,6 +49,7 @@ from memguard.errors import ConfigError
 from memguard.estimator.cpu_kernels import CPU_RULES, CpuTarget, Replay
 from memguard.estimator.cuda_kernels import CudaTarget
 from memguard.estimator.fake_corrections import CORRECTIONS
+from memguard.estimator.result import Category
 
 __all__ = ["Trace", "TraceSpec", "Recorder", "trace_step", "load_rules", "PHASES", "OPTIMIZER_TEMPORARIES"]
 
@@ -125,7 +126,8 @@ class Trace:
         events: ``(handle, signed_bytes)`` in time order: ``+n`` allocates storage ``handle`` of
             ``n`` bytes, ``-n`` frees it.
         sizes: bytes of each handle (its last size).
-        category: the category of each handle (see ``memguard.estimator.result.CATEGORIES``).
+        category: the category of each handle (a :class:`~memguard.estimator.result.Category`, or one of the
+            trace's own: :data:`OPTIMIZER_TEMPORARIES`, FSDP2's).
         phase_starts: index into ``events`` where each phase of :data:`PHASES` begins.
         num_params, num_trainable_params: parameter counts (tied weights once).
         largest_layer_params: the most parameters any single module holds itself, DeepSpeed's
@@ -691,17 +693,17 @@ class _StepTracer:
         state, gradients (under accumulation) and the batch."""
         rec = self.recorder
         for p in self.params:
-            rec.register(p, "params")
+            rec.register(p, Category.PARAMS)
         for b in self.fmodel.buffers():
-            rec.register(b, "params")
+            rec.register(b, Category.PARAMS)
         if self.opt is not None:
             for t in _optimizer_state_tensors(self.opt):
-                rec.register(t, "optimizer")
+                rec.register(t, Category.OPTIMIZER)
         for p in self.trainable:
             if p.grad is not None:
-                rec.register(p.grad, "grads")
+                rec.register(p.grad, Category.GRADS)
         for t in tensor_leaves(self.fbatch):
-            rec.register(t, "inputs")
+            rec.register(t, Category.INPUTS)
 
     # ------------------------------------------------------------------------------ forward
     def _modes(self) -> contextlib.ExitStack:
@@ -805,7 +807,7 @@ class _StepTracer:
         for p in self.trainable:
             h = rec.handle_of(p.grad) if p.grad is not None else None
             if h is not None:
-                trace.category[h] = "grads"
+                trace.category[h] = Category.GRADS
 
     # ------------------------------------------------------------------------------ optimizer
     def optimizer_step(self) -> None:
@@ -817,7 +819,7 @@ class _StepTracer:
         for t in _optimizer_state_tensors(self.opt):
             h = rec.handle_of(t)
             if h is not None and not trace.category[h]:
-                trace.category[h] = "optimizer"
+                trace.category[h] = Category.OPTIMIZER
         trace.phase_starts["zero_grad"] = len(trace.events)
         rec.phase = "zero_grad"
         self.opt.zero_grad(set_to_none=True)
@@ -831,8 +833,8 @@ class _StepTracer:
             if not cat:
                 phase = alloc_phase[h]
                 trace.category[h] = (
-                    "activations" if phase == "forward"
-                    else OPTIMIZER_TEMPORARIES if phase == "optimizer" else "temporaries"
+                    Category.ACTIVATIONS if phase == "forward"
+                    else OPTIMIZER_TEMPORARIES if phase == "optimizer" else Category.TEMPORARIES
                 )
 
     # ------------------------------------------------------------------------------ outputs
