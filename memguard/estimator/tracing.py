@@ -122,7 +122,7 @@ def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint
     if fsdp2 is not None:
         import dataclasses
 
-        from memguard.estimator.fsdp2 import trace_fsdp2_step
+        from memguard.estimator.fsdp2_trace import trace_fsdp2_step
 
         spec = trace_spec(**kwargs)
         if fsdp2.mp_dtype is not None:  # the policy casts; no autocast (GradScaler's scaling stays)
