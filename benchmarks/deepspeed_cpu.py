@@ -131,16 +131,17 @@ def estimate_case(case: Case, *, with_buckets: bool = True) -> dict[str, Any]:
     """memguard's estimate for ``case`` (``with_buckets=False``: without the engine's config, as
     ``memguard.estimate`` runs today)."""
     from memguard.estimator.pricing import estimate_from_trace
-    from memguard.estimator.targets import traced_precision
-    from memguard.estimator.tracing import run_trace
+    from memguard.estimator.targets import Target, traced_precision
+    from memguard.estimator.tracing import TraceRequest, run_trace
 
     model = build_model(case.model, "meta")
     t0 = time.perf_counter()
-    trace = run_trace(model, make_batch(case), optimizer=None, loss_fn=None, device="cpu",
-                      precision=traced_precision(case.precision, case.zero_stage, "deepspeed"))
+    request = TraceRequest(device="cpu", precision=traced_precision(case.precision, case.zero_stage, "deepspeed"))
+    trace = run_trace(model, make_batch(case), request, optimizer=None, loss_fn=None)
     kw = {"zero_config": ds_config(case)["zero_optimization"]} if with_buckets else {}
-    est, _ = estimate_from_trace(trace, device="cpu", precision=case.precision, zero_stage=case.zero_stage,
-                      world_size=case.world_size, spec=None, strategy="deepspeed", **kw)
+    target = Target(device="cpu", precision=case.precision, zero_stage=case.zero_stage, world_size=case.world_size,
+                    strategy="deepspeed")
+    est, _ = estimate_from_trace(trace, target, **kw)
     return {"peak_bytes": int(est.peak_bytes), "peak_phase": est.peak_phase, "breakdown": dict(est.breakdown),
             "phase_peaks": dict(est.phase_peaks), "seconds": round(time.perf_counter() - t0, 2)}
 

@@ -19,6 +19,7 @@ from memguard.errors import ConfigError
 from memguard.estimator.pricing import estimate_from_trace
 from memguard.estimator.result import Estimate
 from memguard.estimator.targets import (
+    Target,
     check_common,
     check_strategy,
     resolve_strategy,
@@ -27,7 +28,7 @@ from memguard.estimator.targets import (
     traced_precision,
     unwrap_model,
 )
-from memguard.estimator.tracing import fsdp2_layout, run_trace
+from memguard.estimator.tracing import TraceRequest, fsdp2_layout, run_trace
 from memguard.vocab import ALL_BLOCKS, Device, Precision
 
 __all__ = ["estimate", "check_common", "check_strategy", "target_gpu", "target_cpu"]
@@ -165,19 +166,17 @@ def estimate(
     if blocks is True:
         blocks = ALL_BLOCKS
     strategy = resolve_strategy(strategy, zero_stage)
-    trace = run_trace(
-        model, batch, optimizer=optimizer, loss_fn=loss_fn, device=device,
-        precision=traced_precision(precision, zero_stage, strategy),
+    request = TraceRequest(
+        device=device, precision=traced_precision(precision, zero_stage, strategy),
         checkpoint_blocks=int(blocks or 0), grads_present=grad_accum_steps > 1, keep_outputs=keep_outputs,
-        gpu=spec, fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer, device),
-        cpu=cpu_target,
+        gpu=spec, cpu=cpu_target,
+        fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer, device),
     )
+    trace = run_trace(model, batch, request, optimizer=optimizer, loss_fn=loss_fn)
     from memguard.estimator.blocks import find_blocks
 
     checkpointed = min(int(blocks or 0), len(find_blocks(model)))
-    est, _ = estimate_from_trace(
-        trace, device=device, precision=precision, zero_stage=zero_stage, world_size=world_size, spec=spec,
-        offload_optimizer=offload_optimizer, micro_batch_size=int(micro or 0), checkpointed=checkpointed,
-        strategy=strategy,
-    )
+    target = Target(device=device, precision=precision, zero_stage=zero_stage, world_size=world_size, gpu=spec,
+                    strategy=strategy, offload_optimizer=offload_optimizer)
+    est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0), checkpointed=checkpointed)
     return est

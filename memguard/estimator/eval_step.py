@@ -32,9 +32,9 @@ from memguard.batch import first_dim
 from memguard.errors import ConfigError
 from memguard.estimator.pricing import estimate_from_trace
 from memguard.estimator.result import Estimate
-from memguard.estimator.targets import check_common, target_cpu, target_gpu, unwrap_model
+from memguard.estimator.targets import Target, check_common, target_cpu, target_gpu, unwrap_model
 from memguard.estimator.trace import trace_step
-from memguard.estimator.tracing import trace_spec
+from memguard.estimator.tracing import TraceRequest, trace_spec
 from memguard.vocab import Device, Precision
 
 __all__ = ["estimate_eval", "eval_trace", "EVAL_NOTE"]
@@ -66,11 +66,16 @@ def _eval_problems(*, zero_stage: Any, optimizer_state: Any, grads_present: Any,
     return out
 
 
-def eval_trace(model: nn.Module, batch: Any, *, fn: Callable[[nn.Module, Any], Any] | None = None,
-               device: str = "cpu", precision: str = "32-true", optimizer: Any = None,
-               optimizer_state: bool = False, grads_present: bool = False, keep_outputs: bool = False,
-               gpu: Any = None, count_flops: bool = False, cpu: Any = None):
+def eval_trace(model: nn.Module, batch: Any, request: TraceRequest, *,
+               fn: Callable[[nn.Module, Any], Any] | None = None, optimizer: Any = None,
+               optimizer_state: bool = False):
     """Trace one evaluation step (arguments already validated); see :func:`estimate_eval`.
+
+    Args:
+        model, batch, fn, optimizer, optimizer_state: as for :func:`estimate_eval`.
+        request: the device, precision, kernel models, ``grads_present``, ``keep_outputs`` and
+            ``count_flops`` (a :class:`~memguard.estimator.tracing.TraceRequest` without
+            checkpointing, cut-down blocks or FSDP2: an evaluation step has no backward).
 
     Returns:
         A :class:`~memguard.estimator.trace.Trace` whose only phase is ``"forward"``.
@@ -78,9 +83,7 @@ def eval_trace(model: nn.Module, batch: Any, *, fn: Callable[[nn.Module, Any], A
     Raises:
         ConfigError: the model or ``fn`` cannot be called with the batch.
     """
-    spec = trace_spec(device=device, precision=precision, grads_present=grads_present, keep_outputs=keep_outputs,
-                      gpu=gpu, count_flops=count_flops, cpu=cpu)
-    spec = dataclasses.replace(spec, train=False, optimizer_state=optimizer_state)
+    spec = dataclasses.replace(trace_spec(request), train=False, optimizer_state=optimizer_state)
     # Fake CUDA tensors cannot run backward without a GPU, but an evaluation step has none; the CPU
     # fakes with CUDA's autocast and kernels emulated are used everywhere for one code path.
     return trace_step(model, batch, spec, optimizer=optimizer, loss_fn=fn)
@@ -169,11 +172,11 @@ def estimate_eval(
     cpu_target = target_cpu(device, cpu, problems)
     if problems:
         raise ConfigError(problems)
-    trace = eval_trace(model, batch, fn=fn, device=device, precision=precision, optimizer=optimizer,
-                       optimizer_state=optimizer_state, grads_present=grads_present, keep_outputs=keep_outputs,
-                       gpu=spec, cpu=cpu_target)
-    est, _ = estimate_from_trace(trace, device=device, precision=precision, zero_stage=0, world_size=world_size,
-                                 spec=spec, micro_batch_size=int(micro or 0))
+    request = TraceRequest(device=device, precision=precision, grads_present=grads_present,
+                           keep_outputs=keep_outputs, gpu=spec, cpu=cpu_target)
+    trace = eval_trace(model, batch, request, fn=fn, optimizer=optimizer, optimizer_state=optimizer_state)
+    target = Target(device=device, precision=precision, world_size=world_size, gpu=spec)
+    est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0))
     return _with_ddp_buckets(dataclasses.replace(est, notes=(EVAL_NOTE, *est.notes)), trace, world_size, grads_present)
 
 

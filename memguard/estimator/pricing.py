@@ -13,19 +13,27 @@ from __future__ import annotations
 
 import torch
 
-from memguard.estimator.analysis import scaled_events, scan
+from memguard.estimator.analysis import Timeline, scaled_events, scan
 from memguard.estimator.cuda import ROUND_LARGE
 from memguard.estimator.result import Category, Estimate
-from memguard.estimator.sharding import model_state_factors
-from memguard.estimator.targets import resolve_strategy, traced_precision
+from memguard.estimator.sharding import TracedStates, ZeroBuckets, ZeroSetup, model_state_factors
+from memguard.estimator.targets import Target, traced_precision
 from memguard.vocab import round_up
 
 __all__ = ["estimate_from_trace"]
 
 
-def estimate_from_trace(trace, *, device, precision, zero_stage, world_size, spec, offload_optimizer=False,
-                        micro_batch_size=0, checkpointed=0, limit_bytes=None, strategy=None, zero_config=None):
+def estimate_from_trace(trace, target: Target, *, micro_batch_size=0, checkpointed=0, limit_bytes=None,
+                        zero_config=None) -> tuple[Estimate, Timeline]:
     """Turn a trace into an :class:`Estimate` for one target (sharding, allocator, workspaces).
+
+    Args:
+        trace: the :class:`~memguard.estimator.trace.Trace` of one step.
+        target: the :class:`~memguard.estimator.targets.Target` it is priced for.
+        micro_batch_size: the traced batch's dim 0, as the estimate records it.
+        checkpointed: the blocks memguard checkpointed, as the estimate records it.
+        limit_bytes: see below (CUDA only).
+        zero_config: see below (DeepSpeed only).
 
     With ``limit_bytes`` (CUDA only) the allocator model runs under that cap: like the real
     allocator it releases cached segments before failing, so ``peak_bytes`` is what
@@ -43,50 +51,52 @@ def estimate_from_trace(trace, *, device, precision, zero_stage, world_size, spe
 
     Returns the estimate and the scaled :class:`~memguard.estimator.analysis.Timeline`.
     """
-    strategy = resolve_strategy(strategy, zero_stage)
-    if strategy == "fsdp2":
+    target = target.resolved()
+    if target.strategy == "fsdp2":
         from memguard.estimator.fsdp2 import fsdp2_factors
 
-        factors = fsdp2_factors(offload_optimizer)
+        factors = fsdp2_factors(target.offload_optimizer)
     else:
-        factors = _zero_factors(trace, precision=precision, zero_stage=zero_stage, world_size=world_size,
-                                offload_optimizer=offload_optimizer, zero_config=zero_config)
-    return _estimate_from_factors(trace, factors, device=device, precision=precision, zero_stage=zero_stage,
-                     world_size=world_size, spec=spec, offload_optimizer=offload_optimizer,
-                     micro_batch_size=micro_batch_size, checkpointed=checkpointed, limit_bytes=limit_bytes,
-                     strategy=strategy)
+        factors = _zero_factors(trace, target, zero_config)
+    return _estimate_from_factors(trace, factors, target, micro_batch_size=micro_batch_size,
+                                  checkpointed=checkpointed, limit_bytes=limit_bytes)
 
 
-def _zero_factors(trace, *, precision, zero_stage, world_size, offload_optimizer, zero_config=None):
-    from memguard.estimator.sharding import ZeroBuckets
+def _zero_factors(trace, target: Target, zero_config=None):
     from memguard.estimator.trace import OPTIMIZER_TEMPORARIES
 
     totals = _category_totals(trace)
     param_sizes = [trace.sizes[h] for h, c in enumerate(trace.category) if c == "params"]
     item = trace.trainable_param_bytes / trace.num_trainable_params if trace.num_trainable_params else 4
-    return model_state_factors(
-        zero_stage=zero_stage,
-        world_size=world_size,
-        traced_params=totals.get("params", 0),
-        traced_grads=totals.get("grads", 0),
-        traced_optimizer=totals.get("optimizer", 0),
+    precision, zero_stage = target.precision, target.zero_stage
+    traced = TracedStates(
+        params=totals.get("params", 0),
+        grads=totals.get("grads", 0),
+        optimizer=totals.get("optimizer", 0),
         num_params=trace.num_params,
         num_trainable=trace.num_trainable_params,
         largest_layer=trace.largest_layer_params,
-        sixteen_bit=precision != "32-true",
-        offload_optimizer=offload_optimizer,
-        state_scale=2.0 if traced_precision(precision, zero_stage) != precision else 1.0,
-        buckets=None if zero_config is None else ZeroBuckets.from_config(zero_config),
-        traced_temporaries=totals.get(OPTIMIZER_TEMPORARIES, 0),
+        temporaries=totals.get(OPTIMIZER_TEMPORARIES, 0),
         largest_param_bytes=max(param_sizes, default=0),
-        traced_activations=totals.get("activations", 0),
+        activations=totals.get("activations", 0),
         param_numels=tuple(int(b // item) for b in param_sizes) if item else (),
         trainable_param_bytes=trace.trainable_param_bytes,
     )
+    setup = ZeroSetup(
+        zero_stage=zero_stage,
+        world_size=target.world_size,
+        sixteen_bit=precision != "32-true",
+        offload_optimizer=target.offload_optimizer,
+        state_scale=2.0 if traced_precision(precision, zero_stage) != precision else 1.0,
+        buckets=None if zero_config is None else ZeroBuckets.from_config(zero_config),
+    )
+    return model_state_factors(traced, setup)
 
 
-def _estimate_from_factors(trace, factors, *, device, precision, zero_stage, world_size, spec, offload_optimizer,
-              micro_batch_size, checkpointed, limit_bytes, strategy):
+def _estimate_from_factors(trace, factors, target: Target, *, micro_batch_size, checkpointed, limit_bytes):
+    device, precision, zero_stage, world_size, spec = (target.device, target.precision, target.zero_stage,
+                                                       target.world_size, target.gpu)
+    offload_optimizer, strategy = target.offload_optimizer, target.strategy
     extra = {"grads": factors.extra_grads, "params": factors.extra_params}
     timeline = _fold_optimizer_temporaries(scan(trace, factors.as_dict(), extra))
     if getattr(factors, "gathered_share", 0.0):

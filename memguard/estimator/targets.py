@@ -11,6 +11,8 @@ in) and unwraps the model the user passed. It imports nothing above the estimato
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -19,6 +21,7 @@ from memguard.errors import ConfigError
 from memguard.vocab import PRECISIONS
 
 __all__ = [
+    "Target",
     "STRATEGIES",
     "is_int",
     "check_strategy",
@@ -143,3 +146,34 @@ def traced_precision(precision: str, zero_stage: int, strategy: str | None = Non
     if zero_stage >= 1 and precision.endswith("-mixed"):
         return precision.replace("-mixed", "-true")
     return precision
+
+
+@dataclass(frozen=True)
+class Target:
+    """A checked target that a trace is priced for (:func:`memguard.estimator.pricing.estimate_from_trace`).
+
+    Attributes:
+        device: ``"cuda"`` or ``"cpu"``.
+        precision: the precision asked for, as the :class:`~memguard.Estimate` records it (the
+            trace may have run in :func:`traced_precision`).
+        zero_stage: the strategy's sharding level 0-3 (ZeRO's stage; FSDP2's level).
+        world_size: data-parallel ranks.
+        gpu: the CUDA target's :class:`~memguard.estimator.gpus.GPUSpec` (its name, context bytes
+            and BLAS workspaces; :func:`target_gpu`); None on the CPU.
+        strategy: ``"ddp"``, ``"deepspeed"`` or ``"fsdp2"``; None means what :func:`resolve_strategy`
+            makes of ``zero_stage``.
+        offload_optimizer: the optimizer state lives on the host (ZeRO-Offload; FSDP2's
+            ``CPUOffloadPolicy``).
+    """
+
+    device: str
+    precision: str
+    zero_stage: int = 0
+    world_size: int = 1
+    gpu: Any = None
+    strategy: str | None = None
+    offload_optimizer: bool = False
+
+    def resolved(self) -> "Target":
+        """This target with its strategy resolved (:func:`resolve_strategy`)."""
+        return dataclasses.replace(self, strategy=resolve_strategy(self.strategy, self.zero_stage))

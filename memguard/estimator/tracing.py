@@ -10,6 +10,8 @@ of a real FSDP2 step (:mod:`memguard.estimator.fsdp2_trace`). The trace is price
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from memguard.errors import ConfigError
 from memguard.estimator.trace import TraceSpec, trace_step
 from memguard.vocab import precision_spec
 
-__all__ = ["trace_spec", "run_trace", "cuda_target", "fsdp2_layout"]
+__all__ = ["TraceRequest", "trace_spec", "run_trace", "cuda_target", "fsdp2_layout"]
 
 
 def fsdp2_layout(strategy: str, precision: str, zero_stage: int, world_size: int, offload: bool, device: str):
@@ -33,33 +35,55 @@ def fsdp2_layout(strategy: str, precision: str, zero_stage: int, world_size: int
                        backend="gloo" if device == "cpu" else "nccl")
 
 
-def trace_spec(
-    *,
-    device: str,
-    precision: str,
-    checkpoint_blocks: int = 0,
-    grads_present: bool = False,
-    keep_blocks: int | None = None,
-    count_flops: bool = False,
-    keep_outputs: bool = False,
-    gpu: Any = None,
-    on_gpu: bool = False,
-    cpu: Any = None,
-) -> TraceSpec:
-    """The :class:`~memguard.estimator.trace.TraceSpec` that :func:`run_trace` traces with.
+@dataclass(frozen=True)
+class TraceRequest:
+    """What :func:`run_trace` traces (arguments already validated): the target's device and kernel
+    models, the precision as traced, and the step's knobs.
+
+    Attributes:
+        device: ``"cuda"`` or ``"cpu"``.
+        precision: a precision name (see :mod:`memguard.vocab`), as traced
+            (:func:`~memguard.estimator.targets.traced_precision`).
+        checkpoint_blocks: checkpoint this many repeated blocks (:data:`memguard.vocab.ALL_BLOCKS`: all).
+        grads_present: gradients exist when the step starts (gradient accumulation).
+        keep_blocks: keep only this many repeated blocks (the planner's probes), or None.
+        count_flops: count forward and backward FLOPs.
+        keep_outputs: the loop keeps the model's output alive (see :func:`memguard.estimate`).
+        gpu: the CUDA target's :class:`~memguard.estimator.gpus.GPUSpec`; None = generic. Decides
+            the kernels modelled on CPU fakes; ignored for ``device="cpu"``.
+        cpu: the CPU target's :class:`~memguard.estimator.cpu_kernels.CpuTarget`; None = this host.
+        fsdp2: an :class:`~memguard.estimator.fsdp2.FSDP2Layout` to trace rank 0 of an FSDP2 job
+            (always on CPU fake tensors, with its mixed-precision policy in place of autocast), or None.
+    """
+
+    device: str
+    precision: str
+    checkpoint_blocks: int = 0
+    grads_present: bool = False
+    keep_blocks: int | None = None
+    count_flops: bool = False
+    keep_outputs: bool = False
+    gpu: Any = None
+    cpu: Any = None
+    fsdp2: Any = None
+
+
+def trace_spec(request: TraceRequest, *, on_gpu: bool = False) -> TraceSpec:
+    """The :class:`~memguard.estimator.trace.TraceSpec` that :func:`run_trace` traces ``request`` with
+    (its ``fsdp2`` aside).
 
     Args:
+        request: what to trace.
         on_gpu: the CUDA target traced on fake CUDA tensors (a GPU is present); False traces
             the CUDA target on CPU fakes, with CUDA's autocast emulated and CUDA's kernels
-            modelled for ``gpu`` (a :class:`~memguard.estimator.gpus.GPUSpec`; None = generic).
-        cpu: the CPU target's :class:`~memguard.estimator.cpu_kernels.CpuTarget`; None = this host.
-        The other arguments: see :func:`run_trace`.
+            modelled for ``request.gpu`` (None = generic).
     """
+    device, precision, gpu, cpu = request.device, request.precision, request.gpu, request.cpu
     p = precision_spec(precision)
     common = dict(
         param_dtype=p.param_dtype, autocast_dtype=p.autocast_dtype, loss_scale=p.loss_scale,
-        checkpoint_blocks=checkpoint_blocks, grads_present=grads_present, keep_blocks=keep_blocks,
-        count_flops=count_flops, keep_outputs=keep_outputs,
+        checkpoint_blocks=request.checkpoint_blocks, grads_present=request.grads_present,
+        keep_blocks=request.keep_blocks, count_flops=request.count_flops, keep_outputs=request.keep_outputs,
     )
     if device != "cuda":
         from memguard.estimator.cpu_kernels import CpuTarget
@@ -85,9 +109,8 @@ def cuda_target(gpu: Any = None):
     return CudaTarget.for_spec(gpu if gpu is not None else GENERIC)
 
 
-def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint_blocks=0, grads_present=False,
-              keep_blocks=None, count_flops=False, keep_outputs=False, gpu=None, fsdp2=None, cpu=None):
-    """Trace one step for ``device`` and ``precision`` (arguments already validated).
+def run_trace(model, batch, request: TraceRequest, *, optimizer, loss_fn):
+    """Trace one step as ``request`` says (arguments already validated).
 
     For the CUDA target on a machine with a GPU the step is traced on fake CUDA tensors, so
     CUDA's own autocast and kernel selection apply (nothing is allocated on the device); if that
@@ -96,18 +119,7 @@ def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint
 
     Args:
         model, batch, optimizer, loss_fn: as for :func:`memguard.estimate`.
-        device: ``"cuda"`` or ``"cpu"``.
-        precision: a precision name (see :mod:`memguard.vocab`), as traced
-            (:func:`traced_precision`).
-        checkpoint_blocks: checkpoint this many repeated blocks (:data:`memguard.vocab.ALL_BLOCKS`: all).
-        grads_present: gradients exist when the step starts (gradient accumulation).
-        keep_blocks: keep only this many repeated blocks (the planner's probes), or None.
-        count_flops: count forward and backward FLOPs.
-        keep_outputs: the loop keeps the model's output alive (see :func:`memguard.estimate`).
-        gpu: the CUDA target's :class:`~memguard.estimator.gpus.GPUSpec`; None = generic. Decides
-            the kernels modelled on CPU fakes; ignored for ``device="cpu"``.
-        fsdp2: an :class:`~memguard.estimator.fsdp2.FSDP2Layout` to trace rank 0 of an FSDP2 job
-            (always on CPU fake tensors, with its mixed-precision policy in place of autocast), or None.
+        request: the device, precision, kernel models and knobs (:class:`TraceRequest`).
 
     Returns:
         A :class:`~memguard.estimator.trace.Trace`.
@@ -115,22 +127,17 @@ def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint
     Raises:
         ConfigError: the model, batch or loss cannot be traced.
     """
-    kwargs = dict(
-        device=device, precision=precision, checkpoint_blocks=checkpoint_blocks, grads_present=grads_present,
-        keep_blocks=keep_blocks, count_flops=count_flops, keep_outputs=keep_outputs, gpu=gpu, cpu=cpu,
-    )
+    fsdp2 = request.fsdp2
     if fsdp2 is not None:
-        import dataclasses
-
         from memguard.estimator.fsdp2_trace import trace_fsdp2_step
 
-        spec = trace_spec(**kwargs)
+        spec = trace_spec(request)
         if fsdp2.mp_dtype is not None:  # the policy casts; no autocast (GradScaler's scaling stays)
             spec = dataclasses.replace(spec, autocast_dtype=None, cuda_autocast=False)
         return trace_fsdp2_step(model, batch, spec, fsdp2, optimizer=optimizer, loss_fn=loss_fn)
-    if device == "cuda" and torch.cuda.is_available():
+    if request.device == "cuda" and torch.cuda.is_available():
         try:
-            return trace_step(model, batch, trace_spec(on_gpu=True, **kwargs), optimizer=optimizer, loss_fn=loss_fn)
+            return trace_step(model, batch, trace_spec(request, on_gpu=True), optimizer=optimizer, loss_fn=loss_fn)
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the GPU path: use the CPU path
@@ -140,4 +147,4 @@ def run_trace(model, batch, *, optimizer, loss_fn, device, precision, checkpoint
                 "memguard: tracing on fake CUDA tensors failed (%s: %s); tracing on CPU fake tensors instead",
                 type(exc).__name__, exc,
             )
-    return trace_step(model, batch, trace_spec(**kwargs), optimizer=optimizer, loss_fn=loss_fn)
+    return trace_step(model, batch, trace_spec(request), optimizer=optimizer, loss_fn=loss_fn)

@@ -83,7 +83,8 @@ def plan_eval(
     """
     from memguard.data import planning_batch
     from memguard.estimator.pricing import estimate_from_trace
-    from memguard.estimator.targets import unwrap_model
+    from memguard.estimator.targets import Target, unwrap_model
+    from memguard.estimator.tracing import TraceRequest
     from memguard.estimator.eval_step import _eval_problems, eval_trace
 
     problems: list[str] = []
@@ -121,17 +122,18 @@ def plan_eval(
 
     def trace_at(m: int):
         if m not in traces:
-            traces[m] = eval_trace(model, resize_batch(worst, example, m), fn=fn, device=device, precision=precision,
-                                   optimizer=optimizer, optimizer_state=optimizer_state,
-                                   grads_present=grads_present, keep_outputs=keep_outputs, gpu=spec)
+            request = TraceRequest(device=device, precision=precision, grads_present=grads_present,
+                                   keep_outputs=keep_outputs, gpu=spec)
+            traces[m] = eval_trace(model, resize_batch(worst, example, m), request, fn=fn, optimizer=optimizer,
+                                   optimizer_state=optimizer_state)
         return traces[m]
 
     def estimate(tr, m: int):
         from memguard.estimator.eval_step import EVAL_NOTE, _with_ddp_buckets
         import dataclasses
 
-        est, _ = estimate_from_trace(tr, device=device, precision=precision, zero_stage=0, world_size=world_size, spec=spec,
-                          micro_batch_size=m)
+        est, _ = estimate_from_trace(tr, Target(device=device, precision=precision, world_size=world_size, gpu=spec),
+                                     micro_batch_size=m)
         return _with_ddp_buckets(dataclasses.replace(est, notes=(EVAL_NOTE, *est.notes)), tr, world_size,
                                  grads_present)
 

@@ -39,8 +39,8 @@ from torch import nn
 from memguard.batch import first_dim, resize_batch
 from memguard.errors import ConfigError, InfeasiblePlanError
 from memguard.estimator.pricing import estimate_from_trace
-from memguard.estimator.targets import traced_precision, unwrap_model
-from memguard.estimator.tracing import fsdp2_layout, run_trace
+from memguard.estimator.targets import Target, traced_precision, unwrap_model
+from memguard.estimator.tracing import TraceRequest, fsdp2_layout, run_trace
 from memguard.estimator.blocks import find_blocks, hidden_size
 from memguard.estimator.result import Estimate
 from memguard.planner.cost import CPU_TFLOPS, CostInputs, step_seconds
@@ -192,12 +192,12 @@ class Planner:
         if key not in self._traces:
             start = time.perf_counter()
             batch = self.traced_batch if m is None else self.batch_of(m)
-            self._traces[key] = run_trace(
-                self.model, batch, optimizer=self.optimizer, loss_fn=self.loss_fn, device=self.device,
-                precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present, keep_blocks=keep,
-                count_flops=flops, keep_outputs=self.keep_outputs, gpu=spec, fsdp2=fsdp2,
-                cpu=self._cpu_target(),
+            request = TraceRequest(
+                device=self.device, precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present,
+                keep_blocks=keep, count_flops=flops, keep_outputs=self.keep_outputs, gpu=spec,
+                cpu=self._cpu_target(), fsdp2=fsdp2,
             )
+            self._traces[key] = run_trace(self.model, batch, request, optimizer=self.optimizer, loss_fn=self.loss_fn)
             log.debug("memguard traced %s", key)
             if self.on_trace is not None:
                 self.on_trace(dict(precision=precision, ckpt=ckpt, keep=keep, m=m, grads_present=grads_present),
@@ -245,8 +245,9 @@ class Planner:
         for j in self.probe_points(spec):
             tr = self._probe_trace(precision, zero_stage, ckpt_all, j, spec, strategy, world_size)
             # allocated bytes only: the CPU target's evaluation is the sharded timeline without the allocator
-            _, tl = estimate_from_trace(tr, device="cpu", precision=precision, zero_stage=zero_stage, world_size=world_size,
-                             spec=None, offload_optimizer=offload, micro_batch_size=self.m0, strategy=strategy)
+            target = Target(device="cpu", precision=precision, zero_stage=zero_stage, world_size=world_size,
+                            strategy=strategy, offload_optimizer=offload)
+            _, tl = estimate_from_trace(tr, target, micro_batch_size=self.m0)
             feats.append(ProbeFeatures.of(tl))
         if len(feats) == 1:
             return feats[0]
@@ -342,10 +343,10 @@ class Planner:
                                                traced_accum)
                     if accumulating and not traced_accum:
                         whole = with_gradients_present(whole)
-                    est, _ = estimate_from_trace(whole, device=self.device, precision=precision, zero_stage=zero_stage,
-                                       world_size=world_size, spec=spec, offload_optimizer=offload,
-                                       micro_batch_size=m, checkpointed=self.num_blocks if ckpt_all else 0,
-                                       strategy=strategy)
+                    target = Target(device=self.device, precision=precision, zero_stage=zero_stage,
+                                    world_size=world_size, gpu=spec, strategy=strategy, offload_optimizer=offload)
+                    est, _ = estimate_from_trace(whole, target, micro_batch_size=m,
+                                                 checkpointed=self.num_blocks if ckpt_all else 0)
                     self._peaks[key] = est.peak_bytes
                 return self._peaks[key]
 
@@ -699,11 +700,11 @@ def _verify(planner: Planner, spec, cand: _Candidate, world_size: int, usable: i
     tr = planner.trace(traced_precision(cand.precision, cand.zero_stage, cand.strategy), ckpt=cand.checkpoint_blocks,
                        m=cand.micro_batch_size, grads_present=cand.grad_accum_steps > 1, spec=spec,
                        fsdp2=planner._layout(cand.strategy, cand.precision, cand.zero_stage, world_size))
-    est, _ = estimate_from_trace(tr, device=planner.device, precision=cand.precision, zero_stage=cand.zero_stage,
-                      strategy=cand.strategy,
-                      world_size=world_size, spec=spec, offload_optimizer=cand.offload_optimizer,
-                      micro_batch_size=cand.micro_batch_size, checkpointed=cand.checkpoint_blocks,
-                      limit_bytes=usable)
+    target = Target(device=planner.device, precision=cand.precision, zero_stage=cand.zero_stage,
+                    world_size=world_size, gpu=spec, strategy=cand.strategy,
+                    offload_optimizer=cand.offload_optimizer)
+    est, _ = estimate_from_trace(tr, target, micro_batch_size=cand.micro_batch_size,
+                                 checkpointed=cand.checkpoint_blocks, limit_bytes=usable)
     return est
 
 
