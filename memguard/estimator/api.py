@@ -125,18 +125,19 @@ def estimate(
         (see ``Estimate.notes``).
     """
     if train is False:
-        from memguard.estimator.eval_step import estimate_eval
+        from memguard.estimator.eval_step import EvalOptions, estimate_eval
 
         if strategy not in (None, "ddp"):
             raise ConfigError(f"strategy={strategy!r} is not modelled for an evaluation step (train=False): "
                               "evaluation is estimated unsharded; drop strategy=")
 
-        return estimate_eval(
-            model, batch, fn=loss_fn, device=device, precision=precision, world_size=world_size, gpu=gpu,
-            optimizer=optimizer, optimizer_state=optimizer is not None, keep_outputs=keep_outputs,
-            zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
-            grad_accum_steps=grad_accum_steps, offload_optimizer=offload_optimizer, cpu=cpu,
+        options = EvalOptions(
+            device=device, precision=precision, world_size=world_size, gpu=gpu, cpu=cpu,
+            optimizer_state=optimizer is not None, keep_outputs=keep_outputs, zero_stage=zero_stage,
+            activation_checkpointing=activation_checkpointing, grad_accum_steps=grad_accum_steps,
+            offload_optimizer=offload_optimizer,
         )
+        return estimate_eval(model, batch, options, fn=loss_fn, optimizer=optimizer)
     problems: list[str] = []
     if train is not True:
         problems.append(f"train={train!r} must be True (a training step) or False (an evaluation step)")
