@@ -16,6 +16,7 @@ from torch import nn
 
 from memguard.batch import first_dim
 from memguard.errors import ConfigError
+from memguard.estimator.eval_step import EvalOptions, estimate_eval
 from memguard.estimator.pricing import estimate_from_trace
 from memguard.estimator.result import Estimate
 from memguard.estimator.targets import (
@@ -125,8 +126,6 @@ def estimate(
         (see ``Estimate.notes``).
     """
     if train is False:
-        from memguard.estimator.eval_step import EvalOptions, estimate_eval
-
         if strategy not in (None, "ddp"):
             raise ConfigError(f"strategy={strategy!r} is not modelled for an evaluation step (train=False): "
                               "evaluation is estimated unsharded; drop strategy=")
