@@ -5,8 +5,9 @@ which ``precision``, on how many data-parallel ranks and under which sharding ``
 module checks those arguments (each problem a sentence, collected so that a
 :class:`~memguard.errors.ConfigError` lists them all at once), resolves them (the strategy a
 request means, the catalog GPU, the CPU's instruction-set level, the precision a step is traced
-in) and unwraps the model the user passed. It imports nothing above the estimator's leaves, so
-:mod:`memguard.estimator.api`, :mod:`memguard.estimator.eval_step` and the planner share it.
+in) and unwraps the model the user passed. It imports only the GPU catalog and the CPU model
+(both lazily), so :mod:`memguard.estimator.api`, :mod:`memguard.estimator.eval_step` and the
+planner share it without a circle.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ hand-written loop, and the step starts with the previous step's output still liv
 :class:`~memguard.estimator.cuda_kernels.CudaKernelModel`, so functions whose CUDA kernels
 allocate differently from the CPU's allocate as on CUDA.
 
+The step is run by :class:`StepTracer` and recorded by :class:`Recorder`, public bases with
+documented extension points: a strategy that runs its own code in the step subclasses them (FSDP2's
+tracer and recorder in :mod:`memguard.estimator.fsdp2_trace`).
+
 Known limitations:
     Memory that kernels allocate internally without creating a tensor (oneDNN scratchpads,
     cuDNN/cuBLAS workspaces) is invisible here; CUDA workspaces are added by the device model.
@@ -51,7 +55,7 @@ from memguard.estimator.cuda_kernels import CudaTarget
 from memguard.estimator.fake_corrections import CORRECTIONS
 from memguard.estimator.result import Category
 
-__all__ = ["Trace", "TraceSpec", "Recorder", "trace_step", "load_rules", "PHASES", "OPTIMIZER_TEMPORARIES"]
+__all__ = ["Trace", "TraceSpec", "Recorder", "StepTracer", "trace_step", "load_rules", "PHASES", "OPTIMIZER_TEMPORARIES"]
 
 PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
 
