@@ -130,15 +130,18 @@ def ds_config(case: Case) -> dict[str, Any]:
 def estimate_case(case: Case, *, with_buckets: bool = True) -> dict[str, Any]:
     """memguard's estimate for ``case`` (``with_buckets=False``: without the engine's config, as
     ``memguard.estimate`` runs today)."""
-    from memguard.estimator.api import evaluate, run_trace, traced_precision
+    from memguard.estimator.pricing import estimate_from_trace
+    from memguard.estimator.targets import Target, traced_precision
+    from memguard.estimator.tracing import TraceRequest, run_trace
 
     model = build_model(case.model, "meta")
     t0 = time.perf_counter()
-    trace = run_trace(model, make_batch(case), optimizer=None, loss_fn=None, device="cpu",
-                      precision=traced_precision(case.precision, case.zero_stage, "deepspeed"))
+    request = TraceRequest(device="cpu", precision=traced_precision(case.precision, case.zero_stage, "deepspeed"))
+    trace = run_trace(model, make_batch(case), request, optimizer=None, loss_fn=None)
     kw = {"zero_config": ds_config(case)["zero_optimization"]} if with_buckets else {}
-    est, _ = evaluate(trace, device="cpu", precision=case.precision, zero_stage=case.zero_stage,
-                      world_size=case.world_size, spec=None, strategy="deepspeed", **kw)
+    target = Target(device="cpu", precision=case.precision, zero_stage=case.zero_stage, world_size=case.world_size,
+                    strategy="deepspeed")
+    est, _ = estimate_from_trace(trace, target, **kw)
     return {"peak_bytes": int(est.peak_bytes), "peak_phase": est.peak_phase, "breakdown": dict(est.breakdown),
             "phase_peaks": dict(est.phase_peaks), "seconds": round(time.perf_counter() - t0, 2)}
 
@@ -445,7 +448,7 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "built; see `_replay`). `plan` buckets: what `to_config` writes for hidden size 256 "
         "(`reduce_bucket_size` 65536, stage 3 `stage3_prefetch_bucket_size` 58982 and "
         "`stage3_param_persistence_threshold` 2560); `default`: no bucket keys (DeepSpeed's defaults). "
-        "Estimate: `evaluate(..., zero_config=<the engine's zero_optimization>)`; "
+        "Estimate: `estimate_from_trace(..., zero_config=<the engine's zero_optimization>)`; "
         "`without config`: the same estimate without `zero_config` (what `memguard.estimate` gives). "
         "`before`: the estimate of the ZeRO model before it was fitted to these engines (commit "
         f"{meta.get('before_commit', '?')}, attached with `--before`).", "",

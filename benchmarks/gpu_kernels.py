@@ -60,7 +60,9 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `memguard` and `benchmarks` from this checkout
 from benchmarks.common import machine_description  # noqa: E402
-from memguard.estimator.cuda_kernels import CudaTarget, load_rules, modelled_op_memory  # noqa: E402
+from memguard.estimator.cuda_kernels import CudaTarget  # noqa: E402
+from memguard.estimator.op_memory import modelled_op_memory  # noqa: E402
+from memguard.estimator.trace import load_rules  # noqa: E402
 
 BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: memory_allocated counts whole blocks
 METRICS = ("forward_peak", "forward_kept", "backward_peak", "backward_kept")

@@ -63,7 +63,7 @@ from typing import Any, Callable
 import torch
 
 from memguard.errors import ConfigError
-from memguard.estimator.onednn_conv import bwd_weights_scratchpad_bytes
+from memguard.estimator.onednn_conv import ConvShape, bwd_weights_scratchpad_bytes
 from memguard.estimator.onednn_matmul import matmul_scratchpad_bytes
 
 __all__ = ["CpuTarget", "ISAS", "CPU_RULES", "host_isa"]
@@ -455,10 +455,10 @@ def _convolution_backward(target: CpuTarget, args: tuple, out: Any, replay: Repl
                 replay.alloc("src", _blocked_bytes(x, block))
         replay.alloc("grad_w", _weight_bytes(w, groups, block))
         if x.dtype == torch.bfloat16:
-            replay.alloc("scratchpad", bwd_weights_scratchpad_bytes(
-                n=x.shape[0], ic=x.shape[1], oc=w.shape[0], ih=x.shape[2], iw=x.shape[3], kh=w.shape[2],
-                kw=w.shape[3], stride=stride[0], pad=padding[0], dilation=dilation[0], groups=groups,
-                threads=target.threads, channels_last=plain, bias=bool(mask[2]), isa=target.isa) or 0)
+            conv = ConvShape(n=x.shape[0], ic=x.shape[1], oc=w.shape[0], ih=x.shape[2], iw=x.shape[3], kh=w.shape[2],
+                             kw=w.shape[3], stride=stride[0], pad=padding[0], dilation=dilation[0], groups=groups,
+                             channels_last=plain, bias=bool(mask[2]))
+            replay.alloc("scratchpad", bwd_weights_scratchpad_bytes(conv, threads=target.threads, isa=target.isa) or 0)
         replay.free("scratchpad", "src", "grad_out")
         replay.outputs(*(t for t in (grad_weight, grad_bias) if isinstance(t, torch.Tensor)))
         replay.free("grad_w")

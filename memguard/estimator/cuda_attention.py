@@ -38,6 +38,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import types
@@ -52,6 +53,7 @@ from memguard.estimator.cuda_kernels import RULES, CudaTarget, cuda_rule
 __all__ = [
     "Backend",
     "SdpaSettings",
+    "SdpaCall",
     "sdpa_settings",
     "select_sdpa_backend",
     "flash_saved_shapes",
@@ -63,6 +65,21 @@ Backend = Literal["flash", "efficient", "cudnn", "math"]
 
 # at::SDPBackend's numbering (aten/src/ATen/SDPBackend.h): what torch._C._get_sdp_priority_order returns
 _BACKEND_IDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+
+@dataclass(frozen=True, eq=False)
+class SdpaCall:
+    """The arguments of one ``F.scaled_dot_product_attention`` call that CUDA's backend selection
+    reads (after autocast): the tensors' shapes, strides, dtypes and ``requires_grad`` (meta or fake
+    tensors are fine), and the options, named as SDPA names them."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    enable_gqa: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +155,11 @@ def _dense_common(q, k, v, attn_mask, enable_gqa: bool, gqa_supported: bool) -> 
     return True
 
 
+def _unpack(call: SdpaCall) -> tuple:
+    """``(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)`` of a call."""
+    return call.query, call.key, call.value, call.attn_mask, call.dropout_p, call.is_causal, call.enable_gqa
+
+
 def _last_dim_stride_1(q, k, v, attn_mask, ignore_singleton: bool) -> bool:
     # check_last_dim_stride_equals_1_dense (sdp_utils_cpp.h)
     ok = q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
@@ -148,8 +170,9 @@ def _last_dim_stride_1(q, k, v, attn_mask, ignore_singleton: bool) -> bool:
     return ok
 
 
-def _can_use_flash(target: CudaTarget, s: SdpaSettings, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
+def _can_use_flash(target: CudaTarget, s: SdpaSettings, call: SdpaCall) -> bool:
     """``can_use_flash_attention`` (cuda/sdp_utils.cpp, torch 2.13)."""
+    q, k, v, attn_mask, dropout_p, is_causal, enable_gqa = _unpack(call)
     if target.vendor != "nvidia" or not s.flash:  # check_runtime_disabled_flash; ROCm: aotriton rules
         return False
     if not (q.dim() == k.dim() == v.dim() == 4):  # check_tensor_shapes
@@ -190,8 +213,9 @@ def _min_gemm_alignment(target: CudaTarget, dtype: torch.dtype) -> int:
     return align
 
 
-def _can_use_efficient(target: CudaTarget, s: SdpaSettings, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
+def _can_use_efficient(target: CudaTarget, s: SdpaSettings, call: SdpaCall) -> bool:
     """``can_use_mem_efficient_attention`` (cuda/sdp_utils.cpp, torch 2.13)."""
+    q, k, v, attn_mask, dropout_p, is_causal, enable_gqa = _unpack(call)
     if target.vendor != "nvidia" or not s.efficient:  # check_runtime_disabled_mem_efficient
         return False
     if not _cap_in(target.capability, (5, 0), (12, 1) if target.torch_version >= (2, 7) else (9, 0)):
@@ -267,9 +291,9 @@ def _cudnn_mask_ok(q, k, attn_mask) -> bool:
     return attn_mask.dim() == 4 and attn_mask.size(0) in (1, q.size(0)) and attn_mask.size(1) in (1, q.size(1))
 
 
-def _can_use_cudnn(target: CudaTarget, s: SdpaSettings, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa,
-                   cudnn_version: int | None) -> bool:
+def _can_use_cudnn(target: CudaTarget, s: SdpaSettings, call: SdpaCall, cudnn_version: int | None) -> bool:
     """``can_use_cudnn_attention`` (cuda/sdp_utils.cpp, torch 2.13)."""
+    q, k, v, attn_mask, dropout_p, is_causal, enable_gqa = _unpack(call)
     if target.vendor != "nvidia" or cudnn_version is None or cudnn_version < 90000:
         return False  # compiled without cuDNN attention, or cuDNN < 9
     if dropout_p > 0.0 and 91100 < cudnn_version < 91400:  # no dropout on cuDNN 9.11-9.13
@@ -309,13 +333,7 @@ def _prefer_cudnn(target: CudaTarget, cudnn_version: int | None, cuda_major: int
 
 def select_sdpa_backend(
     target: CudaTarget,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    enable_gqa: bool = False,
+    call: SdpaCall,
     *,
     settings: SdpaSettings | None = None,
     cudnn_version: int | None = None,
@@ -327,7 +345,7 @@ def select_sdpa_backend(
 
     Args:
         target: the GPU's compute capability and the torch version.
-        query, key, value, attn_mask, dropout_p, is_causal, enable_gqa: as given to
+        call: the query, key, value, attn_mask, dropout_p, is_causal and enable_gqa given to
             ``F.scaled_dot_product_attention`` (after autocast).
         settings: the global switches; None reads them now (:func:`sdpa_settings`).
         cudnn_version: ``torch.backends.cudnn.version()`` of the CUDA build (e.g. 91000 for 9.10);
@@ -349,13 +367,15 @@ def select_sdpa_backend(
     order = s.priority
     if s.priority_is_default and _prefer_cudnn(target, cudnn_version, cuda_major):
         order = ("cudnn", "flash", "efficient", "math")  # priority_order() on first use
-    args = (target, s, query, key, value, attn_mask, float(dropout_p), bool(is_causal), bool(enable_gqa))
+    call = dataclasses.replace(call, dropout_p=float(call.dropout_p), is_causal=bool(call.is_causal),
+                               enable_gqa=bool(call.enable_gqa))
+    query = call.query
     for name in order:
-        if name == "cudnn" and _can_use_cudnn(*args, cudnn_version):
+        if name == "cudnn" and _can_use_cudnn(target, s, call, cudnn_version):
             return "cudnn"
-        if name == "flash" and _can_use_flash(*args):
+        if name == "flash" and _can_use_flash(target, s, call):
             return "flash"
-        if name == "efficient" and _can_use_efficient(*args):
+        if name == "efficient" and _can_use_efficient(target, s, call):
             return "efficient"
         if name == "math" and s.math:
             return "math"
@@ -643,7 +663,7 @@ def sdpa_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> 
         return func(*args, **kwargs)
     mask, dropout_p, is_causal, scale, gqa = p["attn_mask"], float(p["dropout_p"]), bool(p["is_causal"]), p["scale"], bool(p["enable_gqa"])
     settings = sdpa_settings()
-    backend = select_sdpa_backend(target, q, k, v, mask, dropout_p, is_causal, gqa, settings=settings,
+    backend = select_sdpa_backend(target, SdpaCall(q, k, v, mask, dropout_p, is_causal, gqa), settings=settings,
                                   cudnn_version=CUDNN_VERSION)
     grad = _requires_grad(q, k, v)
     if backend == "flash":

@@ -33,20 +33,74 @@ Known limitations:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 from memguard.estimator.onednn import book, div_up, f32, rnd_up
 
-__all__ = ["bwd_weights_scratchpad_bytes"]
+__all__ = ["ConvShape", "bwd_weights_scratchpad_bytes"]
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """A 2-d convolution as oneDNN's weight-gradient primitive sees it (square strides and paddings).
+
+    Attributes:
+        n, ic, oc: the mini-batch, input and output channels.
+        ih, iw, kh, kw: the input's and the kernel's height and width.
+        stride, pad, dilation: the (square) stride, padding and dilation.
+        groups: convolution groups (``groups == ic == oc`` is depthwise).
+        channels_last: the tensors are channels-last (oneDNN's ``nhwc``), else ``nchw``.
+        bias: the bias gradient is computed too.
+    """
+
+    n: int
+    ic: int
+    oc: int
+    ih: int
+    iw: int
+    kh: int
+    kw: int
+    stride: int = 1
+    pad: int = 0
+    dilation: int = 1
+    groups: int = 1
+    channels_last: bool = False
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class _JitBlocking:
+    """jit_bf16's bwd-weights blocking, the input of its thread ``balance``: the mini-batch, the
+    per-group channels, the heights, the transposed widths, the kernel, the channel blocks and
+    their counts, the groups, the mini-batch work items and the stride."""
+
+    mb: int
+    ic: int
+    oc: int
+    ih: int
+    oh: int
+    tr_iw: int
+    tr_ow: int
+    kh: int
+    kw: int
+    nb_ic: int
+    nb_oc: int
+    ic_block: int
+    oc_block: int
+    groups: int
+    mb_work: int
+    stride: int
 
 
 def _barrier(contexts: int) -> int:
     return 4096 * contexts + 4096 if contexts > 0 else 0
 
 
-def _jit_balance(mb: int, ic: int, oc: int, ih: int, oh: int, tr_iw: int, tr_ow: int, kh: int, kw: int,
-                 nb_ic: int, nb_oc: int, ic_block: int, oc_block: int, groups: int, mb_work: int, stride: int,
-                 threads: int) -> tuple[int, int, int, int]:
+def _jit_balance(b: _JitBlocking, threads: int) -> tuple[int, int, int, int]:
     """``(nthr, nthr_mb, nthr_oc_b, nthr_ic_b)``: the bwd-weights ``balance`` of jit_bf16, in float32."""
+    mb, ic, oc, ih, oh, tr_iw, tr_ow, kh, kw = b.mb, b.ic, b.oc, b.ih, b.oh, b.tr_iw, b.tr_ow, b.kh, b.kw
+    nb_ic, nb_oc, ic_block, oc_block, groups = b.nb_ic, b.nb_oc, b.ic_block, b.oc_block, b.groups
+    mb_work, stride = b.mb_work, b.stride
     if threads < groups:  # one group per thread, the mini-batch unsplit
         return threads, 1, 1, 1
     nthr = threads // groups
@@ -87,7 +141,9 @@ def _jit_balance(mb: int, ic: int, oc: int, ih: int, oh: int, tr_iw: int, tr_ow:
     return nmb * groups * noc * nic, nmb, noc, nic
 
 
-def _jit(n, ic, oc, ih, iw, kh, kw, stride, pad, groups, threads, channels_last, bias, native) -> int:
+def _jit(conv: ConvShape, threads: int, native: bool) -> int:
+    n, ic, oc, ih, iw, kh, kw = conv.n, conv.ic, conv.oc, conv.ih, conv.iw, conv.kh, conv.kw
+    stride, pad, groups, channels_last, bias = conv.stride, conv.pad, conv.groups, conv.channels_last, conv.bias
     oh, ow = (ih + 2 * pad - kh) // stride + 1, (iw + 2 * pad - kw) // stride + 1
     b_pad = max(0, (oh - 1) * stride + kh - (ih + pad))
     r_pad = max(0, (ow - 1) * stride + kw - (iw + pad))
@@ -105,8 +161,10 @@ def _jit(n, ic, oc, ih, iw, kh, kw, stride, pad, groups, threads, channels_last,
     full_spatial = (native and ih == oh and iw == ow and kh != 1 and kw != 1 and stride == 1 and pad == kw // 2
                     and pad == kh // 2 and not first and working_set <= 48 * 1024 and ic >= 128)
     mb_work = n if full_spatial else n * oh
-    nthr, nmb, noc, nic = _jit_balance(n, ic, oc, ih, oh, tr_iw, tr_ow, kh, kw, nb_ic, nb_oc, ic_block, oc_block,
-                                       groups, mb_work, stride, threads)
+    blocking = _JitBlocking(mb=n, ic=ic, oc=oc, ih=ih, oh=oh, tr_iw=tr_iw, tr_ow=tr_ow, kh=kh, kw=kw, nb_ic=nb_ic,
+                            nb_oc=nb_oc, ic_block=ic_block, oc_block=oc_block, groups=groups, mb_work=mb_work,
+                            stride=stride)
+    nthr, nmb, noc, nic = _jit_balance(blocking, threads)
     total = book(((nmb * nb_ic * groups * tr_iw * ic_block * ih) if tr_src else 0) * 2 + tr_pad * 2)
     if noc > 1:
         total += _barrier(nthr // noc)
@@ -132,7 +190,9 @@ def _best_divider(value: int, low: int, high: int, find_max: bool, step: int = 1
     return pick
 
 
-def _one_by_one(n, ic, oc, ih, iw, stride, threads, channels_last, bias) -> int:
+def _one_by_one(conv: ConvShape, threads: int) -> int:
+    n, ic, oc, ih, iw = conv.n, conv.ic, conv.oc, conv.ih, conv.iw
+    stride, channels_last, bias = conv.stride, conv.channels_last, conv.bias
     oc_given = oc
     oh, ow = (ih - 1) // stride + 1, (iw - 1) // stride + 1
     rtus = stride != 1
@@ -194,22 +254,21 @@ def _depthwise(n, channels, kh, kw, threads, channels_last, bias) -> int:
     return total + (book(channels * 4) if bias else 0)  # the bf16 bias conversion buffer
 
 
-def bwd_weights_scratchpad_bytes(*, n: int, ic: int, oc: int, ih: int, iw: int, kh: int, kw: int, stride: int,
-                                 pad: int, dilation: int, groups: int, threads: int, channels_last: bool,
-                                 bias: bool, isa: str) -> int | None:
+def bwd_weights_scratchpad_bytes(conv: ConvShape, *, threads: int, isa: str) -> int | None:
     """The scratchpad of one bf16 weight-gradient convolution in oneDNN, or None where the kernel
-    oneDNN picks is not modelled (see Known limitations). Square strides and paddings only; ``isa``
-    is ``"avx512_core"`` or a level with a native bf16 dot product."""
+    oneDNN picks is not modelled (see Known limitations). ``threads`` is the intra-op thread count;
+    ``isa`` is ``"avx512_core"`` or a level with a native bf16 dot product."""
+    ic, oc, kh, kw, stride, pad = conv.ic, conv.oc, conv.kh, conv.kw, conv.stride, conv.pad
+    dilation, groups, channels_last, bias = conv.dilation, conv.groups, conv.channels_last, conv.bias
     per_group_in, per_group_out = ic // groups, oc // groups
     depthwise = groups > 1 and per_group_in == 1 and per_group_out == 1
     if dilation != 1:
         return None
     if depthwise and kw <= 3 and stride <= kw:
-        return _depthwise(n, groups, kh, kw, threads, channels_last, bias)
+        return _depthwise(conv.n, groups, kh, kw, threads, channels_last, bias)
     if kh == 1 and kw == 1 and pad == 0 and groups == 1:
-        return _one_by_one(n, ic, oc, ih, iw, stride, threads, channels_last, bias)
+        return _one_by_one(conv, threads)
     if channels_last or (groups == 1 and (per_group_in >= 16 or oc % 16 == 0)) or (
             per_group_in % 16 == 0 and per_group_out % 16 == 0):
-        return _jit(n, ic, oc, ih, iw, kh, kw, stride, pad, groups, threads, channels_last, bias,
-                    native=isa != "avx512_core")
+        return _jit(conv, threads, native=isa != "avx512_core")
     return None

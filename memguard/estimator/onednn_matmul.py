@@ -32,6 +32,7 @@ Known limitations:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 from memguard.estimator.onednn import BOOK_PAD, div_up, f32, rnd_up
 
@@ -51,9 +52,20 @@ def _disbalance(work: int, parts: int) -> float:
     return f32(share / parts)
 
 
-def _imbalance(m: int, n: int, k: int, batch: int, threads: int,
-               m_blk: int, n_blk: int, n_chunk: int, k_blk: int, threads_k: int) -> float:
+@dataclass(frozen=True)
+class _Problem:
+    """One matmul as the blocking heuristic sees it: ``[batch,] [m, k] @ [k, n]`` on ``threads``."""
+
+    m: int
+    n: int
+    k: int
+    batch: int
+    threads: int
+
+
+def _imbalance(p: _Problem, m_blk: int, n_blk: int, n_chunk: int, k_blk: int, threads_k: int) -> float:
     """``matmul_avx512_blocking_params_t::get_imbalance`` (utils.cpp), in float32."""
+    m, n, k, batch, threads = p.m, p.n, p.k, p.batch, p.threads
     mn_threads = threads // threads_k
     work = div_up(m, m_blk) * div_up(n, n_blk * n_chunk) * batch
     parallel = _disbalance(work, mn_threads)
@@ -66,10 +78,11 @@ def _imbalance(m: int, n: int, k: int, batch: int, threads: int,
     return f32(total / 5)
 
 
-def _blocking(m: int, n: int, k: int, batch: int, threads: int, n_blk: int, copy_a: bool,
-              a_transposed: bool, ndims: int, avx2: bool, fp16: bool) -> tuple[int, int, int, int, int]:
+def _blocking(p: _Problem, n_blk: int, copy_a: bool, a_transposed: bool, ndims: int, avx2: bool,
+              fp16: bool) -> tuple[int, int, int, int, int]:
     """``(m_blk, n_blk, n_chunk, k_blk, threads_k)``: ``compute_blocking_heuristic_avx512``
     (``_avx2`` for ``avx2_vnni_2``), 16-bit types only."""
+    m, n, k, batch, threads = p.m, p.n, p.k, p.batch, p.threads
     max_m_blk, min_m_blk = min(256, m), min(32, m)
     n_chunks = div_up(n, n_blk)
     chunk_start = min(16 if copy_a else 1, n_chunks)
@@ -86,7 +99,7 @@ def _blocking(m: int, n: int, k: int, batch: int, threads: int, n_blk: int, copy
         found = False
         for chunk in range(chunk_start, 0, -1):
             for m_blk in range(max_m_blk, min_m_blk - 1, -1):
-                score = _imbalance(m, n, k, batch, threads, m_blk, n_blk, chunk, k_blk, tk)
+                score = _imbalance(p, m_blk, n_blk, chunk, k_blk, tk)
                 if not avx2:
                     work = batch * div_up(m, m_blk) * div_up(n, n_blk * chunk)
                     mn_threads = threads // tk
@@ -95,7 +108,7 @@ def _blocking(m: int, n: int, k: int, batch: int, threads: int, n_blk: int, copy
                 if score < best_score:
                     best, best_score, found = (m_blk, n_blk, chunk, k_blk, tk), score, True
         if not found and not avx2:
-            score = _imbalance(m, n, k, batch, threads, min_m_blk, n_blk, 1, k_blk, tk)
+            score = _imbalance(p, min_m_blk, n_blk, 1, k_blk, tk)
             if score < best_score:
                 best, best_score = (min_m_blk, n_blk, 1, k_blk, tk), score
     return best if best is not None else (min_m_blk, n_blk, 1, k_blk, 1)
@@ -118,7 +131,8 @@ def _brgemm_bytes(m: int, k: int, n: int, batch: int, a_transposed: bool, fp16: 
     copy_a = a_transposed or via_f32 or (not fp16 and isa != "avx2_vnni_2" and big_pow2_k and m >= 1024)
     wei_n_blk = 64  # get_default_n_block (non-AMX)
     m_blk, n_blk, chunk, k_blk, threads_k = _blocking(
-        m, n, k, batch, threads, min(wei_n_blk, n), copy_a, src_ba, ndims, isa == "avx2_vnni_2", fp16)
+        _Problem(m=m, n=n, k=k, batch=batch, threads=threads), min(wei_n_blk, n), copy_a, src_ba, ndims,
+        isa == "avx2_vnni_2", fp16)
     if wei_n_blk > n_blk and n != n_blk:
         wei_n_blk = rnd_up(n_blk, 64 // (vnni * item))
     if copy_a:  # get_actual_lda

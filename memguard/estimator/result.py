@@ -1,29 +1,57 @@
-"""The :class:`Estimate` result."""
+"""The :class:`Estimate` result, and the :class:`Category` of memory its breakdown is keyed by."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
 from memguard.vocab import format_bytes
 
-__all__ = ["Estimate", "CATEGORIES"]
+__all__ = ["Estimate", "Category", "CATEGORIES"]
 
-#: Categories of a breakdown, in display order. The first six are live tensor bytes; the last two
-#: exist only for the CUDA target: bytes the caching allocator holds beyond live tensors at the
-#: peak, and cuBLAS/cuBLASLt workspaces.
-CATEGORIES = (
-    "params",
-    "grads",
-    "optimizer",
-    "activations",
-    "temporaries",
-    "inputs",
-    "allocator_overhead",
-    "workspace",
-)
+
+class Category(str, enum.Enum):
+    """A category of memory, as an :class:`Estimate`'s breakdown reports it (a ``str`` Enum, as
+    PyTorch's ``torch/distributed/_tools/mem_tracker.py`` names its ``_MemRefType``).
+
+    Members equal their values (``Category.PARAMS == "params"``, with the same hash), so a trace
+    may record members and a breakdown may be read with plain strings; an :class:`Estimate`'s
+    breakdown keys are always the plain values, so that ``to_dict`` and JSON read as before. The
+    first six are live tensor bytes; the last two exist only for the CUDA target.
+    """
+
+    #: parameters and buffers (under FSDP2 also its all-gathered, unsharded parameters)
+    PARAMS = "params"
+    #: gradients (DDP's gradient buckets included)
+    GRADS = "grads"
+    #: optimizer state (Adam's moments, the step counters)
+    OPTIMIZER = "optimizer"
+    #: tensors the forward creates (what autograd saves for backward, and the outputs)
+    ACTIVATIONS = "activations"
+    #: short-lived buffers of backward, the optimizer step and ``zero_grad``
+    TEMPORARIES = "temporaries"
+    #: the batch
+    INPUTS = "inputs"
+    #: bytes the caching allocator holds beyond live tensors at the peak (CUDA only)
+    ALLOCATOR_OVERHEAD = "allocator_overhead"
+    #: cuBLAS/cuBLASLt workspaces (CUDA only)
+    WORKSPACE = "workspace"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Categories of a breakdown, in display order (the values of :class:`Category`).
+CATEGORIES: tuple[str, ...] = tuple(c.value for c in Category)
+
+
+def _plain(key: Any) -> Any:
+    """A breakdown key as a plain ``str`` (a :class:`Category`'s value)."""
+    return key.value if isinstance(key, Category) else key
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -33,7 +61,7 @@ class Estimate:
         peak_bytes: peak of one step on the target. CPU: live tensor bytes. CUDA: bytes reserved
             by the caching allocator plus workspaces, CUDA context excluded.
         breakdown: bytes per category at the moment of the peak; the values sum to
-            ``peak_bytes``. Keys: see :data:`CATEGORIES`.
+            ``peak_bytes``. Keys: the values of :class:`Category` (:data:`CATEGORIES`), plain strings.
         context_bytes: CUDA context and library handles (0 on ``"cpu"``).
         peak_phase: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"zero_grad"``.
         allocated_peak_bytes: peak of live tensor bytes (``torch.cuda.max_memory_allocated``'s
@@ -78,7 +106,7 @@ class Estimate:
     def __post_init__(self) -> None:
         if not self.strategy:  # older dicts: today's meaning of zero_stage
             object.__setattr__(self, "strategy", "deepspeed" if self.zero_stage >= 1 else "ddp")
-        object.__setattr__(self, "breakdown", MappingProxyType(dict(self.breakdown)))
+        object.__setattr__(self, "breakdown", MappingProxyType({_plain(k): v for k, v in self.breakdown.items()}))
         object.__setattr__(self, "phase_peaks", MappingProxyType(dict(self.phase_peaks)))
         object.__setattr__(self, "notes", tuple(self.notes))  # a JSON round trip gives a list
 

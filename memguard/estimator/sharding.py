@@ -20,7 +20,7 @@ per parameter (read from the trace: 8 for Adam):
   and ``20Ψ/N`` in fp32; plus ``2b·largest_layer`` gathered parameters (DeepSpeed's estimator).
   Under the default ``stage3_max_reuse_distance`` (1e9) the whole model is gathered by the end of
   forward and released module by module in backward; those bytes follow the activations' shape
-  (the ``activations`` factor; ``api.evaluate`` reports them as params). With the engine's config,
+  (the ``activations`` factor; ``pricing.estimate_from_trace`` reports them as params). With the engine's config,
   parameters under ``stage3_param_persistence_threshold`` stay gathered all the time.
 * Buckets (only with the engine's config, :class:`ZeroBuckets`): the reduce bucket,
   ``reduce_bucket_size`` elements allocated whole whatever the model's size (DeepSpeed's default
@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["ShardFactors", "ZeroBuckets", "model_state_factors"]
+__all__ = ["ShardFactors", "ZeroBuckets", "TracedStates", "ZeroSetup", "model_state_factors"]
 
 
 @dataclass(frozen=True)
@@ -123,49 +123,73 @@ class ShardFactors:
         return 1.0 - 1.0 / self.activations if self.activations > 1.0 else 0.0
 
 
-def model_state_factors(
-    *,
-    zero_stage: int,
-    world_size: int,
-    traced_params: int,
-    traced_grads: int,
-    traced_optimizer: int,
-    num_params: int,
-    num_trainable: int,
-    largest_layer: int,
-    sixteen_bit: bool,
-    offload_optimizer: bool = False,
-    state_scale: float = 1.0,
-    buckets: ZeroBuckets | None = None,
-    traced_temporaries: int = 0,
-    largest_param_bytes: int = 0,
-    traced_activations: int = 0,
-    param_numels: tuple[int, ...] = (),
-    trainable_param_bytes: int = 0,
-) -> ShardFactors:
-    """Scale factors that turn single-device traced bytes into one rank's bytes.
+@dataclass(frozen=True)
+class TracedStates:
+    """What a single-device trace measured of the model states (:func:`model_state_factors`' input).
 
-    Args:
-        traced_params, traced_grads, traced_optimizer: bytes of each category in the trace (params
-            and optimizer at rest, grads after a full backward).
+    Attributes:
+        params, grads, optimizer: bytes of each category in the trace (params and optimizer at
+            rest, grads after a full backward).
         num_params, num_trainable: Ψ over all and trainable parameters.
         largest_layer: parameters of the largest single module (DeepSpeed's largest layer; ZeRO-3
             gathers one at a time).
+        temporaries: peak bytes of the trace's optimizer-step temporaries, and
+            largest_param_bytes: bytes of the largest traced parameter tensor they belong to (the
+            step's temporaries per parameter byte; DeepSpeed's optimizer steps one flat partition).
+            0: the traced temporaries are scaled by 1/N. trainable_param_bytes: the traced
+            trainable parameters' bytes (for a foreach step, whose temporaries cover them all).
+        activations: peak bytes of the trace's activations (ZeRO-3's gathered parameters
+            follow them: gathered module by module in forward, released module by module in backward).
+        param_numels: numel of every parameter tensor (ZeRO-3 persistence threshold).
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    num_params: int
+    num_trainable: int
+    largest_layer: int
+    temporaries: int = 0
+    largest_param_bytes: int = 0
+    activations: int = 0
+    param_numels: tuple[int, ...] = ()
+    trainable_param_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ZeroSetup:
+    """How the model states are sharded (:func:`model_state_factors`' other input).
+
+    Attributes:
+        zero_stage: the ZeRO stage 0-3 (0: DDP, no sharding).
+        world_size: data-parallel ranks.
         sixteen_bit: training in fp16/bf16 (DeepSpeed then keeps fp32 master weights and grads).
+        offload_optimizer: ZeRO-Offload (optimizer state and step on the host).
         state_scale: multiply the traced optimizer bytes per parameter by this to get fp32 bytes
             (2 when the trace ran with 16-bit parameters, whose optimizer state is 16-bit too).
         buckets: the engine's ``zero_optimization`` settings (:class:`ZeroBuckets`). None: unknown;
             the bucket buffers and ZeRO-3's persistent parameters are then left out, and ZeRO-3's
             parameter retention takes DeepSpeed's default ``stage3_max_reuse_distance``.
-        traced_temporaries: peak bytes of the trace's optimizer-step temporaries, and
-            largest_param_bytes: bytes of the largest traced parameter tensor they belong to (the
-            step's temporaries per parameter byte; DeepSpeed's optimizer steps one flat partition).
-            0: the traced temporaries are scaled by 1/N. trainable_param_bytes: the traced
-            trainable parameters' bytes (for a foreach step, whose temporaries cover them all).
-        traced_activations: peak bytes of the trace's activations (ZeRO-3's gathered parameters
-            follow them: gathered module by module in forward, released module by module in backward).
-        param_numels: numel of every parameter tensor (ZeRO-3 persistence threshold).
     """
+
+    zero_stage: int
+    world_size: int
+    sixteen_bit: bool
+    offload_optimizer: bool = False
+    state_scale: float = 1.0
+    buckets: ZeroBuckets | None = None
+
+
+def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
+    """Scale factors that turn single-device traced bytes (``traced``) into one rank's bytes under
+    ``setup``."""
+    zero_stage, world_size, sixteen_bit = setup.zero_stage, setup.world_size, setup.sixteen_bit
+    offload_optimizer, state_scale, buckets = setup.offload_optimizer, setup.state_scale, setup.buckets
+    traced_params, traced_grads, traced_optimizer = traced.params, traced.grads, traced.optimizer
+    num_params, num_trainable, largest_layer = traced.num_params, traced.num_trainable, traced.largest_layer
+    traced_temporaries, largest_param_bytes = traced.temporaries, traced.largest_param_bytes
+    traced_activations, param_numels = traced.activations, traced.param_numels
+    trainable_param_bytes = traced.trainable_param_bytes
     n = max(1, world_size)
     if zero_stage == 0:
         buckets_ddp = traced_grads if n > 1 else 0  # DDP docs: buckets as large as all gradients

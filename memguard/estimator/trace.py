@@ -19,6 +19,10 @@ hand-written loop, and the step starts with the previous step's output still liv
 :class:`~memguard.estimator.cuda_kernels.CudaKernelModel`, so functions whose CUDA kernels
 allocate differently from the CPU's allocate as on CUDA.
 
+The step is run by :class:`StepTracer` and recorded by :class:`Recorder`, public bases with
+documented extension points: a strategy that runs its own code in the step subclasses them (FSDP2's
+tracer and recorder in :mod:`memguard.estimator.fsdp2_trace`).
+
 Known limitations:
     Memory that kernels allocate internally without creating a tensor (oneDNN scratchpads,
     cuDNN/cuBLAS workspaces) is invisible here; CUDA workspaces are added by the device model.
@@ -48,9 +52,10 @@ from memguard.batch import LossFn, compute_loss, map_tensors, tensor_leaves
 from memguard.errors import ConfigError
 from memguard.estimator.cpu_kernels import CPU_RULES, CpuTarget, Replay
 from memguard.estimator.cuda_kernels import CudaTarget
-from memguard.estimator.kernels import CORRECTIONS
+from memguard.estimator.fake_corrections import CORRECTIONS
+from memguard.estimator.result import Category
 
-__all__ = ["Trace", "TraceSpec", "Recorder", "trace_step", "PHASES", "OPTIMIZER_TEMPORARIES"]
+__all__ = ["Trace", "TraceSpec", "Recorder", "StepTracer", "trace_step", "load_rules", "PHASES", "OPTIMIZER_TEMPORARIES"]
 
 PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
 
@@ -65,7 +70,7 @@ class TraceSpec:
     """How one training step is traced: everything but the model, batch, optimizer and loss.
 
     Frozen and hashable, so a set of traces can be keyed by it (the planner's trace cache).
-    :func:`memguard.estimator.api.trace_spec` builds the spec for a target and precision.
+    :func:`memguard.estimator.tracing.trace_spec` builds the spec for a target and precision.
 
     Attributes:
         param_dtype: cast floating parameters, buffers and inputs to this dtype (``*-true``
@@ -125,7 +130,8 @@ class Trace:
         events: ``(handle, signed_bytes)`` in time order: ``+n`` allocates storage ``handle`` of
             ``n`` bytes, ``-n`` frees it.
         sizes: bytes of each handle (its last size).
-        category: the category of each handle (see ``memguard.estimator.result.CATEGORIES``).
+        category: the category of each handle (a :class:`~memguard.estimator.result.Category`, or one of the
+            trace's own: :data:`OPTIMIZER_TEMPORARIES`, FSDP2's).
         phase_starts: index into ``events`` where each phase of :data:`PHASES` begins.
         num_params, num_trainable_params: parameter counts (tied weights once).
         largest_layer_params: the most parameters any single module holds itself, DeepSpeed's
@@ -170,7 +176,7 @@ def _stub_scalar(func, args):
     return 1.0 if (t.is_floating_point() or t.is_complex()) else 1
 
 
-class _ScalarStub(TorchDispatchMode):
+class ScalarStub(TorchDispatchMode):
     """Answers ``aten._local_scalar_dense`` (``.item()``) with :func:`_stub_scalar`."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -372,7 +378,7 @@ def _rebuild(cls, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
     return cls(groups, **{k: v for k, v in defaults.items() if k in params})
 
 
-def _make_optimizer(optimizer, params: list[nn.Parameter], originals, foreach: bool | None):
+def make_optimizer(optimizer, params: list[nn.Parameter], originals, foreach: bool | None):
     """A new optimizer of the user's kind over the fake parameters.
 
     ``foreach=True`` (the CUDA target traced on CPU fakes) resolves every group left at
@@ -471,10 +477,10 @@ def _warm_up(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], mode) ->
         return
     except Exception:  # noqa: BLE001 - any failure of the fast path: take the exact slow one
         opt.state.clear()
-    with mode, _ScalarStub():
+    with mode, ScalarStub():
         for p in trainable:
             p.grad = torch.zeros_like(p)
-        with _uncached(mode):
+        with uncached(mode):
             opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -496,7 +502,7 @@ def _learn_templates(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], 
     twin_opt = _rebuild(type(opt), groups, opt.defaults)
     for t in twins.values():
         t.grad = torch.zeros_like(t)
-    with _ScalarStub():
+    with ScalarStub():
         twin_opt.step()
     if len(_STATE_TEMPLATES) > _MAX_TEMPLATES:
         _STATE_TEMPLATES.clear()
@@ -514,7 +520,7 @@ class _DropMetaFailures(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
+def quiet_fake_tensor_log() -> Iterator[None]:
     """Silence torch's fake-tensor traceback for a failing op: memguard reports the failure itself
     as a ConfigError (or, for the planner's cut-down probes, falls back to the whole model)."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
@@ -527,7 +533,7 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _uncached(mode) -> Iterator[None]:
+def uncached(mode) -> Iterator[None]:
     """Switch off the fake-tensor op cache: hashing the long tensor lists of foreach optimizer
     ops costs far more than the cache saves (measured: the optimizer step of a 291-tensor model
     spent most of its time building cache keys)."""
@@ -548,6 +554,13 @@ def _engine_backward(loss: torch.Tensor) -> None:
     Variable._execution_engine.run_backward(
         (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
     )
+
+
+def load_rules() -> None:
+    """Register every CUDA rule in :data:`~memguard.estimator.cuda_kernels.RULES` (importing the rule
+    modules registers them; repeated calls are free). A trace for the CUDA target on CPU fakes calls
+    it before it turns the :class:`~memguard.estimator.cuda_kernels.CudaKernelModel` on."""
+    from memguard.estimator import cuda_attention, cuda_rules  # noqa: F401 - imported for registration
 
 
 def trace_step(
@@ -587,18 +600,39 @@ def trace_step(
     gc_was_enabled = gc.isenabled()
     gc.disable()  # frees happen at deterministic points (reference counting only)
     try:
-        with _quiet_fake_tensor_log():
-            return _StepTracer(model, batch, optimizer, loss_fn, spec).run()
+        with quiet_fake_tensor_log():
+            return StepTracer(model, batch, optimizer, loss_fn, spec).run()
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-class _StepTracer:
-    """One traced step, in the order a training loop runs it: :meth:`setup` (fake model, batch and
-    optimizer, outside the recorder), then under the recorder :meth:`register` (the state that
-    exists before the step), :meth:`forward`, :meth:`backward`, :meth:`optimizer_step` and
-    :meth:`categorise`; last, :meth:`carry_outputs` for ``keep_outputs``."""
+class StepTracer:
+    """One traced step, in the order a training loop runs it; the base that strategies extend.
+
+    :meth:`run` calls :meth:`setup` (the fake copy, batch and optimizer, outside the recorder),
+    :meth:`start_state` (the state a micro-batch after the first starts from), then, under
+    :meth:`recording`, :meth:`register` (the state that exists before the step), :meth:`forward`,
+    :meth:`backward`, :meth:`optimizer_step` (or, with ``spec.train=False``, :meth:`eval_forward`),
+    :meth:`categorise` and :meth:`carry_outputs` (for ``keep_outputs``).
+
+    Extension points, for a strategy that runs its own code in the traced step (FSDP2's
+    :class:`~memguard.estimator.fsdp2_trace.FSDP2Tracer`, as PyTorch's ``FSDPMemTracker``
+    subclasses ``MemTracker``):
+
+    * :meth:`make_recorder`: the :class:`Recorder` (or a subclass) the step is recorded with;
+    * :meth:`prepare_model`: change the fake copy before the optimizer is built (shard it);
+    * :meth:`build_optimizer`: the optimizer over the fake parameters, its lazy state created;
+    * :meth:`start_state`: the gradients a micro-batch after the first starts with;
+    * :meth:`recording`: the context the step is recorded under (the recorder, plus any hooks);
+    * :meth:`register`: the state that exists when the step starts.
+
+    Subclasses may use the module's helpers :func:`make_optimizer`, :class:`ScalarStub`,
+    :func:`uncached` and :func:`quiet_fake_tensor_log`.
+
+    Args:
+        model, batch, optimizer, loss_fn, spec: as for :func:`trace_step`.
+    """
 
     def __init__(self, model: nn.Module, batch: Any, optimizer: Any, loss_fn: LossFn | None, spec: TraceSpec) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -607,12 +641,16 @@ class _StepTracer:
         self.device = torch.device(spec.device)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.trace = Trace()
-        self.recorder = Recorder(self.trace, spec.cpu_target)
+        self.recorder = self.make_recorder()
         self.emulation = None
         self.kernel_model = None
         self.flops = [contextlib.nullcontext(), contextlib.nullcontext()]  # forward, backward
         self.output: Any = None  # the model's output, kept alive with keep_outputs
         self.output_at = -1  # the event index at which the output was returned
+
+    def make_recorder(self) -> Recorder:
+        """The recorder of this step (called once, by ``__init__``, after ``self.trace`` exists)."""
+        return Recorder(self.trace, self.spec.cpu_target)
 
     def run(self) -> Trace:
         """Trace one step: training (forward, backward, optimizer step) or, with ``spec.train=False``,
@@ -621,9 +659,8 @@ class _StepTracer:
             self.setup()
             with self.mode:
                 if self.spec.grads_present:
-                    for p in self.trainable:
-                        p.grad = torch.zeros_like(p)
-            with self.mode, self.recorder:
+                    self.start_state()
+            with self.mode, self.recording():
                 self.register()
                 if self.spec.train:
                     loss = self.forward()
@@ -639,6 +676,8 @@ class _StepTracer:
 
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> None:
+        """Build the fake copy (:meth:`prepare_model` may change it), the fake batch, the optimizer
+        (:meth:`build_optimizer`) and the modes forward and backward run under."""
         from memguard.estimator.blocks import apply_activation_checkpointing
 
         spec, trace = self.spec, self.trace
@@ -647,22 +686,24 @@ class _StepTracer:
         if spec.checkpoint_blocks and spec.train:  # no_grad saves nothing: checkpointing changes nothing in eval
             apply_activation_checkpointing(fmodel, spec.checkpoint_blocks, blocks)  # also drops the KV cache
         trace.num_blocks = len(blocks)
-        self.fmodel = fmodel
-        self.params = list(fmodel.parameters())
-        self.trainable = [p for p in self.params if p.requires_grad]
-        trace.num_params = sum(p.numel() for p in self.params)
-        trace.num_trainable_params = sum(p.numel() for p in self.trainable)
-        trace.trainable_param_bytes = sum(p.numel() * p.element_size() for p in self.trainable)
+        params = list(fmodel.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        trace.num_params = sum(p.numel() for p in params)
+        trace.num_trainable_params = sum(p.numel() for p in trainable)
+        trace.trainable_param_bytes = sum(p.numel() * p.element_size() for p in trainable)
         # DeepSpeed's largest layer (estimate_zero3_model_states_mem_needs_all_live): the most
         # parameters any single module holds itself
         trace.largest_layer_params = max(
             (sum(p.numel() for p in m.parameters(recurse=False)) for m in fmodel.modules()), default=0
         )
+        originals = self.prepare_model(fmodel, originals, blocks)
+        self.fmodel = fmodel
+        self.params = list(fmodel.parameters())
+        self.trainable = [p for p in self.params if p.requires_grad]
         self.fbatch = _fake_batch(self.batch, self.mode, spec.param_dtype, self.device)
         self.opt = None
         if spec.train or spec.optimizer_state:
-            self.opt = _make_optimizer(self.optimizer, self.params, originals, spec.foreach)
-            _warm_up(self.opt, self.trainable, self.mode)  # outside the fake mode: its fast path runs on meta
+            self.opt = self.build_optimizer(originals)
         if spec.count_flops:
             from torch.utils.flop_counter import FlopCounterMode
 
@@ -673,10 +714,42 @@ class _StepTracer:
 
             self.emulation = CudaAutocastEmulation(spec.autocast_dtype)
         if spec.cuda_target is not None:
-            from memguard.estimator.cuda_kernels import CudaKernelModel, load_rules
+            from memguard.estimator.cuda_kernels import CudaKernelModel
 
             load_rules()
             self.kernel_model = CudaKernelModel(spec.cuda_target)
+
+    def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
+        """Change the fake copy in place before the optimizer is built (the base changes nothing).
+
+        Args:
+            fmodel: the fake copy, in train or eval mode, its blocks already checkpointed.
+            originals: the user's parameter of each fake one, by ``id`` of the fake one (an
+                optimizer instance's groups are rebuilt from them).
+            blocks: the copy's repeated blocks (:func:`~memguard.estimator.blocks.find_blocks`).
+
+        Returns:
+            ``originals`` for the parameters ``fmodel`` holds now.
+        """
+        return originals
+
+    def build_optimizer(self, originals: dict[int, Any]) -> torch.optim.Optimizer:
+        """The user's optimizer over ``self.params`` (see :func:`make_optimizer`), its lazily built
+        state created as after a first step (the warm-up runs outside the fake mode: its fast path
+        runs on meta)."""
+        opt = make_optimizer(self.optimizer, self.params, originals, self.spec.foreach)
+        _warm_up(opt, self.trainable, self.mode)
+        return opt
+
+    def start_state(self) -> None:
+        """With ``spec.grads_present`` (gradient accumulation): give every trainable parameter the
+        gradient a micro-batch after the first starts with (called under the fake mode)."""
+        for p in self.trainable:
+            p.grad = torch.zeros_like(p)
+
+    def recording(self) -> contextlib.AbstractContextManager:
+        """The context the step is recorded under: the recorder (entered inside the fake mode)."""
+        return self.recorder
 
     # ------------------------------------------------------------------------------ register
     def register(self) -> None:
@@ -684,17 +757,17 @@ class _StepTracer:
         state, gradients (under accumulation) and the batch."""
         rec = self.recorder
         for p in self.params:
-            rec.register(p, "params")
+            rec.register(p, Category.PARAMS)
         for b in self.fmodel.buffers():
-            rec.register(b, "params")
+            rec.register(b, Category.PARAMS)
         if self.opt is not None:
             for t in _optimizer_state_tensors(self.opt):
-                rec.register(t, "optimizer")
+                rec.register(t, Category.OPTIMIZER)
         for p in self.trainable:
             if p.grad is not None:
-                rec.register(p.grad, "grads")
+                rec.register(p.grad, Category.GRADS)
         for t in tensor_leaves(self.fbatch):
-            rec.register(t, "inputs")
+            rec.register(t, Category.INPUTS)
 
     # ------------------------------------------------------------------------------ forward
     def _modes(self) -> contextlib.ExitStack:
@@ -798,19 +871,19 @@ class _StepTracer:
         for p in self.trainable:
             h = rec.handle_of(p.grad) if p.grad is not None else None
             if h is not None:
-                trace.category[h] = "grads"
+                trace.category[h] = Category.GRADS
 
     # ------------------------------------------------------------------------------ optimizer
     def optimizer_step(self) -> None:
         trace, rec = self.trace, self.recorder
         trace.phase_starts["optimizer"] = len(trace.events)
         rec.phase = "optimizer"
-        with _uncached(self.mode):
+        with uncached(self.mode):
             self.opt.step()
         for t in _optimizer_state_tensors(self.opt):
             h = rec.handle_of(t)
             if h is not None and not trace.category[h]:
-                trace.category[h] = "optimizer"
+                trace.category[h] = Category.OPTIMIZER
         trace.phase_starts["zero_grad"] = len(trace.events)
         rec.phase = "zero_grad"
         self.opt.zero_grad(set_to_none=True)
@@ -824,8 +897,8 @@ class _StepTracer:
             if not cat:
                 phase = alloc_phase[h]
                 trace.category[h] = (
-                    "activations" if phase == "forward"
-                    else OPTIMIZER_TEMPORARIES if phase == "optimizer" else "temporaries"
+                    Category.ACTIVATIONS if phase == "forward"
+                    else OPTIMIZER_TEMPORARIES if phase == "optimizer" else Category.TEMPORARIES
                 )
 
     # ------------------------------------------------------------------------------ outputs

@@ -34,8 +34,10 @@ from torch import nn
 
 from memguard.batch import first_dim, resize_batch
 from memguard.errors import InfeasiblePlanError
-from memguard.estimator.api import evaluate, unwrap_model
-from memguard.estimator.evaluation import EVAL_NOTE, _with_ddp_buckets, eval_trace
+from memguard.estimator.eval_step import EVAL_NOTE, _with_ddp_buckets, eval_trace
+from memguard.estimator.pricing import estimate_from_trace
+from memguard.estimator.targets import Target, unwrap_model
+from memguard.estimator.tracing import TraceRequest
 from memguard.planner.assemble import Candidate, build_plan
 from memguard.planner.plan import Plan
 from memguard.planner.probe import interpolate_trace
@@ -86,14 +88,15 @@ def size_eval(model: nn.Module, batch: Any, request: PlanRequest, space: SearchS
 
     def trace_at(m: int):
         if m not in traces:
-            traces[m] = eval_trace(model, resize_batch(worst, example, m), fn=request.loss_fn, device=device,
-                                   precision=precision, optimizer=request.optimizer, optimizer_state=optimizer_state,
-                                   grads_present=False, keep_outputs=request.keep_outputs, gpu=spec)
+            how = TraceRequest(device=device, precision=precision, grads_present=False,
+                               keep_outputs=request.keep_outputs, gpu=spec)
+            traces[m] = eval_trace(model, resize_batch(worst, example, m), how, fn=request.loss_fn,
+                                   optimizer=request.optimizer, optimizer_state=optimizer_state)
         return traces[m]
 
     def estimate(tr, m: int):
-        est, _ = evaluate(tr, device=device, precision=precision, zero_stage=0, world_size=world_size, spec=spec,
-                          micro_batch_size=m)
+        est, _ = estimate_from_trace(tr, Target(device=device, precision=precision, world_size=world_size, gpu=spec),
+                                     micro_batch_size=m)
         return _with_ddp_buckets(dataclasses.replace(est, notes=(EVAL_NOTE, *est.notes)), tr, world_size, False)
 
     m0 = max(1, min(example, n))

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from memguard.errors import ConfigError, InfeasiblePlanError, MissingDependencyError
-from memguard.estimator.api import unwrap_model
+from memguard.estimator.targets import unwrap_model
 from memguard.estimator.twins import (
     LORA_RANK,
     AdamW8bitStandIn,
@@ -334,7 +334,7 @@ def alternatives(model: nn.Module, batch: Any, request: Any, *, plan_with: PlanW
                                "bf16: model.to(torch.bfloat16))", peak, plan is not None, BF16_TRUE_NOTE, plan))
     if want("cpu-offload") and True not in space.offloads:
         zeros = tuple(z for z in space.zero_stages if z >= 1) or ((1, 2) if request.world_size == 1 else (1, 2, 3))
-        # ZeRO >= 1 traces *-mixed as *-true (memguard.estimator.api.traced_precision): the
+        # ZeRO >= 1 traces *-mixed as *-true (memguard.estimator.targets.traced_precision): the
         # bf16-true alternative's traces serve here too
         offload = _plain_request(request, offload_optimizer=True, zero_stage=zeros, precision=precision)
         peak, plan = _measure(plan_with, model, batch, offload, session)

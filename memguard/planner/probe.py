@@ -15,7 +15,7 @@ affine in anything: a probe's reserved/allocated ratio, measured on tensors the 
 model, says little about the whole model. So for CUDA the probe traces are *extended* instead:
 :func:`extend_trace` aligns the 1- and 2-block traces, repeats the second block's events until the
 trace has every block, scales the batch-proportional tensors to the micro-batch, and the allocator
-model (``memguard.estimator.cuda``, through ``memguard.estimator.api.evaluate``) replays the result.
+model (``memguard.estimator.cuda``, through ``memguard.estimator.pricing.estimate_from_trace``) replays the result.
 Sizes at other micro-batches come from the extended traces at two micro-batches
 (:func:`interpolate_trace`): a tensor's size is affine in the micro-batch. The CPU target uses the
 same extended traces (its peak is their live bytes, with no allocator): the moment of the peak

@@ -14,7 +14,7 @@ over: the GPU's spec, the precisions, checkpointing modes, ZeRO stages and offlo
 consider, the budget, and the job's size; :meth:`PlanRequest.resolve_eval` does the same for an
 evaluation step (``train=False``). Every option check of the planner lives here, and this module
 imports nothing of the planner above it: the target is resolved once, by the estimator's
-:func:`~memguard.estimator.api.target_gpu` and :func:`~memguard.estimator.api.target_cpu`.
+:func:`~memguard.estimator.targets.target_gpu` and :func:`~memguard.estimator.targets.target_cpu`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from memguard.batch import first_dim
 from memguard.errors import ConfigError
-from memguard.estimator.api import STRATEGIES, target_cpu, target_gpu
+from memguard.estimator.targets import STRATEGIES, target_cpu, target_gpu
 from memguard.estimator.gpus import GENERIC
 from memguard.planner.cache import PlanCache
 from memguard.vocab import DEVICES, PRECISION_ALIASES, PRECISIONS, KiB, default_precisions
@@ -194,7 +194,7 @@ class PlanRequest:
         if precision not in PRECISIONS:
             problems.append(f"precision={precision!r} must be one of {', '.join(PRECISIONS)} (the precision the "
                             "evaluation runs in)")
-        from memguard.estimator.evaluation import _eval_problems
+        from memguard.estimator.eval_step import _eval_problems
 
         problems.extend(_eval_problems(zero_stage=0, optimizer_state=self.optimizer is not None,
                                        grads_present=False, keep_outputs=self.keep_outputs,
@@ -446,9 +446,9 @@ def _job_problems(say: _Say, *, world: Any, device: Any, headroom: Any, budget: 
 def _target_spec(say: _Say, *, device: Any, gpu: Any, cpu: Any, budget: Any, problems: list[str]) -> Any:
     """The CUDA target's GPU spec (None on the CPU, or when it cannot be resolved), the CPU target checked.
 
-    The one resolution is the estimator's (:func:`memguard.estimator.api.target_gpu`: ``gpu``, else
+    The one resolution is the estimator's (:func:`memguard.estimator.targets.target_gpu`: ``gpu``, else
     the current device, else the generic spec, which a plan accepts only with ``budget_bytes``, and
-    :func:`~memguard.estimator.api.target_cpu`); an option given for the other device is a problem.
+    :func:`~memguard.estimator.targets.target_cpu`); an option given for the other device is a problem.
     """
     spec = None
     if device == "cuda":

@@ -33,7 +33,8 @@ import dataclasses
 import logging
 
 from memguard.errors import InfeasiblePlanError
-from memguard.estimator.api import evaluate, traced_precision
+from memguard.estimator.pricing import estimate_from_trace
+from memguard.estimator.targets import Target, traced_precision
 from memguard.estimator.result import Estimate
 from memguard.planner.assemble import CLOSEST_REASONS, Candidate, ModelFacts, build_plan, fitting_reasons
 from memguard.planner.cost import step_seconds
@@ -186,11 +187,11 @@ def verify(session: TraceSession, space: SearchSpace, cand: Candidate, *, limit_
     tr = session.trace(traced_precision(cand.precision, cand.zero_stage, cand.strategy), ckpt=cand.checkpoint_blocks,
                        m=cand.micro_batch_size, grads_present=cand.grad_accum_steps > 1, spec=spec,
                        fsdp2=session._layout(cand.strategy, cand.precision, cand.zero_stage, world_size))
-    est, _ = evaluate(tr, device=session.device, precision=cand.precision, zero_stage=cand.zero_stage,
-                      strategy=cand.strategy,
-                      world_size=world_size, spec=spec, offload_optimizer=cand.offload_optimizer,
-                      micro_batch_size=cand.micro_batch_size, checkpointed=cand.checkpoint_blocks,
-                      limit_bytes=limit_bytes)
+    target = Target(device=session.device, precision=cand.precision, zero_stage=cand.zero_stage,
+                    world_size=world_size, gpu=spec, strategy=cand.strategy,
+                    offload_optimizer=cand.offload_optimizer)
+    est, _ = estimate_from_trace(tr, target, micro_batch_size=cand.micro_batch_size,
+                                 checkpointed=cand.checkpoint_blocks, limit_bytes=limit_bytes)
     return est
 
 

@@ -2,7 +2,7 @@
 
 Every question the planner asks about a model's training step (the search's probes and
 verifications, the sizing of a new batch shape for the guard, the plot's curves) is answered from
-traces of that step on fake tensors (:func:`memguard.estimator.api.run_trace`).
+traces of that step on fake tensors (:func:`memguard.estimator.tracing.run_trace`).
 A :class:`TraceSession` holds the model, the example batch and the tracing options, and caches
 every trace by what it depends on, so that planning the same job for other budgets, GPUs and
 world sizes traces nothing twice. :meth:`TraceSession.probe_model` turns the 1- and 2-block probe
@@ -20,7 +20,9 @@ from torch import nn
 
 from memguard.batch import first_dim, resize_batch
 from memguard.errors import ConfigError
-from memguard.estimator.api import evaluate, fsdp2_layout, run_trace, traced_precision, unwrap_model
+from memguard.estimator.pricing import estimate_from_trace
+from memguard.estimator.targets import Target, traced_precision, unwrap_model
+from memguard.estimator.tracing import TraceRequest, fsdp2_layout, run_trace
 from memguard.estimator.blocks import find_blocks
 from memguard.planner.cost import CPU_TFLOPS, CostInputs
 from memguard.planner.probe import (
@@ -145,12 +147,12 @@ class TraceSession:
         if key not in self._traces:
             start = time.perf_counter()
             batch = self.traced_batch if m is None else self.batch_of(m)
-            self._traces[key] = run_trace(
-                self.model, batch, optimizer=self.optimizer, loss_fn=self.loss_fn, device=self.device,
-                precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present, keep_blocks=keep,
-                count_flops=flops, keep_outputs=self.keep_outputs, gpu=spec, fsdp2=fsdp2,
-                cpu=self._cpu_target(),
+            request = TraceRequest(
+                device=self.device, precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present,
+                keep_blocks=keep, count_flops=flops, keep_outputs=self.keep_outputs, gpu=spec,
+                cpu=self._cpu_target(), fsdp2=fsdp2,
             )
+            self._traces[key] = run_trace(self.model, batch, request, optimizer=self.optimizer, loss_fn=self.loss_fn)
             log.debug("memguard traced %s", key)
             if self.on_trace is not None:
                 self.on_trace(dict(precision=precision, ckpt=ckpt, keep=keep, m=m, grads_present=grads_present),
@@ -198,8 +200,9 @@ class TraceSession:
         for j in self.probe_points(spec):
             tr = self._probe_trace(precision, zero_stage, ckpt_all, j, spec, strategy, world_size)
             # allocated bytes only: the CPU target's evaluation is the sharded timeline without the allocator
-            _, tl = evaluate(tr, device="cpu", precision=precision, zero_stage=zero_stage, world_size=world_size,
-                             spec=None, offload_optimizer=offload, micro_batch_size=self.m0, strategy=strategy)
+            target = Target(device="cpu", precision=precision, zero_stage=zero_stage, world_size=world_size,
+                            strategy=strategy, offload_optimizer=offload)
+            _, tl = estimate_from_trace(tr, target, micro_batch_size=self.m0)
             feats.append(ProbeFeatures.of(tl))
         if len(feats) == 1:
             return feats[0]
@@ -295,10 +298,10 @@ class TraceSession:
                                                traced_accum)
                     if accumulating and not traced_accum:
                         whole = with_gradients_present(whole)
-                    est, _ = evaluate(whole, device=self.device, precision=precision, zero_stage=zero_stage,
-                                       world_size=world_size, spec=spec, offload_optimizer=offload,
-                                       micro_batch_size=m, checkpointed=self.num_blocks if ckpt_all else 0,
-                                       strategy=strategy)
+                    target = Target(device=self.device, precision=precision, zero_stage=zero_stage,
+                                    world_size=world_size, gpu=spec, strategy=strategy, offload_optimizer=offload)
+                    est, _ = estimate_from_trace(whole, target, micro_batch_size=m,
+                                                 checkpointed=self.num_blocks if ckpt_all else 0)
                     self._peaks[key] = est.peak_bytes
                 return self._peaks[key]
 

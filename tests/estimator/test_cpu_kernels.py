@@ -24,7 +24,7 @@ import torch
 import memguard
 from memguard import ConfigError
 from memguard.estimator.cpu_kernels import ISAS, CpuTarget, _hardware_isa, host_isa
-from memguard.estimator.cuda_kernels import modelled_op_memory
+from memguard.estimator.op_memory import modelled_op_memory
 from memguard.estimator.onednn_matmul import matmul_scratchpad_bytes
 
 pytestmark = pytest.mark.cpu_truth

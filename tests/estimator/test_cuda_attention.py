@@ -14,8 +14,8 @@ from torch._subclasses import FakeTensorMode
 
 from memguard.errors import ConfigError
 from memguard.estimator import cuda_attention as ca
-from memguard.estimator.cuda_kernels import RULES, CudaKernelModel, CudaTarget, load_rules
-from memguard.estimator.trace import Trace, Recorder
+from memguard.estimator.cuda_kernels import RULES, CudaKernelModel, CudaTarget
+from memguard.estimator.trace import Trace, Recorder, load_rules
 
 load_rules()
 
@@ -34,7 +34,7 @@ def qkv(b=2, h=4, s_q=128, s_k=None, d=64, dtype=torch.bfloat16, h_k=None, d_v=N
 def choose(cap, *, torch_version=(2, 13), mask=None, dropout=0.1, causal=False, gqa=False,
            settings=DEFAULT, cudnn=None, **shape):
     q, k, v = qkv(**shape)
-    return ca.select_sdpa_backend(CudaTarget(cap, torch_version), q, k, v, mask, dropout, causal, gqa,
+    return ca.select_sdpa_backend(CudaTarget(cap, torch_version), ca.SdpaCall(q, k, v, mask, dropout, causal, gqa),
                                   settings=settings, cudnn_version=cudnn)
 
 
@@ -416,7 +416,7 @@ def test_gqa_without_flash_keeps_the_math_path_probabilities():
             k = torch.empty(b, h_k, s, d, dtype=torch.float16, requires_grad=True)
             v = torch.empty(b, h_k, s, d, dtype=torch.float16, requires_grad=True)
             t4 = CudaTarget((7, 5))
-            assert ca.select_sdpa_backend(t4, q, k, v, None, 0.0, True, True, settings=DEFAULT) == "math"
+            assert ca.select_sdpa_backend(t4, ca.SdpaCall(q, k, v, None, 0.0, True, True), settings=DEFAULT) == "math"
             trace = Trace()
             with Recorder(trace) as rec:
                 for t in (q, k, v):

@@ -16,7 +16,8 @@ from torch import nn
 
 import memguard
 from memguard.estimator.cuda import parse_torch_version
-from memguard.estimator.cuda_kernels import RULES, CudaTarget, load_rules
+from memguard.estimator.cuda_kernels import RULES, CudaTarget
+from memguard.estimator.trace import load_rules
 
 
 class Block(nn.Module):

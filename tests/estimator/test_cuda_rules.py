@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from memguard.estimator import cuda_kernels
-from memguard.estimator.cuda_kernels import CudaKernelModel, CudaTarget, load_rules, modelled_op_memory
+from memguard.estimator.cuda_kernels import CudaKernelModel, CudaTarget
+from memguard.estimator.op_memory import modelled_op_memory
+from memguard.estimator.trace import load_rules
 from memguard.estimator.cuda_rules import (
     EMBEDDING_SORT_THRESHOLD,
     conv_workspace_cap_bytes,

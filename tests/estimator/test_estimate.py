@@ -723,6 +723,18 @@ def test_each_bad_argument_is_a_config_error(kwargs, fragment):
         memguard.estimate(build(ResMLP), randn(4, 64), **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, fragment", [({"zero_stage": True}, "zero_stage=True"),
+                                              ({"world_size": True}, "world_size=True")])
+def test_a_bool_is_not_a_stage_or_a_rank_count_as_for_the_planner(kwargs, fragment):
+    # bool is an int (True == 1): the estimate refuses it as memguard.plan does, rather than
+    # returning an Estimate whose zero_stage=True the planner would refuse
+    with pytest.raises(ConfigError, match=fragment):
+        memguard.estimate(build(ResMLP), randn(4, 64), device="cpu", **kwargs)
+    with pytest.raises(ConfigError, match=fragment):
+        memguard.plan(build(ResMLP), randn(4, 64), global_batch_size=4, device="cpu", budget_bytes=2**30,
+                      **kwargs)
+
+
 def test_config_error_is_a_memguard_error_and_a_value_error():
     with pytest.raises(memguard.MemguardError):
         memguard.estimate(build(ResMLP), randn(4, 64), world_size=0)

@@ -13,7 +13,7 @@ from torch import nn
 from memguard.batch import resize_batch
 from memguard.errors import ConfigError
 from memguard.estimator.api import estimate
-from memguard.estimator.evaluation import EVAL_NOTE, estimate_eval
+from memguard.estimator.eval_step import EVAL_NOTE, EvalOptions, estimate_eval
 from memguard.planner.api import plan as plan_for
 from tests.estimator.eval_ground_truth import measure_cpu_eval_peak
 
@@ -29,7 +29,7 @@ def mlp() -> nn.Module:
 
 def test_mlp_bytes_by_hand():
     x = torch.randn(32, 64)
-    est = estimate_eval(mlp(), x, device="cpu")
+    est = estimate_eval(mlp(), x, EvalOptions(device="cpu"))
     params = (64 * 256 + 256 + 256 * 10 + 10) * FP32
     # peak inside ReLU: the batch, Linear's output and ReLU's output (not in place); dropout is off in
     # eval mode (no mask, no copy) and nothing is saved for a backward
@@ -42,24 +42,24 @@ def test_mlp_bytes_by_hand():
 
 def test_resident_state_options():
     x = torch.randn(32, 64)
-    base = estimate_eval(mlp(), x, device="cpu").peak_bytes
+    base = estimate_eval(mlp(), x, EvalOptions(device="cpu")).peak_bytes
     params = (64 * 256 + 256 + 256 * 10 + 10) * FP32
     # AdamW: exp_avg and exp_avg_sq per parameter plus a 0-dim fp32 step per tensor (torch/optim/adamw.py)
-    with_opt = estimate_eval(mlp(), x, device="cpu", optimizer_state=True).peak_bytes
+    with_opt = estimate_eval(mlp(), x, EvalOptions(device="cpu", optimizer_state=True)).peak_bytes
     assert with_opt - base == 2 * params + 4 * FP32
-    with_grads = estimate_eval(mlp(), x, device="cpu", grads_present=True).peak_bytes
+    with_grads = estimate_eval(mlp(), x, EvalOptions(device="cpu", grads_present=True)).peak_bytes
     assert with_grads - base == params
     # DDP's buckets (as large as all gradients) exist while the wrapper does, so in evaluation too
-    assert estimate_eval(mlp(), x, device="cpu", world_size=2).peak_bytes - base == params
+    assert estimate_eval(mlp(), x, EvalOptions(device="cpu", world_size=2)).peak_bytes - base == params
     # the previous step's output (32 x 10 fp32) is live until this forward returns
-    kept = estimate_eval(mlp(), x, device="cpu", keep_outputs=True).peak_bytes
+    kept = estimate_eval(mlp(), x, EvalOptions(device="cpu", keep_outputs=True)).peak_bytes
     assert kept - base == 32 * 10 * FP32
 
 
 def test_eval_is_below_training():
     x = torch.randn(32, 64)
     train = estimate(mlp(), x, loss_fn=lambda m, b: m(b).sum(), device="cpu").peak_bytes
-    assert estimate_eval(mlp(), x, device="cpu").peak_bytes < train
+    assert estimate_eval(mlp(), x, EvalOptions(device="cpu")).peak_bytes < train
 
 
 def gpt2():
@@ -85,7 +85,7 @@ def test_transformers_against_the_real_cpu_peak(build, labels):
     model = build()
     ids = torch.randint(0, 1000, (4, 96))
     batch = {"input_ids": ids, "labels": ids} if labels else {"input_ids": ids}
-    est = estimate_eval(model, batch, device="cpu").peak_bytes
+    est = estimate_eval(model, batch, EvalOptions(device="cpu")).peak_bytes
     real = measure_cpu_eval_peak(model, batch)
     # the tracer sees every storage the CPU allocator serves; 1% covers allocations made outside
     # tensors' storages (none were seen on these models: the measured error is under 0.02%)
@@ -101,15 +101,16 @@ def test_with_resident_optimizer_against_the_real_cpu_peak():
     opt.step()
     opt.zero_grad(set_to_none=True)
     batch = {"input_ids": torch.randint(0, 1000, (4, 96))}
-    est = estimate_eval(model, batch, device="cpu", optimizer=opt, optimizer_state=True).peak_bytes
+    est = estimate_eval(model, batch, EvalOptions(device="cpu", optimizer_state=True), optimizer=opt).peak_bytes
     real = measure_cpu_eval_peak(model, batch, optimizer=opt)
     assert abs(est - real) / real < 0.01, (est, real)
 
 
 def test_training_only_options_are_refused_together():
     with pytest.raises(ConfigError) as info:
-        estimate_eval(mlp(), torch.randn(2, 64), device="cpu", zero_stage=3, activation_checkpointing=True,
-                      grad_accum_steps=4, optimizer=torch.optim.SGD)
+        estimate_eval(mlp(), torch.randn(2, 64),
+                      EvalOptions(device="cpu", zero_stage=3, activation_checkpointing=True, grad_accum_steps=4),
+                      optimizer=torch.optim.SGD)
     assert len(info.value.problems) == 4
 
 
@@ -120,7 +121,7 @@ def test_plan_eval_picks_the_largest_fitting_micro_batch():
     budget = params + 100 * per_sample + 1000  # 100 samples fit, with no headroom
     plan = plan_for(model, x, global_batch_size=512, train=False, device="cpu", budget_bytes=budget, headroom=0.0)
     assert plan.micro_batch_size == 100
-    assert estimate_eval(model, resize_batch(x, 4, 101), device="cpu").peak_bytes > budget
+    assert estimate_eval(model, resize_batch(x, 4, 101), EvalOptions(device="cpu")).peak_bytes > budget
     assert plan.grad_accum_steps == 1 and plan.global_batch_size == 100
     text = plan.explain()
     assert "evaluation (train=False)" in text and "512 runs as 6 forwards" in text

@@ -10,7 +10,7 @@ from torch import nn
 
 import memguard
 from memguard.batch import resize_batch
-from memguard.estimator.evaluation import estimate_eval
+from memguard.estimator.eval_step import EvalOptions, estimate_eval
 
 FP32 = 4
 
@@ -22,18 +22,21 @@ def mlp() -> nn.Module:
 
 def test_estimate_train_false_is_the_eval_estimate():
     x = torch.randn(32, 64)
-    assert memguard.estimate(mlp(), x, device="cpu", train=False) == estimate_eval(mlp(), x, device="cpu")
+    assert memguard.estimate(mlp(), x, device="cpu", train=False) == estimate_eval(mlp(), x,
+                                                                                    EvalOptions(device="cpu"))
     # an optimizer given with train=False: its state is resident (AdamW: 2 x params + a step per tensor)
     params = (64 * 256 + 256 + 256 * 10 + 10) * FP32
     with_opt = memguard.estimate(mlp(), x, device="cpu", train=False, optimizer=lambda p: torch.optim.AdamW(p))
-    assert with_opt.peak_bytes - estimate_eval(mlp(), x, device="cpu").peak_bytes == 2 * params + 4 * FP32
+    without = estimate_eval(mlp(), x, EvalOptions(device="cpu"))
+    assert with_opt.peak_bytes - without.peak_bytes == 2 * params + 4 * FP32
 
 
 def test_plan_train_false_and_training_knobs():
     plan = memguard.plan(mlp(), torch.randn(4, 64), global_batch_size=512, device="cpu", budget_bytes=1 << 20,
                          train=False)
     assert plan.reasons["mode"].startswith("evaluation") and plan.grad_accum_steps == 1
-    fits = estimate_eval(mlp(), resize_batch(torch.randn(4, 64), 4, plan.micro_batch_size), device="cpu")
+    fits = estimate_eval(mlp(), resize_batch(torch.randn(4, 64), 4, plan.micro_batch_size),
+                         EvalOptions(device="cpu"))
     assert fits.peak_bytes <= plan.usable_bytes
     with pytest.raises(memguard.ConfigError) as info:
         memguard.plan(mlp(), torch.randn(4, 64), global_batch_size=8, device="cpu", budget_bytes=1 << 20,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import memguard
-from memguard.estimator.sharding import ShardFactors, model_state_factors
+from memguard.estimator.sharding import ShardFactors, TracedStates, ZeroSetup, model_state_factors
 from memguard.estimator.trace import trace_step
 
 FP32 = 4
@@ -84,9 +84,11 @@ def end_of_backward_state(model, batch, *, stage, world_size, precision="bf16-mi
         live[cat] += nbytes
         best[cat] = max(best[cat], live[cat])
     f = model_state_factors(
-        zero_stage=stage, world_size=world_size, traced_params=best["params"], traced_grads=best["grads"],
-        traced_optimizer=best["optimizer"], num_params=trace.num_params, num_trainable=trace.num_trainable_params,
-        largest_layer=trace.largest_layer_params, sixteen_bit=precision != "32-true", offload_optimizer=offload,
+        TracedStates(params=best["params"], grads=best["grads"], optimizer=best["optimizer"],
+                     num_params=trace.num_params, num_trainable=trace.num_trainable_params,
+                     largest_layer=trace.largest_layer_params),
+        ZeroSetup(zero_stage=stage, world_size=world_size, sixteen_bit=precision != "32-true",
+                  offload_optimizer=offload),
     )
     at: dict[str, int] = defaultdict(int)
     for handle, nbytes in trace.events[: trace.phase_starts["optimizer"]]:
@@ -111,24 +113,24 @@ def test_factors_reproduce_deepspeed_formulas(ds, psi, n, stage, offload):
     # a bf16-mixed Adam trace holds fp32 weights (4Ψ), fp32 grads (4Ψ) and two fp32 moments (8Ψ)
     traced = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
     f = model_state_factors(
-        zero_stage=stage, world_size=n, traced_params=traced["params"], traced_grads=traced["grads"],
-        traced_optimizer=traced["optimizer"], num_params=psi, num_trainable=psi, largest_layer=largest,
-        sixteen_bit=True, offload_optimizer=offload,
+        TracedStates(params=traced["params"], grads=traced["grads"], optimizer=traced["optimizer"],
+                     num_params=psi, num_trainable=psi, largest_layer=largest),
+        ZeroSetup(zero_stage=stage, world_size=n, sixteen_bit=True, offload_optimizer=offload),
     )
     ours = sum(traced[c] * getattr(f, c) for c in STATE) + f.extra_params + f.extra_grads
     assert abs(ours - ds_gpu_bytes(ds, stage, psi, largest, n, offload)) <= 1 + 1e-9 * ours  # int() and float rounding
 
 
 def test_stage_0_single_rank_changes_nothing():
-    f = model_state_factors(zero_stage=0, world_size=1, traced_params=400, traced_grads=400, traced_optimizer=800,
-                            num_params=100, num_trainable=100, largest_layer=10, sixteen_bit=True)
+    f = model_state_factors(TracedStates(params=400, grads=400, optimizer=800, num_params=100, num_trainable=100,
+                                         largest_layer=10), ZeroSetup(zero_stage=0, world_size=1, sixteen_bit=True))
     assert f == ShardFactors()
 
 
 def test_ddp_buckets_are_as_large_as_all_gradients():
     # torch DDP docs (gradient_as_bucket_view): the buckets hold a copy of every gradient
-    f = model_state_factors(zero_stage=0, world_size=4, traced_params=400, traced_grads=400, traced_optimizer=800,
-                            num_params=100, num_trainable=100, largest_layer=10, sixteen_bit=True)
+    f = model_state_factors(TracedStates(params=400, grads=400, optimizer=800, num_params=100, num_trainable=100,
+                                         largest_layer=10), ZeroSetup(zero_stage=0, world_size=4, sixteen_bit=True))
     assert (f.params, f.grads, f.optimizer) == (1.0, 1.0, 1.0)
     assert f.extra_grads == 400 and f.extra_params == 0
 
@@ -139,9 +141,9 @@ def test_zero_1_partitions_only_optimizer_side_state():
     # partition's own 16-bit gradient copy (stage_1_and_2.py, reduce_ipg_grads "zero stage 1":
     # copy_grads_in_partition into grads_in_partition, contiguous_gradients being DeepSpeed's default)
     psi = 1000
-    f = model_state_factors(zero_stage=1, world_size=4, traced_params=4 * psi, traced_grads=4 * psi,
-                            traced_optimizer=8 * psi, num_params=psi, num_trainable=psi, largest_layer=10,
-                            sixteen_bit=True)
+    f = model_state_factors(TracedStates(params=4 * psi, grads=4 * psi, optimizer=8 * psi, num_params=psi,
+                                         num_trainable=psi, largest_layer=10),
+                            ZeroSetup(zero_stage=1, world_size=4, sixteen_bit=True))
     ours = 4 * psi * f.params + 4 * psi * f.grads + 8 * psi * f.optimizer + f.extra_params + f.extra_grads
     assert ours == pytest.approx(4 * psi + 18 * psi / 4)
 
@@ -302,13 +304,12 @@ from memguard.estimator.sharding import ZeroBuckets  # noqa: E402
 PSI = 1_000_000
 
 
-def fp32_factors(stage: int, n: int = 2, **kw) -> ShardFactors:
-    """Factors for an fp32 Adam trace of PSI parameters (4Ψ weights, 4Ψ grads, 8Ψ moments)."""
-    base = dict(zero_stage=stage, world_size=n, traced_params=4 * PSI, traced_grads=4 * PSI,
-                traced_optimizer=8 * PSI, num_params=PSI, num_trainable=PSI, largest_layer=PSI // 10,
-                sixteen_bit=False)
-    base.update(kw)
-    return model_state_factors(**base)
+def fp32_factors(stage: int, n: int = 2, *, buckets: ZeroBuckets | None = None, **traced) -> ShardFactors:
+    """Factors for an fp32 Adam trace of PSI parameters (4Ψ weights, 4Ψ grads, 8Ψ moments);
+    ``traced`` sets further :class:`TracedStates` fields."""
+    states = TracedStates(params=4 * PSI, grads=4 * PSI, optimizer=8 * PSI, num_params=PSI, num_trainable=PSI,
+                          largest_layer=PSI // 10, **traced)
+    return model_state_factors(states, ZeroSetup(zero_stage=stage, world_size=n, sixteen_bit=False, buckets=buckets))
 
 
 def test_zero_buckets_read_deepspeeds_keys_and_defaults():
@@ -377,14 +378,14 @@ def test_zero_3_gathers_the_whole_model_with_the_default_reuse_distance():
     # elements: with 1e9 nothing is released in forward. The gathered bytes ride on the activations
     # (gathered and released with them); 2·largest_layer of them are the constant extra_params.
     acts = 3 * PSI
-    f = fp32_factors(3, traced_activations=acts, buckets=ZeroBuckets(param_persistence_threshold=0))
+    f = fp32_factors(3, activations=acts, buckets=ZeroBuckets(param_persistence_threshold=0))
     assert acts * (f.activations - 1) + f.extra_params == pytest.approx(4 * PSI)
     assert f.gathered_share == pytest.approx(1 - 1 / f.activations)
-    short = fp32_factors(3, traced_activations=acts,
+    short = fp32_factors(3, activations=acts,
                          buckets=ZeroBuckets(param_persistence_threshold=0, max_reuse_distance=PSI))
     assert short.activations == 1.0 and short.extra_params == 2 * 4 * (PSI // 10)  # DeepSpeed's 4·largest_layer
     # no config: DeepSpeed's default reuse distance (to_config never sets it)
-    assert fp32_factors(3, traced_activations=acts).activations == f.activations
+    assert fp32_factors(3, activations=acts).activations == f.activations
 
 
 def test_zero_3_persistent_parameters_stay_gathered():
@@ -401,7 +402,7 @@ def test_step_temporaries_are_those_of_one_flat_partition(stage):
     # _prepare_fp32_grad_for_sub_group), less what the traced gradients, still live in the step,
     # already stand for.
     n, largest = 2, 4 * (PSI // 10)
-    f = fp32_factors(stage, n=n, traced_temporaries=2 * largest, largest_param_bytes=largest)
+    f = fp32_factors(stage, n=n, temporaries=2 * largest, largest_param_bytes=largest)
     temps = 2 * largest * f.optimizer_temporaries
     grads_in_step = 4 * PSI * f.grads
     expected = {1: 0.0, 2: 2 * 4 * PSI / n, 3: 3 * 4 * PSI / n}[stage]
@@ -411,17 +412,19 @@ def test_step_temporaries_are_those_of_one_flat_partition(stage):
         3 * 4 * PSI / n + (4 * PSI + 4 * PSI / n - 3 * 4 * PSI / n if stage == 1 else 0))
 
 
-def test_evaluate_takes_the_engines_buckets():
-    from memguard.estimator.api import evaluate, run_trace
+def test_estimate_from_trace_takes_the_engines_buckets():
+    from memguard.estimator.pricing import estimate_from_trace
+    from memguard.estimator.targets import Target
+    from memguard.estimator.tracing import TraceRequest, run_trace
 
     model, batch = mlp(), torch.randn(2, 256)
-    trace = run_trace(model, batch, optimizer=adam, loss_fn=loss_fn, device="cpu", precision="32-true")
-    kw = dict(device="cpu", precision="32-true", world_size=2, spec=None, strategy="deepspeed")
+    trace = run_trace(model, batch, TraceRequest(device="cpu", precision="32-true"), optimizer=adam, loss_fn=loss_fn)
     for stage in (1, 2, 3):
-        plain, _ = evaluate(trace, zero_stage=stage, **kw)
-        small, _ = evaluate(trace, zero_stage=stage, zero_config={"reduce_bucket_size": 1,
-                                                                  "stage3_param_persistence_threshold": 0}, **kw)
-        big, _ = evaluate(trace, zero_stage=stage, zero_config={"stage3_param_persistence_threshold": 0}, **kw)
+        target = Target(device="cpu", precision="32-true", zero_stage=stage, world_size=2, strategy="deepspeed")
+        plain, _ = estimate_from_trace(trace, target)
+        small, _ = estimate_from_trace(trace, target, zero_config={"reduce_bucket_size": 1,
+                                                                   "stage3_param_persistence_threshold": 0})
+        big, _ = estimate_from_trace(trace, target, zero_config={"stage3_param_persistence_threshold": 0})
         assert big.peak_bytes - small.peak_bytes == (500_000_000 - 1) * FP32  # DeepSpeed's default bucket
         if stage < 3:
             assert small.peak_bytes - plain.peak_bytes == FP32  # the 1-element bucket
@@ -464,8 +467,8 @@ def test_foreach_step_temporaries_cover_every_parameter():
     # a foreach step (CUDA's default) makes its temporaries for all parameters at once: the trace's
     # peak is then ~2x all parameter bytes, not 2x the largest tensor; the flat partition still gets 2x
     n, largest, all_bytes = 2, 4 * (PSI // 100), 4 * PSI
-    single = fp32_factors(2, n=n, traced_temporaries=2 * largest, largest_param_bytes=largest)
-    foreach = fp32_factors(2, n=n, traced_temporaries=2 * all_bytes, largest_param_bytes=largest,
+    single = fp32_factors(2, n=n, temporaries=2 * largest, largest_param_bytes=largest)
+    foreach = fp32_factors(2, n=n, temporaries=2 * all_bytes, largest_param_bytes=largest,
                            trainable_param_bytes=all_bytes)
     assert 2 * largest * single.optimizer_temporaries == pytest.approx(2 * 4 * PSI / n)
     assert 2 * all_bytes * foreach.optimizer_temporaries == pytest.approx(2 * 4 * PSI / n)

@@ -24,16 +24,21 @@ trace is turned into an :class:`~memguard.Estimate` by the same device model as 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import nn
 
 from memguard.batch import first_dim
 from memguard.errors import ConfigError
+from memguard.estimator.pricing import estimate_from_trace
 from memguard.estimator.result import Estimate
+from memguard.estimator.targets import Target, check_common, target_cpu, target_gpu, unwrap_model
+from memguard.estimator.trace import trace_step
+from memguard.estimator.tracing import TraceRequest, trace_spec
 from memguard.vocab import Device, Precision
 
-__all__ = ["estimate_eval", "eval_trace", "EVAL_NOTE"]
+__all__ = ["estimate_eval", "EvalOptions", "eval_trace", "EVAL_NOTE"]
 
 #: The note every evaluation estimate carries, so that a printed estimate says what it measured.
 EVAL_NOTE = "evaluation step: one forward under no_grad, outputs kept; no backward, no optimizer step"
@@ -62,11 +67,16 @@ def _eval_problems(*, zero_stage: Any, optimizer_state: Any, grads_present: Any,
     return out
 
 
-def eval_trace(model: nn.Module, batch: Any, *, fn: Callable[[nn.Module, Any], Any] | None = None,
-               device: str = "cpu", precision: str = "32-true", optimizer: Any = None,
-               optimizer_state: bool = False, grads_present: bool = False, keep_outputs: bool = False,
-               gpu: Any = None, count_flops: bool = False, cpu: Any = None):
+def eval_trace(model: nn.Module, batch: Any, request: TraceRequest, *,
+               fn: Callable[[nn.Module, Any], Any] | None = None, optimizer: Any = None,
+               optimizer_state: bool = False):
     """Trace one evaluation step (arguments already validated); see :func:`estimate_eval`.
+
+    Args:
+        model, batch, fn, optimizer, optimizer_state: as for :func:`estimate_eval`.
+        request: the device, precision, kernel models, ``grads_present``, ``keep_outputs`` and
+            ``count_flops`` (a :class:`~memguard.estimator.tracing.TraceRequest` without
+            checkpointing, cut-down blocks or FSDP2: an evaluation step has no backward).
 
     Returns:
         A :class:`~memguard.estimator.trace.Trace` whose only phase is ``"forward"``.
@@ -74,48 +84,19 @@ def eval_trace(model: nn.Module, batch: Any, *, fn: Callable[[nn.Module, Any], A
     Raises:
         ConfigError: the model or ``fn`` cannot be called with the batch.
     """
-    from memguard.estimator.api import trace_spec
-    from memguard.estimator.trace import trace_step
-
-    spec = trace_spec(device=device, precision=precision, grads_present=grads_present, keep_outputs=keep_outputs,
-                      gpu=gpu, count_flops=count_flops, cpu=cpu)
-    spec = dataclasses.replace(spec, train=False, optimizer_state=optimizer_state)
+    spec = dataclasses.replace(trace_spec(request), train=False, optimizer_state=optimizer_state)
     # Fake CUDA tensors cannot run backward without a GPU, but an evaluation step has none; the CPU
     # fakes with CUDA's autocast and kernels emulated are used everywhere for one code path.
     return trace_step(model, batch, spec, optimizer=optimizer, loss_fn=fn)
 
 
-def estimate_eval(
-    model: nn.Module,
-    batch: Any,
-    *,
-    fn: Callable[[nn.Module, Any], Any] | None = None,
-    device: Device = "cuda",
-    precision: Precision = "32-true",
-    world_size: int = 1,
-    gpu: str | None = None,
-    optimizer: Any = None,
-    optimizer_state: bool = False,
-    grads_present: bool = False,
-    keep_outputs: bool = False,
-    zero_stage: int = 0,
-    activation_checkpointing: int | bool = 0,
-    grad_accum_steps: int = 1,
-    offload_optimizer: bool = False,
-    cpu: Any = None,
-) -> Estimate:
-    """Predict the peak memory of one evaluation step (``memguard.estimate(..., train=False)``).
+@dataclass(frozen=True)
+class EvalOptions:
+    """Where an evaluation step runs and what stays resident during it (:func:`estimate_eval`).
 
-    Args:
-        model: the model, on any device (``meta`` included); never moved, mutated or allocated.
-        batch: one evaluation micro-batch (see :mod:`memguard.batch`).
-        fn: ``fn(model, batch) -> outputs`` run under ``no_grad``; everything it returns is kept
-            until the step ends. None calls the model with the batch and keeps its whole output
-            (a transformers ``ModelOutput`` with its loss and logits).
+    Attributes:
         device, precision, world_size, gpu, cpu: the target, as for :func:`memguard.estimate`.
             ``*-mixed`` runs the forward under autocast; ``*-true`` casts the weights.
-        optimizer: with ``optimizer_state=True``, the optimizer whose state is resident (an
-            instance or ``params -> Optimizer``; None means AdamW).
         optimizer_state: the optimizer's state is allocated during evaluation (validation inside
             a training run). Default False: parameters and buffers only.
         grads_present: the gradients are allocated during evaluation (a loop whose ``zero_grad``
@@ -126,7 +107,42 @@ def estimate_eval(
             Lightning's and the HF ``Trainer``'s evaluation loops, which hand them on).
         zero_stage, activation_checkpointing, grad_accum_steps, offload_optimizer: accepted so
             that :func:`memguard.estimate` can pass its arguments through; only their defaults
-            are valid for an evaluation step (see Raises).
+            are valid for an evaluation step (see :func:`estimate_eval`'s Raises).
+    """
+
+    device: Device = "cuda"
+    precision: Precision = "32-true"
+    world_size: int = 1
+    gpu: str | None = None
+    cpu: Any = None
+    optimizer_state: bool = False
+    grads_present: bool = False
+    keep_outputs: bool = False
+    zero_stage: int = 0
+    activation_checkpointing: int | bool = 0
+    grad_accum_steps: int = 1
+    offload_optimizer: bool = False
+
+
+def estimate_eval(
+    model: nn.Module,
+    batch: Any,
+    options: EvalOptions = EvalOptions(),
+    *,
+    fn: Callable[[nn.Module, Any], Any] | None = None,
+    optimizer: Any = None,
+) -> Estimate:
+    """Predict the peak memory of one evaluation step (``memguard.estimate(..., train=False)``).
+
+    Args:
+        model: the model, on any device (``meta`` included); never moved, mutated or allocated.
+        batch: one evaluation micro-batch (see :mod:`memguard.batch`).
+        options: the target and what is resident (:class:`EvalOptions`).
+        fn: ``fn(model, batch) -> outputs`` run under ``no_grad``; everything it returns is kept
+            until the step ends. None calls the model with the batch and keeps its whole output
+            (a transformers ``ModelOutput`` with its loss and logits).
+        optimizer: with ``options.optimizer_state``, the optimizer whose state is resident (an
+            instance or ``params -> Optimizer``; None means AdamW).
 
     Returns:
         An :class:`~memguard.Estimate` whose ``peak_phase`` is ``"forward"``, whose ``grads`` and
@@ -147,14 +163,14 @@ def estimate_eval(
         ``Trainer``'s prediction loop without ``eval_accumulation_steps``) hold more than one
         step's outputs; that growth is not modelled.
     """
-    from memguard.estimator.api import check_common, evaluate, target_cpu, target_gpu, unwrap_model
-
+    o = options
+    device, precision, world_size, grads_present = o.device, o.precision, o.world_size, o.grads_present
     problems: list[str] = []
     check_common(precision=precision, zero_stage=0, world_size=world_size, device=device, problems=problems)
-    problems.extend(_eval_problems(zero_stage=zero_stage, optimizer_state=optimizer_state,
-                                   grads_present=grads_present, keep_outputs=keep_outputs,
-                                   activation_checkpointing=activation_checkpointing,
-                                   grad_accum_steps=grad_accum_steps, offload_optimizer=offload_optimizer,
+    problems.extend(_eval_problems(zero_stage=o.zero_stage, optimizer_state=o.optimizer_state,
+                                   grads_present=grads_present, keep_outputs=o.keep_outputs,
+                                   activation_checkpointing=o.activation_checkpointing,
+                                   grad_accum_steps=o.grad_accum_steps, offload_optimizer=o.offload_optimizer,
                                    optimizer=optimizer))
     if not isinstance(model, nn.Module):
         problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -166,15 +182,15 @@ def estimate_eval(
                         f"dimension, got {type(batch).__name__}")
     if fn is not None and not callable(fn):
         problems.append(f"fn must be a callable(model, batch) -> outputs, got {type(fn).__name__}")
-    spec = target_gpu(device, gpu, problems)
-    cpu_target = target_cpu(device, cpu, problems)
+    spec = target_gpu(device, o.gpu, problems)
+    cpu_target = target_cpu(device, o.cpu, problems)
     if problems:
         raise ConfigError(problems)
-    trace = eval_trace(model, batch, fn=fn, device=device, precision=precision, optimizer=optimizer,
-                       optimizer_state=optimizer_state, grads_present=grads_present, keep_outputs=keep_outputs,
-                       gpu=spec, cpu=cpu_target)
-    est, _ = evaluate(trace, device=device, precision=precision, zero_stage=0, world_size=world_size, spec=spec,
-                      micro_batch_size=int(micro or 0))
+    request = TraceRequest(device=device, precision=precision, grads_present=grads_present,
+                           keep_outputs=o.keep_outputs, gpu=spec, cpu=cpu_target)
+    trace = eval_trace(model, batch, request, fn=fn, optimizer=optimizer, optimizer_state=o.optimizer_state)
+    target = Target(device=device, precision=precision, world_size=world_size, gpu=spec)
+    est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0))
     return _with_ddp_buckets(dataclasses.replace(est, notes=(EVAL_NOTE, *est.notes)), trace, world_size, grads_present)
 
 
@@ -182,7 +198,7 @@ def _with_ddp_buckets(est: Estimate, trace: Any, world_size: int, grads_present:
     """Add DDP's gradient buckets, which exist for as long as the DDP wrapper does (allocated when it
     is built: torch/csrc/distributed/c10d/reducer.cpp, ``Reducer::initialize_buckets``), so they are
     resident during evaluation too. The training device model adds them from the traced gradients;
-    an evaluation trace has none unless ``grads_present``, when ``evaluate`` already added them."""
+    an evaluation trace has none unless ``grads_present``, when :func:`~memguard.estimator.pricing.estimate_from_trace` already added them."""
     if world_size <= 1 or grads_present:
         return est
     from memguard.estimator.cuda import ROUND_LARGE
