@@ -90,7 +90,7 @@ def _cpu_isa() -> str:
     """The instruction-set level the workers' oneDNN runs at, and the cap that set it if any."""
     import os
 
-    from memguard.estimator.cpu_kernels import host_isa
+    from memguard.estimator._cpu_kernels import host_isa
 
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
     return host_isa() + (f" (ONEDNN_MAX_CPU_ISA={cap})" if cap else " (the host's own)")

@@ -130,9 +130,9 @@ def ds_config(case: Case) -> dict[str, Any]:
 def estimate_case(case: Case, *, with_buckets: bool = True) -> dict[str, Any]:
     """memguard's estimate for ``case`` (``with_buckets=False``: without the engine's config, as
     ``memguard.estimate`` runs today)."""
-    from memguard.estimator.pricing import estimate_from_trace
-    from memguard.estimator.targets import Target, traced_precision
-    from memguard.estimator.tracing import TraceRequest, run_trace
+    from memguard.estimator._pricing import estimate_from_trace
+    from memguard.estimator._targets import Target, traced_precision
+    from memguard.estimator._tracing import TraceRequest, run_trace
 
     model = build_model(case.model, "meta")
     t0 = time.perf_counter()

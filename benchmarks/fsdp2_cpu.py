@@ -163,8 +163,8 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
-    from memguard.estimator.blocks import apply_activation_checkpointing
-    from memguard.estimator.fsdp2 import FSDP2Layout, shard_model
+    from memguard.estimator._blocks import apply_activation_checkpointing
+    from memguard.estimator._fsdp2 import FSDP2Layout, shard_model
     from memguard.vocab import ALL_BLOCKS
 
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Kernel-level GPU check of memguard's CUDA kernel model (``memguard.estimator.cuda_rules``).
+"""Kernel-level GPU check of memguard's CUDA kernel model (``memguard.estimator._cuda_rules``).
 
 For each op family the CUDA kernel model rewrites (dropout, fp16 softmax with an fp32 result,
 cross-entropy, layer norm, RMS norm, embedding, capped cuDNN convolution) and for the foreach
@@ -14,7 +14,7 @@ A few ops without a rule (``mse_loss``, ``batch_norm``, ``group_norm``; kind ``n
 measured too: for them the model is the CPU trace, and the GPU shows whether CUDA agrees.
 
 Next to each it writes what memguard says for the same op: the op run on CPU fake tensors under
-:class:`memguard.estimator.cuda_kernels.CudaKernelModel` (``model_*``) and as the CPU trace
+:class:`memguard.estimator._cuda_kernels.CudaKernelModel` (``model_*``) and as the CPU trace
 records it without the kernel model (``cpu_trace_*``), each allocation rounded up to the caching
 allocator's 512-byte blocks (``kMinBlockSize``, c10/cuda/CUDACachingAllocator.cpp), which is what
 ``memory_allocated`` counts. Convolutions are a bound: the model allocates the whole
@@ -60,9 +60,9 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `memguard` and `benchmarks` from this checkout
 from benchmarks.common import machine_description  # noqa: E402
-from memguard.estimator.cuda_kernels import CudaTarget  # noqa: E402
-from memguard.estimator.op_memory import modelled_op_memory  # noqa: E402
-from memguard.estimator.trace import load_rules  # noqa: E402
+from memguard.estimator._cuda_kernels import CudaTarget  # noqa: E402
+from memguard.estimator._op_memory import modelled_op_memory  # noqa: E402
+from memguard.estimator._trace import load_rules  # noqa: E402
 
 BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: memory_allocated counts whole blocks
 METRICS = ("forward_peak", "forward_kept", "backward_peak", "backward_kept")
@@ -128,7 +128,7 @@ def _batch_norm_inputs(device: str) -> tuple:
 
 
 def _autocast_fp16_emulated():
-    from memguard.estimator.autocast import CudaAutocastEmulation
+    from memguard.estimator._autocast import CudaAutocastEmulation
 
     return CudaAutocastEmulation(torch.float16)
 
@@ -249,7 +249,7 @@ def model_adamw() -> dict[str, int]:
     """The foreach step traced on CPU fake tensors, as memguard's trace records it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memguard.estimator.trace import Trace, Recorder
+    from memguard.estimator._trace import Trace, Recorder
 
     def on_step(step):
         trace = Trace()

@@ -405,12 +405,12 @@ def measure_repeated(
 
 def measure_op_memory(op: Callable[..., torch.Tensor], make_inputs: Callable[[str], tuple], *, warmup: int = 1):
     """What one real CPU op allocates, forward then backward, in the form of
-    :func:`memguard.estimator.op_memory.modelled_op_memory` (bytes relative to the inputs).
+    :func:`memguard.estimator._op_memory.modelled_op_memory` (bytes relative to the inputs).
 
     The backward is driven by a pre-built ``ones`` gradient, as the modelled measurement drives it;
     ``warmup`` calls first build oneDNN's primitives (their caches are not per-call memory).
     """
-    from memguard.estimator.op_memory import OpMemory, _signed_walk
+    from memguard.estimator._op_memory import OpMemory, _signed_walk
 
     inputs = make_inputs("cpu")
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -163,7 +163,7 @@ def _run_memguard(model, data, room: int, log: _Log, reactive: bool) -> dict:
     import memguard
     from benchmarks.ground_truth import live_state_bytes
     from memguard.guard import guard_status
-    from memguard.guard.core import Guard
+    from memguard.guard._core import Guard
 
     if reactive:  # no shape planning: a new shape starts from the planned micro-batch (capped by a shorter shape's)
         Guard._plan_signature = lambda self, sig, batch, base: None

@@ -594,7 +594,7 @@ _ALL = [
     ZooCase("convnext", "image-classification", _build_convnext, _adamw,
             "ConvNeXt-style net (depthwise 7x7 + Linear MLP blocks, 2 stages), 16 x 128px, AdamW"),
     # 16-bit steps: oneDNN takes bf16 (and, where the CPU has AVX-512-FP16, fp16) matmuls and
-    # convolutions, so these follow the host's instruction set (memguard.estimator.cpu_kernels)
+    # convolutions, so these follow the host's instruction set (memguard.estimator._cpu_kernels)
     ZooCase("gpt2-bf16-true", "causal-lm", _build_gpt2, _adamw, "GPT-2 as above, weights and step in bf16",
             precision="bf16-true"),
     ZooCase("llama-bf16-mixed", "causal-lm", _build_llama_sdpa, _adam_foreach,

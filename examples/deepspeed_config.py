@@ -44,10 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the JSON here (default: print it only)")
     args = parser.parse_args(argv)
 
-    # memguard.plan is the public entry point; memguard.planner.plan is the same function
+    # memguard.plan is the public entry point; memguard.planner._plan is the same function
     plan_fn = getattr(memguard, "plan", None)
     if plan_fn is None:
-        from memguard.planner import plan as plan_fn
+        from memguard.planner import _plan as plan_fn
 
     model = gpt2_on_meta(args.seq_len)
     tokens = torch.zeros(1, args.seq_len, dtype=torch.long, device="meta")

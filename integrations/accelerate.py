@@ -19,15 +19,15 @@ accumulation steps and scales the loss for ``fp16``), and, when ``accelerator.sy
 says the accumulation is complete, steps and zeroes the prepared optimizer (which unscales and
 skips on overflow through the Accelerator's GradScaler).
 
-What memguard adds, through the guard core (:class:`memguard.guard.core.Guard`, whose OOM engine
-is :class:`memguard.guard.window.MicroBatchWindow`): each batch is split
+What memguard adds, through the guard core (:class:`memguard.guard._core.Guard`, whose OOM engine
+is :class:`memguard.guard._window.MicroBatchWindow`): each batch is split
 into micro-batches of the plan's size (weighted by their share of samples, so the gradient is
 unchanged); on an out-of-memory error the micro-batch is halved and every batch of the current
 optimizer step so far is run again from its first sample, losing and repeating no sample. Under
 DDP (``accelerate launch`` on several processes) the micro-batches run on the module inside the
 DDP wrapper, every rank reports its outcome in one small all-reduce after each batch, so all ranks
 retry together, and the gradients are averaged by memguard once per optimizer step
-(:mod:`memguard.guard.distributed`), after every rank has finished.
+(:mod:`memguard.guard._distributed`), after every rank has finished.
 
 Without ``plan=`` or ``example_batch=``, :func:`prepare` plans on the first :func:`step`, from its
 batch: the plan is constrained to the Accelerator's precision (``"no"`` -> the model's dtype,
@@ -57,10 +57,10 @@ from torch import nn
 
 from memguard.batch import LossFn, batch_size
 from memguard.errors import ConfigError
-from memguard.guard.core import Guard, GuardStatus, guard_of, register
-from memguard.guard.distributed import rank_group_of
-from memguard.guard.options import Constraints, GuardOptions, option_problems, plan_problems, wrapper_problems
-from memguard.guard.window import DEFAULT_MAX_RETRIES
+from memguard.guard._core import Guard, GuardStatus, guard_of, register
+from memguard.guard._distributed import rank_group_of
+from memguard.guard._options import Constraints, GuardOptions, option_problems, plan_problems, wrapper_problems
+from memguard.guard._window import DEFAULT_MAX_RETRIES
 from memguard.integrations import require
 from memguard.planner.api import Plan
 

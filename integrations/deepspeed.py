@@ -481,7 +481,7 @@ def _rank_group(engine: Any) -> Any:
     import torch
     import torch.distributed as dist
 
-    from memguard.guard.distributed import RankGroup
+    from memguard.guard._distributed import RankGroup
 
     group = getattr(engine, "data_parallel_group", None)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
@@ -504,7 +504,7 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
     drops the step's gradients, the micro-batch is halved and the step's samples run again from the
     first; once all ranks succeeded, ``engine.step()`` reduces the gradients and updates the weights.
     The halved micro-batch is kept for later steps. This is the protocol of
-    :class:`memguard.guard.window.MicroBatchWindow`, with DeepSpeed's backward.
+    :class:`memguard.guard._window.MicroBatchWindow`, with DeepSpeed's backward.
 
     It needs an engine whose backward starts no collective: ZeRO stage 0 or 1 with
     ``"managed_gradient_accumulation": false`` (DeepSpeed 0.19's caller-owned accumulation, where
@@ -534,7 +534,7 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
         start collectives of its own.
     """
     from memguard.batch import compute_loss
-    from memguard.guard.window import DEFAULT_MAX_RETRIES, MicroBatchWindow
+    from memguard.guard._window import DEFAULT_MAX_RETRIES, MicroBatchWindow
 
     problems = _engine_problems(engine)
     retries = DEFAULT_MAX_RETRIES if max_retries is None else max_retries

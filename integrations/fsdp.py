@@ -1,7 +1,7 @@
 """Shard a plain PyTorch model with FSDP2 (``fully_shard``) as a memguard plan says.
 
 ``apply(model, plan)`` follows the layout FSDP2's own recipes use (torchtitan, torchtune): one
-``fully_shard`` per repeated block (the blocks :func:`memguard.estimator.blocks.find_container`
+``fully_shard`` per repeated block (the blocks :func:`memguard.estimator._blocks.find_container`
 finds: transformer layers, ResNet blocks), then one on the root for what is left (embeddings,
 final norm, head). What the plan fixes:
 
@@ -15,7 +15,7 @@ final norm, head). What the plan fixes:
   is used (and none must be added). ``bf16-true`` / ``16-true``: the model is cast before
   sharding. ``32-true``: fp32 everywhere.
 * activation checkpointing of the plan's first ``checkpoint_blocks`` blocks, applied before
-  sharding (:func:`memguard.estimator.blocks.apply_activation_checkpointing`, the one the estimate
+  sharding (:func:`memguard.estimator._blocks.apply_activation_checkpointing`, the one the estimate
   used).
 * ``offload_optimizer``: ``CPUOffloadPolicy`` (sharded parameters, gradients and optimizer states
   live in host memory; the optimizer steps on the CPU).
@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from memguard.guard.fsdp2 import FSDPSetupError, shard
+from memguard.guard._fsdp2 import FSDPSetupError, shard
 
 __all__ = ["apply", "FSDPSetupError"]
 

@@ -44,13 +44,13 @@ What the callback does, in Lightning's hooks:
   the plan's accumulation, and the plan's activation checkpointing is applied to the module's
   repeated blocks. The plan is logged at INFO on the ``memguard`` logger.
 * During ``fit`` the callback stands in for ``training_step`` (an attribute on the module
-  instance). Each dataloader batch goes through the guard core (:class:`memguard.guard.core.Guard`,
-  whose OOM engine is :class:`memguard.guard.window.MicroBatchWindow`):
+  instance). Each dataloader batch goes through the guard core (:class:`memguard.guard._core.Guard`,
+  whose OOM engine is :class:`memguard.guard._window.MicroBatchWindow`):
   the batch is split into micro-batches of the current size, the user's ``training_step`` runs on
   each, and each loss, weighted by its share of samples and by ``1/accumulate_grad_batches`` (as
   Lightning weights it), is back-propagated at once (scaled by the ``16-mixed`` GradScaler). The
   callback returns a loss equal to the batch's mean loss whose backward adds exactly zero to
-  every gradient (:func:`memguard.guard.window.gradient_anchor`); Lightning's own backward of it
+  every gradient (:func:`memguard.guard._window.gradient_anchor`); Lightning's own backward of it
   fires the gradient hooks, so under ``strategy="ddp"`` DDP's reducer averages the accumulated
   gradients on the last batch of the window, and Lightning's own optimizer step (gradient
   clipping, GradScaler, schedulers, hooks) applies them. Lightning's ``zero_grad`` (which it runs
@@ -59,7 +59,7 @@ What the callback does, in Lightning's hooks:
   micro-batch halved, and every batch of the current optimizer step so far run again from its
   first sample, on every rank together (one small all-reduce per batch). Later batches keep the
   halved micro-batch (they are still split, since the dataloader's batches keep their size).
-* ``status()`` reports what the guard does (:class:`memguard.guard.core.GuardStatus`), as
+* ``status()`` reports what the guard does (:class:`memguard.guard._core.GuardStatus`), as
   :func:`memguard.guard.guard_status` does for ``prepare``/``step``.
 * ``teardown`` and ``on_exception`` restore ``training_step``, ``optimizer_zero_grad``, the
   ``batch_size`` attribute, ``accumulate_grad_batches`` and the checkpointed blocks.
@@ -106,10 +106,10 @@ from torch import nn
 
 from memguard.batch import batch_size
 from memguard.errors import ConfigError, MissingDependencyError
-from memguard.guard.core import Guard, GuardStatus
-from memguard.guard.distributed import RankGroup, rank_group_of
-from memguard.guard.options import Constraints, GuardOptions, option_problems, plan_problems
-from memguard.guard.window import DEFAULT_MAX_RETRIES
+from memguard.guard._core import Guard, GuardStatus
+from memguard.guard._distributed import RankGroup, rank_group_of
+from memguard.guard._options import Constraints, GuardOptions, option_problems, plan_problems
+from memguard.guard._window import DEFAULT_MAX_RETRIES
 from memguard.planner.api import Plan
 from memguard.vocab import PRECISIONS
 
@@ -654,9 +654,9 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def _patch_eval_step(self, trainer: Any, pl_module: Any, name: str) -> None:
         """Stand in for ``validation_step``/``test_step``: the user's step per micro-batch, halving on an
-        OOM, results merged (:func:`memguard.guard.evaluate.step_in_micro_batches`). The evaluation's
+        OOM, results merged (:func:`memguard.guard._evaluate.step_in_micro_batches`). The evaluation's
         micro-batch is its own state: an OOM here never changes the training micro-batch."""
-        from memguard.guard.evaluate import eval_status, step_in_micro_batches
+        from memguard.guard._evaluate import eval_status, step_in_micro_batches
 
         user_step = getattr(pl_module, name)
 

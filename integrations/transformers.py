@@ -32,10 +32,10 @@ import torch
 
 from memguard.batch import batch_size
 from memguard.errors import ConfigError
-from memguard.guard.core import Guard, GuardStatus
-from memguard.guard.options import Constraints, GuardOptions, option_problems
-from memguard.guard.window import DEFAULT_MAX_RETRIES
-from memguard.guard.distributed import rank_group_of
+from memguard.guard._core import Guard, GuardStatus
+from memguard.guard._options import Constraints, GuardOptions, option_problems
+from memguard.guard._window import DEFAULT_MAX_RETRIES
+from memguard.guard._distributed import rank_group_of
 from memguard.integrations import require
 from memguard.integrations.deepspeed import AUTO, fill_auto, to_config
 from memguard.planner.api import Plan
@@ -343,8 +343,8 @@ class MemguardCallback(_tf.TrainerCallback):
       The plan is logged at INFO on the ``memguard`` logger.
     * ``on_train_begin``: on a single device or under DDP, the callback stands in for the Trainer's
       ``training_step`` (an attribute on the Trainer instance, removed at ``on_train_end``). Each
-      dataloader batch goes through the guard core (:class:`memguard.guard.core.Guard`, whose OOM engine
-      is :class:`memguard.guard.window.MicroBatchWindow`): the batch is split into micro-batches of the
+      dataloader batch goes through the guard core (:class:`memguard.guard._core.Guard`, whose OOM engine
+      is :class:`memguard.guard._window.MicroBatchWindow`): the batch is split into micro-batches of the
       current size and the Trainer's own ``training_step`` runs on each, so ``compute_loss``, label
       smoothing, ``compute_loss_func``, the fp16 GradScaler and ``accelerator.backward`` all stay the
       Trainer's. When the loss is normalised by ``num_items_in_batch`` (the tokens of the whole optimizer
@@ -355,7 +355,7 @@ class MemguardCallback(_tf.TrainerCallback):
       are dropped, the micro-batch halved, and every batch of the current optimizer step run again from
       its first sample, on every rank together. Under DDP the micro-batches run under ``no_sync`` and
       the gradients are averaged after the step's last batch by memguard
-      (:mod:`memguard.guard.distributed`, SUM then divide by the world size, as DDP does), so no rank
+      (:mod:`memguard.guard._distributed`, SUM then divide by the world size, as DDP does), so no rank
       can wait in a collective that a rank that ran out of memory never joins. The Trainer then clips
       the gradients, steps the optimizer and the scheduler and logs, unchanged.
     * ``on_train_end``: ``training_step`` is restored and the guard's state released.
@@ -668,11 +668,11 @@ class MemguardCallback(_tf.TrainerCallback):
 
 
 def _world_group(args: Any) -> Any:
-    """The default process group as a :class:`memguard.guard.distributed.RankGroup`, for planning on rank 0 before
+    """The default process group as a :class:`memguard.guard._distributed.RankGroup`, for planning on rank 0 before
     the Trainer wraps the model (None on one process)."""
     import torch.distributed as dist
 
-    from memguard.guard.distributed import RankGroup
+    from memguard.guard._distributed import RankGroup
 
     if int(args.world_size) <= 1 or not dist.is_available() or not dist.is_initialized():
         return None

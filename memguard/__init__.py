@@ -17,9 +17,9 @@ from memguard.errors import (
     PeerFailedError,
 )
 from memguard.estimator.api import estimate
-from memguard.estimator.result import Estimate
+from memguard.estimator._result import Estimate
 from memguard.guard import prepare, step
-from memguard.guard.evaluate import evaluate
+from memguard.guard._evaluate import evaluate
 from memguard.planner.api import Plan, plan
 
 __version__ = "0.1.0.dev0"

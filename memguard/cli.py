@@ -185,8 +185,8 @@ def _text(example: str) -> Callable[[str], str]:
 
 
 def _cpu_level(text: str) -> str:
-    """``--cpu``: ``host`` or one of oneDNN's instruction-set levels (:class:`memguard.estimator.cpu_kernels.CpuTarget`)."""
-    from memguard.estimator.cpu_kernels import ISAS, CpuTarget
+    """``--cpu``: ``host`` or one of oneDNN's instruction-set levels (:class:`memguard.estimator._cpu_kernels.CpuTarget`)."""
+    from memguard.estimator._cpu_kernels import ISAS, CpuTarget
 
     problems: list[str] = []
     CpuTarget.named(text, problems)
@@ -496,7 +496,7 @@ class _Progress:
         return f"{time.perf_counter() - self.start:.1f} s"
 
     def trace_done(self, what: dict, seconds: float) -> None:
-        """Report one new trace (the :attr:`memguard.planner.session.TraceSession.on_trace` hook)."""
+        """Report one new trace (the :attr:`memguard.planner._session.TraceSession.on_trace` hook)."""
         self.traces += 1
         keep, ckpt = what.get("keep"), what.get("ckpt") or 0
         bits = [what["precision"], "whole model" if keep is None else f"{keep}-block probe"]
@@ -798,7 +798,7 @@ def _knobs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plan_request(args: argparse.Namespace, loaded: "LoadedModel | None" = None) -> PlanRequest:
-    """The :class:`~memguard.planner.request.PlanRequest` the command line asks for.
+    """The :class:`~memguard.planner._request.PlanRequest` the command line asks for.
 
     Without ``loaded`` (before the model is built) the model's optimizer, loss and ``make_batch``
     are left at their defaults, so the options can be checked before a slow model build.

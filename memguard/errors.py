@@ -62,7 +62,7 @@ class InfeasiblePlanError(MemguardError):
         closest: the plan that came nearest (a :class:`memguard.Plan`), or None when not even
             one configuration could be evaluated.
         suggestions: what would make it fit, most effective first.
-        alternatives: measured fine-tuning alternatives (``memguard.planner.finetune.Alternative``:
+        alternatives: measured fine-tuning alternatives (``memguard.planner._finetune.Alternative``:
             name, change, predicted peak, fits, note, plan) when planned with ``finetune="full"``,
             else empty.
         reason: the message without the suggestions.

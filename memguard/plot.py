@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from memguard.errors import MissingDependencyError
-from memguard.estimator.result import CATEGORIES, Estimate
+from memguard.estimator._result import CATEGORIES, Estimate
 from memguard.planner.api import Plan
 from memguard.vocab import PRECISIONS, GiB, KiB, MiB, TiB, default_precisions, format_bytes
 
@@ -122,7 +122,7 @@ def memory_curves(
         plan: the plan (or an infeasible plan's ``closest``).
         precisions: the precisions to draw; default: those :func:`memguard.plan` considers by
             default for the plan's target, plus the plan's own.
-        planner: the :class:`memguard.planner.session.TraceSession` that made the plan, to reuse its
+        planner: the :class:`memguard.planner._session.TraceSession` that made the plan, to reuse its
             traces; a new one traces the probes again.
         keep_outputs: as given to :func:`memguard.plan` (used when ``planner`` is None).
 

@@ -623,7 +623,7 @@ def test_every_plan_option_has_a_flag_or_is_api_only():
     import dataclasses
 
     from memguard.cli import API_ONLY_OPTIONS, CLI_OPTIONS, build_parser
-    from memguard.planner.request import PlanRequest
+    from memguard.planner._request import PlanRequest
 
     parser = build_parser()
     plan_parser = next(a for a in parser._actions if hasattr(a, "choices") and a.choices and "plan" in a.choices

@@ -84,7 +84,7 @@ def use_accelerate():
 
 def use_peft():
     import torch
-    from memguard.estimator.twins import lora_model
+    from memguard.estimator._twins import lora_model
     lora_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
 
 def use_deepspeed():

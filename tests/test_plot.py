@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import memguard  # noqa: E402
 from memguard import hf, plot  # noqa: E402
 from memguard.errors import ConfigError, MissingDependencyError  # noqa: E402
-from memguard.planner.request import PlanRequest  # noqa: E402
+from memguard.planner._request import PlanRequest  # noqa: E402
 from memguard.planner.api import TraceSession, plan_request  # noqa: E402
 
 # Block activations dominate this tiny GPT-2 (a 128-token vocabulary keeps the logits small), so

@@ -1,10 +1,9 @@
 """``memguard.estimate``: the peak memory of one training step, without a GPU.
 
-:func:`estimate` checks the arguments and resolves the target (:mod:`memguard.estimator.targets`),
-traces one step on fake tensors (:mod:`memguard.estimator.tracing`) and prices the trace on the
-target (:mod:`memguard.estimator.pricing`); ``train=False`` hands over to
-:mod:`memguard.estimator.eval_step`. The target checks :func:`check_common`,
-:func:`check_strategy`, :func:`target_gpu` and :func:`target_cpu` are importable from here too.
+:func:`estimate` checks the arguments and resolves the target (:mod:`memguard.estimator._targets`),
+traces one step on fake tensors (:mod:`memguard.estimator._tracing`) and prices the trace on the
+target (:mod:`memguard.estimator._pricing`); ``train=False`` hands over to
+:mod:`memguard.estimator._eval_step`.
 """
 
 from __future__ import annotations
@@ -16,10 +15,10 @@ from torch import nn
 
 from memguard.batch import first_dim
 from memguard.errors import ConfigError
-from memguard.estimator.eval_step import EvalOptions, estimate_eval
-from memguard.estimator.pricing import estimate_from_trace
-from memguard.estimator.result import Estimate
-from memguard.estimator.targets import (
+from memguard.estimator._eval_step import EvalOptions, estimate_eval
+from memguard.estimator._pricing import estimate_from_trace
+from memguard.estimator._result import Estimate
+from memguard.estimator._targets import (
     Target,
     check_common,
     check_strategy,
@@ -29,10 +28,10 @@ from memguard.estimator.targets import (
     traced_precision,
     unwrap_model,
 )
-from memguard.estimator.tracing import TraceRequest, fsdp2_layout, run_trace
+from memguard.estimator._tracing import TraceRequest, fsdp2_layout, run_trace
 from memguard.vocab import ALL_BLOCKS, Device, Precision
 
-__all__ = ["estimate", "check_common", "check_strategy", "target_gpu", "target_cpu"]
+__all__ = ["estimate"]
 
 
 def estimate(
@@ -93,17 +92,17 @@ def estimate(
             a metric needs), no backward or optimizer step; ``loss_fn`` is then
             ``fn(model, batch) -> outputs``, an ``optimizer`` means its state is resident during
             evaluation (validation inside a training run; None: parameters only), and gradients are
-            not resident (``zero_grad(set_to_none=True)``). See :mod:`memguard.estimator.eval_step`.
+            not resident (``zero_grad(set_to_none=True)``). See :mod:`memguard.estimator._eval_step`.
         strategy: None (today's meaning: DDP, or DeepSpeed when ``zero_stage >= 1``), ``"ddp"``,
             ``"deepspeed"`` or ``"fsdp2"``. ``"fsdp2"`` traces rank 0 of a real FSDP2 step
             (``fully_shard`` on each repeated block, then the root) over a fake process group of
-            ``world_size`` ranks (:mod:`memguard.estimator.fsdp2`); there ``*-mixed`` precisions mean
+            ``world_size`` ranks (:mod:`memguard.estimator._fsdp2`); there ``*-mixed`` precisions mean
             ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)`` with no autocast
             (said in ``Estimate.notes``).
         cpu: for ``device="cpu"``, the CPU whose kernel paths are modelled: None or ``"host"``
             (this process's CPU at the instruction-set level its oneDNN runs, ``ONEDNN_MAX_CPU_ISA``
             included), or a level such as ``"avx2"``, ``"avx512_core"``, ``"avx512_core_bf16"``,
-            ``"avx512_core_fp16"``, ``"avx512_core_amx"`` (see :mod:`memguard.estimator.cpu_kernels`:
+            ``"avx512_core_fp16"``, ``"avx512_core_amx"`` (see :mod:`memguard.estimator._cpu_kernels`:
             16-bit matmuls and convolutions take oneDNN, with its reorders and scratchpads, only
             where the CPU supports the type).
 
@@ -119,7 +118,7 @@ def estimate(
     Known limitations:
         On a machine without a GPU the CUDA target is traced on CPU fake tensors: autocast
         follows CUDA's op lists through memguard's emulation, functions with a rule in the CUDA
-        kernel model (:mod:`memguard.estimator.cuda_kernels`) allocate what CUDA's kernels
+        kernel model (:mod:`memguard.estimator._cuda_kernels`) allocate what CUDA's kernels
         allocate for the target GPU, other functions allocate what the CPU's kernels allocate,
         and kernel-internal workspaces other than cuBLAS's are not counted. The CUDA estimate
         reads ``PYTORCH_CUDA_ALLOC_CONF`` and ``CUBLAS_WORKSPACE_CONFIG`` from the environment
@@ -173,7 +172,7 @@ def estimate(
         fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer, device),
     )
     trace = run_trace(model, batch, request, optimizer=optimizer, loss_fn=loss_fn)
-    from memguard.estimator.blocks import find_blocks
+    from memguard.estimator._blocks import find_blocks
 
     checkpointed = min(int(blocks or 0), len(find_blocks(model)))
     target = Target(device=device, precision=precision, zero_stage=zero_stage, world_size=world_size, gpu=spec,

@@ -1,7 +1,7 @@
 """The GPU catalog: per-device constants the estimator and the planner need.
 
 Each :class:`GPUSpec` holds the memory PyTorch sees on the device, its compute capability
-(which decides the cuBLAS workspace size, see :mod:`memguard.estimator.cuda`), and datasheet
+(which decides the cuBLAS workspace size, see :mod:`memguard.estimator._cuda`), and datasheet
 throughput and bandwidth figures for the planner's cost model.
 
 ``memory_bytes`` is what ``torch.cuda.get_device_properties(i).total_memory`` reports, not the
@@ -36,7 +36,7 @@ from types import MappingProxyType
 from typing import Literal, Mapping
 
 from memguard.errors import ConfigError
-from memguard.estimator.cuda import DEFAULT_CONTEXT_BYTES
+from memguard.estimator._cuda import DEFAULT_CONTEXT_BYTES
 
 __all__ = ["GPUSpec", "GPUS", "GENERIC", "get_gpu", "lookup_gpu", "current_gpu", "measure_context_bytes"]
 
@@ -71,7 +71,7 @@ class GPUSpec:
         interconnect: how the usual multi-GPU form of the part links its GPUs: ``"nvlink"``,
             ``"infinity-fabric"`` or ``"pcie"`` (the datasheets in ``source``).
         p2p_caveat: a known problem of NCCL's peer-to-peer / InfiniBand transports on this part,
-            with its source, or ``""``; :mod:`memguard.planner.notes` turns it into a plan note.
+            with its source, or ``""``; :mod:`memguard.planner._notes` turns it into a plan note.
     """
 
     name: str

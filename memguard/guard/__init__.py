@@ -4,28 +4,29 @@
 checkpointing); ``step(model, optimizer, batch)`` runs one optimizer step on a batch split into
 micro-batches and, on an OOM, halves the micro-batch and runs the same batch again, on every
 DistributedDataParallel rank together. Every front-end (``prepare``/``step``, the Lightning
-callback, the Accelerate hooks) is a thin translation onto the same core:
+callback, the Accelerate hooks) is a thin translation onto the same core (modules whose names
+start with ``_`` are internal; the public names are this package's):
 
-* :mod:`memguard.guard.options` is what a front-end fixes (``Constraints``), the checks of its
+* :mod:`memguard.guard._options` is what a front-end fixes (``Constraints``), the checks of its
   arguments, the options the guard keeps (``GuardOptions``), and the guard's one call into the planner;
-* :mod:`memguard.guard.core` is the guard core: the per-model state, planning under a
+* :mod:`memguard.guard._core` is the guard core: the per-model state, planning under a
   front-end's constraints, applying a plan, the window life cycle, the optimizer step, the status;
-* :mod:`memguard.guard.sizing` is the micro-batch of each batch shape (planned before a new shape
+* :mod:`memguard.guard._sizing` is the micro-batch of each batch shape (planned before a new shape
   runs, halved for its own shape only);
-* :mod:`memguard.guard.shapes` is the batch shape signatures and the micro-batches a compiled
+* :mod:`memguard.guard._shapes` is the batch shape signatures and the micro-batches a compiled
   model sees;
-* :mod:`memguard.guard.plan_cache` remembers a micro-batch reduced after an OOM for the next run;
-* :mod:`memguard.guard.oom` recognises OOMs and frees their memory;
-* :mod:`memguard.guard.precision` applies a precision by Lightning's name;
-* :mod:`memguard.guard.distributed` makes ranks agree before any collective that could hang;
-* :mod:`memguard.guard.window` runs the batches of one optimizer step in micro-batches, halving and
+* :mod:`memguard.guard._plan_cache` remembers a micro-batch reduced after an OOM for the next run;
+* :mod:`memguard.guard._oom` recognises OOMs and frees their memory;
+* :mod:`memguard.guard._precision` applies a precision by Lightning's name;
+* :mod:`memguard.guard._distributed` makes ranks agree before any collective that could hang;
+* :mod:`memguard.guard._window` runs the batches of one optimizer step in micro-batches, halving and
   replaying them on an OOM (one batch for ``step``; the framework integrations feed one
   dataloader batch at a time);
-* :mod:`memguard.guard.sharded` is the agreement protocol under FSDP2, whose collectives run
+* :mod:`memguard.guard._sharded` is the agreement protocol under FSDP2, whose collectives run
   inside forward and backward;
-* :mod:`memguard.guard.runner` is ``prepare`` and ``step``, the plain-PyTorch front-end, and
-  :mod:`memguard.guard.fsdp2` its ``strategy="fsdp2"`` path;
-* :mod:`memguard.guard.evaluate` is ``memguard.evaluate``: an evaluation batch in micro-batches,
+* :mod:`memguard.guard._runner` is ``prepare`` and ``step``, the plain-PyTorch front-end, and
+  :mod:`memguard.guard._fsdp2` its ``strategy="fsdp2"`` path;
+* :mod:`memguard.guard._evaluate` is ``memguard.evaluate``: an evaluation batch in micro-batches,
   halved on an OOM, with the unsplit result.
 
 Batches are split by :mod:`memguard.batch`.
@@ -33,7 +34,7 @@ Batches are split by :mod:`memguard.batch`.
 
 from __future__ import annotations
 
-from memguard.guard.oom import is_oom_error
-from memguard.guard.runner import GuardStatus, compute_loss, guard_status, prepare, step
+from memguard.guard._oom import is_oom_error
+from memguard.guard._runner import GuardStatus, compute_loss, guard_status, prepare, step
 
 __all__ = ["prepare", "step", "is_oom_error", "guard_status", "GuardStatus", "compute_loss"]

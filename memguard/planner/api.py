@@ -4,25 +4,25 @@ The guard, the command line, the framework integrations and ``memguard/__init__`
 planner only from here:
 
 * :func:`plan` (``memguard.plan``) and :func:`plan_request` (the same for a
-  :class:`~memguard.planner.request.PlanRequest`): check the request, pick what to plan
+  :class:`~memguard.planner._request.PlanRequest`): check the request, pick what to plan
   (``finetune="lora"``: a LoRA twin), read the plan cache, run the training search
-  (:func:`memguard.planner.search.search`) or the evaluation sizing
-  (:func:`memguard.planner.eval_sizing.size_eval`), and, when nothing fits a fine-tune, measure the
+  (:func:`memguard.planner._search.search`) or the evaluation sizing
+  (:func:`memguard.planner._eval_sizing.size_eval`), and, when nothing fits a fine-tune, measure the
   alternatives (:func:`alternatives`);
 * :func:`fit_shape`: the micro-batch of a new batch shape under an existing plan, from probe
   traces only (what the guard asks when a batch of another shape arrives);
 * :func:`fit_gpus`: which catalog GPUs, and how many of each, fit a job;
-* the values those callers pass around: :class:`~memguard.planner.plan.Plan`,
-  :class:`~memguard.planner.request.PlanRequest`, :data:`DEFAULT_HEADROOM`,
-  :class:`~memguard.planner.cache.PlanCache` and :func:`~memguard.planner.cache.plan_key`,
-  :class:`~memguard.planner.session.TraceSession` (the cached traces of one model and batch).
+* the values those callers pass around: :class:`~memguard.planner._plan.Plan`,
+  :class:`~memguard.planner._request.PlanRequest`, :data:`DEFAULT_HEADROOM`,
+  :class:`~memguard.planner._cache.PlanCache` and :func:`~memguard.planner._cache.plan_key`,
+  :class:`~memguard.planner._session.TraceSession` (the cached traces of one model and batch).
 
 A batch's way through: :func:`plan` packs the options into a ``PlanRequest``;
-:meth:`~memguard.planner.request.PlanRequest.resolve` checks them and resolves the target into a
-:class:`~memguard.planner.request.SearchSpace`; a :class:`~memguard.planner.session.TraceSession`
-traces 1- and 2-block probes of the step (:mod:`memguard.planner.probe`); the search ranks every
-configuration by the cost model (:mod:`memguard.planner.cost`), verifies the best with one full
-trace, and :func:`memguard.planner.assemble.build_plan` makes the ``Plan``.
+:meth:`~memguard.planner._request.PlanRequest.resolve` checks them and resolves the target into a
+:class:`~memguard.planner._request.SearchSpace`; a :class:`~memguard.planner._session.TraceSession`
+traces 1- and 2-block probes of the step (:mod:`memguard.planner._probe`); the search ranks every
+configuration by the cost model (:mod:`memguard.planner._cost`), verifies the best with one full
+trace, and :func:`memguard.planner._assemble.build_plan` makes the ``Plan``.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ from torch import nn
 
 from memguard.batch import batch_size, first_dim
 from memguard.errors import ConfigError, InfeasiblePlanError
-from memguard.planner import finetune
-from memguard.planner.cache import PlanCache, plan_key
-from memguard.planner.eval_sizing import size_eval
-from memguard.planner.plan import Plan
-from memguard.planner.probe import divisors
-from memguard.planner.request import DEFAULT_HEADROOM, OPTION_NAMES, PlanRequest, SearchSpace, shape_problems
-from memguard.planner.search import search
-from memguard.planner.session import TraceSession
+from memguard.planner import _finetune as finetune
+from memguard.planner._cache import PlanCache, plan_key
+from memguard.planner._eval_sizing import size_eval
+from memguard.planner._plan import Plan
+from memguard.planner._probe import divisors
+from memguard.planner._request import DEFAULT_HEADROOM, OPTION_NAMES, PlanRequest, SearchSpace, shape_problems
+from memguard.planner._search import search
+from memguard.planner._session import TraceSession
 
 __all__ = [
     "plan",
@@ -98,7 +98,7 @@ def plan(
     (``bf16-mixed`` where bf16 exists, else ``16-mixed``); ``*-true`` precisions are used only
     when you list them. ZeRO stages are considered only when ``world_size > 1``, unless fixed.
     This is :func:`plan_request` with the options gathered in a
-    :class:`~memguard.planner.request.PlanRequest`.
+    :class:`~memguard.planner._request.PlanRequest`.
 
     Args:
         model, batch, optimizer, loss_fn: as for :func:`memguard.estimate`; ``batch`` is one
@@ -110,14 +110,14 @@ def plan(
         device: ``"cuda"`` or ``"cpu"`` (the CPU needs ``budget_bytes`` or reads MemAvailable).
         headroom: fraction of the budget kept free (default 0.10, see the module docstring).
         make_batch: ``make_batch(n)`` returns an example batch of ``n`` samples.
-        cache: True (or a :class:`memguard.planner.cache.PlanCache`) to reuse and store plans on
+        cache: True (or a :class:`memguard.planner._cache.PlanCache`) to reuse and store plans on
             disk, keyed by model structure, batch shapes, target and options.
         keep_outputs: True plans for a hand-written loop (``out = model(**batch)``) that keeps the
             output object alive through backward, the optimizer step and the next forward.
         max_shape: plan for the longest batch the data can produce: ``{"seq_len": L}`` and/or
             per-entry non-batch shapes (:func:`memguard.data.max_batch_shape` scans a dataset for
             it); ``Plan.reasons["planned_shape"]`` says which shape was planned for.
-        train: False plans an evaluation step instead (:mod:`memguard.planner.eval_sizing`):
+        train: False plans an evaluation step instead (:mod:`memguard.planner._eval_sizing`):
             ``global_batch_size`` is the evaluation batch over all ranks, the plan's
             ``micro_batch_size`` the most samples per forward, and the training-only knobs must be
             left at their defaults.
@@ -153,12 +153,12 @@ def plan(
 
 
 def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, session: TraceSession | None = None) -> Plan:
-    """:func:`memguard.plan` for a :class:`~memguard.planner.request.PlanRequest`.
+    """:func:`memguard.plan` for a :class:`~memguard.planner._request.PlanRequest`.
 
     Args:
         model, batch: as for :func:`memguard.plan`.
         request: the options.
-        session: a :class:`~memguard.planner.session.TraceSession` for this model, batch and request
+        session: a :class:`~memguard.planner._session.TraceSession` for this model, batch and request
             (its traces are reused, e.g. across budgets, GPUs and world sizes); default: a new one.
 
     Returns:
@@ -222,7 +222,7 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, session:
 
 
 def _cache_key(session: TraceSession, request: PlanRequest, space: SearchSpace) -> str:
-    """The plan cache's key of ``request`` (see :mod:`memguard.planner.cache`): the traced model and
+    """The plan cache's key of ``request`` (see :mod:`memguard.planner._cache`): the traced model and
     batch, the step, and every resolved option a plan depends on."""
     return plan_key(session.model, session.traced_batch, request.optimizer, request.loss_fn, dict(
         global_batch_size=request.global_batch_size, gpu=space.spec.name if space.spec else None,
@@ -237,7 +237,7 @@ def alternatives(model: nn.Module, batch: Any, request: PlanRequest, *, only: Se
                  session: TraceSession | None = None) -> list[finetune.Alternative]:
     """Measured ways to make a fine-tune of ``model`` fit ``request``'s budget, smallest peak first.
 
-    :func:`memguard.planner.finetune.alternatives`, each alternative planned by :func:`plan_request`
+    :func:`memguard.planner._finetune.alternatives`, each alternative planned by :func:`plan_request`
     (see there for ``only`` and ``session``).
     """
     return finetune.alternatives(model, batch, request, plan_with=plan_request, only=only, session=session)
@@ -247,7 +247,7 @@ def fit_shape(model: nn.Module, batch: Any, plan: Plan, *, most: int, optimizer:
               loss_fn: Callable | None = None, keep_outputs: Any = False, sizes: Sequence[int] | None = None) -> int:
     """The largest micro-batch up to ``most`` predicted to fit ``plan``'s budget for batches like ``batch``.
 
-    The probe model (:class:`memguard.planner.probe.ProbeModel`) of the new shape, with the plan's
+    The probe model (:class:`memguard.planner._probe.ProbeModel`) of the new shape, with the plan's
     precision, checkpointing and sharding: 1- and 2-block probe traces at one micro-batch (on the
     CUDA target also the 2-block probe at twice it, for the allocator model), so two or three small
     traces. Memory is not affine in the sequence length (attention scores grow with its square on
@@ -342,7 +342,7 @@ def fit_gpus(
 ) -> list[GpuFit]:
     """For each GPU, the smallest power-of-two world size (dividing the global batch) that fits.
 
-    One :class:`~memguard.planner.session.TraceSession` is shared by every GPU and world size asked
+    One :class:`~memguard.planner._session.TraceSession` is shared by every GPU and world size asked
     about, because a trace depends on neither: the probes are traced once, and each verification
     trace is reused wherever the same micro-batch and checkpointing come up again.
 

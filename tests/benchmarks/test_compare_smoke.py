@@ -191,7 +191,7 @@ def test_cap_makes_a_real_cpu_oom_that_the_tools_recognise():
     assert "DefaultCPUAllocator: can't allocate memory" in out["args"][0]
     exc = RuntimeError(*out["args"])
     assert cbf._is_oom_text(exc)
-    from memguard.guard.oom import is_oom_error
+    from memguard.guard._oom import is_oom_error
 
     assert is_oom_error(exc)
     if importlib.util.find_spec("accelerate"):

@@ -2,7 +2,7 @@
 parent pinned (``ONEDNN_MAX_CPU_ISA`` must be set before torch loads oneDNN, hence a process).
 
 ``python cpu_path_worker.py '{"ops": true, "steps": [[CASE, PRECISION], ...]}'`` prints one JSON
-line: the level this process's oneDNN runs at (``memguard.estimator.cpu_kernels.host_isa``); with
+line: the level this process's oneDNN runs at (``memguard.estimator._cpu_kernels.host_isa``); with
 ``ops``, per op of :data:`OPS` what the real kernel allocated
 (``benchmarks.ground_truth.measure_op_memory``); per step case, the real steady-state peak of a
 training step and memguard's CPU estimate for this host.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import memguard  # noqa: E402
 from benchmarks.ground_truth import measure_cpu_peak, measure_op_memory  # noqa: E402
-from memguard.estimator.cpu_kernels import host_isa  # noqa: E402
+from memguard.estimator._cpu_kernels import host_isa  # noqa: E402
 
 
 def _conv(n, c, h, o, k, dtype, groups=1, stride=1, pad=0, channels_last=False):

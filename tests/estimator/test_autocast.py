@@ -1,4 +1,4 @@
-"""Tests of the CUDA autocast emulation (``memguard.estimator.autocast``).
+"""Tests of the CUDA autocast emulation (``memguard.estimator._autocast``).
 
 The expected dtypes are CUDA autocast's documented policy (torch.amp docs, "CUDA Ops that can
 autocast to float16" / "CUDA Ops that can autocast to float32", and ATen/autocast_mode.h):
@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memguard
-from memguard.estimator.autocast import FP32, FP32_SET_DTYPE, LOWER, CudaAutocastEmulation
+from memguard.estimator._autocast import FP32, FP32_SET_DTYPE, LOWER, CudaAutocastEmulation
 
 LOW = [torch.bfloat16, torch.float16]
 

@@ -50,7 +50,7 @@ def test_checkpointing_does_not_touch_the_users_config():
 def test_checkpointing_a_real_model_turns_the_cache_off_and_undo_restores_it():
     # the guard checkpoints the user's own model through the same function as the trace, so the
     # real step runs without the cache the estimate leaves out; undo gives the setting back
-    from memguard.estimator.blocks import apply_activation_checkpointing
+    from memguard.estimator._blocks import apply_activation_checkpointing
 
     model = _llama(True)
     undo = apply_activation_checkpointing(model, 2)

@@ -1,4 +1,4 @@
-"""The CPU target follows the host's kernel paths (``memguard.estimator.cpu_kernels``).
+"""The CPU target follows the host's kernel paths (``memguard.estimator._cpu_kernels``).
 
 PyTorch's CPU kernels choose a path by instruction set (oneDNN for 16-bit matmuls and
 convolutions where the CPU supports the type, ATen's own kernels elsewhere), and the paths
@@ -23,9 +23,9 @@ import torch
 
 import memguard
 from memguard import ConfigError
-from memguard.estimator.cpu_kernels import ISAS, CpuTarget, _hardware_isa, host_isa
-from memguard.estimator.op_memory import modelled_op_memory
-from memguard.estimator.onednn_matmul import matmul_scratchpad_bytes
+from memguard.estimator._cpu_kernels import ISAS, CpuTarget, _hardware_isa, host_isa
+from memguard.estimator._op_memory import modelled_op_memory
+from memguard.estimator._onednn_matmul import matmul_scratchpad_bytes
 
 pytestmark = pytest.mark.cpu_truth
 
@@ -118,7 +118,7 @@ def test_training_step_estimate_matches_the_host_path(measured, case):
 # ------------------------------------------------------------------------------------ targets
 def test_the_host_level_follows_the_cpu_and_the_onednn_cap():
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
-    code = "from memguard.estimator.cpu_kernels import host_isa; print(host_isa())"
+    code = "from memguard.estimator._cpu_kernels import host_isa; print(host_isa())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "avx2", out.stderr
     assert host_isa() in ISAS

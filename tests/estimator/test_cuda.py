@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memguard.errors import ConfigError
-from memguard.estimator.cuda import (
+from memguard.estimator._cuda import (
     BLAS_HANDLES_PER_TRAINING_STEP,
     DEFAULT_CONTEXT_BYTES,
     LARGE_BUFFER,

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch._subclasses import FakeTensorMode
 
 from memguard.errors import ConfigError
-from memguard.estimator import cuda_attention as ca
-from memguard.estimator.cuda_kernels import RULES, CudaKernelModel, CudaTarget
-from memguard.estimator.trace import Trace, Recorder, load_rules
+from memguard.estimator import _cuda_attention as ca
+from memguard.estimator._cuda_kernels import RULES, CudaKernelModel, CudaTarget
+from memguard.estimator._trace import Trace, Recorder, load_rules
 
 load_rules()
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import memguard
-from memguard.estimator.cuda import parse_torch_version
-from memguard.estimator.cuda_kernels import RULES, CudaTarget
-from memguard.estimator.trace import load_rules
+from memguard.estimator._cuda import parse_torch_version
+from memguard.estimator._cuda_kernels import RULES, CudaTarget
+from memguard.estimator._trace import load_rules
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""Tests of the CUDA kernel rules (``memguard.estimator.cuda_rules``) against PyTorch's source.
+"""Tests of the CUDA kernel rules (``memguard.estimator._cuda_rules``) against PyTorch's source.
 
 Each expected byte count is derived from the CUDA kernel the rule follows (files under
 ``aten/src/ATen/native/``, torch 2.13) and the tensors autograd saves
@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memguard.estimator import cuda_kernels
-from memguard.estimator.cuda_kernels import CudaKernelModel, CudaTarget
-from memguard.estimator.op_memory import modelled_op_memory
-from memguard.estimator.trace import load_rules
-from memguard.estimator.cuda_rules import (
+from memguard.estimator import _cuda_kernels as cuda_kernels
+from memguard.estimator._cuda_kernels import CudaKernelModel, CudaTarget
+from memguard.estimator._op_memory import modelled_op_memory
+from memguard.estimator._trace import load_rules
+from memguard.estimator._cuda_rules import (
     EMBEDDING_SORT_THRESHOLD,
     conv_workspace_cap_bytes,
     cuda_optimizer_path,
@@ -373,7 +373,7 @@ def test_optimizer_paths_match_the_installed_torch(make, expected, monkeypatch):
 def test_foreach_adamw_step_temporaries_are_one_parameter_sized_list():
     # _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs) is the only
     # parameter-sized output list of the step; lerp_/mul_/addcmul_/div_/add_/addcdiv_ act in place
-    from memguard.estimator.trace import OPTIMIZER_TEMPORARIES, trace_step
+    from memguard.estimator._trace import OPTIMIZER_TEMPORARIES, trace_step
 
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
     trace = trace_step(model, torch.randn(4, 16), loss_fn=lambda m, b: m(b).sum(), foreach=True)
@@ -408,7 +408,7 @@ class _Tiny(nn.Module):
 
 
 def test_cpu_target_trace_is_unchanged_by_the_rules(monkeypatch):
-    from memguard.estimator.trace import trace_step
+    from memguard.estimator._trace import trace_step
 
     ids = torch.randint(0, 50, (2, 8))
     with_rules = trace_step(_Tiny(), ids, device="cpu")
@@ -454,7 +454,7 @@ def _live_when_backward_starts(trace) -> int:
 
 
 def test_tracer_with_a_cuda_target_keeps_bool_dropout_masks():
-    from memguard.estimator.trace import trace_step
+    from memguard.estimator._trace import trace_step
 
     torch.manual_seed(0)
     model, x = _DropNet(), torch.randn(16, 32)
@@ -512,7 +512,7 @@ class _Stack(nn.Module):
 def test_rules_run_again_in_checkpoint_recomputation():
     # the recomputed forward of a checkpointed block must take the same rules (bool masks, fp32
     # stats), so checkpointing lowers the CUDA-target peak and every storage is freed by the end
-    from memguard.estimator.trace import trace_step
+    from memguard.estimator._trace import trace_step
 
     torch.manual_seed(0)
     model, x = _Stack(), torch.randn(200, 64)

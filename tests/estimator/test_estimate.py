@@ -23,9 +23,9 @@ from torch.utils.checkpoint import checkpoint
 
 import memguard
 from memguard import ConfigError, Estimate
-from memguard.estimator.cuda import BLAS_HANDLES_PER_TRAINING_STEP, blas_workspace_config, cublas_workspace_bytes
+from memguard.estimator._cuda import BLAS_HANDLES_PER_TRAINING_STEP, blas_workspace_config, cublas_workspace_bytes
 from memguard.estimator.gpus import GENERIC, current_gpu, get_gpu
-from memguard.estimator.result import CATEGORIES
+from memguard.estimator._result import CATEGORIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `benchmarks`
 
@@ -587,7 +587,7 @@ def test_hf_gradient_checkpointing_enable(one_thread):
 
 @pytest.mark.cpu_truth
 def test_memguard_checkpointing_reduces_activations_and_matches_real_checkpointing(one_thread):
-    from memguard.estimator.blocks import apply_activation_checkpointing
+    from memguard.estimator._blocks import apply_activation_checkpointing
 
     batch = randn(512, 64)
     model = build(ResMLP, blocks=4)

@@ -13,7 +13,7 @@ from torch import nn
 from memguard.batch import resize_batch
 from memguard.errors import ConfigError
 from memguard.estimator.api import estimate
-from memguard.estimator.eval_step import EVAL_NOTE, EvalOptions, estimate_eval
+from memguard.estimator._eval_step import EVAL_NOTE, EvalOptions, estimate_eval
 from memguard.planner.api import plan as plan_for
 from tests.estimator.eval_ground_truth import measure_cpu_eval_peak
 

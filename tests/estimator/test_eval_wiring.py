@@ -10,7 +10,7 @@ from torch import nn
 
 import memguard
 from memguard.batch import resize_batch
-from memguard.estimator.eval_step import EvalOptions, estimate_eval
+from memguard.estimator._eval_step import EvalOptions, estimate_eval
 
 FP32 = 4
 
@@ -62,6 +62,6 @@ def test_plan_max_shape_plans_for_the_longest_batch():
 
 
 def test_memguard_evaluate_is_exported():
-    from memguard.guard.evaluate import evaluate
+    from memguard.guard._evaluate import evaluate
 
     assert memguard.evaluate is evaluate and "evaluate" in memguard.__all__

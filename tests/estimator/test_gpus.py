@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memguard.errors import ConfigError
-from memguard.estimator.cuda import DEFAULT_CONTEXT_BYTES
+from memguard.estimator._cuda import DEFAULT_CONTEXT_BYTES
 from memguard.estimator.gpus import (
     GENERIC,
     GPUS,

@@ -17,8 +17,8 @@ from torch import nn
 
 import memguard
 from memguard.errors import ConfigError
-from memguard.estimator.analysis import scan
-from memguard.estimator.trace import trace_step
+from memguard.estimator._analysis import scan
+from memguard.estimator._trace import trace_step
 
 pytestmark = pytest.mark.cpu_truth  # compares with real CPU kernels / a real memory cap
 

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 import memguard
-from memguard.estimator.sharding import ShardFactors, TracedStates, ZeroSetup, model_state_factors
-from memguard.estimator.trace import trace_step
+from memguard.estimator._sharding import ShardFactors, TracedStates, ZeroSetup, model_state_factors
+from memguard.estimator._trace import trace_step
 
 FP32 = 4
 STATE = ("params", "grads", "optimizer")
@@ -299,7 +299,7 @@ def test_estimate_reports_its_target():
 # ------------------------------------------- the real engine's terms (DeepSpeed 0.19.8's source)
 # Byte layouts read from deepspeed/runtime/zero/stage_1_and_2.py and stage3.py and checked against
 # real 2-rank CPU engines (benchmarks/deepspeed_cpu.py; results in benchmarks/results/deepspeed_cpu.md).
-from memguard.estimator.sharding import ZeroBuckets  # noqa: E402
+from memguard.estimator._sharding import ZeroBuckets  # noqa: E402
 
 PSI = 1_000_000
 
@@ -413,9 +413,9 @@ def test_step_temporaries_are_those_of_one_flat_partition(stage):
 
 
 def test_estimate_from_trace_takes_the_engines_buckets():
-    from memguard.estimator.pricing import estimate_from_trace
-    from memguard.estimator.targets import Target
-    from memguard.estimator.tracing import TraceRequest, run_trace
+    from memguard.estimator._pricing import estimate_from_trace
+    from memguard.estimator._targets import Target
+    from memguard.estimator._tracing import TraceRequest, run_trace
 
     model, batch = mlp(), torch.randn(2, 256)
     trace = run_trace(model, batch, TraceRequest(device="cpu", precision="32-true"), optimizer=adam, loss_fn=loss_fn)

@@ -1,4 +1,4 @@
-"""Tests of ``memguard.estimator.trace``: the recorded allocation timeline of one traced step.
+"""Tests of ``memguard.estimator._trace``: the recorded allocation timeline of one traced step.
 
 Expected byte counts follow from the tensors involved: float32 is 4 bytes per element; AdamW
 keeps ``exp_avg`` and ``exp_avg_sq`` (fp32, parameter-shaped) and a 0-dim fp32 ``step`` per
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memguard.errors import ConfigError
-from memguard.estimator.analysis import scan
-from memguard.estimator.trace import OPTIMIZER_TEMPORARIES, PHASES, Trace, TraceSpec, trace_step
+from memguard.estimator._analysis import scan
+from memguard.estimator._trace import OPTIMIZER_TEMPORARIES, PHASES, Trace, TraceSpec, trace_step
 
 FP32 = 4
 

@@ -3,7 +3,7 @@
 Run as ``python eval_oom_worker.py '<json config>'``. The model and data are made twice from the
 same seed: first a plain reference (no memguard, no cap) that trains on full batches and runs each
 validation batch whole; then a guarded run (``memguard.guard.step`` with a plan of micro-batch
-``train_batch``, and :func:`memguard.guard.evaluate.evaluate` for validation) after capping the
+``train_batch``, and :func:`memguard.guard._evaluate.evaluate` for validation) after capping the
 address space with ``RLIMIT_AS`` at the current VmSize plus ``budget_mib``. The validation batch is
 ``val_factor`` times the training batch, so it fails whole with the CPU allocator's real error;
 ``val_seqs`` gives each validation batch its own sequence length (default: ``seq`` for all).
@@ -65,10 +65,10 @@ def main() -> None:
     out = Path(cfg["out"])
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    from memguard.estimator.result import Estimate
+    from memguard.estimator._result import Estimate
     from memguard.guard import guard_status, prepare, step
-    from memguard.guard.evaluate import eval_status, evaluate
-    from memguard.planner.plan import Plan
+    from memguard.guard._evaluate import eval_status, evaluate
+    from memguard.planner._plan import Plan
 
     g = torch.Generator().manual_seed(1)
     n_train, seq = cfg["train_batch"], cfg["seq"]

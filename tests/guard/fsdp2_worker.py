@@ -136,8 +136,8 @@ def run(cfg: dict, stage: int, first: bool, messages: list, events: list, bug: s
     import torch.distributed as dist
 
     import memguard
-    from memguard.estimator.result import Estimate
-    from memguard.planner.plan import Plan
+    from memguard.estimator._result import Estimate
+    from memguard.planner._plan import Plan
 
     out = Path(cfg["out"])
     rank, world = cfg["rank"], 2
@@ -163,7 +163,7 @@ def run(cfg: dict, stage: int, first: bool, messages: list, events: list, bug: s
     result: dict = {"rank": rank, "losses": [], "error": None}
 
     if cfg.get("time_steps"):  # the agreements' cost: memguard.step with and without them, interleaved
-        rg = memguard.guard.core.guard_of(model, "").rank_group
+        rg = memguard.guard._core.guard_of(model, "").rank_group
         timing = copy.deepcopy(shards[0])
         memguard.step(model, opt, timing)  # warm-up (lazy init)
         with_s, without_s, count = [], [], 0

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memguard.guard.oom import _cannot_map, is_oom_error
+from memguard.guard._oom import _cannot_map, is_oom_error
 
 
 def vm_size() -> int:

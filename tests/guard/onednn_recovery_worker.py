@@ -44,9 +44,9 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    from memguard.estimator.result import Estimate
+    from memguard.estimator._result import Estimate
     from memguard.guard import guard_status, prepare, step
-    from memguard.planner.plan import Plan
+    from memguard.planner._plan import Plan
 
     messages: list[str] = []
     seen: list[list[int]] = []

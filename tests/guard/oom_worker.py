@@ -101,9 +101,9 @@ def main() -> None:
     out = Path(cfg["out"])
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    from memguard.estimator.result import Estimate
+    from memguard.estimator._result import Estimate
     from memguard.guard import guard_status, prepare, step
-    from memguard.planner.plan import Plan
+    from memguard.planner._plan import Plan
 
     rank, world = cfg.get("rank", 0), cfg.get("world", 1)
     events: list = []

@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from memguard.errors import ConfigError, InfeasiblePlanError, PeerFailedError
-from memguard.estimator.result import Estimate
-from memguard.guard.core import Guard, forget, guard_of, register
-from memguard.guard.options import Constraints, option_problems, plan_options_problems, plan_problems
-from memguard.guard.distributed import planning_error_payload, rebuild_planning_error
-from memguard.planner.plan import Plan
+from memguard.estimator._result import Estimate
+from memguard.guard._core import Guard, forget, guard_of, register
+from memguard.guard._options import Constraints, option_problems, plan_options_problems, plan_problems
+from memguard.guard._distributed import planning_error_payload, rebuild_planning_error
+from memguard.planner._plan import Plan
 
 
 def plan_of(micro: int = 4, accum: int = 2, precision: str = "32-true", world: int = 1, zero_stage: int = 0) -> Plan:

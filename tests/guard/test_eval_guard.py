@@ -1,4 +1,4 @@
-"""Guarded evaluation (``memguard.guard.evaluate``): splitting, merging, and real CPU OOMs.
+"""Guarded evaluation (``memguard.guard._evaluate``): splitting, merging, and real CPU OOMs.
 
 The unit tests raise the CPU allocator's own OOM message from a forward hook when a micro-batch is
 larger than a limit (the message ``is_oom_error`` recognises: c10/core/impl/alloc_cpu.cpp). The
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memguard.errors import ConfigError, OOMRecoveryError
-from memguard.guard.evaluate import (
+from memguard.guard._evaluate import (
     EvalStatus,
     combine_outputs,
     eval_status,

@@ -106,7 +106,7 @@ def test_an_already_sharded_model_keeps_its_layout(group) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prepare(model, opt, strategy="fsdp2", micro_batch_size=4)
     # reshard_after_forward=False is sharding level 2 (or 1); the bf16 policy is bf16-mixed
-    guard = memguard.guard.core.guard_of(model, "")
+    guard = memguard.guard._core.guard_of(model, "")
     assert guard.constraints.zero_stages == (2, 1) and guard.constraints.precisions == ("bf16-mixed",)
     assert step(model, opt, _batch()) > 0
 

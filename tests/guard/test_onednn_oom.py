@@ -4,7 +4,7 @@ What reaches Python: oneDNN's C++ API throws ``dnnl::error`` whose ``what()`` is
 (``error::wrap_c_api`` in include/oneapi/dnnl/dnnl_common.hpp), and torch turns it into
 ``RuntimeError(what())``, so "could not create a primitive" carries no ``dnnl_status_t``. The guard
 therefore counts a oneDNN failure as an OOM only while the process cannot map the memory the call
-may have needed (``memguard.guard.oom._cannot_map``), a probe made only on such an exception.
+may have needed (``memguard.guard._oom._cannot_map``), a probe made only on such an exception.
 
 Observed with torch 2.13.0+cpu (oneDNN v3.12.0) on an AMD EPYC with AVX-512 BF16 (no AVX512-FP16,
 no AMX), with ``RLIMIT_AS`` at VmSize plus a budget, ``MALLOC_ARENA_MAX=1`` and
@@ -52,8 +52,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memguard.guard import oom
-from memguard.guard.oom import is_oom_error
+from memguard.guard import _oom as oom
+from memguard.guard._oom import is_oom_error
 
 pytestmark = pytest.mark.cpu_truth  # real oneDNN failures under a real memory cap
 

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from memguard.guard.oom import Halvings, is_oom_error, oom_summary, release_exception
+from memguard.guard._oom import Halvings, is_oom_error, oom_summary, release_exception
 
 
 def _real_cpu_oom() -> BaseException:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from memguard.guard import guard_status, prepare, step
-from memguard.guard.options import Constraints, plan_options_problems
-from memguard.guard.shapes import Signature, bucket, halvings, pad_batch, signature_of, size_bound, snap_to
+from memguard.guard._options import Constraints, plan_options_problems
+from memguard.guard._shapes import Signature, bucket, halvings, pad_batch, signature_of, size_bound, snap_to
 
 
 # --------------------------------------------------------------------------------------------------

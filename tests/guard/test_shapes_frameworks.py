@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from memguard.estimator.result import Estimate
-from memguard.planner.plan import Plan
+from memguard.estimator._result import Estimate
+from memguard.planner._plan import Plan
 
 LIMIT = 16 * 64
 LENGTHS = [64, 64, 512, 64, 512, 64]

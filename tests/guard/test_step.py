@@ -18,9 +18,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import memguard
 from memguard.errors import ConfigError, OOMRecoveryError
-from memguard.estimator.result import Estimate
+from memguard.estimator._result import Estimate
 from memguard.guard import compute_loss, guard_status, prepare, step
-from memguard.planner.plan import Plan
+from memguard.planner._plan import Plan
 
 
 def _allocate_impossible() -> None:
@@ -388,7 +388,7 @@ def test_grad_scaler_is_untouched_by_a_failed_attempt() -> None:
 
 
 def test_activation_checkpointing_from_the_plan() -> None:
-    from memguard.estimator import blocks
+    from memguard.estimator import _blocks as blocks
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -444,7 +444,7 @@ def test_plans_on_the_first_step() -> None:
 
 
 def test_a_reduced_micro_batch_is_remembered_in_the_plan_cache(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
-    from memguard.planner.cache import PlanCache
+    from memguard.planner._cache import PlanCache
 
     store = PlanCache(tmp_path)
     batch = data(steps=1)[0]

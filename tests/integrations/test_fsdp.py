@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from memguard.errors import ConfigError
-from memguard.estimator.result import Estimate
-from memguard.planner.plan import Plan
+from memguard.estimator._result import Estimate
+from memguard.planner._plan import Plan
 
 fsdp = pytest.importorskip("memguard.integrations.fsdp")
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")

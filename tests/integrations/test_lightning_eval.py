@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from memguard.guard.evaluate import eval_status
-from memguard.guard.oom import is_oom_error
+from memguard.guard._evaluate import eval_status
+from memguard.guard._oom import is_oom_error
 
 PACKAGES = [name for name in ("lightning.pytorch", "pytorch_lightning")
             if importlib.util.find_spec(name.split(".")[0]) is not None]

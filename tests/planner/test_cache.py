@@ -14,7 +14,7 @@ from torch import nn
 
 import memguard
 from memguard import Estimate, Plan
-from memguard.planner.cache import PlanCache, default_cache_dir, plan_key
+from memguard.planner._cache import PlanCache, default_cache_dir, plan_key
 
 KiB = 1 << 10
 

@@ -1,11 +1,11 @@
-"""The throughput cost model (``memguard.planner.cost``): directions, published ratios, and step times
+"""The throughput cost model (``memguard.planner._cost``): directions, published ratios, and step times
 against published measurements."""
 
 from __future__ import annotations
 
 import pytest
 
-from memguard.planner.cost import CostInputs, step_seconds
+from memguard.planner._cost import CostInputs, step_seconds
 
 # A GPT-2-small-like job on an A100-like GPU: 124M parameters, 6N FLOPs per token x 1024 tokens
 # per sample (Kaplan et al. 2020, C ~ 6N per token), 12 blocks, ~1,500 ATen ops per micro-batch.

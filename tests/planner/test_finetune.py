@@ -13,10 +13,10 @@ from torch import nn
 
 import memguard
 from memguard import ConfigError
-from memguard.estimator import twins
-from memguard.planner import finetune as ft
+from memguard.estimator import _twins as twins
+from memguard.planner import _finetune as ft
 from memguard.planner.api import alternatives
-from memguard.planner.request import PlanRequest, finetune_problems
+from memguard.planner._request import PlanRequest, finetune_problems
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -11,7 +11,7 @@ import transformers
 
 import memguard
 from memguard import ConfigError, Plan
-from memguard.planner.request import PlanRequest
+from memguard.planner._request import PlanRequest
 
 from tests.planner.test_plan import _estimate, _plan
 

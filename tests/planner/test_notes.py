@@ -7,7 +7,7 @@ import types
 import pytest
 
 from memguard.estimator.gpus import GPUS
-from memguard.planner.notes import RunSettings, notes_of, operational_notes
+from memguard.planner._notes import RunSettings, notes_of, operational_notes
 from memguard.vocab import GiB
 
 # A multi-GPU DDP plan on NVLink GPUs, comfortably inside its budget: the baseline that each test varies.

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import memguard
 from memguard import ConfigError, Estimate, Plan
-from memguard.planner.plan import PLAN_FORMAT_VERSION
+from memguard.planner._plan import PLAN_FORMAT_VERSION
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 

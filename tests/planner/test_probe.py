@@ -1,4 +1,4 @@
-"""Tests of the probe model (:mod:`memguard.planner.probe`): predictions from 1- and 2-block probes
+"""Tests of the probe model (:mod:`memguard.planner._probe`): predictions from 1- and 2-block probes
 against full ``memguard.estimate`` traces of the same configuration, on the CPU and CUDA targets."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 
 import memguard
 from memguard.estimator.gpus import get_gpu
-from memguard.planner.probe import ProbeFeatures, ProbeModel, divisors, extend_trace
-from memguard.planner.request import PlanRequest
+from memguard.planner._probe import ProbeFeatures, ProbeModel, divisors, extend_trace
+from memguard.planner._request import PlanRequest
 from memguard.planner.api import plan_request
-from memguard.planner.session import TraceSession
+from memguard.planner._session import TraceSession
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -107,7 +107,7 @@ def test_probe_model_matches_the_full_estimate(tiny_gpt2, device, gpu, precision
 def test_cuda_checkpointing_every_block_matches_the_full_estimate(precision, accum):
     # A 256-wide, 6-block GPT-2 at sequence 256 (~0.5-2 GB steps, where one 2 MiB allocator segment
     # is well under the tolerance): with every block checkpointed the extended probe traces replay
-    # recomputation as a trace of all 6 blocks does (Known limitations of memguard.planner.probe:
+    # recomputation as a trace of all 6 blocks does (Known limitations of memguard.planner._probe:
     # on the 64-wide model above one segment can shift).
     config = transformers.GPT2Config(n_embd=256, n_layer=6, n_head=4, vocab_size=8192, n_positions=512)
     with torch.device("meta"):
@@ -127,7 +127,7 @@ def test_extended_trace_replays_like_the_whole_model(tiny_gpt2, precision):
     # allocates (the same bytes per category), reaches the same live peak, and the allocator model
     # reserves the same bytes for it: tensors passed from block to block are freed a block later,
     # not kept to the end.
-    from memguard.estimator.cuda import simulate
+    from memguard.estimator._cuda import simulate
 
     planner = TraceSession(tiny_gpt2, _lm(8), device="cuda")
     spec = get_gpu("A100-80GB")

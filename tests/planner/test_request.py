@@ -1,4 +1,4 @@
-"""Tests of :class:`memguard.planner.request.PlanRequest`: the options of ``memguard.plan`` as one value."""
+"""Tests of :class:`memguard.planner._request.PlanRequest`: the options of ``memguard.plan`` as one value."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import memguard
 from memguard import ConfigError
-from memguard.planner.request import DEFAULT_HEADROOM, OPTION_NAMES, PlanRequest
+from memguard.planner._request import DEFAULT_HEADROOM, OPTION_NAMES, PlanRequest
 from memguard.vocab import GiB
 
 

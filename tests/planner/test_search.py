@@ -3,7 +3,7 @@
 Most tests plan for the CPU target with an explicit ``budget_bytes`` on a tiny residual MLP whose
 activations (token dimension 16) dominate its parameters, so the budget really decides the
 micro-batch. Tracing costs ~0.1-1 s, so tests that ask many questions share one
-:class:`~memguard.planner.session.TraceSession` (``plan_request(..., session=)``): it only caches traces,
+:class:`~memguard.planner._session.TraceSession` (``plan_request(..., session=)``): it only caches traces,
 which depend on neither the budget nor the batch arithmetic.
 """
 
@@ -18,9 +18,9 @@ from torch import nn
 
 import memguard
 from memguard import ConfigError, InfeasiblePlanError, MemguardError, Plan
-from memguard.planner.request import PlanRequest
+from memguard.planner._request import PlanRequest
 from memguard.planner.api import DEFAULT_HEADROOM, plan_request
-from memguard.planner.session import TraceSession
+from memguard.planner._session import TraceSession
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -162,7 +162,7 @@ def test_non_power_of_two_micro_batches(model, batch, planner, peaks, global_bat
 
 
 def test_default_headroom_is_documented_value(model, batch, planner):
-    assert DEFAULT_HEADROOM == 0.10  # module docstring of memguard.planner.search: 10% by default
+    assert DEFAULT_HEADROOM == 0.10  # module docstring of memguard.planner._search: 10% by default
     p = plan_with(planner, model, batch, global_batch_size=8, device="cpu", budget_bytes=4 * MiB)
     assert p.headroom == DEFAULT_HEADROOM
 

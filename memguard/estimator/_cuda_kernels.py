@@ -1,0 +1,102 @@
+"""CUDA's kernels, modelled on CPU fake tensors: allocate what the CUDA kernel would allocate.
+
+Without a GPU the CUDA target is traced on CPU fake tensors, and wherever CUDA and the CPU pick
+different kernels (dropout masks, attention backends, ...), the trace would record the CPU's memory.
+A *rule* replaces one torch function, while tracing for CUDA, by code that allocates (and saves for
+backward) what CUDA's kernel allocates for the target GPU and the installed torch version; rules are
+usually a ``torch.autograd.Function`` whose forward and backward create fake tensors of the sizes
+the CUDA kernels create. Every rule cites the PyTorch source it follows.
+
+:class:`CudaKernelModel` is a ``TorchFunctionMode`` that routes each registered function to its
+rule; rules register themselves with :func:`cuda_rule` when their modules (:mod:`~memguard.estimator._cuda_rules`,
+:mod:`~memguard.estimator._cuda_attention`) are imported, which :func:`memguard.estimator._trace.load_rules`
+does before a trace turns the model on. This module is the registry the rule modules import and
+imports none of them; :mod:`memguard.estimator._op_memory` measures one op as the trace records it.
+
+Known limitations:
+    A rule acts on the Python-level function it is registered for; code that reaches the same
+    ATen op another way (C++ composites, a rule of another family that runs library code with
+    the mode off) keeps the CPU's kernel. Values never matter, so rules only create tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch.overrides import TorchFunctionMode
+
+from memguard.estimator._cuda import parse_torch_version
+
+@dataclass(frozen=True)
+class CudaTarget:
+    """The GPU a trace models: what CUDA's kernel choices depend on.
+
+    Attributes:
+        capability: the compute capability ``(major, minor)``, e.g. ``(8, 0)`` for an A100.
+        torch_version: the installed torch's ``(major, minor)``, whose kernels are modelled.
+        vendor: ``"nvidia"`` or ``"amd"`` (ROCm builds choose other attention kernels).
+        sm_count: streaming multiprocessors, where a kernel's choice depends on them (layer-norm
+            weight gradients, :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`);
+            None when unknown (the SM-dependent paths are then not modelled).
+        conv_workspace_bytes: a bound on each cuDNN convolution workspace, or None to read
+            ``CUDNN_CONV_WSCAP_DBG`` (see :func:`memguard.estimator._cuda_rules.conv_workspace_cap_bytes`).
+    """
+
+    capability: tuple[int, int] = (8, 0)
+    torch_version: tuple[int, int] = (2, 13)
+    vendor: str = "nvidia"
+    sm_count: int | None = None
+    conv_workspace_bytes: int | None = None
+
+    @classmethod
+    def for_spec(cls, spec: Any = None, **overrides: Any) -> "CudaTarget":
+        """The target for a catalog GPU (``memguard.estimator.gpus.GPUSpec``, or None for the
+        generic one) and the installed torch; ``overrides`` replace single fields."""
+        fields: dict[str, Any] = {"torch_version": parse_torch_version(None)}
+        if spec is not None:
+            fields["capability"] = tuple(spec.compute_capability)
+            fields["vendor"] = spec.vendor
+        fields.update(overrides)
+        return cls(**fields)
+
+
+#: A rule: ``rule(target, func, args, kwargs) -> result`` runs instead of ``func(*args, **kwargs)``.
+Rule = Callable[[CudaTarget, Callable, tuple, dict], Any]
+
+#: The registered rules, by the torch function they replace.
+RULES: dict[Callable, Rule] = {}
+
+
+def cuda_rule(*funcs: Callable) -> Callable[[Rule], Rule]:
+    """Register the decorated rule for each of ``funcs`` (torch functions as
+    ``__torch_function__`` sees them, e.g. ``torch.nn.functional.dropout``)."""
+
+    def register(rule: Rule) -> Rule:
+        for f in funcs:
+            RULES[f] = rule
+        return rule
+
+    return register
+
+
+class CudaKernelModel(TorchFunctionMode):
+    """Run each registered torch function through its CUDA rule.
+
+    Inside a rule the mode is off (``TorchFunctionMode`` pops itself while handling a call), so a
+    rule may call the function it replaces, or any other, without recursion.
+
+    Args:
+        target: the GPU and torch version to model.
+    """
+
+    def __init__(self, target: CudaTarget) -> None:
+        super().__init__()
+        self.target = target
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rule = RULES.get(func)
+        if rule is not None:
+            return rule(self.target, func, args, kwargs)
+        return func(*args, **kwargs)

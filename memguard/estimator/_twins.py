@@ -1,0 +1,358 @@
+"""Model surgery for estimation: stand-ins that hold the bytes of LoRA, QLoRA, NF4 and 8-bit AdamW.
+
+These build *other models and optimizers* whose memory memguard can trace on fake tensors, without
+the libraries they stand in for being traced (or, for bitsandbytes, installed):
+
+* :func:`lora_model`: a LoRA twin (Hu et al. 2021, arXiv 2106.09685) of a model on ``meta``, built
+  with ``peft``, adapting every linear layer of the repeated blocks (:func:`lora_target_modules`;
+  the QLoRA paper, Dettmers et al. 2023, arXiv 2305.14314, section 4, found adapters on every linear
+  layer of the blocks necessary to match full fine-tuning).
+* :func:`qlora_model`: LoRA over 4-bit NormalFloat base weights (same paper); :class:`NF4Linear`
+  holds the bytes of bitsandbytes' ``Linear4bit`` and dequantises the same way.
+* :class:`AdamW8bitStandIn`: an optimizer whose state has the bytes of bitsandbytes' ``AdamW8bit``
+  (Dettmers et al. 2021, arXiv 2110.02861).
+
+The user's model is never touched: every twin is a deep copy on ``meta``. The planner uses them to
+measure fine-tuning alternatives (:mod:`memguard.planner._finetune`); they are usable with
+:func:`memguard.estimate` directly (``optimizer=AdamW8bitStandIn``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from memguard.errors import ConfigError, MissingDependencyError
+from memguard.estimator._targets import unwrap_model
+from memguard.estimator._blocks import find_blocks
+
+# peft's LoraConfig defaults (peft/tuners/lora/config.py, peft 0.21: r=8, lora_alpha=8,
+# lora_dropout=0.0); the rank changes the adapters' bytes only, a fraction of a percent of the base.
+LORA_RANK = 8
+LORA_ALPHA = 8
+
+# bitsandbytes/optim/optimizer.py (Optimizer2State, bitsandbytes 0.45-0.48):
+#   init_state keeps 32-bit state1/state2 for tensors with fewer than min_8bit_size (default 4096)
+#   elements; larger ones get uint8 state1/state2 (zeros_like(p, dtype=uint8)) and, block-wise (the
+#   default), fp32 absmax1/absmax2 of ceil(numel / 2048) elements each. The two 256-entry fp32
+#   quantisation maps ("dynamic", "udynamic") are shared by every parameter: 2 KiB in all, not modelled.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_STATE_BLOCK = 2048
+# get_state_buffer: paged optimizers put state1/state2 of tensors with at least 1e5 elements in CUDA
+# unified memory (F.get_paged, cudaMallocManaged) instead of PyTorch's caching allocator.
+BNB_PAGED_MIN_NUMEL = 100_000
+
+# NF4 storage (QLoRA, arXiv 2305.14314 section 3; bitsandbytes Linear4bit / quantize_4bit): two
+# 4-bit codes per byte, one absmax per block of 64 weights; double quantisation stores those absmax
+# as uint8 with one fp32 scale per block of 256 absmax values (the paper's c2 = 256; 0.127 bit/param).
+NF4_BLOCK = 64
+NF4_DOUBLE_QUANT_BLOCK = 256
+
+
+# ------------------------------------------------------------------------------ 8-bit optimizer
+def adamw8bit_state_bytes(numel: int, *, min_8bit_size: int = BNB_MIN_8BIT_SIZE) -> int:
+    """Bytes of bitsandbytes ``AdamW8bit`` state for one parameter of ``numel`` elements.
+
+    Two fp32 moments below ``min_8bit_size`` elements; else two uint8 moments plus two fp32 absmax
+    vectors of ``ceil(numel / 2048)`` (bitsandbytes/optim/optimizer.py, ``Optimizer2State.init_state``).
+    """
+    if numel < min_8bit_size:
+        return 2 * 4 * numel
+    return 2 * numel + 2 * 4 * math.ceil(numel / BNB_STATE_BLOCK)
+
+
+class AdamW8bitStandIn(torch.optim.Optimizer):
+    """An optimizer whose state has the bytes of bitsandbytes' ``AdamW8bit``, for estimation.
+
+    State per parameter, as ``Optimizer2State.init_state`` allocates it (bitsandbytes/optim/optimizer.py):
+    ``state1``/``state2`` in uint8 with the parameter's shape and fp32 ``absmax1``/``absmax2`` of
+    ``ceil(numel / 2048)`` elements; below ``min_8bit_size`` elements, fp32 ``state1``/``state2``.
+    bitsandbytes updates with one fused kernel per parameter (``optimizer_update_8bit_blockwise``)
+    that dequantises in registers, so the step allocates nothing; this stand-in's step allocates
+    nothing either.
+
+    Known limitations:
+        The step is a memory model, not AdamW: it applies decoupled weight decay and a plain
+        gradient step in place (``p -= lr * (grad + weight_decay * p)``) and leaves the moments at
+        zero. Train with ``bitsandbytes.optim.AdamW8bit``; pass this class to ``memguard.estimate``
+        / ``memguard.plan`` (``optimizer=AdamW8bitStandIn``) to predict that optimizer's memory.
+        ``PagedAdamW8bit`` keeps the same bytes, but its moments of tensors with at least 1e5
+        elements live in CUDA unified memory outside PyTorch's allocator; memguard counts them on
+        the device (the worst case, when nothing is paged out).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, min_8bit_size: int = BNB_MIN_8BIT_SIZE):
+        # the defaults of bitsandbytes.optim.AdamW8bit (bitsandbytes/optim/adamw.py: weight_decay=1e-2)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      min_8bit_size=min_8bit_size))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    if p.numel() < group["min_8bit_size"]:
+                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                    else:
+                        blocks = math.ceil(p.numel() / BNB_STATE_BLOCK)
+                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+                        state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+                state["step"] += 1
+                p.mul_(1.0 - group["lr"] * group["weight_decay"])
+                p.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+def _is_linear(module: nn.Module) -> bool:
+    # transformers' GPT-2 uses its own Conv1D (a transposed Linear; transformers/pytorch_utils.py)
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _target_names(model: nn.Module) -> list[str]:
+    """Full names (relative to ``model``) of the linear layers LoRA adapts."""
+    blocks = find_blocks(model)
+    block_ids = {id(b) for b in blocks}
+    out: list[str] = []
+    if blocks:
+        # every linear layer inside a repeated block
+        stack = [(name, mod) for name, mod in model.named_modules() if id(mod) in block_ids]
+        for prefix, block in stack:
+            out += [f"{prefix}.{n}" for n, m in block.named_modules() if n and _is_linear(m)]
+        return out
+    # no repeated blocks: every linear layer but the output layer (as peft's "all-linear" does)
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    return [n for n, m in model.named_modules() if n and _is_linear(m) and m is not head]
+
+
+def lora_target_modules(model: nn.Module) -> tuple[str, ...]:
+    """The layer names LoRA adapts in ``model``: every linear layer of the repeated blocks.
+
+    ``("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")`` for a Llama,
+    ``("c_attn", "c_fc", "c_proj")`` for GPT-2 (sorted leaf names; the same names peft's
+    ``target_modules`` takes). Without repeated blocks, every linear layer but the output layer.
+    """
+    return tuple(sorted({n.rsplit(".", 1)[-1] for n in _target_names(unwrap_model(model))}))
+
+
+def _meta_twin(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are on ``meta`` (no data is copied)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _require_peft() -> Any:
+    try:
+        import peft
+    except ImportError as exc:
+        raise MissingDependencyError("peft", "peft") from exc
+    return peft
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def lora_model(model: nn.Module, *, rank: int = LORA_RANK, alpha: int = LORA_ALPHA,
+               target_modules: Sequence[str] | None = None, base_dtype: torch.dtype | None = torch.bfloat16,
+               ) -> nn.Module:
+    """A LoRA twin of ``model`` on the ``meta`` device, built with ``peft``; ``model`` is not touched.
+
+    Args:
+        model: the model to fine-tune (any device, ``meta`` included).
+        rank: LoRA rank ``r`` (peft's default, 8).
+        alpha: ``lora_alpha`` (peft's default, 8; it scales, it costs no memory).
+        target_modules: layer names to adapt; default :func:`lora_target_modules`.
+        base_dtype: the dtype the frozen base weights are held in (the usual ``torch_dtype=`` when
+            loading for LoRA); None keeps the model's. peft keeps the adapters in fp32
+            (``autocast_adapter_dtype=True``, peft/tuners/tuners_utils.py).
+
+    Returns:
+        The ``peft`` model (``PeftModel``) on ``meta``: only the adapters require grad.
+
+    Raises:
+        MissingDependencyError: ``peft`` is not installed.
+        ConfigError: the model has no linear layer to adapt.
+    """
+    peft = _require_peft()
+    model = unwrap_model(model)
+    twin = _meta_twin(model)
+    names = _target_names(twin) if target_modules is None else list(target_modules)
+    if not names:
+        raise ConfigError(f"{type(model).__name__} has no nn.Linear layer for LoRA to adapt; pass "
+                          "target_modules= naming the layers, or plan the full fine-tune")
+    if base_dtype is not None:
+        for p in twin.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(base_dtype)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=names)
+    return peft.get_peft_model(twin, config)
+
+
+# ----------------------------------------------------------------------------------------- QLoRA
+def nf4_weight_bytes(numel: int, *, double_quant: bool = True) -> int:
+    """Bytes of one weight of ``numel`` elements in NF4 (QLoRA, arXiv 2305.14314, section 3).
+
+    Packed codes ``ceil(numel / 2)`` bytes; absmax per block of 64: fp32 (4 bytes), or with double
+    quantisation uint8 plus one fp32 per 256 absmax values.
+    """
+    blocks = math.ceil(numel / NF4_BLOCK)
+    absmax = blocks + 4 * math.ceil(blocks / NF4_DOUBLE_QUANT_BLOCK) if double_quant else 4 * blocks
+    return math.ceil(numel / 2) + absmax
+
+
+class _DequantMatmul(torch.autograd.Function):
+    """``linear(x, dequantise(W))`` that keeps the input and the packed weight for backward, as
+    bitsandbytes' ``MatMul4Bit`` does (bitsandbytes/autograd/_functions.py: forward ``linear(A,
+    dequantize_4bit(B))``, ``ctx.tensors = (A, B)``; backward dequantises again for ``grad_A =
+    grad_output @ W``). The dequantised weight is a temporary of the compute dtype in both passes."""
+
+    @staticmethod
+    def forward(ctx, x, packed, absmax, absmax2, shape, dtype):
+        ctx.save_for_backward(x, packed, absmax, absmax2)
+        ctx.shape, ctx.wdtype = shape, dtype
+        w = _nf4_dequantize(packed, absmax, absmax2, shape, x.dtype)
+        return torch.nn.functional.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        _, packed, absmax, absmax2 = ctx.saved_tensors
+        w = _nf4_dequantize(packed, absmax, absmax2, ctx.shape, grad_out.dtype)
+        return grad_out @ w, None, None, None, None, None
+
+
+# The 16 NF4 levels: quantiles of N(0, 1) normalised to [-1, 1] (QLoRA appendix E; bitsandbytes
+# functional.get_4bit_type("nf4")).
+_NF4_LEVELS = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+)
+
+
+def _nf4_dequantize(packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor, shape, dtype):
+    """The weight of ``shape`` from NF4 codes. On fake/meta tensors (tracing) only the result is
+    allocated, as bitsandbytes' fused kernel (``dequantize_4bit``) allocates only its output."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(packed) or packed.device.type == "meta":
+        return packed.new_empty(shape, dtype=dtype)
+    numel = math.prod(shape)
+    codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).reshape(-1)[:numel].long()
+    levels = torch.tensor(_NF4_LEVELS, dtype=torch.float32, device=packed.device)
+    scale = (absmax.float() * absmax2.repeat_interleave(NF4_DOUBLE_QUANT_BLOCK)[: absmax.numel()])
+    values = levels[codes] * scale.repeat_interleave(NF4_BLOCK)[:numel]
+    return values.reshape(shape).to(dtype)
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear layer with 4-bit NormalFloat weights: the bytes of bitsandbytes' ``Linear4bit``
+    (``quant_type="nf4"``, ``compress_statistics=True``), traceable on fake tensors.
+
+    bitsandbytes is not a dependency of memguard (and was not installed where this was written, so
+    tracing its ``Linear4bit`` could not be tried). Its recent releases register fake kernels for the
+    4-bit ops (bitsandbytes/_ops.py: ``register_fake`` for ``dequantize_4bit``, ``gemm_4bit``), so
+    the real layer may trace where it is installed, but its weights are quantised when moved to a
+    device (``Params4bit``), which a ``meta`` model never is. memguard therefore models the layer:
+    ``packed`` (uint8, two codes per byte), ``absmax`` (uint8, one per 64 weights) and ``absmax2``
+    (fp32, one per 256 absmax values) are buffers, and the forward dequantises into a temporary of the
+    input's dtype, as bitsandbytes' ``MatMul4Bit`` does. Built from an ``nn.Linear`` on ``meta`` by
+    :func:`qlora_model`.
+
+    Known limitations:
+        The absmax values are stored as plain scales (a uint8 code times its block's fp32 scale),
+        not through bitsandbytes' 256-entry dynamic map with an offset; the bytes are the same.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, *, compute_dtype: torch.dtype,
+                 device: Any = "meta"):
+        super().__init__()
+        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
+        n = in_features * out_features
+        blocks = math.ceil(n / NF4_BLOCK)
+        self.register_buffer("packed", torch.zeros(math.ceil(n / 2), dtype=torch.uint8, device=device))
+        self.register_buffer("absmax", torch.zeros(blocks, dtype=torch.uint8, device=device))
+        self.register_buffer("absmax2", torch.zeros(math.ceil(blocks / NF4_DOUBLE_QUANT_BLOCK),
+                                                    dtype=torch.float32, device=device))
+        # Linear4bit keeps the bias as an ordinary (16-bit) parameter
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device),
+                                 requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _DequantMatmul.apply(x, self.packed, self.absmax, self.absmax2,
+                                   (self.out_features, self.in_features), self.compute_dtype)
+        return out + self.bias if self.bias is not None else out
+
+
+def qlora_model(model: nn.Module, *, rank: int = LORA_RANK, alpha: int = LORA_ALPHA,
+                compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A QLoRA twin of ``model`` on ``meta``: :class:`NF4Linear` base layers with fp32 LoRA adapters.
+
+    The targeted linear layers (:func:`lora_target_modules`) become :class:`NF4Linear`; the rest of
+    the base (embeddings, norms, output layer) is held in ``compute_dtype``, as ``from_pretrained(...,
+    quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_use_double_quant=True))`` leaves it. Adapters are plain ``nn.Linear`` pairs (LoRA's
+    ``B @ A`` path, ``lora_A`` then ``lora_B``, peft/tuners/lora/layer.py) in fp32.
+
+    Raises:
+        ConfigError: the model has no linear layer to adapt.
+    """
+    model = unwrap_model(model)
+    twin = _meta_twin(model)
+    names = _target_names(twin)
+    if not names:
+        raise ConfigError(f"{type(model).__name__} has no nn.Linear layer for QLoRA to adapt")
+    for p in twin.parameters():
+        p.requires_grad_(False)
+        if p.is_floating_point():
+            p.data = p.data.to(compute_dtype)
+    for name in names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = twin.get_submodule(parent_name) if parent_name else twin
+        old = getattr(parent, leaf)
+        if isinstance(old, nn.Linear):
+            fan_in, fan_out = old.in_features, old.out_features
+        else:  # transformers Conv1D: weight (in, out)
+            fan_in, fan_out = old.weight.shape
+        setattr(parent, leaf, _LoraOver(NF4Linear(fan_in, fan_out, old.bias is not None,
+                                                  compute_dtype=compute_dtype), fan_in, fan_out, rank, alpha))
+    return twin
+
+
+class _LoraOver(nn.Module):
+    """``base(x) + B(A(x)) * alpha / r`` with fp32 adapters, as peft's ``lora.Linear`` computes it
+    (peft/tuners/lora/layer.py: the input is cast to the adapter's dtype, the result back)."""
+
+    def __init__(self, base: nn.Module, fan_in: int, fan_out: int, rank: int, alpha: int):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(fan_in, rank, bias=False, device="meta")
+        self.lora_B = nn.Linear(rank, fan_out, bias=False, device="meta")
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        lora = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling
+        return out + lora.to(out.dtype)

@@ -1,0 +1,254 @@
+"""``prepare`` and ``step``: run a plan in plain PyTorch and recover from OOM without losing a sample.
+
+``prepare`` keeps its per-model state (a guard core) keyed weakly by the model it was given, so
+the model and optimizer come back unchanged in type and usable as before; ``step`` runs one
+optimizer step on a batch, split into micro-batches.
+
+One step, and what happens on an out-of-memory error:
+
+1. The batch is split along dim 0 into micro-batches of the current size. Each micro-batch's loss
+   (the mean over its samples) is multiplied by its share of the batch's samples before
+   ``backward``, so the accumulated gradient is the gradient of the batch's mean loss.
+2. If any micro-batch runs out of memory, the failed frames' locals are cleared (they hold the
+   partial graph), every gradient of this step is dropped (``grad = None``), the running
+   statistics of normalisation layers are restored, ``gc.collect()`` and ``empty_cache()`` run,
+   the micro-batch is halved and the *same* batch is run again from its first sample. The
+   GradScaler is untouched by a failed attempt: only ``scale()``, which changes no state after its
+   first call, runs before the attempt is known to have succeeded.
+3. Under DistributedDataParallel every rank reports its outcome in one all-reduce before any
+   other collective (:mod:`memguard.guard._distributed`), so all ranks retry together; gradients are
+   averaged only once every rank has finished every micro-batch. Under FSDP2
+   (``strategy="fsdp2"``), whose collectives run inside forward and backward, every rank agrees
+   before each of them, so a rank that fails is heard at the peers' next collective; FSDP2's
+   per-step state is reset on every rank before the retry (:mod:`memguard.guard._sharded`).
+4. The optimizer (through the GradScaler for ``16-mixed``) steps and the gradients are set to None.
+
+Each retry is logged at WARNING on the ``memguard`` logger. The new micro-batch is kept for the
+following steps; with ``probe_up_after=N`` it is doubled again (up to the planned size) after N
+steps without an OOM. When memguard planned with ``cache=True`` (or a ``PlanCache``), the reduced
+micro-batch is also written to the plan cache, and the next run of the same job starts from it.
+At micro-batch 1 an OOM raises :class:`memguard.OOMRecoveryError`.
+
+``prepare`` and ``step`` translate onto :class:`memguard.guard._core.Guard`, the state and steps every
+front-end shares; steps 1-3 are :class:`memguard.guard._window.MicroBatchWindow` with a window of one
+batch (the framework integrations open one window per optimizer step of several batches).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memguard.batch import LossFn, compute_loss
+from memguard.errors import ConfigError
+from memguard.guard._core import Guard, GuardStatus, forget, guard_of, register
+from memguard.guard._distributed import rank_group_of
+from memguard.guard._options import (
+    Constraints,
+    GuardOptions,
+    model_and_optimizer,
+    option_problems,
+    wrapper_problems,
+)
+from memguard.guard._window import DEFAULT_MAX_RETRIES
+from memguard.planner.api import Plan
+
+logger = logging.getLogger("memguard")
+
+# Plain PyTorch runs ZeRO stage 0, any precision (memguard casts, autocasts and scales), any accumulation.
+CONSTRAINTS = Constraints(source="memguard.prepare", taken=("world_size", "optimizer", "loss_fn"),
+                          precision_role="guard",
+                          fix_precision="pass another precision= to memguard.prepare")
+
+_HOW_TO_PREPARE = ("call model, optimizer = memguard.prepare(model, optimizer) first and pass the same model object "
+                   "to memguard.step")
+
+
+def prepare(
+    first: Any,
+    second: Any,
+    *,
+    plan: Plan | None = None,
+    micro_batch_size: int | None = None,
+    global_batch_size: int | None = None,
+    example_batch: Any = None,
+    loss_fn: LossFn | None = None,
+    max_retries: int = DEFAULT_MAX_RETRIES,
+    probe_up_after: int | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    strategy: str | None = None,
+    mesh: Any = None,
+    **plan_options: Any,
+) -> tuple[Any, Any]:
+    """Apply a memory plan to a model and its optimizer, for :func:`step`.
+
+    Exactly one of three sources sets the micro-batch:
+
+    * ``plan=``: a :class:`memguard.Plan` (from ``memguard.plan`` or ``Plan.from_dict``);
+    * ``micro_batch_size=``: a fixed size; ``precision=`` (one name) and ``activation_checkpointing=``
+      (True for every repeated block, or a number of blocks) may come with it;
+    * planning: with ``example_batch=`` now, else on the first :func:`step` from its batch, calling
+      ``memguard.plan`` with ``global_batch_size`` (default: the batch's size times the world size),
+      ``loss_fn``, the optimizer, the world size, the device of the model's parameters, ZeRO stage 0
+      and every other keyword in ``plan_options`` (``gpu``, ``budget_bytes``, ``headroom``,
+      ``precision``, ``activation_checkpointing``, ...). Under DDP rank 0 plans and broadcasts.
+
+    The plan's activation checkpointing is applied to its first ``checkpoint_blocks`` repeated
+    blocks, and its precision as in :mod:`memguard.guard._precision`. Preparing a model again undoes
+    the checkpointing of the previous call.
+
+    Args:
+        first, second: the model (an ``nn.Module``, possibly wrapped in DistributedDataParallel) and
+            its optimizer, in either order; they are returned in the order given, the same objects.
+        plan: a plan to apply.
+        micro_batch_size: a fixed micro-batch instead of a plan.
+        global_batch_size: samples per optimizer step over all ranks, for planning.
+        example_batch: a batch like those :func:`step` will get (this rank's share), to plan now.
+        loss_fn: ``loss_fn(model, batch) -> mean loss``; the default for :func:`step`.
+        max_retries: at most this many halvings of the micro-batch within one step.
+        probe_up_after: after this many steps without an OOM, double a reduced micro-batch again (up
+            to the planned size); None (default) never probes.
+        grad_scaler: the ``torch.amp.GradScaler`` to use if the precision is ``16-mixed`` (to set its
+            options or load its state); default: a new one with PyTorch's defaults.
+        strategy: None or ``"ddp"``: a plain module, or one wrapped in DistributedDataParallel.
+            ``"fsdp2"``: a plain module that memguard shards with FSDP2 ``fully_shard`` once the plan
+            is known (per repeated block, then the root; the optimizer is re-pointed at the sharded
+            parameters), or a module already sharded with ``fully_shard`` at its root; planned with
+            FSDP2's sharding levels (``zero_stage`` 3/2/1) and run with the OOM recovery of
+            :mod:`memguard.guard._sharded` (see :mod:`memguard.guard._fsdp2`).
+        mesh: with ``strategy="fsdp2"``, the 1-D ``DeviceMesh`` to shard over (default: every rank).
+        **plan_options: options for ``memguard.plan`` (see above).
+
+    Returns:
+        ``(first, second)``, unchanged objects.
+
+    Raises:
+        ConfigError: bad arguments (every problem listed), an unsupported wrapper (FSDP1, DeepSpeed;
+            an FSDP2 model needs ``strategy="fsdp2"``), a plan that needs ZeRO or optimizer offload
+            (without ``strategy="fsdp2"``), or a cast that is no longer possible. Under
+            ``strategy="fsdp2"`` also: no process group, a plan for another world size or strategy,
+            ``16-mixed``, an optimizer that already has state
+            (:class:`memguard.guard._fsdp2.FSDPSetupError` for a model that cannot be sharded as asked).
+        InfeasiblePlanError: planning now (``example_batch``) found nothing that fits.
+        PeerFailedError: under DDP, planning now failed on rank 0 with an error that is not memguard's.
+
+    Known limitations:
+        ``*-true`` precisions cast the model in place; they cannot be undone by preparing again.
+    """
+    options = GuardOptions(loss_fn=loss_fn, max_retries=max_retries, probe_up_after=probe_up_after,
+                           global_batch_size=global_batch_size, plan_options=plan_options)
+    if strategy == "fsdp2":
+        from memguard.guard._fsdp2 import prepare_fsdp2
+
+        return prepare_fsdp2(first, second, options, plan=plan, micro_batch_size=micro_batch_size,
+                             example_batch=example_batch, grad_scaler=grad_scaler, mesh=mesh)
+    problems: list[str] = []
+    if mesh is not None:
+        problems.append("mesh= is for strategy='fsdp2'; drop it, or pass strategy='fsdp2'")
+    if strategy not in (None, "ddp"):
+        problems.append(f"strategy must be None, 'ddp' or 'fsdp2', got {strategy!r}" + (
+            "; DeepSpeed runs its own step: turn the plan into a config with memguard.integrations.deepspeed."
+            "to_config" if strategy == "deepspeed" else ""))
+    model, optimizer = model_and_optimizer(first, second, problems)
+    if model is not None:
+        problems += wrapper_problems(model)
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        problems.append(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+    problems += option_problems(CONSTRAINTS, plan=plan, micro_batch_size=micro_batch_size, example_batch=example_batch,
+                                global_batch_size=global_batch_size, loss_fn=loss_fn, max_retries=max_retries,
+                                probe_up_after=probe_up_after, plan_options=plan_options)
+    if problems:
+        raise ConfigError(problems)
+
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    rg = rank_group_of(model)
+    world = rg.world_size if rg is not None else _world_size()
+    forget(model)  # preparing again undoes the previous call's checkpointing
+    guard = Guard(inner, CONSTRAINTS, options, world_size=world, rank_group=rg,
+                  grad_scaler=grad_scaler)
+    if isinstance(plan, Plan):
+        if plan.world_size != world:
+            logger.warning("the plan was made for %d ranks but %d are running; its micro-batch %d is used as is",
+                           plan.world_size, world, plan.micro_batch_size)
+        guard.apply(plan, optimizer)
+    elif micro_batch_size is not None:
+        guard.apply(None, optimizer, micro_batch_size=micro_batch_size,
+                    precision=plan_options.get("precision", "32-true"),
+                    activation_checkpointing=plan_options.get("activation_checkpointing", False))
+    elif example_batch is not None:
+        guard.plan_and_apply(example_batch, optimizer, loss_fn)
+    register(model, guard)
+    return first, second
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn | None = None) -> float:
+    """One optimizer step on ``batch`` (this rank's share of the global batch); the mean loss.
+
+    The batch is split along dim 0 into micro-batches of the current size (the last may be
+    smaller); tensors are moved to the model's device (when it has one) as each micro-batch is
+    used. On an out-of-memory error the same batch is run again with half the micro-batch, on
+    every rank together (see the module docstring).
+
+    Args:
+        model: the model given to :func:`prepare`.
+        optimizer: its optimizer.
+        batch: a tensor, or a dict/tuple/list of tensors, with the samples in dim 0; non-tensor
+            leaves and 0-dim tensors go to every micro-batch whole.
+        loss_fn: ``loss_fn(model, micro_batch) -> mean loss over the micro-batch``; under DDP it
+            gets the module inside the wrapper (``ddp.module``), so that no DDP hook runs. Default:
+            the one given to :func:`prepare`, else the model is called (dict -> ``model(**batch)``,
+            tuple/list -> ``model(*batch)``, tensor -> ``model(batch)``) and its ``.loss`` (or its
+            output, if a scalar) is the loss.
+
+    Returns:
+        This rank's mean loss over ``batch``, as a float.
+
+    Raises:
+        ConfigError: the model was not prepared, the batch cannot be split, or no loss can be found.
+        OOMRecoveryError: an OOM at micro-batch 1, after ``max_retries`` halvings, or in the
+            optimizer step (where a smaller micro-batch does not help).
+        PeerFailedError: under DDP, another rank failed with an error that is not an OOM (that rank
+            raises its own error).
+
+    Known limitations:
+        Gradients present when ``step`` starts are discarded (with a warning), because a retry must
+        start from none. Dropout draws new masks on a retry. Normalisation layers see micro-batch
+        statistics, as in any gradient accumulation. Under DDP, gradient all-reduce runs after the
+        backward passes instead of overlapping them, DDP communication hooks are not used, and an
+        OOM while averaging gradients is not recovered (the averaging allocates nothing: its bucket
+        is reserved before the first micro-batch).
+    """
+    guard = guard_of(model, _HOW_TO_PREPARE)
+    loss_fn = loss_fn if loss_fn is not None else guard.options.loss_fn
+    if guard.micro_batch_size is None:
+        guard.plan_and_apply(batch, optimizer, loss_fn)
+    guard.open_window(model, [optimizer], warn_stale_grads=True)
+    loss = float(guard.run(batch, guard.loss_of(loss_fn), model=model, last=True))
+    scaler = guard.scaler
+
+    def step_fn() -> None:
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+
+    guard.optimizer_step(step_fn, lambda: optimizer.zero_grad(set_to_none=True))
+    return loss
+
+
+def guard_status(model: nn.Module) -> GuardStatus:
+    """What the guard currently does for ``model`` (the object given to :func:`prepare`).
+
+    Raises:
+        ConfigError: the model was not prepared.
+    """
+    return guard_of(model, "call memguard.prepare(model, optimizer) first").status()
