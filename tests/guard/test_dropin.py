@@ -250,3 +250,21 @@ def test_the_summary_is_shown_without_any_logging_set_up(quiet):
     else:
         assert proc.stderr.startswith("memguard planned micro-batch 16 x accumulation 1 x world 1")
         assert "64.00 MiB budget, given; 10% headroom" in proc.stderr
+
+
+def test_the_accelerate_summary_says_what_runs_not_the_plans_numbers(caplog):
+    accelerate = pytest.importorskip("accelerate")
+    from memguard.integrations.accelerate import prepare, status, step
+
+    caplog.set_level(logging.INFO, logger="memguard")
+    net = _net()
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
+    net, opt = prepare(accelerator, net, torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=_loss,
+                       budget_bytes=1 << 30, max_grad_norm=0.05)
+    for b in _batches(2, 16):
+        step(accelerator, net, opt, b)
+    plan = status(net).plan
+    assert plan.micro_batch_size == 32 and plan.grad_accum_steps == 1  # the planner's numbers for 32 samples
+    assert ("memguard planned micro-batch 16 (1 per dataloader batch of 16) x accumulation 2 (the Accelerator's) x "
+            "world 1 = 32 samples per optimizer step") in caplog.text
+    assert status(net).grad_norm is not None and status(net).steps == 1
