@@ -391,8 +391,8 @@ def _announce(guard: Guard, accelerator: Any, batch: int) -> None:
     splits = -(-batch // micro)
     runs = (f"micro-batch {micro} ({splits} per dataloader batch of {batch}) x accumulation {accum} (the "
             f"Accelerator's) x world {world} = {batch * accum * world} samples per optimizer step")
-    overrides = ([f"each dataloader batch of {batch} runs as {splits} micro-batches of {micro} (the gradient is the "
-                  "whole batch's)"] if splits > 1 else [])
+    overrides = ([f"each dataloader batch of {batch} runs as {splits} micro-batches of {micro} (the same gradient)"]
+                 if splits > 1 else [])
     guard.announce(plan, runs=runs, overrides=overrides)
     logger.debug("the plan memguard runs:\n%s", plan.explain())
 

@@ -43,7 +43,7 @@ def test_the_nanogpt_port_ends_with_the_original_weights() -> None:
     # the plan summary, shown without any logging set-up, names the accumulation memguard chose
     planned = re.search(r"memguard planned micro-batch (\d+) x accumulation (\d+) x world 1 = 16 samples", out)
     assert planned is not None and int(planned.group(2)) > 1, out[-3000:]
-    assert f"each batch of 16 samples runs as {planned.group(2)} micro-batches of {planned.group(1)}" in out
+    assert f"each batch of 16 runs as {planned.group(2)} micro-batches of {planned.group(1)}" in out
 
 
 def test_the_accelerator_first_port_ends_with_the_original_weights() -> None:

@@ -335,13 +335,13 @@ class Guard(ShapeSizing):
         changed = []
         if (made and self.constraints.precision_role == "guard" and self.constraints.precisions is None
                 and "precision" not in self.options.plan_options and plan.precision != self.script_precision):
-            how = "autocasts the forward" if plan.precision.endswith("-mixed") else "casts the model"
-            changed.append(f"precision {plan.precision}, not your model's {self.script_precision} (memguard {how}; "
-                           f"pass precision={self.script_precision!r} to keep yours)")
+            how = "autocasts" if plan.precision.endswith("-mixed") else "casts the model"
+            changed.append(f"precision {plan.precision} instead of your model's {self.script_precision} (memguard "
+                           f"{how}; precision={self.script_precision!r} keeps yours)")
         if self.constraints.splits_batch and plan.grad_accum_steps > 1:
-            changed.append(f"each batch of {plan.micro_batch_size * plan.grad_accum_steps} samples runs as "
-                           f"{plan.grad_accum_steps} micro-batches of {plan.micro_batch_size} (gradient accumulation; "
-                           "the gradient is the whole batch's)")
+            changed.append(f"each batch of {plan.micro_batch_size * plan.grad_accum_steps} runs as "
+                           f"{plan.grad_accum_steps} micro-batches of {plan.micro_batch_size} (gradient accumulation, "
+                           "the same gradient)")
         text = plan_summary(plan, made=made, budget_from=budget_source(plan, self.options.plan_options) if made else "the plan's",
                             runs=runs, overrides=changed + list(overrides))
         show(text, verbose=self.options.verbose)

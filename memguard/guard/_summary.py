@@ -65,7 +65,8 @@ def plan_summary(plan: Any, *, made: bool, budget_from: str, runs: str | None = 
              f"on {target} ({format_bytes(plan.budget_bytes)} budget, {budget_from}; "
              f"{100 * plan.headroom:.0f}% headroom)"]
     if overrides:
-        lines.append("  overrides your script: " + "; ".join(overrides))
+        lines.append("  overrides your script:")
+        lines += [f"    {o}" for o in overrides]
     lines.append(f"  (silence this with {QUIET_ENV}=1 or prepare(..., verbose=False))")
     return "\n".join(lines)
 

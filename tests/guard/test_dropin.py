@@ -211,8 +211,10 @@ def test_the_summary_says_what_runs_and_the_switch_silences_it(caplog, monkeypat
     guard.options.plan_options.pop("precision")  # as if memguard had chosen the precision
     caplog.clear()
     guard.announce(plan, made=True)
-    assert ("overrides your script: precision bf16-mixed, not your model's 32-true (memguard autocasts the forward; "
-            "pass precision='32-true' to keep yours); each batch of 64 samples runs as 4 micro-batches of 16") \
+    assert ("  overrides your script:\n"
+            "    precision bf16-mixed instead of your model's 32-true (memguard autocasts; precision='32-true' keeps "
+            "yours)\n"
+            "    each batch of 64 runs as 4 micro-batches of 16 (gradient accumulation, the same gradient)\n") \
         in caplog.text
 
     caplog.clear()
