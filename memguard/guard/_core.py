@@ -38,7 +38,9 @@ Adding a front-end:
 3. Make one :class:`Guard` per model (its user's options in a
    :class:`~memguard.guard._options.GuardOptions`) and :func:`register` it; apply a given plan with
    :meth:`Guard.apply`, or plan with :meth:`Guard.plan_and_apply` (or :meth:`Guard.make_plan` inside
-   :meth:`Guard.agree_on_plan` when the framework must prepare the example batch and loss).
+   :meth:`Guard.agree_on_plan` when the framework must prepare the example batch and loss), and show
+   the plan summary with :meth:`Guard.announce`, naming what the plan changed in the user's script
+   (:meth:`Guard.plan_and_apply` announces by default).
 4. Per optimizer step: :meth:`Guard.open_window`, :meth:`Guard.run` for each batch, then
    :meth:`Guard.optimizer_step` when memguard steps the optimizer, or :meth:`Guard.anchor` and
    :meth:`Guard.end_window` when the framework runs the backward and the step itself.
