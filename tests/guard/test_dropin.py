@@ -270,3 +270,20 @@ def test_the_accelerate_summary_says_what_runs_not_the_plans_numbers(caplog):
     assert ("memguard planned micro-batch 16 (1 per dataloader batch of 16) x accumulation 2 (the Accelerator's) x "
             "world 1 = 32 samples per optimizer step") in caplog.text
     assert status(net).grad_norm is not None and status(net).steps == 1
+
+
+def test_planning_with_batch_dim_counts_the_samples_along_it():
+    model = _LM()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt = memguard.prepare(model, opt, batch_dim=1, device="cpu", budget_bytes=64 << 20, precision="32-true",
+                                  verbose=False)
+
+    def loss_fn(m, mb):
+        assert mb["data"].shape[0] == 6  # the loss function sees the batch's own layout: [seq, samples]
+        output, _ = m(mb["data"], None)
+        return nn.functional.cross_entropy(output.reshape(-1, 40), mb["target"].reshape(-1))
+
+    data = torch.randint(0, 40, (6, 10))
+    memguard.step(model, opt, {"data": data, "target": data}, loss_fn)
+    plan = guard_status(model).plan
+    assert plan.global_batch_size == 10 and plan.micro_batch_size * plan.grad_accum_steps == 10
