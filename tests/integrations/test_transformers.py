@@ -387,8 +387,11 @@ def test_real_oom_in_training_halves_and_keeps_the_trainers_step(tmp_path):
         assert a["learning_rate"] == b["learning_rate"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    # an out-of-memory error in evaluation propagates and leaves the training micro-batch as it was
-    assert r["eval_error"] == "OutOfMemoryError"
+    # an evaluation whose every forward runs out of memory is halved down to one sample, then raises memguard's
+    # error; the training micro-batch stays as it was
+    assert r["eval_error"] == "OOMRecoveryError"
+    assert any("OOM in evaluation at micro-batch 2" in m and "training micro-batch unchanged" in m
+               for m in r["messages"]), r["messages"]
     assert (r["micro_batch_after_eval"], r["oom_retries_after_eval"]) == (r["micro_batch_size"], r["oom_retries"])
 
 
@@ -500,3 +503,42 @@ def test_split_keeps_the_trainers_loss_scaling(tmp_path, num_items):
     assert len(logs) == len(want) == 2
     for (loss, norm, lr), (loss0, norm0, lr0) in zip(logs, want):
         assert loss == pytest.approx(loss0, rel=1e-5) and norm == pytest.approx(norm0, rel=1e-4) and lr == lr0
+
+
+EVAL_WORKER = Path(__file__).with_name("trainer_eval_worker.py")
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_truth
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+def test_real_oom_in_evaluate_and_predict_halves_the_eval_batch(tmp_path):
+    """Trainer.evaluate and predict of a tiny GPT-2 under a 56 MiB cap (see trainer_eval_worker.py): an
+    evaluation batch of 32 x 64 tokens x a 4096-entry vocabulary has 32 MiB of logits, and the loss copies them,
+    so the whole batch fails (measured: it fits from 66 MiB); halved to 16 the first piece fits and the 32 MiB
+    joined logits are allocated next to it, the second 16 fails beside them and 8 fits (measured: works from 46
+    to 62 MiB; under 42 the joined logits do not fit and memguard says so)."""
+    config = {"out": str(tmp_path), "seq": 64, "vocab": 4096, "batch": 8, "eval_batch": 32, "eval_n": 96,
+              "eval_accum": 2, "budget_mib": 56}
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(WORKER.parent), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(EVAL_WORKER), json.dumps(config)], env=env, capture_output=True,
+                          text=True, timeout=WORKER_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["error"] is None and r["capped"], r["error"]
+    assert r["whole_fits"] is False and "can't allocate memory" in r["whole_error"]  # a real OOM
+    # the first batch ran whole before the cap; the second failed at 32, ran 16, failed at 16 beside the joined
+    # logits, ran 8 and 8; the third starts from the 8 remembered: every sample once in the final attempts
+    assert r["eval_forwards"] == [32, 32, 16, 16, 8, 8, 8, 8, 8, 8], r["eval_forwards"]
+    assert r["eval_oom_retries"] == 2
+    halvings = [m for m in r["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+    assert len(halvings) == 2 and "halving to 16" in halvings[0] and "halving to 8" in halvings[1], halvings
+    # metrics equal the unsplit run: the loss (labelled-token weights: every third sample has half its tokens
+    # unlabelled) and the accuracy from every predicted token, over eval_accumulation_steps=2
+    for key in ("eval_loss", "eval_accuracy"):
+        assert r["guarded_eval"][key] == pytest.approx(r["plain_eval"][key], rel=1e-6), key
+    for key in ("test_loss", "test_accuracy"):
+        assert r["guarded_predict"][key] == pytest.approx(r["plain_predict"][key], rel=1e-6), key
+    assert r["predictions_equal"] and r["label_ids_equal"]
+    # the training micro-batch is the evaluation's own business no more
+    assert r["train_micro"] == r["train_micro_after"] == [8, 0]
