@@ -508,6 +508,31 @@ def test_split_keeps_the_trainers_loss_scaling(tmp_path, num_items):
 EVAL_WORKER = Path(__file__).with_name("trainer_eval_worker.py")
 
 
+def run_eval_workers(tmp_path, world: int, **cfg) -> list[dict]:
+    config = {"out": str(tmp_path), "seq": 64, "vocab": 4096, "batch": 8, "eval_batch": 32, "eval_accum": 2,
+              "budget_mib": 56, **cfg}
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(WORKER.parent), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = [subprocess.Popen([sys.executable, str(EVAL_WORKER), json.dumps(config)],
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for rank in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the Trainer's evaluation did not finish within {WORKER_TIMEOUT_S} s: the ranks hung")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank in range(world):
+        assert (tmp_path / f"result{rank}.json").exists(), "\n".join(o[-3000:] for o in outputs)
+    return [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(world)]
+
+
 @pytest.mark.slow
 @pytest.mark.cpu_truth
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
@@ -517,14 +542,7 @@ def test_real_oom_in_evaluate_and_predict_halves_the_eval_batch(tmp_path):
     so the whole batch fails (measured: it fits from 66 MiB); halved to 16 the first piece fits and the 32 MiB
     joined logits are allocated next to it, the second 16 fails beside them and 8 fits (measured: works from 46
     to 62 MiB; under 42 the joined logits do not fit and memguard says so)."""
-    config = {"out": str(tmp_path), "seq": 64, "vocab": 4096, "batch": 8, "eval_batch": 32, "eval_n": 96,
-              "eval_accum": 2, "budget_mib": 56}
-    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(WORKER.parent), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(EVAL_WORKER), json.dumps(config)], env=env, capture_output=True,
-                          text=True, timeout=WORKER_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    r = json.loads((tmp_path / "result.json").read_text())
+    (r,) = run_eval_workers(tmp_path, 1, eval_n=96)
     assert r["error"] is None and r["capped"], r["error"]
     assert r["whole_fits"] is False and "can't allocate memory" in r["whole_error"]  # a real OOM
     # the first batch ran whole before the cap; the second failed at 32, ran 16, failed at 16 beside the joined
@@ -542,3 +560,26 @@ def test_real_oom_in_evaluate_and_predict_halves_the_eval_batch(tmp_path):
     assert r["predictions_equal"] and r["label_ids_equal"]
     # the training micro-batch is the evaluation's own business no more
     assert r["train_micro"] == r["train_micro_after"] == [8, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_truth
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+def test_real_oom_in_evaluate_on_one_ddp_rank(tmp_path):
+    """Two gloo ranks, 96 evaluation samples each in batches of 32, rank 1 alone under the 56 MiB cap: it
+    splits its batches while rank 0 runs them whole, and both meet in the Trainer's gathers (and in the
+    labelled-token count the loss is normalised by, taken once per batch) the same number of times: no hang,
+    and the metrics equal a plain DDP Trainer's."""
+    r0, r1 = run_eval_workers(tmp_path, 2, eval_n=192, cap_ranks=[1])
+    for r in (r0, r1):
+        assert r["error"] is None, r["error"]
+        for key in ("eval_loss", "eval_accuracy"):
+            assert r["guarded_eval"][key] == pytest.approx(r["plain_eval"][key], rel=1e-6), key
+        for key in ("test_loss", "test_accuracy"):
+            assert r["guarded_predict"][key] == pytest.approx(r["plain_predict"][key], rel=1e-6), key
+        assert r["predictions_equal"] and r["label_ids_equal"]
+        assert r["train_micro"] == r["train_micro_after"] == [8, 0]
+    assert r1["capped"] and not r0["capped"]
+    assert r0["eval_oom_retries"] == 0 and r0["eval_forwards"] == [32, 32, 32]
+    assert r1["eval_oom_retries"] == 2 and r1["eval_forwards"] == [32, 32, 16, 16, 8, 8, 8, 8, 8, 8]
+    assert any("OOM in evaluation at micro-batch 32" in m for m in r1["messages"])

@@ -1,6 +1,8 @@
 """An HF ``Trainer.evaluate``/``predict`` that really runs out of memory, for test_transformers.py.
 
-Run as ``python trainer_eval_worker.py '<json config>'``. A tiny GPT-2 (built from a config, nothing
+Run as ``python trainer_eval_worker.py '<json config>'`` (under DDP once per rank, with ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set: the Trainer then runs a gloo
+process group and each rank evaluates its share of the samples). A tiny GPT-2 (built from a config, nothing
 downloaded) is trained for one optimizer step and then evaluated and asked to predict, twice from the
 same initial weights: by a plain ``Trainer`` with no memory cap (the reference), then by a ``Trainer``
 with :class:`MemguardCallback` (a plan that keeps the arguments' batch). In the guarded run a test
@@ -12,8 +14,8 @@ under the cap; ``preprocess_logits_for_metrics`` keeps the token ids only, as an
 The test sets ``MALLOC_ARENA_MAX=1`` and a fixed ``MALLOC_MMAP_THRESHOLD_`` (see trainer_worker.py).
 
 Config keys: ``out``, ``seq``, ``vocab``, ``batch`` (training per-device batch), ``eval_batch``,
-``eval_n`` (evaluation samples), ``eval_accum`` (``eval_accumulation_steps``), ``budget_mib``.
-Writes ``result.json`` and the predictions of both runs (``predictions.pt``).
+``eval_n`` (evaluation samples), ``eval_accum`` (``eval_accumulation_steps``), ``budget_mib``,
+``cap_ranks`` (default ``[0]``). Each rank writes ``result<rank>.json``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main() -> None:
     from memguard import Estimate, Plan
     from memguard.integrations.transformers import MemguardCallback
 
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     messages: list[str] = []
 
     class Recorder(logging.Handler):
@@ -74,7 +78,8 @@ def main() -> None:
         return transformers.TrainingArguments(
             output_dir=str(out / name), use_cpu=True, report_to=[], per_device_train_batch_size=cfg["batch"],
             per_device_eval_batch_size=cfg["eval_batch"], eval_accumulation_steps=cfg["eval_accum"], max_steps=1,
-            learning_rate=1e-3, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0)
+            learning_rate=1e-3, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+            ddp_backend="gloo" if world > 1 else None)
 
     def model() -> transformers.GPT2LMHeadModel:
         m = transformers.GPT2LMHeadModel(config)
@@ -103,8 +108,9 @@ def main() -> None:
 
     est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                    peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
-                   zero_stage=0, world_size=1, gpu=None, micro_batch_size=cfg["batch"])
-    plan = Plan(micro_batch_size=cfg["batch"], grad_accum_steps=1, world_size=1, global_batch_size=cfg["batch"],
+                   zero_stage=0, world_size=world, gpu=None, micro_batch_size=cfg["batch"])
+    plan = Plan(micro_batch_size=cfg["batch"], grad_accum_steps=1, world_size=world,
+                global_batch_size=cfg["batch"] * world,
                 precision="32-true", activation_checkpointing=False, zero_stage=0, budget_bytes=1 << 30, estimate=est,
                 device="cpu")
     callback = MemguardCallback(plan=plan)
@@ -112,7 +118,7 @@ def main() -> None:
 
     class Cap(transformers.TrainerCallback):
         def on_prediction_step(self, args, state, control, **kwargs):
-            if not result["capped"] and not guarded.is_in_train:
+            if not result["capped"] and not guarded.is_in_train and rank in cfg.get("cap_ranks", [0]):
                 limit = vm_size() + (cfg["budget_mib"] << 20)
                 resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
                 result["capped"] = True
@@ -148,7 +154,8 @@ def main() -> None:
     except RuntimeError as exc:
         result["whole_fits"], result["whole_error"] = False, str(exc).splitlines()[0]
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    (out / "result.json").write_text(json.dumps(result, default=float))
+    result["rank"] = rank
+    (out / f"result{rank}.json").write_text(json.dumps(result, default=float))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
