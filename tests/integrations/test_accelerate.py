@@ -309,6 +309,7 @@ def test_a_real_oom_halves_and_ends_with_the_full_batch_weights(tmp_path: Path) 
 
 
 @pytestmark_linux
+@pytest.mark.cpu_truth
 def test_evaluate_halves_a_validation_batch_that_does_not_fit(tmp_path: Path) -> None:
     # the single-process run above, then a validation batch of 128 samples (about 0.5 MiB each under no_grad:
     # 64 MiB whole) under the same 20 MiB cap
