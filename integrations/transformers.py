@@ -676,12 +676,19 @@ class MemguardCallback(_tf.TrainerCallback):
             return original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         n = batch_size(inputs)
         counter = trainer._get_num_items_in_batch  # the bound method (trainer.py), or an instance attribute
-        whole_items = counter([inputs], trainer.args.device) if isinstance(inputs, Mapping) else None
-        split_sum = whole_items is not None  # each micro-batch's loss is its share of the batch's
+        whole: dict[str, Any] = {}  # the whole batch's count, taken the first time the Trainer asks for it
+        asked = {"now": False, "sum": False}
+
+        def count(batch_samples: Any, device: Any) -> Any:
+            asked["now"] = True
+            if "items" not in whole:
+                whole["items"] = counter([inputs], device)
+            return whole["items"]
 
         def run(micro: Any) -> Any:
             saved = trainer.__dict__.get("_get_num_items_in_batch")
-            trainer.__dict__["_get_num_items_in_batch"] = lambda batch_samples, device: whole_items
+            trainer.__dict__["_get_num_items_in_batch"] = count
+            asked["now"] = False
             try:
                 loss, logits, labels = original(model, micro, prediction_loss_only, ignore_keys=ignore_keys)
             finally:
@@ -689,12 +696,15 @@ class MemguardCallback(_tf.TrainerCallback):
                     trainer.__dict__.pop("_get_num_items_in_batch", None)
                 else:
                     trainer.__dict__["_get_num_items_in_batch"] = saved
-            if split_sum and loss is not None:
-                loss = loss * (n / batch_size(micro))  # weighted by samples below: the sum of the parts
+            # normalised by the whole batch's count: each micro-batch's loss is its part of the batch's, weighted
+            # by samples below the parts add up (loss x n / k, times k / n)
+            asked["sum"] = asked["now"] and whole.get("items") is not None
+            if asked["sum"] and loss is not None:
+                loss = loss * (n / batch_size(micro))
             return loss, logits, labels
 
-        def weight(micro: Any) -> Any:
-            return batch_size(micro) if split_sum else _label_tokens(trainer, micro)
+        def weight(micro: Any) -> Any:  # called after run(micro)
+            return batch_size(micro) if asked["sum"] else _label_tokens(trainer, micro)
 
         return split_eval(inputs, run, state=eval_status(trainer.model), weight_fn=weight)
 

@@ -562,7 +562,7 @@ class _Joiner:
                 if not value.is_floating_point():
                     raise ConfigError(f"{path} is a 0-dim {value.dtype} tensor, which is neither per-sample nor a "
                                       "mean; pass combine=lambda results, weights: ...")
-                self.sums[path] = [value.detach().to(torch.float64) * float(weight), float(weight), value.dtype]
+                self.sums[path] = [_weighted(value.detach().to(torch.float64), weight), float(weight), value.dtype]
                 return value
             if value.shape[0] % m or value.shape[0] == 0:
                 self.pieces[path] = [value]
@@ -573,7 +573,7 @@ class _Joiner:
             self.rows[path], self.joined[path] = rows, whole
             return whole
         if isinstance(value, float):
-            self.sums[path] = [value * float(weight), float(weight), float]
+            self.sums[path] = [_weighted(value, weight), float(weight), float]
         return value
 
     def _next(self, path: str, value: Any, start: int, m: int, weight: Any) -> Any:
@@ -598,11 +598,11 @@ class _Joiner:
             if total[2] is float:
                 if not isinstance(value, float):
                     raise ConfigError(f"{path} is a float in some micro-batches only; pass combine=")
-                total[0] += value * float(weight)
+                total[0] += _weighted(value, weight)
             else:
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     raise ConfigError(f"{path} is a 0-dim tensor in some micro-batches only; pass combine=")
-                total[0] = total[0] + value.detach().to(total[0].device, torch.float64) * float(weight)
+                total[0] = total[0] + _weighted(value.detach().to(total[0].device, torch.float64), weight)
             total[1] += float(weight)
             return None
         first = _leaf_at(self.structure, path)
@@ -677,6 +677,8 @@ class _Joiner:
                     raise self.too_large(f"concatenating {path} ran out of memory ({summary})") from None
             if path in self.sums:
                 total, weight, kind = self.sums[path]
+                if weight == 0:  # every micro-batch had nothing to average (no labelled token): as unsplit, NaN
+                    return float("nan") if kind is float else torch.full_like(total, float("nan")).to(kind)
                 return total / weight if kind is float else (total / weight).to(kind)
             return values[0]
 
@@ -685,6 +687,14 @@ class _Joiner:
     def too_large(self, what: str) -> OOMRecoveryError:
         return OOMRecoveryError(f"evaluation's outputs cannot be joined: {what}; {_LOSS_ONLY}",
                                 micro_batch_size=self.micro)
+
+
+def _weighted(value: Any, weight: Any) -> Any:
+    """``value * weight``, 0 for a weight of 0 (a micro-batch with nothing to average has a NaN mean)."""
+    w = float(weight)
+    if w:
+        return value * w
+    return 0.0 if isinstance(value, float) else torch.zeros_like(value)
 
 
 def _leaf_at(structure: Any, path: str) -> Any:

@@ -322,3 +322,18 @@ def test_pieces_that_change_shape_are_a_config_error():
 
     with pytest.raises(ConfigError, match=r"\(20, 3\).*\(1, 2\).*pass combine="):
         evaluate(model, batch, fn)
+
+
+def test_a_micro_batch_with_nothing_to_average_does_not_make_the_mean_nan():
+    # a token-mean loss whose first micro-batch has no labelled token: its mean is NaN with weight 0
+    model, batch = Classifier(), data(40)
+    model.limit = 20
+    labelled = torch.arange(40) >= 20
+
+    def fn(m, b):
+        m(b["x"], b["y"])
+        mask = b["mask"]
+        return (b["x"][:, 0] * mask).sum() / mask.sum()  # NaN where nothing is labelled
+
+    out = evaluate(model, {**batch, "mask": labelled.float()}, fn, weight_fn=lambda b: int(b["mask"].sum()))
+    assert float(out) == pytest.approx(float(batch["x"][20:, 0].mean()), rel=1e-6)

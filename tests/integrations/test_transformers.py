@@ -583,3 +583,56 @@ def test_real_oom_in_evaluate_on_one_ddp_rank(tmp_path):
     assert r0["eval_oom_retries"] == 0 and r0["eval_forwards"] == [32, 32, 32]
     assert r1["eval_oom_retries"] == 2 and r1["eval_forwards"] == [32, 32, 16, 16, 8, 8, 8, 8, 8, 8]
     assert any("OOM in evaluation at micro-batch 32" in m for m in r1["messages"])
+
+
+class _NoLossKwargs(torch.nn.Module):
+    """A causal LM whose forward takes no loss kwargs: the Trainer passes no num_items_in_batch, and the loss is
+    the model's own mean over the micro-batch's labelled tokens."""
+
+    loss_type = "ForCausalLM"  # what the Trainer reads to count labelled tokens shifted by one, as the loss does
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = tiny_gpt2()
+
+    def forward(self, input_ids, labels):
+        return self.lm(input_ids=input_ids, labels=labels)
+
+
+class _PartlyLabelled(Tokens):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.labels = self.ids.clone()
+        self.labels[::4, :8] = -100  # micro-batches of 3 with 1, 1, 1 and 0 of these: sample weights would be wrong
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+@pytest.mark.parametrize("make", [tiny_gpt2, _NoLossKwargs], ids=["num_items_in_batch", "model_mean"])
+def test_evaluate_splits_with_the_unsplit_loss(tmp_path, make):
+    # the CPU allocator's message for forwards of more than 4 samples (c10/core/impl/alloc_cpu.cpp)
+    oom = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes"
+
+    def run(guarded: bool):
+        model = make()
+        args = trainer_args(tmp_path, per_device_eval_batch_size=12, eval_accumulation_steps=1)
+        callbacks = [MemguardCallback(plan=make_plan(micro_batch_size=8, grad_accum_steps=2, device="cpu"))] \
+            if guarded else []
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(32), eval_dataset=_PartlyLabelled(24),
+                                       callbacks=callbacks)
+        sizes: list[int] = []
+
+        def limit(module, a, kw):
+            sizes.append(kw["input_ids"].shape[0])
+            if guarded and kw["input_ids"].shape[0] > 4:
+                raise RuntimeError(oom)
+
+        model.register_forward_pre_hook(limit, with_kwargs=True)
+        return trainer.evaluate(), sizes, callbacks
+
+    plain, _, _ = run(False)
+    guarded, sizes, (callback,) = run(True)
+    assert sizes == [12, 6, 3, 3, 3, 3, 3, 3, 3, 3], sizes  # 12 and 6 fail, then 3 at a time; batch 2 starts at 3
+    assert callback.eval_oom_retries == 2 and callback.oom_retries == 0
+    assert guarded["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
