@@ -683,7 +683,9 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 return step_in_micro_batches(user_step, batch, args, kwargs, state=eval_status(pl_module),
-                                             before_micro=before_micro)
+                                             before_micro=before_micro,
+                                             loss_only_hint=f"return only the loss, or metrics reduced per "
+                                                            f"micro-batch, from {name} (nothing per-sample is kept)")
             finally:
                 results = trainer._results
                 if results is not None:

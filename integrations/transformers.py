@@ -706,7 +706,8 @@ class MemguardCallback(_tf.TrainerCallback):
         def weight(micro: Any) -> Any:  # called after run(micro)
             return batch_size(micro) if asked["sum"] else _label_tokens(trainer, micro)
 
-        return split_eval(inputs, run, state=eval_status(trainer.model), weight_fn=weight)
+        return split_eval(inputs, run, state=eval_status(trainer.model), weight_fn=weight,
+                          loss_only_hint=_TRAINER_LOSS_ONLY)
 
     def _patch(self, trainer: Any) -> None:
         """Stand in for the Trainer's ``training_step``, its own (instance) value dumped first for :meth:`_restore`."""
@@ -771,6 +772,12 @@ class MemguardCallback(_tf.TrainerCallback):
         if last:
             guard.end_window()
         return loss
+
+
+#: What an evaluation whose outputs cannot be joined should do instead, in the Trainer's terms.
+_TRAINER_LOSS_ONLY = ("evaluate the loss only, TrainingArguments(prediction_loss_only=True) (nothing per-sample is "
+                      "kept), or a smaller per_device_eval_batch_size; preprocess_logits_for_metrics runs after the "
+                      "batch's logits are joined, so it cannot shrink them")
 
 
 def _label_tokens(trainer: Any, micro: Any) -> Any:

@@ -132,6 +132,7 @@ def split_eval(
     weight_fn: Callable[[Any], Any] | None = None,
     combine: Callable[[Sequence[Any], Sequence[float]], Any] | None = None,
     max_retries: int | None = None,
+    loss_only_hint: str | None = None,
 ) -> Any:
     """Run ``run(micro_batch)`` over ``batch`` in micro-batches, halving on an OOM; merge the results.
 
@@ -149,6 +150,8 @@ def split_eval(
         combine: ``combine(results, weights) -> result`` of every result at once, instead of the
             default join (:func:`combine_outputs`' rules, applied as each result comes: :class:`_Joiner`).
         max_retries: give up after this many OOMs in this call (None: until one sample fails).
+        loss_only_hint: what an error about outputs too large to join tells the user to do instead,
+            in the front-end's terms (default: :func:`evaluate`'s loss-only ``fn``).
 
     Returns:
         The merged result; exactly ``run(batch)``'s result when the batch runs whole.
@@ -170,6 +173,7 @@ def split_eval(
     results: list[Any] = []  # with combine=: every result, for it; else the joiner takes each as it comes
     weights: list[Any] = []
     joiner: _Joiner | None = None
+    hint = loss_only_hint or _LOSS_ONLY
     start, halvings = 0, Halvings(max_retries)
     state.forwards = 0
     while start < n:
@@ -194,7 +198,7 @@ def split_eval(
                 continue
             if halvings.stop(failed) is not None:
                 why = "one sample does not fit" if failed == 1 else f"{halvings.done + 1} OOMs in one evaluation"
-                held = (f"; the outputs joined so far take {_size_of(list(joiner.joined.values()))} ({_LOSS_ONLY})"
+                held = (f"; the outputs joined so far take {_size_of(list(joiner.joined.values()))} ({hint})"
                         if joiner is not None and joiner.joined else "")
                 raise OOMRecoveryError(
                     f"evaluation ran out of memory and cannot split further: {why} ({summary}); evaluate in a "
@@ -217,7 +221,7 @@ def split_eval(
             weights.append(weight)
         else:
             if joiner is None:
-                joiner = _Joiner(n)
+                joiner = _Joiner(n, hint)
             joiner.add(out, start, stop, weight)
         del out, micro  # a piece is not held past its copy into the joined result
         start = stop
@@ -237,7 +241,7 @@ def split_eval(
         summary = oom_summary(exc)
         release_exception(exc)
         raise OOMRecoveryError(f"evaluation's outputs cannot be joined: combine= ran out of memory ({summary}); "
-                               f"{_LOSS_ONLY}", micro_batch_size=size) from exc
+                               f"{hint}", micro_batch_size=size) from exc
 
 
 def step_in_micro_batches(
@@ -250,6 +254,7 @@ def step_in_micro_batches(
     before_micro: Callable[[Any], None] | None = None,
     micro_batch_size: int | None = None,
     max_retries: int | None = None,
+    loss_only_hint: str | None = None,
 ) -> Any:
     """A framework's evaluation step (``validation_step(batch, batch_idx)``) run on micro-batches.
 
@@ -264,7 +269,7 @@ def step_in_micro_batches(
         state: the model's :class:`EvalStatus` (:func:`eval_status`).
         before_micro: called with each micro-batch before the step, e.g. to make the framework's
             logging weight a logged mean by the micro-batch's size.
-        micro_batch_size, max_retries: as for :func:`split_eval`.
+        micro_batch_size, max_retries, loss_only_hint: as for :func:`split_eval`.
 
     Returns:
         The merged return value of the step.
@@ -279,7 +284,8 @@ def step_in_micro_batches(
             before_micro(micro)
         return user_step(micro, *args, **kwargs)
 
-    return split_eval(batch, run, state=state, micro_batch_size=micro_batch_size, max_retries=max_retries)
+    return split_eval(batch, run, state=state, micro_batch_size=micro_batch_size, max_retries=max_retries,
+                      loss_only_hint=loss_only_hint)
 
 
 @contextlib.contextmanager
@@ -532,8 +538,9 @@ class _Joiner:
     when a forward runs out of memory while they take device memory).
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, hint: str = _LOSS_ONLY) -> None:
         self.n = n
+        self.hint = hint
         self.structure: Any = None          # the first result, its joined leaves in place
         self.rows: dict[str, int] = {}      # path -> rows per sample of a joined tensor
         self.joined: dict[str, torch.Tensor] = {}
@@ -685,7 +692,7 @@ class _Joiner:
         return _zip_map([self.structure], finish, "result")
 
     def too_large(self, what: str) -> OOMRecoveryError:
-        return OOMRecoveryError(f"evaluation's outputs cannot be joined: {what}; {_LOSS_ONLY}",
+        return OOMRecoveryError(f"evaluation's outputs cannot be joined: {what}; {self.hint}",
                                 micro_batch_size=self.micro)
 
 

@@ -337,3 +337,21 @@ def test_a_micro_batch_with_nothing_to_average_does_not_make_the_mean_nan():
 
     out = evaluate(model, {**batch, "mask": labelled.float()}, fn, weight_fn=lambda b: int(b["mask"].sum()))
     assert float(out) == pytest.approx(float(batch["x"][20:, 0].mean()), rel=1e-6)
+
+
+def test_the_way_out_is_named_in_the_front_ends_terms(monkeypatch):
+    # the joined result cannot be allocated: the front-end's way out is in the message (the real allocation
+    # failure is test_real_oom_joined_outputs_are_built_in_place's)
+    from memguard.guard import _evaluate
+
+    model, batch = Classifier(), data(40)
+    model.limit = 20
+
+    def no_room(self, path, shape, like):  # what _allocate raises when neither the device nor the host has room
+        raise self.too_large(f"the joined {path} does not fit")
+
+    monkeypatch.setattr(_evaluate._Joiner, "_allocate", no_room)
+    with pytest.raises(OOMRecoveryError, match="prediction_loss_only"):
+        split_eval(batch, lambda b: model(**b), state=EvalStatus(), loss_only_hint="use prediction_loss_only=True")
+    with pytest.raises(OOMRecoveryError, match=r"m\(\*\*b\)\.loss"):
+        evaluate(model, batch)
