@@ -178,3 +178,58 @@ def run_worker(module: str, args: Sequence[str], marker: str, *, timeout: float,
     result = next((json.loads(line[len(marker):]) for line in proc.stdout.splitlines() if line.startswith(marker)),
                   None)
     return WorkerRun(result, proc.returncode, proc.stdout, proc.stderr, wall, timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# settled collectives: the truth harnesses of sharded runs (benchmarks/deepspeed_cpu.py, fsdp2_cpu.py)
+# --------------------------------------------------------------------------------------------
+
+_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+                "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+                "_all_gather_base_coalesced", "broadcast", "all_to_all_single", "all_to_all", "gather", "scatter")
+
+
+COLLECTIVE_CALLS: dict[str, int] = {}
+
+
+_DS_COLLECTIVES = ("reduce_scatter_fn", "allgather_fn", "inference_all_reduce", "all_gather_coalesced",
+                   "all_reduce_coalesced")
+
+
+def settle_collectives(pause_s: float = 0.002, *, deepspeed_comm: bool = False) -> None:
+    """Make every collective complete, and gloo's worker thread let go of it, before the caller goes on.
+
+    gloo's worker thread holds the work (and through it the collective's tensors) until it has
+    finished with it; when the caller has already dropped its references, the last one goes on that
+    thread, where the profiler does not record the free. Waiting on the work and pausing ``pause_s``
+    lets the worker thread drop its references first, so the caller's own drop is the last (seen).
+    Patched before DeepSpeed is imported (its comm backend captures some of these functions then),
+    and ``deepspeed.comm``'s own functions (``deepspeed_comm=True``) once it is: DeepSpeed's CPU
+    backend may serve a collective from its shared-memory op instead of torch.distributed.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def settled(fn):
+        def call(*args, **kwargs):
+            COLLECTIVE_CALLS[fn.__name__] = COLLECTIVE_CALLS.get(fn.__name__, 0) + 1
+            work = fn(*args, **kwargs)
+            if work is not None and hasattr(work, "wait"):
+                work.wait()
+            time.sleep(pause_s)
+            return work
+
+        call.__wrapped__ = fn
+        return call
+
+    mods = [dist, c10d]
+    if deepspeed_comm:
+        import deepspeed.comm
+        import deepspeed.comm.comm
+
+        mods = [deepspeed.comm, deepspeed.comm.comm]
+    for name in _COLLECTIVES + (_DS_COLLECTIVES if deepspeed_comm else ()):
+        for mod in mods:
+            fn = getattr(mod, name, None)
+            if fn is not None and not hasattr(fn, "__wrapped__"):
+                setattr(mod, name, settled(fn))

@@ -13,7 +13,7 @@ tensor of the rank is seen being allocated; the rank's live bytes are replayed f
 ``[memory]`` events of the profiler's event tree, paired by address (see :func:`_replay`). gloo's
 worker thread sometimes drops the last reference to a collective's buffer, where the profiler does
 not record the free, so a plain signed sum can stay high by a whole buffer: every collective is
-settled (waited on, then a 2 ms pause, :func:`_settle_collectives`) so that the caller's drop is the
+settled (waited on, then a 2 ms pause, :func:`benchmarks.common.settle_collectives`) so that the caller's drop is the
 last, and the replay retires a block whose address is allocated again. Closure check: every
 steady-state step starts at the same level (``steady_starts_equal``). The peak of a case is the
 worst rank's peak over the steady-state steps (after ``--warmup`` steps) of ``--runs`` runs;
@@ -50,7 +50,7 @@ from typing import Any
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
-from benchmarks.common import REPO, machine_description  # noqa: E402
+from benchmarks.common import COLLECTIVE_CALLS, REPO, machine_description, settle_collectives  # noqa: E402
 
 _MARKER = "@@DEEPSPEED_CPU_RESULT@@ "
 _MIB = 1 << 20
@@ -151,57 +151,6 @@ def estimate_case(case: Case, *, with_buckets: bool = True) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-                "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base",
-                "_all_gather_base_coalesced", "broadcast", "all_to_all_single", "all_to_all", "gather", "scatter")
-
-
-COLLECTIVE_CALLS: dict[str, int] = {}
-
-
-_DS_COLLECTIVES = ("reduce_scatter_fn", "allgather_fn", "inference_all_reduce", "all_gather_coalesced",
-                   "all_reduce_coalesced")
-
-
-def _settle_collectives(pause_s: float = 0.002, *, deepspeed_comm: bool = False) -> None:
-    """Make every collective complete, and gloo's worker thread let go of it, before the caller goes on.
-
-    gloo's worker thread holds the work (and through it the collective's tensors) until it has
-    finished with it; when the caller has already dropped its references, the last one goes on that
-    thread, where the profiler does not record the free. Waiting on the work and pausing ``pause_s``
-    lets the worker thread drop its references first, so the caller's own drop is the last (seen).
-    Patched before DeepSpeed is imported (its comm backend captures some of these functions then),
-    and ``deepspeed.comm``'s own functions (``deepspeed_comm=True``) once it is: DeepSpeed's CPU
-    backend may serve a collective from its shared-memory op instead of torch.distributed.
-    """
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    def settled(fn):
-        def call(*args, **kwargs):
-            COLLECTIVE_CALLS[fn.__name__] = COLLECTIVE_CALLS.get(fn.__name__, 0) + 1
-            work = fn(*args, **kwargs)
-            if work is not None and hasattr(work, "wait"):
-                work.wait()
-            time.sleep(pause_s)
-            return work
-
-        call.__wrapped__ = fn
-        return call
-
-    mods = [dist, c10d]
-    if deepspeed_comm:
-        import deepspeed.comm
-        import deepspeed.comm.comm
-
-        mods = [deepspeed.comm, deepspeed.comm.comm]
-    for name in _COLLECTIVES + (_DS_COLLECTIVES if deepspeed_comm else ()):
-        for mod in mods:
-            fn = getattr(mod, name, None)
-            if fn is not None and not hasattr(fn, "__wrapped__"):
-                setattr(mod, name, settled(fn))
-
-
 def _rank_worker(case: Case, steps: int, warmup: int) -> dict[str, Any]:
     import logging
 
@@ -209,10 +158,10 @@ def _rank_worker(case: Case, steps: int, warmup: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.set_num_threads(1)
-    _settle_collectives()
+    settle_collectives()
     import deepspeed
 
-    _settle_collectives(deepspeed_comm=True)
+    settle_collectives(deepspeed_comm=True)
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo")

@@ -9,7 +9,8 @@ checkpointing of every block. Every rank runs one warm-up step, then ``--steps``
 ``torch.profiler`` (``profile_memory=True``): its live tensor bytes are the bytes live when the
 profiler starts (its parameter shards, optimizer state and batch: each storage once) plus the
 running sum of the signed ``[memory]`` events, as :mod:`benchmarks.ground_truth` measures a single
-process. The real peak of a case is the worst rank's peak over ``--runs`` runs (fresh processes
+process, with every collective settled (:func:`benchmarks.common.settle_collectives`: waited on, then
+a 2 ms pause, so that gloo's worker thread never drops a buffer's last reference unseen). The real peak of a case is the worst rank's peak over ``--runs`` runs (fresh processes
 each: the peak moves with thread timing); it is compared with the estimate for the same rank
 count, and with what ``zero_stage=3`` without ``strategy`` (DeepSpeed's ZeRO-3 estimators, the
 stand-in before FSDP2 was modelled) predicts.
@@ -41,7 +42,7 @@ from typing import Any
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
-from benchmarks.common import REPO, machine_description  # noqa: E402
+from benchmarks.common import REPO, machine_description, settle_collectives  # noqa: E402
 
 _MARKER = "@@FSDP2_CPU_RESULT@@ "
 _MIB = 1 << 20
@@ -168,6 +169,10 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     from memguard.vocab import ALL_BLOCKS
 
     torch.set_num_threads(1)
+    # every collective waited on, then a 20 ms pause (2 ms was not enough on a loaded machine): gloo's worker thread lets go of the collective's
+    # buffers before the main thread does, so their frees are seen (unsettled, a loaded machine left one
+    # rank ~2.5 MB high at random)
+    settle_collectives(pause_s=0.02)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (case.world_size,))
@@ -208,15 +213,21 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     end = _live_bytes(model, batch, optimizer)
     gc.enable()
-    level, phase_peaks, step_peaks, raw_peaks = _replay(prof, baseline)
-    peak = max(step_peaks)
+    level, phase_peaks, step_peaks, raw_peaks, suspect = _replay(prof, baseline)
+    # the peak of the steps whose replay saw every free (all steps when none did)
+    peak = max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)
     dist.destroy_process_group()
     return {"rank": rank, "peak_bytes": peak, "phase_peaks": phase_peaks, "step_peaks": step_peaks,
-            "raw_step_peaks": raw_peaks, "baseline_bytes": baseline,
+            "raw_step_peaks": raw_peaks, "suspect_steps": suspect, "baseline_bytes": baseline,
             "residual_bytes": level - end, "seconds": round(seconds, 2)}
 
 
-def _replay(prof: Any, baseline: int) -> tuple[int, dict[str, int], list[int], list[int]]:
+#: A block freed unseen makes the steps it spans suspect from this size on: smaller ones move the peak of
+#: these cases (tens of MB) by under 0.2%, and small frees on gloo's thread are common.
+_SUSPECT_BYTES = 64 * 1024
+
+
+def _replay(prof: Any, baseline: int) -> tuple[int, dict[str, int], list[int], list[int], list[int]]:
     """Live bytes over the profiled steps, from the allocator events of the profiler's event tree.
 
     The CPU allocator reports an allocation or a free to the profiler only on a thread where
@@ -227,11 +238,14 @@ def _replay(prof: Any, baseline: int) -> tuple[int, dict[str, int], list[int], l
     and a running sum would drift up by one clone per reduce-scatter. So the replay tracks blocks by
     address: a block allocated inside a reduce-scatter op that is still live when the op returns is
     freed there (the work is complete when a synchronous collective returns), and an allocation at
-    the address of a block still thought live means that block was freed unseen.
+    the address of a block still thought live means that block was freed unseen. The level was then
+    high by that block from the unseen free (some time after the block's allocation) to the reuse, so
+    every step that overlaps that interval is *suspect* (for a block of ``_SUSPECT_BYTES`` or more): its
+    peak may be inflated.
 
     Returns:
-        The final level, each phase's peak, each step's peak, and each step's peak by the plain
-        running sum of ``[memory]`` events (for comparison).
+        The final level, each phase's peak, each step's peak, each step's peak by the plain running
+        sum of ``[memory]`` events (for comparison), and the indices of the suspect steps.
     """
     allocs: list[tuple[int, int, int, int]] = []  # (time, order, ptr, signed bytes)
     rs_end: dict[int, int] = {}  # order of an allocation made inside a reduce-scatter -> the op's end
@@ -260,7 +274,8 @@ def _replay(prof: Any, baseline: int) -> tuple[int, dict[str, int], list[int], l
                       + [(rs_end[o], 1, o, ptr, -n) for t, o, ptr, n in allocs if o in rs_end])
     steps = sorted((a, b) for a, b, name in spans if name == "step")
     phases = [(a, b, name) for a, b, name in spans if name != "step"]
-    live: dict[int, tuple[int, int]] = {}  # ptr -> (allocation order, bytes)
+    live: dict[int, tuple[int, int, int]] = {}  # ptr -> (allocation order, bytes, allocation time)
+    suspect: set[int] = set()
     level = baseline
     raw = baseline
     phase_peaks: dict[str, int] = {}
@@ -273,8 +288,11 @@ def _replay(prof: Any, baseline: int) -> tuple[int, dict[str, int], list[int], l
         elif nbytes > 0:
             raw += nbytes
             if ptr in live:  # that block was freed where the profiler did not see it
-                level -= live.pop(ptr)[1]
-            live[ptr] = (order, nbytes)
+                _, stale, since = live.pop(ptr)
+                level -= stale
+                if stale >= _SUSPECT_BYTES:
+                    suspect.update(k for k, (a, b) in enumerate(steps) if a <= t and b >= since)
+            live[ptr] = (order, nbytes, t)
             level += nbytes
         else:
             raw += nbytes
@@ -286,7 +304,7 @@ def _replay(prof: Any, baseline: int) -> tuple[int, dict[str, int], list[int], l
                 raw_peaks[k] = max(raw_peaks[k], raw)
         phase = next((name for a, b, name in phases if a <= t <= b), "other")
         phase_peaks[phase] = max(phase_peaks.get(phase, 0), level)
-    return level, phase_peaks, step_peaks, raw_peaks
+    return level, phase_peaks, step_peaks, raw_peaks, sorted(suspect)
 
 
 def _free_port() -> int:

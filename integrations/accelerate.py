@@ -36,14 +36,16 @@ global batch defaults to the batch's size x ``gradient_accumulation_steps`` x pr
 dataloader's batch size and the Accelerator's accumulation stay as they are; the plan's
 micro-batch is the size each batch is split into (a plan larger than the batch uses whole
 batches). With ``plan=``, the Accelerator must have been built with :func:`accelerator_kwargs`.
+The plan summary, on the first :func:`step`, says what runs: the plan's micro-batch within each
+dataloader batch, and the Accelerator's own accumulation.
 
 Known limitations:
     :func:`prepare` and :func:`step` guard DDP and single-process Accelerators only; for an FSDP2 or
     DeepSpeed plan, :func:`accelerator_kwargs` builds the plugin that runs it, and Accelerate's own
     loop runs it without OOM recovery. XLA and Megatron-LM Accelerators are not supported. Gradient
-    clipping must be asked of :func:`prepare` (``max_grad_norm=``), since the optimizer steps
-    inside :func:`step`. The loss function runs once per micro-batch (and again on a replay). Under
-    DDP, gradient communication does not overlap the backward passes and DDP communication hooks
+    clipping must be asked of :func:`prepare` (``max_grad_norm=``, ``clip_grad_value=``), since the
+    optimizer steps inside :func:`step`. The loss function runs once per micro-batch (and again on
+    a replay). Under DDP, gradient communication does not overlap the backward passes and DDP communication hooks
     are not used; the loss function must not start collectives of its own.
 """
 
@@ -238,6 +240,8 @@ def prepare(
     loss_fn: LossFn | None = None,
     max_retries: int = DEFAULT_MAX_RETRIES,
     max_grad_norm: float | None = None,
+    clip_grad_value: float | None = None,
+    verbose: bool = True,
     **plan_options: Any,
 ) -> tuple[Any, Any]:
     """Apply a plan to a model and optimizer and prepare them with the Accelerator.
@@ -258,8 +262,12 @@ def prepare(
         loss_fn: ``loss_fn(model, batch) -> mean loss``, the default for :func:`step`; None calls the
             model with the batch and takes ``output.loss`` (as :func:`memguard.step`).
         max_retries: at most this many halvings within one optimizer step.
-        max_grad_norm: clip the gradients' norm to this (``accelerator.clip_grad_norm_``) before each
-            optimizer step; None does not clip.
+        max_grad_norm: clip the accumulated gradients' total norm to this once per optimizer step
+            (unscaled first through ``accelerator.unscale_gradients`` under ``fp16``); None does not
+            clip. The norm before clipping is ``status(model).grad_norm``.
+        clip_grad_value: clip every gradient element to ``[-v, v]`` once per optimizer step (after
+            ``max_grad_norm``); None does not clip.
+        verbose: show the plan summary on the first :func:`step` (``MEMGUARD_QUIET=1`` silences it too).
         **plan_options: options for :func:`memguard.plan` (``budget_bytes``, ``gpu``, ``headroom``,
             ``activation_checkpointing``, ``precision`` if it is the Accelerator's, ...).
 
@@ -299,7 +307,8 @@ def prepare(
                         "for; use 'no', 'fp16' or 'bf16'")
     problems += option_problems(constraints, plan=plan, example_batch=example_batch,
                                 global_batch_size=global_batch_size, loss_fn=loss_fn, max_retries=max_retries,
-                                max_grad_norm=max_grad_norm, plan_options=plan_options)
+                                max_grad_norm=max_grad_norm, clip_grad_value=clip_grad_value, verbose=verbose,
+                                plan_options=plan_options)
     if problems:
         raise ConfigError(problems)
 
@@ -307,7 +316,8 @@ def prepare(
     raw_optimizer = optimizer.optimizer if already else optimizer
     # The accumulation is the Accelerator's own; a plan memguard makes only splits its batches.
     options = GuardOptions(loss_fn=loss_fn, max_retries=max_retries, max_grad_norm=max_grad_norm,
-                           global_batch_size=global_batch_size, plan_options=plan_options)
+                           clip_grad_value=clip_grad_value, verbose=verbose, global_batch_size=global_batch_size,
+                           plan_options=plan_options)
     guard = Guard(inner, _constraints(accelerator, inner, accumulation=False), options,
                   world_size=accelerator.num_processes)
     # "*-true": cast the model now (as memguard.prepare does), before Accelerate wraps it in DDP.
@@ -322,7 +332,8 @@ def prepare(
     if isinstance(plan, Plan):
         guard.apply(plan, raw_optimizer)
     elif example_batch is not None:  # under DDP rank 0 plans and broadcasts: free memory differs between ranks
-        guard.plan_and_apply(example_batch, raw_optimizer, accumulation=accelerator.gradient_accumulation_steps)
+        guard.plan_and_apply(example_batch, raw_optimizer, accumulation=accelerator.gradient_accumulation_steps,
+                             announce=False)  # the first step says what runs (see _announce)
     register(model, guard)
     return (model, optimizer) if isinstance(first, nn.Module) else (optimizer, model)
 
@@ -352,13 +363,13 @@ def step(accelerator: Any, model: nn.Module, optimizer: Any, batch: Any, loss_fn
     loss_fn = loss_fn if loss_fn is not None else guard.options.loss_fn
     raw = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
     if guard.micro_batch_size is None:
-        guard.plan_and_apply(batch, raw, loss_fn, accumulation=accelerator.gradient_accumulation_steps)
+        guard.plan_and_apply(batch, raw, loss_fn, accumulation=accelerator.gradient_accumulation_steps,
+                             announce=False)
     if guard.window is None:
         # The dataloader's batch is the most one forward can take: a larger planned micro-batch uses whole batches.
         guard.limit_micro_batch(batch_size(batch))
         if accelerator.is_main_process and guard.plan is not None:
-            logger.info("memguard runs micro-batch %d within each dataloader batch of this plan:\n%s",
-                        guard.micro_batch_size, guard.plan.explain())
+            _announce(guard, accelerator, batch_size(batch))
     loss_of = guard.loss_of(loss_fn, autocast=accelerator.autocast)
     with accelerator.accumulate(model):
         if guard.window is None or not guard.window.is_open:
@@ -367,7 +378,7 @@ def step(accelerator: Any, model: nn.Module, optimizer: Any, batch: Any, loss_fn
         loss = guard.run(batch, loss_of, accelerator.backward, model=model, last=last)
         if last:
             guard.optimizer_step(optimizer.step, lambda: optimizer.zero_grad(set_to_none=True),
-                                 clip_grad_norm=accelerator.clip_grad_norm_)
+                                 unscale=accelerator.unscale_gradients)
     return float(loss)
 
 
@@ -453,6 +464,22 @@ def _unwrapped(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def _announce(guard: Guard, accelerator: Any, batch: int) -> None:
+    """The plan summary, saying what runs: the plan's micro-batch within each dataloader batch, and the
+    Accelerator's own accumulation (which is what the optimizer step accumulates, whatever the plan's
+    numbers)."""
+    plan = guard.plan
+    assert plan is not None and guard.micro_batch_size is not None
+    micro, accum, world = guard.micro_batch_size, accelerator.gradient_accumulation_steps, accelerator.num_processes
+    splits = -(-batch // micro)
+    runs = (f"micro-batch {micro} ({splits} per dataloader batch of {batch}) x accumulation {accum} (the "
+            f"Accelerator's) x world {world} = {batch * accum * world} samples per optimizer step")
+    overrides = ([f"each dataloader batch of {batch} runs as {splits} micro-batches of {micro} (the same gradient)"]
+                 if splits > 1 else [])
+    guard.announce(plan, runs=runs, overrides=overrides)
+    logger.debug("the plan memguard runs:\n%s", plan.explain())
 
 
 def status(model: nn.Module) -> GuardStatus:

@@ -620,9 +620,12 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         if guarded:
             self._patch_module(trainer, pl_module)
         if trainer.is_global_zero:
-            logger.info("memguard applies this plan to the Trainer (%s %d -> %d, accumulate_grad_batches "
-                        "%d -> %d):\n%s", self.batch_arg_name, user_batch, plan.micro_batch_size, user_accum,
-                        plan.grad_accum_steps, plan.explain())
+            changed = [f"{self.batch_arg_name} {user_batch} -> {plan.micro_batch_size}"] if (
+                plan.micro_batch_size != user_batch) else []
+            if plan.grad_accum_steps != user_accum:
+                changed.append(f"accumulate_grad_batches {user_accum} -> {plan.grad_accum_steps}")
+            guard.announce(plan, made=self._given_plan is None, overrides=changed)
+            logger.debug("the plan memguard applies to the Trainer:\n%s", plan.explain())
             if not guarded:
                 logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
                             _UNGUARDED_WHY[sharding.strategy])

@@ -605,10 +605,13 @@ class MemguardCallback(_tf.TrainerCallback):
         trainer._train_batch_size = new.train_batch_size
         if trainer.is_deepspeed_enabled:
             self._refill_deepspeed(trainer, new)
-        if trainer.is_world_process_zero():
-            logger.info("memguard applies this plan to the Trainer (per_device_train_batch_size %d -> %d, "
-                        "gradient_accumulation_steps %d -> %d):\n%s", old.per_device_train_batch_size,
-                        plan.micro_batch_size, old.gradient_accumulation_steps, plan.grad_accum_steps, plan.explain())
+        if trainer.is_world_process_zero() and self._guard is not None:
+            changed = [f"{name} {before} -> {after}" for name, before, after in (
+                ("per_device_train_batch_size", old.per_device_train_batch_size, plan.micro_batch_size),
+                ("gradient_accumulation_steps", old.gradient_accumulation_steps, plan.grad_accum_steps),
+                ("gradient_checkpointing", old.gradient_checkpointing, checkpointing)) if before != after]
+            self._guard.announce(plan, made=self._given_plan is None, overrides=changed)
+            logger.debug("the plan memguard applies to the Trainer:\n%s", plan.explain())
 
     @staticmethod
     def _refill_deepspeed(trainer: Any, args: Any) -> None:

@@ -18,6 +18,8 @@ start with ``_`` are internal; the public names are this package's):
 * :mod:`memguard.guard._plan_cache` remembers a micro-batch reduced after an OOM for the next run;
 * :mod:`memguard.guard._oom` recognises OOMs and frees their memory;
 * :mod:`memguard.guard._precision` applies a precision by Lightning's name;
+* :mod:`memguard.guard._summary` is the plan summary shown when a plan is made or applied, and
+  its switch (``MEMGUARD_QUIET=1``, ``verbose=False``);
 * :mod:`memguard.guard._distributed` makes ranks agree before any collective that could hang;
 * :mod:`memguard.guard._window` runs the batches of one optimizer step in micro-batches, halving and
   replaying them on an OOM (one batch for ``step``; the framework integrations feed one

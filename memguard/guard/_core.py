@@ -38,7 +38,9 @@ Adding a front-end:
 3. Make one :class:`Guard` per model (its user's options in a
    :class:`~memguard.guard._options.GuardOptions`) and :func:`register` it; apply a given plan with
    :meth:`Guard.apply`, or plan with :meth:`Guard.plan_and_apply` (or :meth:`Guard.make_plan` inside
-   :meth:`Guard.agree_on_plan` when the framework must prepare the example batch and loss).
+   :meth:`Guard.agree_on_plan` when the framework must prepare the example batch and loss), and show
+   the plan summary with :meth:`Guard.announce`, naming what the plan changed in the user's script
+   (:meth:`Guard.plan_and_apply` announces by default).
 4. Per optimizer step: :meth:`Guard.open_window`, :meth:`Guard.run` for each batch, then
    :meth:`Guard.optimizer_step` when memguard steps the optimizer, or :meth:`Guard.anchor` and
    :meth:`Guard.end_window` when the framework runs the backward and the step itself.
@@ -65,6 +67,7 @@ from memguard.guard._plan_cache import ReducedPlans
 from memguard.guard._precision import PrecisionSetup, setup_precision
 from memguard.guard._shapes import Signature, is_compiled, mark_batch_dynamic, signature_of, uncompiled
 from memguard.guard._sizing import ShapeSizing
+from memguard.guard._summary import budget_source, plan_summary, precision_of_dtype, show
 from memguard.guard._window import MicroBatchWindow, agreed_optimizer_step
 from memguard.planner.api import Plan
 from memguard.vocab import ALL_BLOCKS
@@ -95,6 +98,9 @@ class GuardStatus:
         signatures_planned: how many signatures were planned from probe traces (see :meth:`Guard.run`).
         signature_planning_seconds: the time those plans took, in total.
         compiled: whether the model runs through ``torch.compile``.
+        grad_norm: the total norm of the accumulated gradients before clipping, at the last optimizer
+            step (None without ``max_grad_norm``); under ``16-mixed`` unscaled, and ``inf``/``nan``
+            when the GradScaler skipped that step.
     """
 
     micro_batch_size: int | None
@@ -110,6 +116,7 @@ class GuardStatus:
     signatures_planned: int = 0
     signature_planning_seconds: float = 0.0
     compiled: bool = False
+    grad_norm: float | None = None
 
 
 def synced_params(model: nn.Module, inner: nn.Module) -> list[nn.Parameter]:
@@ -177,17 +184,21 @@ class Guard(ShapeSizing):
         self.world_size = world_size
         self.rank_group = rank_group
         self.grad_scaler = grad_scaler
+        first = next((p for p in module.parameters() if p.is_floating_point()), None)
+        self.script_precision = precision_of_dtype(first.dtype if first is not None else None)
         devices = {p.device for p in module.parameters()}
         self.input_device: torch.device | None = next(iter(devices)) if len(devices) == 1 else None
         self.precision: PrecisionSetup | None = None
         self.precision_name: str | None = None
         self.plan: Plan | None = None
+        self.plan_made = False  # memguard made the plan in force (else it was given)
         self.ceiling: int | None = None
         self.window: MicroBatchWindow | None = None
         self.steps = 0
         self._reduced: ReducedPlans | None = None  # where a reduced micro-batch is remembered (cache=)
         self._undo: list[Callable[[], None]] = []
         self._warned_stale_grads = False
+        self._grad_norm: torch.Tensor | None = None  # the last step's total norm before clipping
         self._init_sizing()
 
     # ---------------------------------------------------------------------------------------------- state
@@ -229,6 +240,7 @@ class Guard(ShapeSizing):
             steps=self.steps, oom_retries=self.oom_retries, micro_batch_sizes=dict(self.shapes.now),
             planned_micro_batch_sizes=dict(self.shapes.given), signatures_planned=self.signatures_planned,
             signature_planning_seconds=self.signature_planning_seconds, compiled=self.compiled,
+            grad_norm=float(self._grad_norm) if self._grad_norm is not None else None,
         )
 
     @property
@@ -306,13 +318,35 @@ class Guard(ShapeSizing):
         return plan
 
     def plan_and_apply(self, batch: Any, optimizer: Any, loss_fn: LossFn | None = None, *,
-                       accumulation: int = 1) -> Plan:
-        """Plan from ``batch`` (rank 0 plans and broadcasts) and apply the plan."""
+                       accumulation: int = 1, announce: bool = True) -> Plan:
+        """Plan from ``batch`` (rank 0 plans and broadcasts) and apply the plan; with ``announce``, show its
+        summary (:meth:`announce`)."""
         plan = self.agree_on_plan(lambda: self.make_plan(batch, optimizer, loss_fn, accumulation=accumulation))
         self.apply(plan, optimizer)
-        logger.info("planned micro-batch %d x accumulation %d x world %d, %s",
-                    plan.micro_batch_size, plan.grad_accum_steps, plan.world_size, plan.precision)
+        self.plan_made = True
+        if announce:
+            self.announce(plan)
         return plan
+
+    def announce(self, plan: Plan, *, made: bool | None = None, runs: str | None = None, overrides: Sequence[str] = ()) -> None:
+        """Show the plan summary (:mod:`memguard.guard._summary`): what runs, the predicted peak of the budget,
+        and every choice that overrides the user's script (``overrides``, plus the precision and, when
+        memguard splits the front-end's batches, the accumulation). ``made``: memguard made the plan
+        (default: :attr:`plan_made`)."""
+        made = self.plan_made if made is None else made
+        changed = []
+        if (made and self.constraints.precision_role == "guard" and self.constraints.precisions is None
+                and "precision" not in self.options.plan_options and plan.precision != self.script_precision):
+            how = "autocasts" if plan.precision.endswith("-mixed") else "casts the model"
+            changed.append(f"precision {plan.precision} instead of your model's {self.script_precision} (memguard "
+                           f"{how}; precision={self.script_precision!r} keeps yours)")
+        if self.constraints.splits_batch and plan.grad_accum_steps > 1:
+            changed.append(f"each batch of {plan.micro_batch_size * plan.grad_accum_steps} runs as "
+                           f"{plan.grad_accum_steps} micro-batches of {plan.micro_batch_size} (gradient accumulation, "
+                           "the same gradient)")
+        text = plan_summary(plan, made=made, budget_from=budget_source(plan, self.options.plan_options) if made else "the plan's",
+                            runs=runs, overrides=changed + list(overrides))
+        show(text, verbose=self.options.verbose)
 
     # ---------------------------------------------------------------------------------------------- applying
 
@@ -352,6 +386,7 @@ class Guard(ShapeSizing):
 
             self.on_undo(apply_activation_checkpointing(self.module, blocks))
         self.plan = plan
+        self.plan_made = False
         self.ceiling = micro_batch_size
         self.window = None
         self.shapes.forget_sizes()
@@ -502,28 +537,42 @@ class Guard(ShapeSizing):
         return self.window.anchor(value)
 
     def optimizer_step(self, step_fn: Callable[[], Any], zero_grad: Callable[[], None], *,
-                       clip_grad_norm: Callable[[Sequence[nn.Parameter], float], Any] | None = None) -> None:
-        """Close the window, step the optimizer (clipping first with ``max_grad_norm``), drop the gradients and
-        agree with the peers on the outcome; then count the step.
+                       unscale: Callable[[], Any] | None = None) -> None:
+        """Close the window, clip the accumulated gradients (``max_grad_norm``, then ``clip_grad_value``), step
+        the optimizer, drop the gradients and agree with the peers on the outcome; then count the step.
+
+        Clipping runs once per optimizer step, on the gradients of every micro-batch and batch of the
+        window (averaged over the ranks first), through ``torch.nn.utils.clip_grad_norm_`` /
+        ``clip_grad_value_``, which handle FSDP2's DTensor gradients too. The total norm before
+        clipping is kept for :meth:`status` (``grad_norm``).
 
         Args:
             step_fn: the optimizer step (through the front-end's GradScaler, if any).
             zero_grad: drops the optimizer's gradients (the window's parameters' are dropped too).
-            clip_grad_norm: ``clip(params, max_norm)``, the front-end's clipping (which unscales first).
+            unscale: unscales the gradients before clipping (the GradScaler's ``unscale_`` of the
+                optimizer, under ``16-mixed``); None: they are not scaled.
 
         Raises:
             OOMRecoveryError: out of memory in the step.
             PeerFailedError: a peer failed in its step.
+            Exception: the user's own error in the step (its optimizer, a step hook), with a note.
         """
         window = self.window
         assert window is not None
         params = window.params
         self.end_window()
-        clip = clip_grad_norm if clip_grad_norm is not None else torch.nn.utils.clip_grad_norm_
+        max_norm, max_value = self.options.max_grad_norm, self.options.clip_grad_value
 
         def clip_and_step() -> None:
-            if self.options.max_grad_norm is not None:
-                clip(params, self.options.max_grad_norm)
+            if max_norm is not None or max_value is not None:
+                if unscale is not None:
+                    unscale()
+                if max_norm is not None:
+                    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                    full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
+                    self._grad_norm = (full() if full is not None else norm).detach()
+                if max_value is not None:
+                    torch.nn.utils.clip_grad_value_(params, max_value)
             step_fn()
 
         def after() -> None:

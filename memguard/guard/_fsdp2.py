@@ -207,7 +207,7 @@ def fsdp2_constraints(*, zero_stages: tuple[int, ...] = (3, 2, 1), precisions: t
     """
     return Constraints(source="memguard.prepare(strategy='fsdp2')", taken=("world_size", "optimizer", "loss_fn"),
                        zero_stages=zero_stages, offload_optimizer=True, precisions=precisions, strategies=("fsdp2",),
-                       world_size=world_size, precision_role="framework",
+                       world_size=world_size, precision_role="framework", splits_batch=True,
                        fix_precision="pass another precision= to memguard.prepare")
 
 
@@ -347,7 +347,9 @@ def prepare_fsdp2(first: Any, second: Any, given: GuardOptions, *, plan: Plan | 
     problems += option_problems(constraints, plan=plan, micro_batch_size=micro_batch_size,
                                 example_batch=example_batch, global_batch_size=given.global_batch_size,
                                 loss_fn=given.loss_fn, max_retries=given.max_retries,
-                                probe_up_after=given.probe_up_after, plan_options=options)
+                                probe_up_after=given.probe_up_after, max_grad_norm=given.max_grad_norm,
+                                clip_grad_value=given.clip_grad_value, batch_dim=given.batch_dim,
+                                verbose=given.verbose, plan_options=options)
     if problems:
         raise ConfigError(problems)
     if plan is None and micro_batch_size is None:
@@ -359,6 +361,7 @@ def prepare_fsdp2(first: Any, second: Any, given: GuardOptions, *, plan: Plan | 
                        rank_group=None if already else _planning_group(world))
     if isinstance(plan, Plan):
         guard.apply(plan, optimizer)
+        guard.announce(plan, made=False)
     elif micro_batch_size is not None:
         guard.apply(None, optimizer, micro_batch_size=micro_batch_size,
                     precision=options.get("precision", constraints.precisions[0] if constraints.precisions else

@@ -64,6 +64,8 @@ class Constraints:
         strategies: the parallel strategies the front-end runs (``"ddp"``, ``"deepspeed"``,
             ``"fsdp2"``), passed to the planner as ``strategy=`` (one as a value, several as a list)
             when the planner takes that option; None: not passed, the planner's default.
+        splits_batch: memguard splits each batch the front-end gets into the plan's micro-batches
+            (the plan's accumulation is memguard's, which the plan summary names as an override).
     """
 
     source: str = "memguard.prepare"
@@ -77,6 +79,7 @@ class Constraints:
     fix_precision: str = ""
     precision_role: str = "guard"
     strategies: tuple[str, ...] | None = None
+    splits_batch: bool = False
 
     def __post_init__(self) -> None:
         if self.precision_role not in PRECISION_ROLES:
@@ -187,6 +190,7 @@ def call_planner(model: nn.Module, batch: Any, *, global_batch_size: int, optimi
 def option_problems(constraints: Constraints, *, plan: Any = None, micro_batch_size: Any = None,
                     example_batch: Any = None, global_batch_size: Any = None, loss_fn: Any = None,
                     max_retries: Any = DEFAULT_MAX_RETRIES, probe_up_after: Any = None, max_grad_norm: Any = None,
+                    clip_grad_value: Any = None, batch_dim: Any = 0, verbose: Any = True,
                     plan_options: Mapping[str, Any] | None = None) -> list[str]:
     """Every problem with a front-end's guard arguments, one sentence each.
 
@@ -214,9 +218,14 @@ def option_problems(constraints: Constraints, *, plan: Any = None, micro_batch_s
         out.append(f"max_retries must be an int >= 0, got {max_retries!r}")
     if probe_up_after is not None and not _is_int(probe_up_after, 1):
         out.append(f"probe_up_after must be None or an int >= 1, got {probe_up_after!r}")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or max_grad_norm <= 0):
-        out.append(f"max_grad_norm must be None or a positive number, got {max_grad_norm!r}")
+    for name, value in (("max_grad_norm", max_grad_norm), ("clip_grad_value", clip_grad_value)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            out.append(f"{name} must be None or a positive number, got {value!r}")
+    if not _is_int(batch_dim, 0):
+        out.append(f"batch_dim must be an int >= 0 (the dim of each batch tensor that holds the samples), got "
+                   f"{batch_dim!r}")
+    if not isinstance(verbose, bool):
+        out.append(f"verbose must be True or False, got {verbose!r}")
     taken = sorted(k for k in options if k in c.taken)
     if taken:
         out.append(f"{', '.join(taken)} come from {c.source} and its arguments; drop them")
@@ -282,7 +291,12 @@ class GuardOptions:
         loss_fn: the default loss function (None: the model's ``.loss``).
         max_retries: at most this many halvings within one optimizer step.
         probe_up_after: double a reduced micro-batch again after this many clean steps (None: never).
-        max_grad_norm: clip the gradients' norm to this before each optimizer step (None: no clipping).
+        max_grad_norm: clip the accumulated gradients' total norm to this before each optimizer step
+            (None: no clipping).
+        clip_grad_value: clip each accumulated gradient element to ``[-v, v]`` before each optimizer
+            step, after any norm clipping (None: no clipping).
+        batch_dim: the dim of the batch's tensors that holds the samples (split and counted along it).
+        verbose: show the plan summary when a plan is applied (``MEMGUARD_QUIET=1`` silences it too).
         global_batch_size: samples per optimizer step for planning (None: from the batch).
         plan_options: the user's options for :func:`memguard.plan`.
         sync_gradients: memguard averages the gradients over the ranks (False: the framework's DDP
@@ -293,6 +307,9 @@ class GuardOptions:
     max_retries: int = DEFAULT_MAX_RETRIES
     probe_up_after: int | None = None
     max_grad_norm: float | None = None
+    clip_grad_value: float | None = None
+    batch_dim: int = 0
+    verbose: bool = True
     global_batch_size: int | None = None
     plan_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     sync_gradients: bool = True

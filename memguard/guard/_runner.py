@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memguard.batch import LossFn, compute_loss
+from memguard.batch import LossFn, compute_loss, map_tensors, tensor_leaves
 from memguard.errors import ConfigError
 from memguard.guard._core import Guard, GuardStatus, forget, guard_of, register
 from memguard.guard._distributed import rank_group_of
@@ -61,7 +61,7 @@ logger = logging.getLogger("memguard")
 
 # Plain PyTorch runs ZeRO stage 0, any precision (memguard casts, autocasts and scales), any accumulation.
 CONSTRAINTS = Constraints(source="memguard.prepare", taken=("world_size", "optimizer", "loss_fn"),
-                          precision_role="guard",
+                          precision_role="guard", splits_batch=True,
                           fix_precision="pass another precision= to memguard.prepare")
 
 _HOW_TO_PREPARE = ("call model, optimizer = memguard.prepare(model, optimizer) first and pass the same model object "
@@ -79,6 +79,10 @@ def prepare(
     loss_fn: LossFn | None = None,
     max_retries: int = DEFAULT_MAX_RETRIES,
     probe_up_after: int | None = None,
+    max_grad_norm: float | None = None,
+    clip_grad_value: float | None = None,
+    batch_dim: int = 0,
+    verbose: bool = True,
     grad_scaler: torch.amp.GradScaler | None = None,
     strategy: str | None = None,
     mesh: Any = None,
@@ -99,7 +103,9 @@ def prepare(
 
     The plan's activation checkpointing is applied to its first ``checkpoint_blocks`` repeated
     blocks, and its precision as in :mod:`memguard.guard._precision`. Preparing a model again undoes
-    the checkpointing of the previous call.
+    the checkpointing of the previous call. When a plan is made or applied, a short summary says
+    what runs (rank 0 only; to stderr when no logging is configured, else an INFO record on the
+    ``memguard`` logger); ``verbose=False`` or ``MEMGUARD_QUIET=1`` silences it.
 
     Args:
         first, second: the model (an ``nn.Module``, possibly wrapped in DistributedDataParallel) and
@@ -112,6 +118,16 @@ def prepare(
         max_retries: at most this many halvings of the micro-batch within one step.
         probe_up_after: after this many steps without an OOM, double a reduced micro-batch again (up
             to the planned size); None (default) never probes.
+        max_grad_norm: clip the total norm of the accumulated gradients to this once per optimizer
+            step, after the last micro-batch (unscaled first under ``16-mixed``); the norm before
+            clipping is ``guard_status(model).grad_norm``. None: no clipping.
+        clip_grad_value: clip every accumulated gradient element to ``[-v, v]`` once per optimizer
+            step (after ``max_grad_norm``, if both). None: no clipping.
+        batch_dim: the dim of the batch's tensors that holds the samples: 0 (default), or e.g. 1 for
+            sequence-first data (``[seq, batch, ...]``); batches are split and counted along it, and
+            ``loss_fn`` gets micro-batches in the same layout. Every tensor of the batch with more
+            than ``batch_dim`` dims must have the samples there; 0-dim tensors go to every micro-batch.
+        verbose: show the plan summary (default True).
         grad_scaler: the ``torch.amp.GradScaler`` to use if the precision is ``16-mixed`` (to set its
             options or load its state); default: a new one with PyTorch's defaults.
         strategy: None or ``"ddp"``: a plain module, or one wrapped in DistributedDataParallel.
@@ -140,7 +156,8 @@ def prepare(
         ``*-true`` precisions cast the model in place; they cannot be undone by preparing again.
     """
     options = GuardOptions(loss_fn=loss_fn, max_retries=max_retries, probe_up_after=probe_up_after,
-                           global_batch_size=global_batch_size, plan_options=plan_options)
+                           max_grad_norm=max_grad_norm, clip_grad_value=clip_grad_value, batch_dim=batch_dim,
+                           verbose=verbose, global_batch_size=global_batch_size, plan_options=plan_options)
     if strategy == "fsdp2":
         from memguard.guard._fsdp2 import prepare_fsdp2
 
@@ -160,7 +177,9 @@ def prepare(
         problems.append(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
     problems += option_problems(CONSTRAINTS, plan=plan, micro_batch_size=micro_batch_size, example_batch=example_batch,
                                 global_batch_size=global_batch_size, loss_fn=loss_fn, max_retries=max_retries,
-                                probe_up_after=probe_up_after, plan_options=plan_options)
+                                probe_up_after=probe_up_after, max_grad_norm=max_grad_norm,
+                                clip_grad_value=clip_grad_value, batch_dim=batch_dim, verbose=verbose,
+                                plan_options=plan_options)
     if problems:
         raise ConfigError(problems)
 
@@ -175,12 +194,15 @@ def prepare(
             logger.warning("the plan was made for %d ranks but %d are running; its micro-batch %d is used as is",
                            plan.world_size, world, plan.micro_batch_size)
         guard.apply(plan, optimizer)
+        guard.announce(plan, made=False)
     elif micro_batch_size is not None:
         guard.apply(None, optimizer, micro_batch_size=micro_batch_size,
                     precision=plan_options.get("precision", "32-true"),
                     activation_checkpointing=plan_options.get("activation_checkpointing", False))
     elif example_batch is not None:
-        guard.plan_and_apply(example_batch, optimizer, loss_fn)
+        if batch_dim:
+            example_batch = sample_first(example_batch, batch_dim)
+        guard.plan_and_apply(example_batch, optimizer, _batch_dim_loss(loss_fn, batch_dim))
     register(model, guard)
     return first, second
 
@@ -200,8 +222,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
     Args:
         model: the model given to :func:`prepare`.
         optimizer: its optimizer.
-        batch: a tensor, or a dict/tuple/list of tensors, with the samples in dim 0; non-tensor
-            leaves and 0-dim tensors go to every micro-batch whole.
+        batch: a tensor, or a dict/tuple/list of tensors, with the samples in dim 0 (or in
+            ``prepare``'s ``batch_dim``); non-tensor leaves and 0-dim tensors go to every micro-batch whole.
         loss_fn: ``loss_fn(model, micro_batch) -> mean loss over the micro-batch``; under DDP it
             gets the module inside the wrapper (``ddp.module``), so that no DDP hook runs. Default:
             the one given to :func:`prepare`, else the model is called (dict -> ``model(**batch)``,
@@ -218,6 +240,10 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
         PeerFailedError: under DDP, another rank failed with an error that is not an OOM (that rank
             raises its own error).
 
+    An error raised by ``loss_fn``, the model, a backward hook or the optimizer step (with its
+    hooks) is re-raised unchanged, with one note (PEP 678) saying where memguard called it: which
+    micro-batch and samples, or the optimizer step.
+
     Known limitations:
         Gradients present when ``step`` starts are discarded (with a warning), because a retry must
         start from none. Dropout draws new masks on a retry. Normalisation layers see micro-batch
@@ -228,6 +254,9 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
     """
     guard = guard_of(model, _HOW_TO_PREPARE)
     loss_fn = loss_fn if loss_fn is not None else guard.options.loss_fn
+    dim = guard.options.batch_dim
+    if dim:  # the guard splits along dim 0: it sees the batch sample-first, the loss function as the user wrote it
+        batch, loss_fn = sample_first(batch, dim), _batch_dim_loss(loss_fn, dim)
     if guard.micro_batch_size is None:
         guard.plan_and_apply(batch, optimizer, loss_fn)
     guard.open_window(model, [optimizer], warn_stale_grads=True)
@@ -241,8 +270,54 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
         else:
             optimizer.step()
 
-    guard.optimizer_step(step_fn, lambda: optimizer.zero_grad(set_to_none=True))
+    guard.optimizer_step(step_fn, lambda: optimizer.zero_grad(set_to_none=True),
+                         unscale=(lambda: scaler.unscale_(optimizer)) if scaler is not None else None)
     return loss
+
+
+def _moved(batch: Any, source: int, target: int) -> Any:
+    """``batch`` with every tensor's dim ``source`` moved to ``target`` (views; 0-dim tensors unchanged)."""
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.movedim(source, target) if t.dim() > 0 else t
+
+    return map_tensors(batch, move)
+
+
+def sample_first(batch: Any, dim: int) -> Any:
+    """``batch`` with its sample dim ``dim`` moved to dim 0 (views: nothing is copied).
+
+    Raises:
+        ConfigError: a tensor of the batch has dims, but not ``dim + 1`` of them.
+    """
+    short = [tuple(t.shape) for t in tensor_leaves(batch) if 0 < t.dim() <= dim]
+    if short:
+        raise ConfigError(f"batch_dim={dim}: every tensor of the batch needs its samples in dim {dim}, but tensors of "
+                          f"shape {', '.join(map(str, short))} have no dim {dim}; give them the sample dim there "
+                          "(flatten inside loss_fn instead), or pass them as 0-dim tensors or non-tensors to share "
+                          "them whole")
+    return _moved(batch, dim, 0)
+
+
+class _BatchDimLoss:
+    """A loss function for sample-first micro-batches: moves the sample dim back to ``dim``, then calls
+    the user's ``loss_fn`` (or the model) on the micro-batch in the user's own layout."""
+
+    def __init__(self, loss_fn: LossFn | None, dim: int) -> None:
+        self.loss_fn, self.dim = loss_fn, dim
+        self.__qualname__ = getattr(loss_fn, "__qualname__", "model.loss")  # the plan cache's key names it
+
+    def __call__(self, model: nn.Module, micro: Any) -> torch.Tensor:
+        return compute_loss(model, _moved(micro, 0, self.dim), self.loss_fn)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BatchDimLoss) and (other.loss_fn, other.dim) == (self.loss_fn, self.dim)
+
+    def __hash__(self) -> int:
+        return hash((id(self.loss_fn), self.dim))
+
+
+def _batch_dim_loss(loss_fn: LossFn | None, dim: int) -> LossFn | None:
+    return _BatchDimLoss(loss_fn, dim) if dim else loss_fn
 
 
 def guard_status(model: nn.Module) -> GuardStatus:

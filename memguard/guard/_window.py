@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from memguard.batch import batch_size, split_batch
-from memguard.errors import ConfigError, OOMRecoveryError, PeerFailedError
+from memguard.errors import ConfigError, MemguardError, OOMRecoveryError, PeerFailedError
 from memguard.guard import _distributed as ddp_sync
 from memguard.guard._distributed import ERROR, OK, OOM, RankGroup
 from memguard.guard._oom import (
@@ -103,18 +103,41 @@ def run_micro_batches(batch: Any, micro_batch_size: int, loss_of: LossOf, backwa
     n = batch_size(batch) if n is None else n
     total: torch.Tensor | None = None
     seen = 0
-    for micro, k in split_batch(batch, micro_batch_size):
+    count = -(-n // micro_batch_size)
+    for i, (micro, k) in enumerate(split_batch(batch, micro_batch_size)):
         seen += k
         if before is not None:
             before(seen >= n)
-        loss = loss_of(micro)
+        where = f"micro-batch {i + 1} of {count} (samples {seen - k}:{seen} of the batch's {n})"
+        try:
+            loss = loss_of(micro)
+        except Exception as exc:
+            note_user_error(exc, f"raised in the loss function (or the model's forward) that memguard called on {where}")
+            raise
         weighted = loss * ((k / n) * weight)
-        backward(weighted)
+        try:
+            backward(weighted)
+        except Exception as exc:
+            note_user_error(exc, f"raised in the backward that memguard ran for {where}")
+            raise
         part = loss.detach().float() * (k / n)
         total = part if total is None else total + part
         del loss, weighted, micro
     assert total is not None  # batch_size() guarantees at least one sample
     return total
+
+
+def note_user_error(exc: BaseException, where: str) -> None:
+    """Add one line (a PEP 678 note) to a user's error saying where memguard called the code that raised it.
+
+    Out-of-memory errors (which the window retries), memguard's own errors and its internal signals
+    between ranks get no note, nor does an error that already has one.
+    """
+    if isinstance(exc, (MemguardError, PeerAbort, ShardingStopped)) or is_oom_error(exc):
+        return
+    if any(str(note).startswith("memguard:") for note in getattr(exc, "__notes__", ())):
+        return
+    exc.add_note(f"memguard: {where}")
 
 
 def recovery_error(reason: str, micro_batch_size: int, *, plan: Any = None, precision: str | None = None,
@@ -176,6 +199,8 @@ def agreed_optimizer_step(step_fn: Callable[[], Any], rank_group: RankGroup | No
                              "not depend on the micro-batch", micro_batch_size, plan=plan, precision=precision,
                              optimizer_step=True) from failure
     if failure is not None:
+        note_user_error(failure, "raised in the gradient clipping or optimizer step (with its hooks) that memguard ran "
+                                 "after the optimizer step's last micro-batch")
         raise failure
     bad = next(r for r, c in enumerate(codes) if c != OK)
     raise PeerFailedError(f"rank {bad} failed in optimizer.step() (see that rank's log); the ranks' weights now "

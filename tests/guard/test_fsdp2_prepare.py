@@ -121,3 +121,24 @@ def test_user_mistakes_are_listed_together() -> None:
     assert "init_process_group" in text and "grad_scaler=" in text and "16-mixed" in text
     with pytest.raises(ConfigError, match="to_config"):
         prepare(model, opt, strategy="deepspeed")
+
+
+def test_clipping_under_fsdp2_clips_the_dtensor_gradients_once_per_step(group) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepare(model, opt, strategy="fsdp2", micro_batch_size=2, max_grad_norm=0.01, clip_grad_value=0.002,
+            verbose=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        step(model, opt, _batch())
+        ref(**_batch()).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 0.002)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert guard_status(model).grad_norm == pytest.approx(norm, rel=1e-5) and norm > 0.01
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6)

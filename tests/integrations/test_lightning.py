@@ -155,9 +155,11 @@ def test_plan_sets_batch_size_and_accumulation_and_keeps_the_global_batch(caplog
     # every batch the loop delivered had the planned size, under the planned accumulation
     assert {s[:3] for s in probe.seen} == {(plan.micro_batch_size, plan.micro_batch_size, plan.grad_accum_steps)}
     assert len(probe.seen) == N // plan.micro_batch_size
-    # the plan was logged, and everything is restored after fit
-    assert any("memguard applies this plan" in r.getMessage() and "micro-batch" in r.getMessage()
-               for r in caplog.records)
+    # the plan summary was shown, naming what it changed in the script, and everything is restored after fit
+    assert any(r.getMessage().startswith(f"memguard planned micro-batch {plan.micro_batch_size} x accumulation "
+                                         f"{plan.grad_accum_steps}") and
+               f"overrides your script:\n    batch_size 64 -> {plan.micro_batch_size}\n    accumulate_grad_batches "
+               f"1 -> {plan.grad_accum_steps}" in r.getMessage() for r in caplog.records)
     assert model.batch_size == 64 and "training_step" not in model.__dict__
     assert "optimizer_zero_grad" not in model.__dict__
     # fp32, the same 64 samples per step summed in another grouping: ~1e-7 observed, 1e-5 allowed
