@@ -678,7 +678,9 @@ class MemguardCallback(_tf.TrainerCallback):
                 logger.warning("memguard: evaluation is not guarded against out-of-memory errors: %s", refusal)
             return original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         n = batch_size(inputs)
-        counter = trainer._get_num_items_in_batch  # the bound method (trainer.py), or an instance attribute
+        # the bound method (trainer.py), or an instance attribute; None in transformers versions without it, whose
+        # prediction_step takes each micro-batch's own mean
+        counter = getattr(trainer, "_get_num_items_in_batch", None)
         whole: dict[str, Any] = {}  # the whole batch's count, taken the first time the Trainer asks for it
         asked = {"now": False, "sum": False}
 
@@ -689,9 +691,11 @@ class MemguardCallback(_tf.TrainerCallback):
             return whole["items"]
 
         def run(micro: Any) -> Any:
+            asked["now"] = False
+            if counter is None:
+                return original(model, micro, prediction_loss_only, ignore_keys=ignore_keys)
             saved = trainer.__dict__.get("_get_num_items_in_batch")
             trainer.__dict__["_get_num_items_in_batch"] = count
-            asked["now"] = False
             try:
                 loss, logits, labels = original(model, micro, prediction_loss_only, ignore_keys=ignore_keys)
             finally:
