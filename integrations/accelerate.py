@@ -57,16 +57,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from memguard.batch import LossFn, batch_size
+from memguard.batch import LossFn, batch_size, call_model, map_tensors
 from memguard.errors import ConfigError
 from memguard.guard._core import Guard, GuardStatus, guard_of, register
 from memguard.guard._distributed import rank_group_of
+from memguard.guard._evaluate import evaluate as memguard_evaluate
 from memguard.guard._options import Constraints, GuardOptions, option_problems, plan_problems, wrapper_problems
 from memguard.guard._window import DEFAULT_MAX_RETRIES
 from memguard.integrations import require
 from memguard.planner.api import Plan
 
-__all__ = ["accelerator_kwargs", "prepare", "step", "status"]
+__all__ = ["accelerator_kwargs", "prepare", "step", "evaluate", "status"]
 
 logger = logging.getLogger("memguard")
 
@@ -379,6 +380,90 @@ def step(accelerator: Any, model: nn.Module, optimizer: Any, batch: Any, loss_fn
             guard.optimizer_step(optimizer.step, lambda: optimizer.zero_grad(set_to_none=True),
                                  unscale=accelerator.unscale_gradients)
     return float(loss)
+
+
+def evaluate(accelerator: Any, model: nn.Module, batch: Any, fn: Any = None, **options: Any) -> Any:
+    """Evaluate one batch without running out of memory; the result is the unsplit batch's.
+
+    :func:`memguard.evaluate` for an Accelerate loop, as the Lightning callback guards
+    ``validation_step``: the batch's tensors are moved to ``accelerator.device`` if they are elsewhere, and
+    ``fn(module, micro_batch)`` (default: call the module with the batch) runs under
+    ``accelerator.autocast()`` and ``torch.no_grad()`` with the module in ``eval()`` mode, on the module
+    inside any DDP or ``torch.compile`` wrapper (no DDP hooks, no collectives, no recompilation for the
+    split's sizes). A batch that
+    runs out of memory is split in micro-batches, halving from the one that failed (logged at WARNING);
+    the results are joined as :func:`memguard.evaluate` joins them (per-sample outputs in one tensor,
+    built in host memory when the device has no room; mean losses weighted by samples, or
+    ``weight_fn``). The evaluation's micro-batch is its own: it never changes the training micro-batch
+    of :func:`step`. Gather across ranks afterwards as usual
+    (``accelerator.gather_for_metrics(result)``): every rank calls it once per batch, however its batch
+    was split::
+
+        model.eval()
+        for batch in accelerator.prepare(val_loader):
+            out = evaluate(accelerator, model, batch)            # a ModelOutput, say
+            preds = accelerator.gather_for_metrics(out.logits.argmax(-1))
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` (one process, or DDP over processes).
+        model: the model, as ``accelerator.prepare`` (or :func:`prepare`) returned it, or not prepared.
+        batch: one evaluation batch of this rank (see :mod:`memguard.batch`).
+        fn: ``fn(module, micro_batch) -> result``; None calls the module with the batch. For
+            outputs too large to keep, return only what the metric needs (the loss).
+        **options: :func:`memguard.evaluate`'s keyword arguments: ``micro_batch_size``, ``plan``,
+            ``weight_fn``, ``combine``, ``inference_mode``, ``eval_mode``, ``max_retries``.
+
+    Returns:
+        The merged result (see :func:`memguard.evaluate`).
+
+    Raises:
+        MissingDependencyError: accelerate is not installed.
+        ConfigError: bad arguments (all listed), or an Accelerator that shards the model (FSDP,
+            DeepSpeed, ...), whose forward gathers parameters from every rank so one rank cannot split alone.
+        OOMRecoveryError: a single sample does not fit, ``max_retries`` was exceeded, or the joined
+            outputs fit nowhere (the message names the loss-only ``fn``).
+    """
+    acc = _accelerate()
+    problems: list[str] = []
+    if not isinstance(accelerator, acc.Accelerator):
+        problems.append(f"the first argument must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+    if not isinstance(model, nn.Module):
+        problems.append(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if fn is not None and not callable(fn):
+        problems.append(f"fn must be a callable(module, batch) -> result, got {type(fn).__name__}")
+    allowed = ("micro_batch_size", "plan", "weight_fn", "combine", "inference_mode", "eval_mode", "max_retries")
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        problems.append(f"evaluate() got unknown option(s) {', '.join(unknown)}; it takes {', '.join(allowed)}")
+    if not problems:
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+        if kind != "NO" and not kind.startswith("MULTI_"):
+            problems.append(f"an Accelerator with distributed_type {kind} shards the model, and its forward gathers "
+                            "parameters from every rank, so one rank cannot split its batch alone; evaluate with "
+                            "Accelerate's own loop and a batch that fits (the same micro-batch on every rank)")
+    if problems:
+        raise ConfigError(problems)
+    module = _unwrapped(model)
+    device = accelerator.device
+    batch = map_tensors(batch, lambda t: t if t.device == device else t.to(device))
+
+    def run(inner: nn.Module, micro: Any) -> Any:
+        with accelerator.autocast():
+            return fn(inner, micro) if fn is not None else call_model(inner, micro)
+
+    return memguard_evaluate(module, batch, run, **options)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside DDP and ``torch.compile`` wrappers (what ``accelerator.unwrap_model`` returns for them,
+    without its imports, e.g. DeepSpeed's engine, which need memory an evaluation that runs out of it lacks)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch._dynamo's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
 
 
 def _announce(guard: Guard, accelerator: Any, batch: int) -> None:

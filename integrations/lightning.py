@@ -89,7 +89,9 @@ Known limitations:
     model.
     The plan is made once per ``fit``. Validation and test steps run in micro-batches when a batch
     does not fit (:meth:`MemguardCallback.on_validation_start`); a ``self.log(..., batch_size=N)``
-    given explicitly in them overrides the micro-batch weighting of epoch means.
+    given explicitly in them overrides the micro-batch weighting of epoch means. Under the strategies
+    whose forward gathers sharded parameters (FSDP, ModelParallel, DeepSpeed ZeRO-3) validation and
+    test steps are not split (one rank cannot split alone); a warning says so.
 """
 
 from __future__ import annotations
@@ -661,6 +663,15 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         micro-batch is its own state: an OOM here never changes the training micro-batch."""
         from memguard.guard._evaluate import eval_status, step_in_micro_batches
 
+        sharding = _sharding_of(trainer.strategy, _package_of(trainer), [])
+        if sharding.strategy == "fsdp2" or (sharding.strategy == "deepspeed" and 3 in sharding.zero_stages):
+            # An evaluation forward gathers the sharded parameters from every rank: a rank that split its batch
+            # alone would run more gathers than its peers and leave them waiting.
+            if trainer.is_global_zero:
+                logger.warning("memguard: %s is not guarded against out-of-memory errors under %s, whose forward "
+                               "gathers parameters from every rank; evaluate with a batch that fits",
+                               name, sharding.name)
+            return
         user_step = getattr(pl_module, name)
 
         def before_micro(micro: Any) -> None:
@@ -675,7 +686,9 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 return step_in_micro_batches(user_step, batch, args, kwargs, state=eval_status(pl_module),
-                                             before_micro=before_micro)
+                                             before_micro=before_micro,
+                                             loss_only_hint=f"return only the loss, or metrics reduced per "
+                                                            f"micro-batch, from {name} (nothing per-sample is kept)")
             finally:
                 results = trainer._results
                 if results is not None:

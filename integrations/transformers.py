@@ -6,7 +6,8 @@ Two entry points:
   the ``TrainingArguments`` fix (precision, DeepSpeed config, world size), applies the plan to the
   Trainer (per-device batch, gradient accumulation, activation checkpointing) and, during training,
   recovers from out-of-memory errors by halving the micro-batch and re-running the optimizer step's
-  samples, on every rank together::
+  samples, on every rank together; an evaluation or prediction batch that runs out of memory is
+  halved and redone, with the unsplit batch's loss and outputs::
 
       trainer = Trainer(model=model, args=args, train_dataset=ds,
                         callbacks=[MemguardCallback(budget_bytes=20 << 30, gpu="A100-40GB")])
@@ -36,6 +37,7 @@ from memguard.guard._core import Guard, GuardStatus
 from memguard.guard._options import Constraints, GuardOptions, option_problems
 from memguard.guard._window import DEFAULT_MAX_RETRIES
 from memguard.guard._distributed import rank_group_of
+from memguard.guard._evaluate import eval_status, split_eval
 from memguard.integrations import require
 from memguard.integrations.deepspeed import AUTO, fill_auto, to_config
 from memguard.planner.api import Plan
@@ -360,15 +362,29 @@ class MemguardCallback(_tf.TrainerCallback):
       the gradients, steps the optimizer and the scheduler and logs, unchanged.
     * ``on_train_end``: ``training_step`` is restored and the guard's state released.
 
-    Evaluation and prediction are not guarded: an out-of-memory error there propagates and never
-    changes the training micro-batch.
+    * ``evaluate``/``predict`` (and the evaluations during ``train()``): from ``on_init_end`` the callback
+      stands in for the Trainer's ``prediction_step`` (an instance attribute; a subclass's own
+      ``prediction_step`` is the one run). An evaluation batch that runs out of memory is halved and
+      redone from the micro-batch that failed (:func:`memguard.guard._evaluate.split_eval`, its own
+      micro-batch per batch shape, remembered for the next batch, logged at WARNING); the loss, logits
+      and labels handed back to the Trainer's loop are the unsplit batch's, so its padding, gathering,
+      ``eval_accumulation_steps``, ``preprocess_logits_for_metrics`` and ``compute_metrics`` see what
+      they would without memguard. The loss: where the Trainer normalises it by the batch's labelled
+      items (``num_items_in_batch``) that count is taken once for the whole batch, as the Trainer takes
+      it (under DDP with ``average_tokens_across_devices`` it is one collective per batch on every rank,
+      whatever the split), and the micro-batches' parts add up; otherwise the micro-batches' means are
+      weighted by their labelled tokens. An evaluation OOM never changes the training micro-batch.
+      Under DeepSpeed and FSDP (an evaluation forward may gather parameters from every rank) and with
+      ``predict_with_generate`` (outputs of different lengths) evaluation is not guarded; a warning
+      says so.
 
     Args:
         global_batch_size: samples per optimizer step over all ranks; default: what the arguments give.
         plan: a :class:`memguard.Plan` to apply instead of planning (it must match the arguments'
             precision, world size and ZeRO stage).
         max_retries: at most this many halvings within one optimizer step.
-        guard_oom: recover from out-of-memory errors during training (False: plan and apply only).
+        guard_oom: recover from out-of-memory errors during training and evaluation (False: plan and
+            apply only).
         **plan_options: options for :func:`memguard.plan`: ``budget_bytes``, ``gpu``, ``headroom``,
             ``activation_checkpointing``, ``cache``, ... (``precision`` only if it is the arguments'; world
             size, device, optimizer, loss and ZeRO stage come from the Trainer).
@@ -376,7 +392,8 @@ class MemguardCallback(_tf.TrainerCallback):
     Attributes:
         plan: the plan in force (None before the Trainer is built).
         micro_batch_size: the current micro-batch (smaller than the plan's after an OOM).
-        oom_retries: halvings so far.
+        oom_retries: halvings of the training micro-batch so far.
+        eval_oom_retries: out-of-memory errors recovered from in evaluation and prediction so far.
 
     Raises:
         ConfigError: bad arguments (every problem listed); from the Trainer's constructor, arguments the
@@ -419,6 +436,7 @@ class MemguardCallback(_tf.TrainerCallback):
         self._trainer: Any = None
         self._guard: Guard | None = None
         self._saved: dict[str, Any] | None = None  # the Trainer's own training_step before the stand-in (None: none)
+        self._eval_unguarded: str | None = None  # why evaluation is not guarded (logged once), None: it is
 
     # ----------------------------------------------------------------------------------------------
     # state for users and tests
@@ -432,8 +450,14 @@ class MemguardCallback(_tf.TrainerCallback):
 
     @property
     def oom_retries(self) -> int:
-        """Halvings of the micro-batch so far."""
+        """Halvings of the training micro-batch so far."""
         return self._guard.oom_retries if self._guard is not None else 0
+
+    @property
+    def eval_oom_retries(self) -> int:
+        """Out-of-memory errors recovered from in ``evaluate``/``predict`` so far (they never change the
+        training micro-batch)."""
+        return eval_status(self._trainer.model).oom_retries if self._trainer is not None else 0
 
     def status(self) -> GuardStatus | None:
         """What the guard does (None before the Trainer is built)."""
@@ -470,6 +494,8 @@ class MemguardCallback(_tf.TrainerCallback):
             plan = guard.agree_on_plan(lambda: self._make_plan(trainer, guard))
         self.plan = plan
         self._apply(trainer, plan)
+        if self.guard_oom:
+            self._patch_prediction_step(trainer)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Stand in for the Trainer's ``training_step`` (single device or DDP).
@@ -605,6 +631,91 @@ class MemguardCallback(_tf.TrainerCallback):
         plugin.hf_ds_config = hf_config
         plugin.deepspeed_config = hf_config.config
 
+    def _patch_prediction_step(self, trainer: Any) -> None:
+        """Stand in for the Trainer's ``prediction_step`` (an instance attribute, for the Trainer's life): each
+        evaluation and prediction batch goes through :func:`memguard.guard._evaluate.split_eval`, so a batch that
+        runs out of memory is halved and redone from the micro-batch that failed, its results joined as the
+        unsplit batch's (see :meth:`_prediction_step`)."""
+        if "prediction_step" in trainer.__dict__ and getattr(trainer.__dict__["prediction_step"], "_memguard", False):
+            return
+        original = trainer.prediction_step  # the bound method (a subclass's own), or a user's instance attribute
+        callback = self
+
+        def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
+            return callback._prediction_step(trainer, original, model, inputs, prediction_loss_only, ignore_keys)
+
+        prediction_step._memguard = True  # type: ignore[attr-defined]
+        trainer.__dict__["prediction_step"] = prediction_step
+
+    def _eval_guard_refusal(self, trainer: Any, inputs: Any) -> str | None:
+        """Why this evaluation batch runs unguarded, or None."""
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            return (f"under {'DeepSpeed' if trainer.is_deepspeed_enabled else 'FSDP'} an evaluation forward may "
+                    "gather parameters from every rank, so one rank cannot split alone")
+        if getattr(trainer.args, "predict_with_generate", False):
+            return "predict_with_generate's outputs differ in length between micro-batches"
+        try:
+            batch_size(inputs)
+        except ConfigError as exc:
+            return f"the batch cannot be split ({exc})"
+        return None
+
+    def _prediction_step(self, trainer: Any, original: Callable[..., Any], model: Any, inputs: Any,
+                         prediction_loss_only: bool, ignore_keys: Any) -> Any:
+        """The Trainer's own ``prediction_step`` on micro-batches of ``inputs``, halving on an OOM.
+
+        The loss the Trainer's loop averages is the unsplit batch's: where the Trainer normalises the loss by the
+        batch's labelled items (``num_items_in_batch``, gathered over ranks with
+        ``average_tokens_across_devices``), that count is taken once for the whole batch, as the unsplit step
+        takes it (one collective per batch on every rank, whatever the split), and every micro-batch's loss,
+        normalised by it, is a part of the batch's sum; otherwise each micro-batch's mean is weighted by its
+        labelled tokens. Logits and labels are joined along dim 0 (:class:`memguard.guard._evaluate._Joiner`).
+        """
+        refusal = self._eval_guard_refusal(trainer, inputs)
+        if refusal is not None:
+            if self._eval_unguarded != refusal:
+                self._eval_unguarded = refusal
+                logger.warning("memguard: evaluation is not guarded against out-of-memory errors: %s", refusal)
+            return original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        n = batch_size(inputs)
+        # the bound method (trainer.py), or an instance attribute; None in transformers versions without it, whose
+        # prediction_step takes each micro-batch's own mean
+        counter = getattr(trainer, "_get_num_items_in_batch", None)
+        whole: dict[str, Any] = {}  # the whole batch's count, taken the first time the Trainer asks for it
+        asked = {"now": False, "sum": False}
+
+        def count(batch_samples: Any, device: Any) -> Any:
+            asked["now"] = True
+            if "items" not in whole:
+                whole["items"] = counter([inputs], device)
+            return whole["items"]
+
+        def run(micro: Any) -> Any:
+            asked["now"] = False
+            if counter is None:
+                return original(model, micro, prediction_loss_only, ignore_keys=ignore_keys)
+            saved = trainer.__dict__.get("_get_num_items_in_batch")
+            trainer.__dict__["_get_num_items_in_batch"] = count
+            try:
+                loss, logits, labels = original(model, micro, prediction_loss_only, ignore_keys=ignore_keys)
+            finally:
+                if saved is None:
+                    trainer.__dict__.pop("_get_num_items_in_batch", None)
+                else:
+                    trainer.__dict__["_get_num_items_in_batch"] = saved
+            # normalised by the whole batch's count: each micro-batch's loss is its part of the batch's, weighted
+            # by samples below the parts add up (loss x n / k, times k / n)
+            asked["sum"] = asked["now"] and whole.get("items") is not None
+            if asked["sum"] and loss is not None:
+                loss = loss * (n / batch_size(micro))
+            return loss, logits, labels
+
+        def weight(micro: Any) -> Any:  # called after run(micro)
+            return batch_size(micro) if asked["sum"] else _label_tokens(trainer, micro)
+
+        return split_eval(inputs, run, state=eval_status(trainer.model), weight_fn=weight,
+                          loss_only_hint=_TRAINER_LOSS_ONLY)
+
     def _patch(self, trainer: Any) -> None:
         """Stand in for the Trainer's ``training_step``, its own (instance) value dumped first for :meth:`_restore`."""
         self._restore()
@@ -668,6 +779,24 @@ class MemguardCallback(_tf.TrainerCallback):
         if last:
             guard.end_window()
         return loss
+
+
+#: What an evaluation whose outputs cannot be joined should do instead, in the Trainer's terms.
+_TRAINER_LOSS_ONLY = ("evaluate the loss only, TrainingArguments(prediction_loss_only=True) (nothing per-sample is "
+                      "kept), or a smaller per_device_eval_batch_size; preprocess_logits_for_metrics runs after the "
+                      "batch's logits are joined, so it cannot shrink them")
+
+
+def _label_tokens(trainer: Any, micro: Any) -> Any:
+    """The labelled items a micro-batch's mean loss averages over, counted on this rank alone: the labels that
+    are not -100 (shifted by one for a causal LM, as ``Trainer._get_num_items_in_batch`` counts them), else the
+    micro-batch's samples."""
+    labels = micro.get("shift_labels") if isinstance(micro, Mapping) else None
+    if labels is None and isinstance(micro, Mapping) and isinstance(micro.get("labels"), torch.Tensor):
+        labels = micro["labels"][..., 1:] if getattr(trainer, "_loss_shifts_labels", False) else micro["labels"]
+    if isinstance(labels, torch.Tensor) and labels.dim() > 0:
+        return int(labels.ne(-100).sum())
+    return batch_size(micro)
 
 
 def _world_group(args: Any) -> Any:

@@ -18,9 +18,18 @@ that the Lightning callback's validation and test hooks call with the user's own
 Known limitations:
     Ranks split independently: a model whose forward runs collectives (FSDP, ZeRO-3) would need
     every rank to run the same number of forwards, which is not arranged; evaluate such models with
-    a planned ``micro_batch_size`` (the same on every rank). The concatenation needs the parts and
-    the whole at once (twice the outputs' bytes for a moment); pass ``combine=`` to reduce on the
-    fly for very large outputs.
+    a planned ``micro_batch_size`` (the same on every rank).
+
+Joining the outputs (:class:`_Joiner`): the pieces and the whole are never held at once. When the
+first micro-batch's result arrives, each per-sample tensor of the whole batch is allocated once,
+with that piece's dtype and non-batch shape, and every piece is copied into its rows as it comes
+and then dropped, so the outputs cost their joined size plus one micro-batch's. Where the joined
+tensor does not fit on the model's device (its allocation, or a later micro-batch's forward, runs
+out of memory), the joined tensors are moved to host (CPU) memory and the pieces copied there;
+the result then lives on the CPU. Where it does not fit there either, :class:`OOMRecoveryError`
+says so and names the way out: a ``fn`` that returns the loss (or metrics reduced per micro-batch)
+instead of the outputs. A per-sample tensor whose dim 0 is not a multiple of the micro-batch's
+samples is kept per piece and concatenated at the end.
 """
 
 from __future__ import annotations
@@ -123,6 +132,7 @@ def split_eval(
     weight_fn: Callable[[Any], Any] | None = None,
     combine: Callable[[Sequence[Any], Sequence[float]], Any] | None = None,
     max_retries: int | None = None,
+    loss_only_hint: str | None = None,
 ) -> Any:
     """Run ``run(micro_batch)`` over ``batch`` in micro-batches, halving on an OOM; merge the results.
 
@@ -137,8 +147,11 @@ def split_eval(
             ``state`` remembers for this batch's shape, else the whole batch.
         weight_fn: ``weight_fn(micro_batch) -> weight`` of a micro-batch's 0-dim results (default:
             its sample count); e.g. the number of labelled tokens for a token-mean loss.
-        combine: ``combine(results, weights) -> result`` instead of :func:`combine_outputs`.
+        combine: ``combine(results, weights) -> result`` of every result at once, instead of the
+            default join (:func:`combine_outputs`' rules, applied as each result comes: :class:`_Joiner`).
         max_retries: give up after this many OOMs in this call (None: until one sample fails).
+        loss_only_hint: what an error about outputs too large to join tells the user to do instead,
+            in the front-end's terms (default: :func:`evaluate`'s loss-only ``fn``).
 
     Returns:
         The merged result; exactly ``run(batch)``'s result when the batch runs whole.
@@ -146,8 +159,9 @@ def split_eval(
     Raises:
         ConfigError: ``batch`` has no batch dimension or its tensors disagree on it, or
             ``micro_batch_size`` is not a positive int.
-        OOMRecoveryError: one sample does not fit, or ``max_retries`` OOMs happened; raised from
-            the last OOM.
+        OOMRecoveryError: one sample does not fit, or ``max_retries`` OOMs happened (raised from
+            the last OOM); or the merged result does not fit in memory (the joined tensors, or
+            ``combine``'s own allocations): the message names the loss-only alternative.
         Exception: any other error of ``run``, unchanged.
     """
     if micro_batch_size is not None and not (isinstance(micro_batch_size, int) and micro_batch_size >= 1):
@@ -156,8 +170,10 @@ def split_eval(
     sig = shape_signature(batch)
     cap = micro_batch_size or state.remembered(sig)
     size = cap or n  # may exceed n: each micro-batch is cut at n below, and a cap is remembered whole
-    results: list[Any] = []
+    results: list[Any] = []  # with combine=: every result, for it; else the joiner takes each as it comes
     weights: list[Any] = []
+    joiner: _Joiner | None = None
+    hint = loss_only_hint or _LOSS_ONLY
     start, halvings = 0, Halvings(max_retries)
     state.forwards = 0
     while start < n:
@@ -173,11 +189,20 @@ def split_eval(
             state.oom_retries += 1
             failed = stop - start
             summary = oom_summary(exc)
+            if joiner is not None and joiner.to_host():
+                # the joined outputs took the device memory: the same micro-batch again, now that they are on the host
+                del exc, micro
+                free_memory()
+                log.warning("memguard: OOM in evaluation at micro-batch %d (%s); retrying it with the joined outputs "
+                            "in host memory (training micro-batch unchanged)", failed, summary)
+                continue
             if halvings.stop(failed) is not None:
                 why = "one sample does not fit" if failed == 1 else f"{halvings.done + 1} OOMs in one evaluation"
+                held = (f"; the outputs joined so far take {_size_of(list(joiner.joined.values()))} ({hint})"
+                        if joiner is not None and joiner.joined else "")
                 raise OOMRecoveryError(
                     f"evaluation ran out of memory and cannot split further: {why} ({summary}); evaluate in a "
-                    "16-bit precision, with shorter sequences, or drop the optimizer state during evaluation",
+                    f"16-bit precision, with shorter sequences, or drop the optimizer state during evaluation{held}",
                     micro_batch_size=failed,
                 ) from exc
             del exc, micro
@@ -186,19 +211,37 @@ def split_eval(
             log.warning("memguard: OOM in evaluation at micro-batch %d (%s); halving to %d (training "
                         "micro-batch unchanged)", failed, summary, size)
             continue
-        results.append(out)
         m = stop - start
-        weights.append(weight_fn(micro) if weight_fn is not None else m)
+        weight = weight_fn(micro) if weight_fn is not None else m
         state.forwards += 1
+        if m == n:  # the whole batch in one forward: its result as it is
+            results.append(out)
+        elif combine is not None:
+            results.append(out)
+            weights.append(weight)
+        else:
+            if joiner is None:
+                joiner = _Joiner(n, hint)
+            joiner.add(out, start, stop, weight)
+        del out, micro  # a piece is not held past its copy into the joined result
         start = stop
     if cap is not None or halvings.done:
         # Only a cap or an OOM says how large a micro-batch may be: a batch that ran whole, or a short
         # last batch, must not shrink what the next, full batches start from.
         state.remember(sig, size)
+    if joiner is not None:
+        return joiner.result()
     if len(results) == 1:
         return results[0]
-    merged = combine(results, weights) if combine is not None else combine_outputs(results, weights)
-    return merged
+    try:
+        return combine(results, weights)
+    except Exception as exc:  # noqa: BLE001 - only an OOM is turned into memguard's error
+        if not is_oom_error(exc):
+            raise
+        summary = oom_summary(exc)
+        release_exception(exc)
+        raise OOMRecoveryError(f"evaluation's outputs cannot be joined: combine= ran out of memory ({summary}); "
+                               f"{hint}", micro_batch_size=size) from exc
 
 
 def step_in_micro_batches(
@@ -211,6 +254,7 @@ def step_in_micro_batches(
     before_micro: Callable[[Any], None] | None = None,
     micro_batch_size: int | None = None,
     max_retries: int | None = None,
+    loss_only_hint: str | None = None,
 ) -> Any:
     """A framework's evaluation step (``validation_step(batch, batch_idx)``) run on micro-batches.
 
@@ -225,7 +269,7 @@ def step_in_micro_batches(
         state: the model's :class:`EvalStatus` (:func:`eval_status`).
         before_micro: called with each micro-batch before the step, e.g. to make the framework's
             logging weight a logged mean by the micro-batch's size.
-        micro_batch_size, max_retries: as for :func:`split_eval`.
+        micro_batch_size, max_retries, loss_only_hint: as for :func:`split_eval`.
 
     Returns:
         The merged return value of the step.
@@ -240,7 +284,8 @@ def step_in_micro_batches(
             before_micro(micro)
         return user_step(micro, *args, **kwargs)
 
-    return split_eval(batch, run, state=state, micro_batch_size=micro_batch_size, max_retries=max_retries)
+    return split_eval(batch, run, state=state, micro_batch_size=micro_batch_size, max_retries=max_retries,
+                      loss_only_hint=loss_only_hint)
 
 
 @contextlib.contextmanager
@@ -282,6 +327,13 @@ def evaluate(
     (mean losses) averaged with the micro-batches' sample counts (or ``weight_fn``) as weights, so
     ``evaluate(model, batch).loss`` equals ``model(**batch).loss`` and the logits are the same.
 
+    The joined outputs are built without holding the pieces and the whole at once: each per-sample
+    tensor of the whole batch is allocated when the first micro-batch's result arrives and every
+    piece is copied in and dropped. It is on the model's device, or in host (CPU) memory when it
+    does not fit there (its allocation, or a later forward next to it, runs out of memory; logged).
+    For outputs too large for that, return only what the metric needs from ``fn`` (the loss, or
+    metrics reduced per micro-batch): ``fn=lambda m, b: m(**b).loss``.
+
     Example::
 
         for batch in val_loader:
@@ -310,10 +362,11 @@ def evaluate(
     Raises:
         ConfigError: bad arguments (all listed at once), or results that cannot be merged
             (pass ``combine=``).
-        OOMRecoveryError: a single sample does not fit, or ``max_retries`` was exceeded.
+        OOMRecoveryError: a single sample does not fit, ``max_retries`` was exceeded, or the joined
+            outputs do not fit in device or host memory (the message names the loss-only ``fn``).
 
     Known limitations:
-        See the module docstring (sharded models, concatenation memory). Values that depend on
+        See the module docstring (sharded models, joining the outputs). Values that depend on
         the whole batch at once (batch-norm in train mode, a loss normalised by the batch's
         maximum) differ when split; with ``eval_mode=True`` batch-norm uses its running stats.
     """
@@ -376,6 +429,9 @@ def combine_outputs(results: Sequence[Any], weights: Sequence[Any], *, path: str
     * a transformers key/value cache (``past_key_values`` of a model called with ``use_cache``):
       None, logged; an evaluation does not need it (``use_cache=False`` avoids building it).
 
+    This takes every result at once (for a ``combine=`` of one's own to fall back on);
+    :func:`split_eval` itself joins as the results come (:class:`_Joiner`), by the same rules.
+
     Args:
         results: one result per micro-batch, in batch order.
         weights: the weight of each result's 0-dim values.
@@ -388,46 +444,285 @@ def combine_outputs(results: Sequence[Any], weights: Sequence[Any], *, path: str
         ConfigError: results whose structure differs, or a leaf that none of the rules merges
             (a 0-dim integer tensor, differing ints or strings); pass ``combine=``.
     """
+    kv_paths: list[str] = []
+
+    def leaf(where: str, values: Sequence[Any]) -> Any:
+        if _is_kv_cache(values[0]):
+            kv_paths.append(where)
+            return None
+        return _merge_leaf(where, values, weights)
+
+    merged = _zip_map(list(results), leaf, path)
+    _log_kv_caches(kv_paths)
+    return merged
+
+
+def _log_kv_caches(paths: Sequence[str]) -> None:
+    for where in paths:
+        log.info("memguard: %s is a key/value cache, which is not merged across micro-batches: the merged result "
+                 "holds None there (call the model with use_cache=False not to build it at all)", where)
+
+
+def _zip_map(results: list, leaf: Callable[[str, list], Any], path: str, rebuild: bool = True) -> Any:
+    """Walk ``results`` (the same structure each) in parallel and rebuild the first's structure, its
+    leaves ``leaf(path, [the results' leaves there])`` (``rebuild=False``: only walk, return None).
+    The containers are :func:`combine_outputs`'."""
     first = results[0]
+    if isinstance(first, torch.Tensor) or first is None or isinstance(first, (str, bytes, bool, int, float)):
+        return leaf(path, results)
+    if isinstance(first, Mapping):
+        keys = list(first.keys())
+        if any(not isinstance(r, Mapping) or list(r.keys()) != keys for r in results):
+            raise ConfigError(f"{path} has different keys in different micro-batches; pass combine=")
+        merged = {k: _zip_map([r[k] for r in results], leaf, f"{path}[{k!r}]", rebuild) for k in keys}
+        return _rebuild_mapping(first, merged) if rebuild else None
+    if isinstance(first, (tuple, list)):
+        if any(not isinstance(r, (tuple, list)) or len(r) != len(first) for r in results):
+            raise ConfigError(f"{path} has different lengths in different micro-batches; pass combine=")
+        items = [_zip_map([r[i] for r in results], leaf, f"{path}[{i}]", rebuild) for i in range(len(first))]
+        if not rebuild:
+            return None
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            return type(first)(*items)
+        return type(first)(items)
+    if _is_kv_cache(first):
+        return leaf(path, results)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        if any(type(r) is not type(first) for r in results):
+            raise ConfigError(f"{path} is a {type(first).__name__} in some micro-batches only; pass combine=")
+        merged = {f.name: _zip_map([getattr(r, f.name) for r in results], leaf, f"{path}.{f.name}", rebuild)
+                  for f in dataclasses.fields(first)}
+        return dataclasses.replace(first, **merged) if rebuild else None
+    raise ConfigError(f"{path} is a {type(first).__name__}, which memguard cannot merge across micro-batches; "
+                      "pass combine=lambda results, weights: ...")
+
+
+def _merge_leaf(path: str, values: Sequence[Any], weights: Sequence[Any]) -> Any:
+    """:func:`combine_outputs`'s rule for one leaf, given its value in every result."""
+    first = values[0]
     if isinstance(first, torch.Tensor):
-        if not all(isinstance(r, torch.Tensor) for r in results):
+        if not all(isinstance(r, torch.Tensor) for r in values):
             raise ConfigError(f"{path} is a tensor in some micro-batches only; pass combine=")
         if first.dim() == 0:
             if not first.is_floating_point():
                 raise ConfigError(f"{path} is a 0-dim {first.dtype} tensor, which is neither per-sample nor a mean; "
                                   "pass combine=lambda results, weights: ...")
-            return _weighted_mean(results, weights)
-        return torch.cat(list(results), dim=0)
+            return _weighted_mean(values, weights)
+        return torch.cat(list(values), dim=0)
     if first is None or isinstance(first, (str, bytes, bool, int)) and not isinstance(first, float):
-        if any(r != first for r in results):
-            raise ConfigError(f"{path} differs between micro-batches ({results[0]!r} vs others) and memguard "
+        if any(r != first for r in values):
+            raise ConfigError(f"{path} differs between micro-batches ({values[0]!r} vs others) and memguard "
                               "cannot merge it; pass combine=")
         return first
     if isinstance(first, float):
-        return _weighted_mean(results, weights)
-    if isinstance(first, Mapping):
-        keys = list(first.keys())
-        if any(list(r.keys()) != keys for r in results):
-            raise ConfigError(f"{path} has different keys in different micro-batches; pass combine=")
-        merged = {k: combine_outputs([r[k] for r in results], weights, path=f"{path}[{k!r}]") for k in keys}
-        return _rebuild_mapping(first, merged)
-    if isinstance(first, (tuple, list)):
-        if any(len(r) != len(first) for r in results):
-            raise ConfigError(f"{path} has different lengths in different micro-batches; pass combine=")
-        items = [combine_outputs([r[i] for r in results], weights, path=f"{path}[{i}]") for i in range(len(first))]
-        if isinstance(first, tuple) and hasattr(first, "_fields"):
-            return type(first)(*items)
-        return type(first)(items)
-    if _is_kv_cache(first):
-        log.info("memguard: %s is a key/value cache, which is not merged across micro-batches: the merged result "
-                 "holds None there (call the model with use_cache=False not to build it at all)", path)
-        return None
-    if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        merged = {f.name: combine_outputs([getattr(r, f.name) for r in results], weights, path=f"{path}.{f.name}")
-                  for f in dataclasses.fields(first)}
-        return dataclasses.replace(first, **merged)
+        return _weighted_mean(values, weights)
     raise ConfigError(f"{path} is a {type(first).__name__}, which memguard cannot merge across micro-batches; "
                       "pass combine=lambda results, weights: ...")
+
+
+#: What an :class:`OOMRecoveryError` about joined outputs tells the user to do instead.
+_LOSS_ONLY = ("evaluate with a fn that returns only what the metric needs, reduced per micro-batch, e.g. "
+              "memguard.evaluate(model, batch, fn=lambda m, b: m(**b).loss) (0-dim results are averaged, "
+              "nothing per-sample is kept), or pass combine= to reduce the results another way")
+
+
+class _Joiner:
+    """The default join of :func:`split_eval`, fed one micro-batch's result at a time.
+
+    The first result fixes the structure. Each tensor leaf with dims whose dim 0 is a multiple ``r``
+    of the micro-batch's samples gets one tensor for the whole batch (``r * n`` rows, the piece's
+    dtype and other dims) on the piece's device, or on the CPU when that allocation runs out of
+    memory; every piece is copied into its rows and not kept. Other tensors with dims are kept per
+    piece and concatenated at the end. 0-dim floats are summed in float64 with their weights;
+    constants are compared. :meth:`to_host` moves the joined tensors to the CPU (the caller does so
+    when a forward runs out of memory while they take device memory).
+    """
+
+    def __init__(self, n: int, hint: str = _LOSS_ONLY) -> None:
+        self.n = n
+        self.hint = hint
+        self.structure: Any = None          # the first result, its joined leaves in place
+        self.rows: dict[str, int] = {}      # path -> rows per sample of a joined tensor
+        self.joined: dict[str, torch.Tensor] = {}
+        self.pieces: dict[str, list[torch.Tensor]] = {}
+        self.sums: dict[str, list[Any]] = {}  # path -> [sum of value x weight (float64), total weight, kind]
+        self.kv_paths: list[str] = []
+        self.moved: list[str] = []          # paths moved to host memory
+        self.micro = n                      # the micro-batch of the last result added
+
+    def add(self, out: Any, start: int, stop: int, weight: Any) -> None:
+        m = self.micro = stop - start
+        if self.structure is None:
+            self.structure = _zip_map([out], lambda path, vs: self._first(path, vs[0], m, weight), "result")
+        else:
+            if self.kv_paths:  # dropped from the structure (a ModelOutput drops a key set to None): drop them here too
+                out = _zip_map([out], lambda path, vs: None if _is_kv_cache(vs[0]) else vs[0], "result")
+            _zip_map([self.structure, out], lambda path, vs: self._next(path, vs[1], start, m, weight), "result",
+                     rebuild=False)
+
+    def _first(self, path: str, value: Any, m: int, weight: Any) -> Any:
+        if _is_kv_cache(value):
+            self.kv_paths.append(path)
+            return None
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0:
+                if not value.is_floating_point():
+                    raise ConfigError(f"{path} is a 0-dim {value.dtype} tensor, which is neither per-sample nor a "
+                                      "mean; pass combine=lambda results, weights: ...")
+                self.sums[path] = [_weighted(value.detach().to(torch.float64), weight), float(weight), value.dtype]
+                return value
+            if value.shape[0] % m or value.shape[0] == 0:
+                self.pieces[path] = [value]
+                return value
+            rows = value.shape[0] // m
+            whole = self._allocate(path, (rows * self.n, *value.shape[1:]), value)
+            whole[: value.shape[0]].copy_(value)
+            self.rows[path], self.joined[path] = rows, whole
+            return whole
+        if isinstance(value, float):
+            self.sums[path] = [_weighted(value, weight), float(weight), float]
+        return value
+
+    def _next(self, path: str, value: Any, start: int, m: int, weight: Any) -> Any:
+        if path in self.kv_paths:
+            return None
+        if path in self.joined:
+            whole, rows = self.joined[path], self.rows[path]
+            if (not isinstance(value, torch.Tensor) or value.dtype != whole.dtype
+                    or tuple(value.shape) != (rows * m, *whole.shape[1:])):
+                got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ConfigError(f"{path} is {got} in one micro-batch of {m} samples but "
+                                  f"{(rows, *whole.shape[1:])} {whole.dtype} per sample in the first; pass combine=")
+            whole[rows * start: rows * (start + m)].copy_(value)
+            return whole
+        if path in self.pieces:
+            if not isinstance(value, torch.Tensor):
+                raise ConfigError(f"{path} is a tensor in some micro-batches only; pass combine=")
+            self.pieces[path].append(value)
+            return None
+        if path in self.sums:
+            total = self.sums[path]
+            if total[2] is float:
+                if not isinstance(value, float):
+                    raise ConfigError(f"{path} is a float in some micro-batches only; pass combine=")
+                total[0] += _weighted(value, weight)
+            else:
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    raise ConfigError(f"{path} is a 0-dim tensor in some micro-batches only; pass combine=")
+                total[0] = total[0] + _weighted(value.detach().to(total[0].device, torch.float64), weight)
+            total[1] += float(weight)
+            return None
+        first = _leaf_at(self.structure, path)
+        if isinstance(value, torch.Tensor) or value != first:
+            raise ConfigError(f"{path} differs between micro-batches ({first!r} vs others) and memguard cannot merge "
+                              "it; pass combine=")
+        return None
+
+    def _allocate(self, path: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        """The joined tensor: on ``like``'s device, else (out of memory there) in host memory."""
+        try:
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        except Exception as exc:  # noqa: BLE001 - only OOMs are handled
+            if not is_oom_error(exc):
+                raise
+            summary = oom_summary(exc)
+            release_exception(exc)
+            del exc
+        free_memory()
+        if like.device.type != "cpu":
+            try:
+                whole = torch.empty(shape, dtype=like.dtype, device="cpu")
+            except Exception as exc:  # noqa: BLE001
+                if not is_oom_error(exc):
+                    raise
+                release_exception(exc)
+                del exc
+            else:
+                self.moved.append(path)
+                log.warning("memguard: the joined %s (%s) does not fit on %s (%s); it is built in host memory and "
+                            "the result holds it on the CPU", path, _size(shape, like.dtype), like.device, summary)
+                return whole
+        raise self.too_large(f"the joined {path} ({_size(shape, like.dtype)}) does not fit in memory ({summary})")
+
+    def to_host(self) -> bool:
+        """Move the joined tensors that are not on the CPU there; whether any was moved."""
+        on_device = [p for p, t in self.joined.items() if t.device.type != "cpu"]
+        if not on_device:
+            return False
+        for p in on_device:
+            try:
+                host = self.joined[p].to("cpu")
+            except Exception as exc:  # noqa: BLE001
+                if not is_oom_error(exc):
+                    raise
+                summary = oom_summary(exc)
+                release_exception(exc)
+                del exc
+                raise self.too_large(f"the joined {p} does not fit in host memory either ({summary})") from None
+            self.structure = _zip_map([self.structure], lambda path, vs: host if path == p else vs[0], "result")
+            self.joined[p] = host
+            self.moved.append(p)
+        free_memory()
+        log.warning("memguard: out of memory in evaluation while the joined %s take %s of device memory; they are "
+                    "moved to host memory and the result holds them on the CPU", ", ".join(on_device),
+                    _size_of([self.joined[p] for p in on_device]))
+        return True
+
+    def result(self) -> Any:
+        _log_kv_caches(self.kv_paths)
+
+        def finish(path: str, values: list) -> Any:
+            if path in self.pieces:
+                try:
+                    return torch.cat(self.pieces.pop(path), dim=0)
+                except Exception as exc:  # noqa: BLE001
+                    if not is_oom_error(exc):
+                        raise
+                    summary = oom_summary(exc)
+                    release_exception(exc)
+                    del exc
+                    raise self.too_large(f"concatenating {path} ran out of memory ({summary})") from None
+            if path in self.sums:
+                total, weight, kind = self.sums[path]
+                if weight == 0:  # every micro-batch had nothing to average (no labelled token): as unsplit, NaN
+                    return float("nan") if kind is float else torch.full_like(total, float("nan")).to(kind)
+                return total / weight if kind is float else (total / weight).to(kind)
+            return values[0]
+
+        return _zip_map([self.structure], finish, "result")
+
+    def too_large(self, what: str) -> OOMRecoveryError:
+        return OOMRecoveryError(f"evaluation's outputs cannot be joined: {what}; {self.hint}",
+                                micro_batch_size=self.micro)
+
+
+def _weighted(value: Any, weight: Any) -> Any:
+    """``value * weight``, 0 for a weight of 0 (a micro-batch with nothing to average has a NaN mean)."""
+    w = float(weight)
+    if w:
+        return value * w
+    return 0.0 if isinstance(value, float) else torch.zeros_like(value)
+
+
+def _leaf_at(structure: Any, path: str) -> Any:
+    found: list[Any] = []
+    _zip_map([structure], lambda p, vs: found.append(vs[0]) if p == path else None, "result", rebuild=False)
+    return found[0] if found else None
+
+
+def _size(shape: tuple, dtype: torch.dtype) -> str:
+    from memguard.vocab import format_bytes
+
+    count = 1
+    for d in shape:
+        count *= int(d)
+    return format_bytes(count * torch.empty((), dtype=dtype).element_size())
+
+
+def _size_of(tensors: Sequence[torch.Tensor]) -> str:
+    from memguard.vocab import format_bytes
+
+    return format_bytes(sum(t.numel() * t.element_size() for t in tensors))
 
 
 def _is_kv_cache(obj: Any) -> bool:

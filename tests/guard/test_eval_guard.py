@@ -238,3 +238,120 @@ def test_framework_step_in_micro_batches():
     epoch_mean = sum(v * n for v, n in logged) / sum(n for _, n in logged)
     assert epoch_mean == pytest.approx(float(whole), rel=1e-6)
     torch.testing.assert_close(merged, whole, rtol=1e-6, atol=1e-7)
+
+
+JOIN_WORKER = Path(__file__).with_name("eval_join_worker.py")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+def test_real_oom_joined_outputs_are_built_in_place(tmp_path):
+    """128 samples whose outputs are 32 MiB together (u = 256 KiB per sample, see eval_join_worker.py).
+    Under a 56 MiB cap the whole batch (2 x 32 MiB) fails; halved to 64 each piece fits (32 MiB peak),
+    but joining by concatenation holds the pieces and the whole at once (64 MiB) and fails: what
+    memguard did before, here through combine=, now a MemguardError that names the loss-only way.
+    The default join allocates the 32 MiB result once and copies each piece in: the second piece of
+    64 (32 + 32 MiB) fails, 32 fits (32 + 16 MiB). Measured: the default works from 50 to 62 MiB and
+    the concatenation fails there; under 40 MiB (fails 36-44) not even the joined result fits next
+    to the first piece (16 + 32 MiB), while a loss-only fn (32 MiB peak at 64) works."""
+    runs = [{"name": "default", "budget_mib": 56, "fn": "outputs", "probe_whole": True},
+            {"name": "all_at_once", "budget_mib": 56, "fn": "outputs", "combine": "all_at_once"},
+            {"name": "tight", "budget_mib": 40, "fn": "outputs"},
+            {"name": "tight_loss", "budget_mib": 40, "fn": "loss"}]
+    cfg = {"out": str(tmp_path), "batch": 128, "seq": 64, "runs": runs}
+    env = dict(os.environ, MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(JOIN_WORKER), json.dumps(cfg)], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    default, all_at_once, tight, tight_loss = json.loads((tmp_path / "result.json").read_text())
+    assert default["whole_fits"] is False and "can't allocate memory" in default["whole_error"]  # a real OOM
+    assert default["error"] is None, default
+    assert default["oom_retries"] == 2 and default["micro_batch_sizes"] == [32]  # 128 -> 64 -> 32
+    assert default["forwards"] == 3  # 64 (copied in), then 64 failed, 32 and 32
+    halvings = [m for m in default["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+    assert [m.split("halving to ")[1].split(" ")[0] for m in halvings] == ["64", "32"], default["messages"]
+    assert default["logits_shape"] == [128, 64, 1024] and default["logits_max_diff"] <= 1e-5
+    assert default["loss"] == pytest.approx(default["ref_loss"], rel=1e-6)
+    # joining all at once dies where the default did not: memguard's error, not torch.cat's RuntimeError
+    assert all_at_once["error"]["type"] == "OOMRecoveryError", all_at_once
+    assert "cannot be joined" in all_at_once["error"]["message"] and "fn=lambda m, b: m(**b).loss" in \
+        all_at_once["error"]["message"]
+    assert tight["error"]["type"] == "OOMRecoveryError", tight
+    assert "joined result.logits (32.00 MiB) does not fit" in tight["error"]["message"]
+    assert "m(**b).loss" in tight["error"]["message"]
+    assert tight_loss["error"] is None and tight_loss["oom_retries"] == 1
+    assert tight_loss["loss"] == pytest.approx(tight_loss["ref_loss"], rel=1e-6)
+
+
+def test_pieces_are_not_held_once_copied():
+    import weakref
+
+    model, batch = Classifier(), data(40)
+    model.limit = 10
+    alive: list = []
+
+    def fn(m, b):
+        assert all(ref() is None for ref in alive), "an earlier piece is still held"
+        out = m(**b)
+        alive.append(weakref.ref(out["logits"]))
+        return out
+
+    out = evaluate(model, batch, fn)
+    assert len(alive) == 4 and out["logits"].shape == (40, 3)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], model.body(batch["x"]))
+
+
+def test_outputs_not_proportional_to_samples_are_concatenated():
+    # one row per micro-batch (not per sample): kept per piece and concatenated, as before
+    model, batch = Classifier(), data(40)
+    model.limit = 20
+    out = evaluate(model, batch, lambda m, b: {"sum": m(**b)["logits"].sum(0, keepdim=True), "n": 3})
+    assert out["sum"].shape == (2, 3) and out["n"] == 3
+
+
+def test_pieces_that_change_shape_are_a_config_error():
+    model, batch = Classifier(), data(40)
+    model.limit = 20
+    widths = iter([2, 3])  # (generated tokens, say) 2 per sample in the first piece, 3 in the second
+
+    def fn(m, b):
+        m(**b)
+        return torch.zeros(b["x"].shape[0], next(widths))
+
+    with pytest.raises(ConfigError, match=r"\(20, 3\).*\(1, 2\).*pass combine="):
+        evaluate(model, batch, fn)
+
+
+def test_a_micro_batch_with_nothing_to_average_does_not_make_the_mean_nan():
+    # a token-mean loss whose first micro-batch has no labelled token: its mean is NaN with weight 0
+    model, batch = Classifier(), data(40)
+    model.limit = 20
+    labelled = torch.arange(40) >= 20
+
+    def fn(m, b):
+        m(b["x"], b["y"])
+        mask = b["mask"]
+        return (b["x"][:, 0] * mask).sum() / mask.sum()  # NaN where nothing is labelled
+
+    out = evaluate(model, {**batch, "mask": labelled.float()}, fn, weight_fn=lambda b: int(b["mask"].sum()))
+    assert float(out) == pytest.approx(float(batch["x"][20:, 0].mean()), rel=1e-6)
+
+
+def test_the_way_out_is_named_in_the_front_ends_terms(monkeypatch):
+    # the joined result cannot be allocated: the front-end's way out is in the message (the real allocation
+    # failure is test_real_oom_joined_outputs_are_built_in_place's)
+    from memguard.guard import _evaluate
+
+    model, batch = Classifier(), data(40)
+    model.limit = 20
+
+    def no_room(self, path, shape, like):  # what _allocate raises when neither the device nor the host has room
+        raise self.too_large(f"the joined {path} does not fit")
+
+    monkeypatch.setattr(_evaluate._Joiner, "_allocate", no_room)
+    with pytest.raises(OOMRecoveryError, match="prediction_loss_only"):
+        split_eval(batch, lambda b: model(**b), state=EvalStatus(), loss_only_hint="use prediction_loss_only=True")
+    with pytest.raises(OOMRecoveryError, match=r"m\(\*\*b\)\.loss"):
+        evaluate(model, batch)

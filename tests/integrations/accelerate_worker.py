@@ -16,6 +16,11 @@ first step with a 1 GiB budget; the Accelerator accumulates ``accumulate`` batch
 Started by ``torchrun`` on several processes, the Accelerator runs DDP (``MULTI_CPU``) and each
 rank gets every ``world``-th batch of the dataloader (Accelerate's default batch sharding), so one
 optimizer step covers ``batch x accumulation x world`` consecutive samples.
+With ``eval_factor``, after training (the cap still in force on the capped ranks) each rank evaluates
+one validation batch of ``eval_factor x batch`` samples of its own with
+:func:`memguard.integrations.accelerate.evaluate` and gathers the predictions with
+``accelerator.gather_for_metrics``; the unsplit predictions of the same weights are computed after
+the cap is lifted, for the test to compare.
 Each rank writes ``result<rank>.json`` (events, messages, error) and its weights
 ``accelerate<rank>.pt``; rank 0 also writes ``reference.pt``.
 """
@@ -44,7 +49,8 @@ def main() -> None:
     from accelerate import Accelerator
 
     from memguard import Estimate, Plan
-    from memguard.integrations.accelerate import accelerator_kwargs, prepare, step
+    from memguard.guard._evaluate import eval_status
+    from memguard.integrations.accelerate import accelerator_kwargs, evaluate, prepare, status, step
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     events: list = []
@@ -116,10 +122,36 @@ def main() -> None:
             result["losses"].append(step(accelerator, model, optimizer, batch))
             if accelerator.sync_gradients:
                 events.append("STEP")
+        if cfg.get("eval_factor"):
+            g = torch.Generator().manual_seed(100 + rank)
+            val = {"x": torch.randn(cfg["eval_factor"] * b, cfg["seq"], 16, generator=g)}
+            val["y"] = torch.randn(len(val["x"]), generator=g)
+            train_micro = status(model).micro_batch_size
+            def pred_and_loss(m: nn.Module, v: dict) -> dict:
+                pred = m(v["x"])
+                return {"pred": pred, "loss": ((pred - v["y"]) ** 2).mean()}
+
+            got = evaluate(accelerator, model, val, pred_and_loss)
+            gathered = accelerator.gather_for_metrics(got["pred"])
+            inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+            result["eval"] = {"oom_retries": eval_status(inner).oom_retries,
+                              "micro": list(eval_status(inner).micro_batch_size.values()),
+                              "train_micro": [train_micro, status(model).micro_batch_size],
+                              "gathered": len(gathered), "loss": float(got["loss"])}
     except Exception as exc:  # reported to the test, which decides whether it was expected
         result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        tb = exc.__traceback__
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    if result["error"] is not None:
+        import traceback
+        result["error"]["where"] = [f for f in traceback.format_tb(tb) if "frozen" not in f][-4:]
     from memguard.integrations.accelerate import status
+    if "eval" in result:
+        with torch.no_grad():
+            inner = accelerator.unwrap_model(model).eval()
+            whole = inner(val["x"])
+            result["eval"]["pred_max_diff"] = float((whole - got["pred"]).abs().max())
+            result["eval"]["ref_loss"] = float(((whole - val["y"]) ** 2).mean())
 
     st = status(model)
     result.update(events=events, messages=messages, micro_batch_size=st.micro_batch_size, oom_retries=st.oom_retries,

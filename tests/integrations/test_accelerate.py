@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from memguard import ConfigError, Estimate, MissingDependencyError, Plan
-from memguard.integrations.accelerate import accelerator_kwargs, prepare, status, step
+from memguard.integrations.accelerate import accelerator_kwargs, evaluate, prepare, status, step
 from worker_common import check_samples  # this folder is on sys.path under pytest
 
 accelerate = pytest.importorskip("accelerate")
@@ -309,6 +309,46 @@ def test_a_real_oom_halves_and_ends_with_the_full_batch_weights(tmp_path: Path) 
 
 
 @pytestmark_linux
+@pytest.mark.cpu_truth
+def test_evaluate_halves_a_validation_batch_that_does_not_fit(tmp_path: Path) -> None:
+    # the single-process run above, then a validation batch of 128 samples (about 0.5 MiB each under no_grad:
+    # 64 MiB whole) under the same 20 MiB cap
+    [r] = _run_worker(tmp_path, batch=64, plan="planner", accumulate=1, cap_batch=1, eval_factor=2)
+    assert r["error"] is None and r.get("capped")
+    e = r["eval"]
+    assert e["oom_retries"] == 2 and e["micro"] == [32], e  # 128 -> 64 -> 32
+    halvings = [m for m in r["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+    assert len(halvings) == e["oom_retries"] and all("DefaultCPUAllocator" in m for m in halvings)
+    assert e["gathered"] == 128 and e["pred_max_diff"] <= 1e-5
+    assert e["loss"] == pytest.approx(e["ref_loss"], rel=1e-6)
+    assert e["train_micro"] == [16, 16]  # the training micro-batch (halved by training's OOMs) stays as it was
+
+
+def test_evaluate_splits_under_the_accelerators_autocast_and_equals_the_whole_batch() -> None:
+    acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    net = acc.prepare(_net())
+    seen: list = []
+    net[0].register_forward_hook(lambda m, a, o: seen.append((a[0].shape[0], o.dtype)))  # inside the autocast
+    out = evaluate(acc, net, X, micro_batch_size=48)
+    assert [n for n, _ in seen] == [48, 48, 32] and {d for _, d in seen} == {torch.bfloat16}
+    assert net.training  # eval() for the call only
+    with torch.no_grad(), acc.autocast():
+        torch.testing.assert_close(out, net.eval()(X))
+    loss = evaluate(acc, net, (X, Y), lambda m, b: loss_fn(m, b), micro_batch_size=40)
+    with torch.no_grad(), acc.autocast():
+        assert float(loss) == pytest.approx(float(loss_fn(net, (X, Y))), rel=1e-2)  # bf16 partial means
+
+
+def test_evaluate_lists_bad_arguments() -> None:
+    acc = accelerate.Accelerator(cpu=True)
+    with pytest.raises(ConfigError) as info:
+        evaluate(object(), "model", X, fn=3, micro_batch=4)
+    assert len(info.value.problems) == 4, info.value.problems
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        evaluate(acc, _net(), X, micro_batch_size=0)
+
+
+@pytestmark_linux
 def test_an_oom_in_the_second_accumulated_batch_replays_the_step(tmp_path: Path) -> None:
     # Plan 32 x 2 through accelerator_kwargs; the cap comes at batch 3, the second batch of step 2.
     [r] = _run_worker(tmp_path, batch=32, plan=[32, 2], cap_batch=3)
@@ -327,7 +367,11 @@ def test_ddp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path) ->
     # torchrun, 2 CPU processes, 32-sample batches and 2 accumulated: memguard plans micro-batch 64 for
     # each rank's 64 samples per step (1 GiB budget), so every batch runs whole; only rank 1 is capped,
     # at its batch 3 (the second batch of the second step): 32 fails in 20 MiB, 16 fits.
-    r0, r1 = _run_worker(tmp_path, world=2, batch=32, plan="planner", accumulate=2, cap_batch=3, cap_ranks=[1])
+    # After training each rank evaluates a 128-sample batch of its own (eval_factor=4) under the same cap: about
+    # 0.5 MiB per sample under no_grad, so rank 1 fails at 128 and 64 and runs 32 at a time, rank 0 runs it whole;
+    # both then gather once (no hang).
+    r0, r1 = _run_worker(tmp_path, world=2, batch=32, plan="planner", accumulate=2, cap_batch=3, cap_ranks=[1],
+                         eval_factor=4)
     assert r0["error"] is None and r1["error"] is None and r1.get("capped") and not r0.get("capped")
     m0 = [m for m in r0["messages"] if m.startswith("WARNING:out of memory")]
     m1 = [m for m in r1["messages"] if m.startswith("WARNING:out of memory")]
@@ -340,3 +384,11 @@ def test_ddp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path) ->
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     # the reference is one process on the step's 128 samples; DDP averages two ranks' means of 64
     assert _rel_sd(tmp_path) <= 1e-5
+    # evaluation: rank 1 split alone and logged it, rank 0 ran whole; each gathered both ranks' predictions
+    e0, e1 = r0["eval"], r1["eval"]
+    assert e0["oom_retries"] == 0 and (e1["oom_retries"], e1["micro"]) == (2, [32]), e1  # 128 -> 64 -> 32
+    assert any("OOM in evaluation at micro-batch 128" in m for m in r1["messages"])
+    assert e0["gathered"] == e1["gathered"] == 256
+    for e in (e0, e1):
+        assert e["pred_max_diff"] <= 1e-5 and e["loss"] == pytest.approx(e["ref_loss"], rel=1e-6)
+        assert e["train_micro"] == [16, 16]  # the training micro-batch is not the evaluation's

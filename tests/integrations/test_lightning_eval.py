@@ -290,3 +290,31 @@ def test_without_the_callback_the_capped_module_fails() -> None:
     Lit, _, make_trainer = _for(PACKAGES[0])
     with pytest.raises(RuntimeError, match="DefaultCPUAllocator: can't allocate memory"):
         make_trainer().validate(Lit(oom_above=OOM_ABOVE))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_validation_is_not_split_where_the_forward_gathers_sharded_parameters(package: str, caplog) -> None:
+    pl = importlib.import_module(package)
+
+    class Trainer:  # what _patch_eval_step reads of a Trainer, from the package it names
+        __module__ = f"{package}.trainer.trainer"
+        is_global_zero = True
+        _results = None
+
+        def __init__(self, strategy) -> None:
+            self.strategy = strategy
+
+    class Module(nn.Linear):
+        def validation_step(self, batch, batch_idx):
+            return None
+
+    module = Module(2, 2)
+    callback = MemguardCallback(budget_bytes=1 << 30)
+    for strategy, split in ((pl.strategies.FSDPStrategy(), False), (pl.strategies.DeepSpeedStrategy(stage=3), False),
+                            (pl.strategies.DeepSpeedStrategy(stage=2), True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="memguard"):
+            callback._patch_eval_step(Trainer(strategy), module, "validation_step")
+        assert ("validation_step" in module.__dict__) == split, strategy
+        assert any("not guarded" in r.getMessage() for r in caplog.records) != split
+        callback._restore_attributes(module, "validation_step")

@@ -387,8 +387,11 @@ def test_real_oom_in_training_halves_and_keeps_the_trainers_step(tmp_path):
         assert a["learning_rate"] == b["learning_rate"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    # an out-of-memory error in evaluation propagates and leaves the training micro-batch as it was
-    assert r["eval_error"] == "OutOfMemoryError"
+    # an evaluation whose every forward runs out of memory is halved down to one sample, then raises memguard's
+    # error; the training micro-batch stays as it was
+    assert r["eval_error"] == "OOMRecoveryError"
+    assert any("OOM in evaluation at micro-batch 2" in m and "training micro-batch unchanged" in m
+               for m in r["messages"]), r["messages"]
     assert (r["micro_batch_after_eval"], r["oom_retries_after_eval"]) == (r["micro_batch_size"], r["oom_retries"])
 
 
@@ -500,3 +503,136 @@ def test_split_keeps_the_trainers_loss_scaling(tmp_path, num_items):
     assert len(logs) == len(want) == 2
     for (loss, norm, lr), (loss0, norm0, lr0) in zip(logs, want):
         assert loss == pytest.approx(loss0, rel=1e-5) and norm == pytest.approx(norm0, rel=1e-4) and lr == lr0
+
+
+EVAL_WORKER = Path(__file__).with_name("trainer_eval_worker.py")
+
+
+def run_eval_workers(tmp_path, world: int, **cfg) -> list[dict]:
+    config = {"out": str(tmp_path), "seq": 64, "vocab": 4096, "batch": 8, "eval_batch": 32, "eval_accum": 2,
+              "budget_mib": 56, **cfg}
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(WORKER.parent), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = [subprocess.Popen([sys.executable, str(EVAL_WORKER), json.dumps(config)],
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for rank in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the Trainer's evaluation did not finish within {WORKER_TIMEOUT_S} s: the ranks hung")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank in range(world):
+        assert (tmp_path / f"result{rank}.json").exists(), "\n".join(o[-3000:] for o in outputs)
+    return [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_truth
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+def test_real_oom_in_evaluate_and_predict_halves_the_eval_batch(tmp_path):
+    """Trainer.evaluate and predict of a tiny GPT-2 under a 56 MiB cap (see trainer_eval_worker.py): an
+    evaluation batch of 32 x 64 tokens x a 4096-entry vocabulary has 32 MiB of logits, and the loss copies them,
+    so the whole batch fails (measured: it fits from 66 MiB); halved to 16 the first piece fits and the 32 MiB
+    joined logits are allocated next to it, the second 16 fails beside them and 8 fits (measured: works from 46
+    to 62 MiB; under 42 the joined logits do not fit and memguard says so)."""
+    (r,) = run_eval_workers(tmp_path, 1, eval_n=96)
+    assert r["error"] is None and r["capped"], r["error"]
+    assert r["whole_fits"] is False and "can't allocate memory" in r["whole_error"]  # a real OOM
+    # the first batch ran whole before the cap; the second failed at 32, ran 16, failed at 16 beside the joined
+    # logits, ran 8 and 8; the third starts from the 8 remembered: every sample once in the final attempts
+    assert r["eval_forwards"] == [32, 32, 16, 16, 8, 8, 8, 8, 8, 8], r["eval_forwards"]
+    assert r["eval_oom_retries"] == 2
+    halvings = [m for m in r["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+    assert len(halvings) == 2 and "halving to 16" in halvings[0] and "halving to 8" in halvings[1], halvings
+    # metrics equal the unsplit run: the loss (labelled-token weights: every third sample has half its tokens
+    # unlabelled) and the accuracy from every predicted token, over eval_accumulation_steps=2
+    for key in ("eval_loss", "eval_accuracy"):
+        assert r["guarded_eval"][key] == pytest.approx(r["plain_eval"][key], rel=1e-6), key
+    for key in ("test_loss", "test_accuracy"):
+        assert r["guarded_predict"][key] == pytest.approx(r["plain_predict"][key], rel=1e-6), key
+    assert r["predictions_equal"] and r["label_ids_equal"]
+    # the training micro-batch is the evaluation's own business no more
+    assert r["train_micro"] == r["train_micro_after"] == [8, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_truth
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+def test_real_oom_in_evaluate_on_one_ddp_rank(tmp_path):
+    """Two gloo ranks, 96 evaluation samples each in batches of 32, rank 1 alone under the 56 MiB cap: it
+    splits its batches while rank 0 runs them whole, and both meet in the Trainer's gathers (and in the
+    labelled-token count the loss is normalised by, taken once per batch) the same number of times: no hang,
+    and the metrics equal a plain DDP Trainer's."""
+    r0, r1 = run_eval_workers(tmp_path, 2, eval_n=192, cap_ranks=[1])
+    for r in (r0, r1):
+        assert r["error"] is None, r["error"]
+        for key in ("eval_loss", "eval_accuracy"):
+            assert r["guarded_eval"][key] == pytest.approx(r["plain_eval"][key], rel=1e-6), key
+        for key in ("test_loss", "test_accuracy"):
+            assert r["guarded_predict"][key] == pytest.approx(r["plain_predict"][key], rel=1e-6), key
+        assert r["predictions_equal"] and r["label_ids_equal"]
+        assert r["train_micro"] == r["train_micro_after"] == [8, 0]
+    assert r1["capped"] and not r0["capped"]
+    assert r0["eval_oom_retries"] == 0 and r0["eval_forwards"] == [32, 32, 32]
+    assert r1["eval_oom_retries"] == 2 and r1["eval_forwards"] == [32, 32, 16, 16, 8, 8, 8, 8, 8, 8]
+    assert any("OOM in evaluation at micro-batch 32" in m for m in r1["messages"])
+
+
+class _NoLossKwargs(torch.nn.Module):
+    """A causal LM whose forward takes no loss kwargs: the Trainer passes no num_items_in_batch, and the loss is
+    the model's own mean over the micro-batch's labelled tokens."""
+
+    loss_type = "ForCausalLM"  # what the Trainer reads to count labelled tokens shifted by one, as the loss does
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = tiny_gpt2()
+
+    def forward(self, input_ids, labels):
+        return self.lm(input_ids=input_ids, labels=labels)
+
+
+class _PartlyLabelled(Tokens):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.labels = self.ids.clone()
+        self.labels[::4, :8] = -100  # micro-batches of 3 with 1, 1, 1 and 0 of these: sample weights would be wrong
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+@pytest.mark.parametrize("make", [tiny_gpt2, _NoLossKwargs], ids=["num_items_in_batch", "model_mean"])
+def test_evaluate_splits_with_the_unsplit_loss(tmp_path, make):
+    # the CPU allocator's message for forwards of more than 4 samples (c10/core/impl/alloc_cpu.cpp)
+    oom = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes"
+
+    def run(guarded: bool):
+        model = make()
+        args = trainer_args(tmp_path, per_device_eval_batch_size=12, eval_accumulation_steps=1)
+        callbacks = [MemguardCallback(plan=make_plan(micro_batch_size=8, grad_accum_steps=2, device="cpu"))] \
+            if guarded else []
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(32), eval_dataset=_PartlyLabelled(24),
+                                       callbacks=callbacks)
+        sizes: list[int] = []
+
+        def limit(module, a, kw):
+            sizes.append(kw["input_ids"].shape[0])
+            if guarded and kw["input_ids"].shape[0] > 4:
+                raise RuntimeError(oom)
+
+        model.register_forward_pre_hook(limit, with_kwargs=True)
+        return trainer.evaluate(), sizes, callbacks
+
+    plain, _, _ = run(False)
+    guarded, sizes, (callback,) = run(True)
+    assert sizes == [12, 6, 3, 3, 3, 3, 3, 3, 3, 3], sizes  # 12 and 6 fail, then 3 at a time; batch 2 starts at 3
+    assert callback.eval_oom_retries == 2 and callback.oom_retries == 0
+    assert guarded["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
