@@ -53,6 +53,7 @@ from memguard.guard._oom import (
     is_oom_error,
     oom_summary,
     release_exception,
+    released_oom,
     turn_off_onednn_after,
 )
 from memguard.guard._shapes import Signature, signature_of
@@ -236,10 +237,7 @@ def split_eval(
     try:
         return combine(results, weights)
     except Exception as exc:  # noqa: BLE001 - only an OOM is turned into memguard's error
-        if not is_oom_error(exc):
-            raise
-        summary = oom_summary(exc)
-        release_exception(exc)
+        summary = released_oom(exc)
         raise OOMRecoveryError(f"evaluation's outputs cannot be joined: combine= ran out of memory ({summary}); "
                                f"{hint}", micro_batch_size=size) from exc
 
@@ -623,20 +621,13 @@ class _Joiner:
         try:
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         except Exception as exc:  # noqa: BLE001 - only OOMs are handled
-            if not is_oom_error(exc):
-                raise
-            summary = oom_summary(exc)
-            release_exception(exc)
-            del exc
+            summary = released_oom(exc)
         free_memory()
         if like.device.type != "cpu":
             try:
                 whole = torch.empty(shape, dtype=like.dtype, device="cpu")
-            except Exception as exc:  # noqa: BLE001
-                if not is_oom_error(exc):
-                    raise
-                release_exception(exc)
-                del exc
+            except Exception as exc:  # noqa: BLE001 - only OOMs are handled
+                released_oom(exc)
             else:
                 self.moved.append(path)
                 log.warning("memguard: the joined %s (%s) does not fit on %s (%s); it is built in host memory and "
@@ -652,12 +643,8 @@ class _Joiner:
         for p in on_device:
             try:
                 host = self.joined[p].to("cpu")
-            except Exception as exc:  # noqa: BLE001
-                if not is_oom_error(exc):
-                    raise
-                summary = oom_summary(exc)
-                release_exception(exc)
-                del exc
+            except Exception as exc:  # noqa: BLE001 - only OOMs are handled
+                summary = released_oom(exc)
                 raise self.too_large(f"the joined {p} does not fit in host memory either ({summary})") from None
             self.structure = _zip_map([self.structure], lambda path, vs: host if path == p else vs[0], "result")
             self.joined[p] = host
@@ -675,12 +662,8 @@ class _Joiner:
             if path in self.pieces:
                 try:
                     return torch.cat(self.pieces.pop(path), dim=0)
-                except Exception as exc:  # noqa: BLE001
-                    if not is_oom_error(exc):
-                        raise
-                    summary = oom_summary(exc)
-                    release_exception(exc)
-                    del exc
+                except Exception as exc:  # noqa: BLE001 - only OOMs are handled
+                    summary = released_oom(exc)
                     raise self.too_large(f"concatenating {path} ran out of memory ({summary})") from None
             if path in self.sums:
                 total, weight, kind = self.sums[path]

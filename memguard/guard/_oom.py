@@ -249,6 +249,19 @@ def release_exception(exc: BaseException) -> None:
         e = e.__cause__ or e.__context__
 
 
+def released_oom(exc: BaseException) -> str:
+    """The one-line summary of an OOM, once the memory its traceback holds is released; any other error
+    is raised again.
+
+    For ``except Exception as exc: summary = released_oom(exc)``, where only an OOM is handled.
+    """
+    if not is_oom_error(exc):
+        raise exc
+    summary = oom_summary(exc)
+    release_exception(exc)
+    return summary
+
+
 def free_memory() -> None:
     """Collect reference cycles and, when CUDA is initialised, return cached blocks to the driver."""
     gc.collect()
