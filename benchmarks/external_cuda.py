@@ -629,9 +629,283 @@ def _litgpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
                       for c, tc in zip(flat, target_chunks)]).mean()
 
 
+# ---- conv nets as torchvision 0.6 builds them (torchvision/models/{resnet,vgg,mobilenet,googlenet}.py) ----
+# torchvision is not a dependency of this benchmark: the architectures are written out here, layer
+# for layer, with torchvision's in-place ReLUs, bias-free convolutions before BatchNorm and the
+# forward passes of torchvision 0.6.1 (the version MONeT's measurements used).
+
+
+class _Bottleneck(nn.Module):
+    """torchvision ``Bottleneck`` (ResNet v1.5: the stride on the 3x3 convolution), ``out += identity``."""
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """torchvision ``ResNet`` with ``Bottleneck`` blocks (``resnet50``: layers 3, 4, 6, 3)."""
+
+    def __init__(self, layers: tuple[int, ...] = (3, 4, 6, 3), num_classes: int = 1000) -> None:
+        super().__init__()
+        self.inplanes = 64
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.layer1 = self._make_layer(64, layers[0])
+        self.layer2 = self._make_layer(128, layers[1], stride=2)
+        self.layer3 = self._make_layer(256, layers[2], stride=2)
+        self.layer4 = self._make_layer(512, layers[3], stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512 * 4, num_classes)
+
+    def _make_layer(self, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+        downsample = None
+        if stride != 1 or self.inplanes != planes * 4:
+            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes * 4, 1, stride=stride, bias=False),
+                                       nn.BatchNorm2d(planes * 4))
+        layers = [_Bottleneck(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes * 4
+        layers += [_Bottleneck(self.inplanes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+_VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+
+
+class VGG(nn.Module):
+    """torchvision ``vgg16`` (configuration "D", no BatchNorm): features, 7x7 average pool, classifier."""
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c = 3
+        for v in _VGG16:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2, stride=2))
+            else:
+                layers += [nn.Conv2d(c, int(v), 3, padding=1), nn.ReLU(inplace=True)]
+                c = int(v)
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
+        self.classifier = nn.Sequential(nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(),
+                                        nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(),
+                                        nn.Linear(4096, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def _conv_bn_relu6(cin: int, cout: int, k: int = 3, stride: int = 1, groups: int = 1) -> nn.Sequential:
+    """torchvision 0.6 ``ConvBNReLU``: bias-free conv, BatchNorm, ``ReLU6(inplace=True)``."""
+    return nn.Sequential(nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False),
+                         nn.BatchNorm2d(cout), nn.ReLU6(inplace=True))
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, inp: int, oup: int, stride: int, t: int) -> None:
+        super().__init__()
+        hidden = int(round(inp * t))
+        self.use_res_connect = stride == 1 and inp == oup
+        layers: list[nn.Module] = [_conv_bn_relu6(inp, hidden, k=1)] if t != 1 else []
+        layers += [_conv_bn_relu6(hidden, hidden, stride=stride, groups=hidden),
+                   nn.Conv2d(hidden, oup, 1, bias=False), nn.BatchNorm2d(oup)]
+        self.conv = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.use_res_connect else self.conv(x)
+
+
+def _mobilenet_v2_features() -> nn.Sequential:
+    """torchvision 0.6 ``MobileNetV2().features`` (width 1.0, round to 8)."""
+    setting = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+               (6, 320, 1, 1))
+    layers: list[nn.Module] = [_conv_bn_relu6(3, 32, stride=2)]
+    c = 32
+    for t, out, n, s in setting:
+        for i in range(n):
+            layers.append(_InvertedResidual(c, out, s if i == 0 else 1, t))
+            c = out
+    layers.append(_conv_bn_relu6(c, 1280, k=1))
+    return nn.Sequential(*layers)
+
+
+class _BasicConv2d(nn.Module):
+    """torchvision ``googlenet.BasicConv2d``: bias-free conv, ``BatchNorm2d(eps=0.001)``, in-place ReLU."""
+
+    def __init__(self, cin: int, cout: int, **kw: Any) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, bias=False, **kw)
+        self.bn = nn.BatchNorm2d(cout, eps=0.001)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(self.conv(x)), inplace=True)
+
+
+class _Inception(nn.Module):
+    """torchvision ``Inception`` (its "5x5" branch is a 3x3 convolution, as torchvision builds it)."""
+
+    def __init__(self, cin: int, c1: int, c3r: int, c3: int, c5r: int, c5: int, pool: int) -> None:
+        super().__init__()
+        self.branch1 = _BasicConv2d(cin, c1, kernel_size=1)
+        self.branch2 = nn.Sequential(_BasicConv2d(cin, c3r, kernel_size=1),
+                                     _BasicConv2d(c3r, c3, kernel_size=3, padding=1))
+        self.branch3 = nn.Sequential(_BasicConv2d(cin, c5r, kernel_size=1),
+                                     _BasicConv2d(c5r, c5, kernel_size=3, padding=1))
+        self.branch4 = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1, ceil_mode=True),
+                                     _BasicConv2d(cin, pool, kernel_size=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.branch1(x), self.branch2(x), self.branch3(x), self.branch4(x)], 1)
+
+
+class _InceptionAux(nn.Module):
+    def __init__(self, cin: int, num_classes: int) -> None:
+        super().__init__()
+        self.conv = _BasicConv2d(cin, 128, kernel_size=1)
+        self.fc1 = nn.Linear(2048, 1024)
+        self.fc2 = nn.Linear(1024, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(self.conv(F.adaptive_avg_pool2d(x, (4, 4))), 1)
+        x = F.dropout(F.relu(self.fc1(x), inplace=True), 0.7, training=self.training)
+        return self.fc2(x)
+
+
+class GoogLeNet(nn.Module):
+    """torchvision 0.6 ``googlenet()`` (``aux_logits=True``): in training, returns (logits, aux2, aux1)."""
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = _BasicConv2d(3, 64, kernel_size=7, stride=2, padding=3)
+        self.maxpool1 = nn.MaxPool2d(3, stride=2, ceil_mode=True)
+        self.conv2 = _BasicConv2d(64, 64, kernel_size=1)
+        self.conv3 = _BasicConv2d(64, 192, kernel_size=3, padding=1)
+        self.maxpool2 = nn.MaxPool2d(3, stride=2, ceil_mode=True)
+        self.inception3a = _Inception(192, 64, 96, 128, 16, 32, 32)
+        self.inception3b = _Inception(256, 128, 128, 192, 32, 96, 64)
+        self.maxpool3 = nn.MaxPool2d(3, stride=2, ceil_mode=True)
+        self.inception4a = _Inception(480, 192, 96, 208, 16, 48, 64)
+        self.inception4b = _Inception(512, 160, 112, 224, 24, 64, 64)
+        self.inception4c = _Inception(512, 128, 128, 256, 24, 64, 64)
+        self.inception4d = _Inception(512, 112, 144, 288, 32, 64, 64)
+        self.inception4e = _Inception(528, 256, 160, 320, 32, 128, 128)
+        self.maxpool4 = nn.MaxPool2d(2, stride=2, ceil_mode=True)
+        self.inception5a = _Inception(832, 256, 160, 320, 32, 128, 128)
+        self.inception5b = _Inception(832, 384, 192, 384, 48, 128, 128)
+        self.aux1 = _InceptionAux(512, num_classes)
+        self.aux2 = _InceptionAux(528, num_classes)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.dropout = nn.Dropout(0.2)
+        self.fc = nn.Linear(1024, num_classes)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = self.maxpool2(self.conv3(self.conv2(self.maxpool1(self.conv1(x)))))
+        x = self.maxpool3(self.inception3b(self.inception3a(x)))
+        x = self.inception4a(x)
+        aux1 = self.aux1(x)
+        x = self.inception4d(self.inception4c(self.inception4b(x)))
+        aux2 = self.aux2(x)
+        x = self.maxpool4(self.inception4e(x))
+        x = self.inception5b(self.inception5a(x))
+        x = self.fc(self.dropout(torch.flatten(self.avgpool(x), 1)))
+        return x, aux2, aux1
+
+
+class _DoubleConv(nn.Sequential):
+    """milesial/Pytorch-UNet ``DoubleConv`` as MONeT copies it: (conv 3x3, BatchNorm, in-place ReLU) x 2."""
+
+    def __init__(self, cin: int, cout: int, mid: int | None = None) -> None:
+        mid = mid or cout
+        super().__init__(nn.Conv2d(cin, mid, 3, padding=1), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
+                         nn.Conv2d(mid, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+class _UNetUp(nn.Module):
+    """MONeT's ``Up``: ``AdaptiveAvgPool2d((height, width))`` as the upsampling, concat, ``DoubleConv``."""
+
+    def __init__(self, cin: int, cout: int, height: int, width: int) -> None:
+        super().__init__()
+        self.up = nn.AdaptiveAvgPool2d((height, width))
+        self.conv = _DoubleConv(cin, cout, cin // 2)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.cat([x2, self.up(x1)], dim=1))
+
+
+class UNet(nn.Module):
+    """MONeT's models/unet/unet_model.py ``UNet(n_channels, n_classes, height, width)``."""
+
+    def __init__(self, n_channels: int, n_classes: int, height: int, width: int) -> None:
+        super().__init__()
+        self.inc = _DoubleConv(n_channels, 64)
+        self.down1 = nn.Sequential(nn.MaxPool2d(2), _DoubleConv(64, 128))
+        self.down2 = nn.Sequential(nn.MaxPool2d(2), _DoubleConv(128, 256))
+        self.down3 = nn.Sequential(nn.MaxPool2d(2), _DoubleConv(256, 512))
+        self.down4 = nn.Sequential(nn.MaxPool2d(2), _DoubleConv(512, 512))
+        self.up1 = _UNetUp(1024, 256, height // 8, width // 8)
+        self.up2 = _UNetUp(512, 128, height // 4, width // 4)
+        self.up3 = _UNetUp(256, 64, height // 2, width // 2)
+        self.up4 = _UNetUp(128, 64, height, width)
+        self.outc = nn.Conv2d(64, n_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1 = self.inc(x)
+        x2 = self.down1(x1)
+        x3 = self.down2(x2)
+        x4 = self.down3(x3)
+        x5 = self.down4(x4)
+        x = self.up4(self.up3(self.up2(self.up1(x5, x4), x3), x2), x1)
+        return self.outc(x)
+
+
+def build_convnet(spec: dict[str, Any]) -> nn.Module:
+    """One of the conv nets above by ``spec["arch"]``, on the meta device."""
+    arch, n = spec["arch"], int(spec.get("num_classes", 1000))
+    with torch.device("meta"):
+        if arch == "resnet50":
+            return ResNet((3, 4, 6, 3), n)
+        if arch == "vgg16":
+            return VGG(n)
+        if arch == "mobilenet_v2_sequential":
+            # MONeT's check_runtime_original.py: Sequential(features, AdaptiveAvgPool2d, Flatten, classifier[0], [1])
+            return nn.Sequential(_mobilenet_v2_features(), nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(start_dim=1),
+                                 nn.Dropout(0.2), nn.Linear(1280, n))
+        if arch == "googlenet":
+            return GoogLeNet(n)
+        if arch == "unet":
+            return UNet(3, int(spec.get("n_classes", 1)), int(spec["height"]), int(spec["width"]))
+    raise ValueError(f"unknown conv net {arch!r}")
+
+
 BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "hf": build_hf, "vit_l16": build_vit_l16, "gpt_scratch": build_gpt_scratch,
-    "litgpt": build_litgpt, "timm_vit": build_timm_vit,
+    "litgpt": build_litgpt, "timm_vit": build_timm_vit, "convnet": build_convnet,
 }
 
 
@@ -651,8 +925,9 @@ def make_batch(spec: dict[str, Any]) -> Any:
         ids = torch.randint(0, int(spec["vocab_size"]), (b, int(spec["seq_len"])))
         return (ids, torch.roll(ids, -1, dims=1))
     if kind == "image":
-        s = int(spec["image_size"])
-        return (torch.randn(b, 3, s, s), torch.randint(0, int(spec["num_classes"]), (b,)))
+        h = w = int(spec["image_size"]) if "image_size" in spec else 0
+        h, w = int(spec.get("height", h)), int(spec.get("width", w))
+        return (torch.randn(b, 3, h, w), torch.randint(0, int(spec["num_classes"]), (b,)))
     raise ValueError(f"unknown batch kind {kind!r}")
 
 
@@ -694,9 +969,23 @@ def _torchtune_lm(model: nn.Module, batch: Any) -> torch.Tensor:
     return F.cross_entropy(logits, y[..., 1:].contiguous())
 
 
+def _sum_outputs(model: nn.Module, batch: Any) -> torch.Tensor:
+    """MONeT's check_runtime_original.py: ``model(input_).sum().backward()`` (GoogLeNet: the three outputs added).
+
+    No loss function, no labels: the scalar is the sum of the logits (of ``logits + aux2 + aux1``
+    where the model returns GoogLeNet's training outputs).
+    """
+    x, _ = batch
+    out = model(x)
+    if isinstance(out, (tuple, list)):
+        out = out[0] + out[1] + out[2]
+    return out.sum()
+
+
 LOSSES: dict[str, Callable[[nn.Module, Any], torch.Tensor] | None] = {
     "model_loss": None, "cross_entropy_logits": _ce_logits, "cross_entropy_lm": _ce_lm,
     "litgpt_chunked": _litgpt_chunked, "litgpt_model": _litgpt_loss, "torchtune_lm": _torchtune_lm,
+    "sum_outputs": _sum_outputs,
 }
 
 
@@ -750,6 +1039,11 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
         # the forward, which is the state memguard models for a micro-batch under accumulation
         accum = 2
         notes.append("zero_grad after forward: last step's gradients alive in the forward (modelled as accumulation)")
+    if loop == "no_zero_grad" and accum == 1:
+        # forward -> backward, never zero_grad: from the second iteration on the .grad tensors of the
+        # previous iterations are alive through forward and backward (backward accumulates into them)
+        accum = 2
+        notes.append("no zero_grad: gradients alive from the second iteration on (modelled as accumulation)")
     kwargs: dict[str, Any] = dict(
         optimizer=make_optimizer(setup["optimizer"]), loss_fn=LOSSES[loss_name],
         device="cuda", gpu=row["gpu"], precision=setup["precision"],
