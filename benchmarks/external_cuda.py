@@ -903,9 +903,236 @@ def build_convnet(spec: dict[str, Any]) -> nn.Module:
     raise ValueError(f"unknown conv net {arch!r}")
 
 
+# ---- torchtitan's Llama 3 (torchtitan/models/llama/model.py, commit 9dec370, December 2024) ----
+
+
+class _TitanRMSNorm(nn.Module):
+    """torchtitan/models/norms.py ``RMSNorm``: ``_norm(x.float()).type_as(x) * weight``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def _titan_rope(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary_emb``: float32 complex products with the complex64 ``freqs_cis``, cast back."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    f = freqs_cis[: xq.shape[1]].view(1, xq.shape[1], 1, xq_.shape[-1])
+    return (torch.view_as_real(xq_ * f).flatten(3).type_as(xq), torch.view_as_real(xk_ * f).flatten(3).type_as(xk))
+
+
+#: > 0 while torchtitan's attention call runs (read by the selective-AC policy of TitanSACBlock)
+_IN_ATTENTION = [0]
+
+
+class _TitanAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, t, _ = x.shape
+        xq = self.wq(x).view(bs, t, -1, self.head_dim)
+        xk = self.wk(x).view(bs, t, -1, self.head_dim)
+        xv = self.wv(x).view(bs, t, -1, self.head_dim)
+        xq, xk = _titan_rope(xq, xk, freqs_cis)
+        rep = self.n_heads // self.n_kv_heads  # repeat_kv: unsqueeze, expand, reshape (a copy)
+        keys = xk.unsqueeze(3).expand(bs, t, self.n_kv_heads, rep, self.head_dim).reshape(bs, t, -1, self.head_dim)
+        values = xv.unsqueeze(3).expand(bs, t, self.n_kv_heads, rep, self.head_dim).reshape(bs, t, -1, self.head_dim)
+        q, k, v = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        _IN_ATTENTION[0] += 1  # see TitanSACBlock: what the attention call allocates is one saved op's output
+        try:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        finally:
+            _IN_ATTENTION[0] -= 1
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, t, -1))
+
+
+class _TitanBlock(nn.Module):
+    def __init__(self, c: dict[str, Any]) -> None:
+        super().__init__()
+        dim = int(c["dim"])
+        self.attention = _TitanAttention(dim, int(c["n_heads"]), int(c["n_kv_heads"]))
+        hidden = int(2 * 4 * dim / 3)  # FeedForward: hidden_dim = 4 * dim, then 2/3, multiplier, multiple_of
+        hidden = int(float(c["ffn_dim_multiplier"]) * hidden)
+        m = int(c["multiple_of"])
+        hidden = m * ((hidden + m - 1) // m)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.attention_norm = _TitanRMSNorm(dim, float(c["norm_eps"]))
+        self.ffn_norm = _TitanRMSNorm(dim, float(c["norm_eps"]))
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        n = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(n)) * self.w3(n))
+
+
+# torchtitan/parallelisms/parallelize_llama.py (9dec370): the ops whose outputs selective op AC saves
+_TITAN_SAVE = (
+    "aten.mm.default", "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention.default", "_c10d_functional.reduce_scatter_tensor.default",
+    "aten.abs.default", "aten.max.default",
+)
+
+
+class TitanSACBlock(nn.Module):
+    """torchtitan's selective op activation checkpointing of one ``TransformerBlock``.
+
+    ``ptd_checkpoint_wrapper(block, context_fn=selective_checkpointing_context_fn,
+    preserve_rng_state=False)``: non-reentrant checkpoint whose policy saves the outputs of the ops
+    in ``_save_list`` except every second ``mm`` (counted separately in forward and recompute) and
+    recomputes everything else in backward.
+
+    On CUDA, ``F.scaled_dot_product_attention`` with bf16 inputs and a causal mask dispatches to one
+    ATen op, ``_scaled_dot_product_flash_attention``, which is in ``_save_list``: all its outputs
+    (attention output, logsumexp, RNG state) are saved. memguard's trace runs that call as its
+    model of CUDA's flash kernel, whose allocations reach the policy as plain ``empty``/``empty_like``
+    calls; so the policy here saves every output of an op issued during the attention call, which is
+    what the real policy saves on CUDA.
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        from collections import defaultdict
+
+        from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+        save = {op for op in map(_op, _TITAN_SAVE) if op is not None}
+        mm = torch.ops.aten.mm.default
+
+        def context_fn():
+            meta: dict[str, int] = defaultdict(int)
+
+            def policy(ctx, func, *args, **kwargs):
+                key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
+                if func == mm:
+                    meta[key] += 1
+                to_save = func in save and not (func == mm and meta[key] % 2 == 0)
+                to_save = to_save or _IN_ATTENTION[0] > 0
+                return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
+
+            return create_selective_checkpoint_contexts(policy)
+
+        return checkpoint(self.block, x, freqs_cis, use_reentrant=False, context_fn=context_fn,
+                          preserve_rng_state=False)
+
+
+def _op(name: str) -> Any:
+    """``torch.ops.<ns>.<op>.<overload>`` by name, or None where this torch build lacks it."""
+    ns, op, overload = name.split(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class TitanLlama(nn.Module):
+    """torchtitan's ``Transformer``: embeddings, blocks fed the complex64 ``freqs_cis`` buffer, norm, output.
+
+    The blocks sit in an ``nn.ModuleList`` (torchtitan: a ``ModuleDict`` keyed by layer id; the
+    forward is the same, and memguard's FSDP2 trace shards the blocks of a list, as torchtitan
+    shards each block and then the root).
+    """
+
+    def __init__(self, c: dict[str, Any]) -> None:
+        super().__init__()
+        dim, hd = int(c["dim"]), int(c["dim"]) // int(c["n_heads"])
+        self.tok_embeddings = nn.Embedding(int(c["vocab_size"]), dim)
+        theta = float(c["rope_theta"])
+        freqs = 1.0 / (theta ** (torch.arange(0, hd, 2)[: hd // 2].float() / hd))
+        freqs = torch.outer(torch.arange(int(c["max_seq_len"])), freqs).float()
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(freqs), freqs), persistent=True)
+        blocks = [_TitanBlock(c) for _ in range(int(c["n_layers"]))]
+        if c.get("ac") == "selective_op":
+            blocks = [TitanSACBlock(b) for b in blocks]
+        elif c.get("ac", "none") != "none":
+            raise ValueError(f"unsupported torchtitan AC mode {c.get('ac')!r}")
+        self.layers = nn.ModuleList(blocks)
+        self.norm = _TitanRMSNorm(dim, float(c["norm_eps"]))
+        self.output = nn.Linear(dim, int(c["vocab_size"]), bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+def build_torchtitan_llama(spec: dict[str, Any]) -> nn.Module:
+    with torch.device("meta"):
+        return TitanLlama(spec["config"])
+
+
+def _torchtitan_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """train.py (9dec370): ``cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))``, then ``del pred``."""
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(0, 1))
+
+
+# ---- the PyTorch baselines of Liger-Kernel's memory benchmarks (benchmark/scripts/, 2024) ----
+
+
+class LigerTorchLMHeadCE(nn.Module):
+    """benchmark_fused_linear_cross_entropy.py's ``TorchLMHeadCE`` step, with what else the script keeps on the GPU.
+
+    ``_input = torch.randn(BT, H, requires_grad=True)`` is a leaf whose gradient accumulates over the
+    script's ten iterations: here a parameter, so that memguard holds it and its gradient as the
+    script does. ``lin`` is ``TorchLMHeadCE.lin`` (``Linear(H, V, bias=False)``) and the loss
+    ``CrossEntropyLoss(reduction="mean")`` of its logits; ``unused_liger_lin`` is the weight of the
+    ``LigerLMHeadCE`` the script builds on the device next to it (resident, never called by the
+    torch provider). The forward takes the targets and returns the loss.
+    """
+
+    def __init__(self, bt: int, h: int, v: int) -> None:
+        super().__init__()
+        self.input = nn.Parameter(torch.empty(bt, h))
+        self.lin = nn.Linear(h, v, bias=False)
+        self.unused_liger_lin = nn.Linear(h, v, bias=False)
+        self.unused_liger_lin.weight.requires_grad_(False)
+
+    def forward(self, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.lin(self.input), target)
+
+
+class LigerTorchCE(nn.Module):
+    """benchmark_cross_entropy.py's torch provider: ``CrossEntropyLoss()`` of a ``randn(B*T, V, requires_grad=True)`` leaf."""
+
+    def __init__(self, bt: int, v: int) -> None:
+        super().__init__()
+        self.input = nn.Parameter(torch.empty(bt, v))
+
+    def forward(self, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.input, target)
+
+
+def build_liger_baseline(spec: dict[str, Any]) -> nn.Module:
+    with torch.device("meta"):
+        if spec["kernel"] == "fused_linear_cross_entropy":
+            return LigerTorchLMHeadCE(int(spec["BT"]), int(spec["H"]), int(spec["V"]))
+        if spec["kernel"] == "cross_entropy":
+            return LigerTorchCE(int(spec["BT"]), int(spec["V"]))
+    raise ValueError(f"unknown Liger benchmark {spec['kernel']!r}")
+
+
 BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "hf": build_hf, "vit_l16": build_vit_l16, "gpt_scratch": build_gpt_scratch,
     "litgpt": build_litgpt, "timm_vit": build_timm_vit, "convnet": build_convnet,
+    "torchtitan_llama": build_torchtitan_llama, "liger_baseline": build_liger_baseline,
 }
 
 
@@ -928,6 +1155,9 @@ def make_batch(spec: dict[str, Any]) -> Any:
         h = w = int(spec["image_size"]) if "image_size" in spec else 0
         h, w = int(spec.get("height", h)), int(spec.get("width", w))
         return (torch.randn(b, 3, h, w), torch.randint(0, int(spec["num_classes"]), (b,)))
+    if kind == "targets":
+        # class indices only: the step's other input lives in the model (see LigerTorchLMHeadCE)
+        return torch.randint(0, int(spec["num_classes"]), (b,))
     raise ValueError(f"unknown batch kind {kind!r}")
 
 
@@ -985,7 +1215,7 @@ def _sum_outputs(model: nn.Module, batch: Any) -> torch.Tensor:
 LOSSES: dict[str, Callable[[nn.Module, Any], torch.Tensor] | None] = {
     "model_loss": None, "cross_entropy_logits": _ce_logits, "cross_entropy_lm": _ce_lm,
     "litgpt_chunked": _litgpt_chunked, "litgpt_model": _litgpt_loss, "torchtune_lm": _torchtune_lm,
-    "sum_outputs": _sum_outputs,
+    "sum_outputs": _sum_outputs, "torchtitan": _torchtitan_loss,
 }
 
 
@@ -1049,6 +1279,10 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
         device="cuda", gpu=row["gpu"], precision=setup["precision"],
         activation_checkpointing=bool(setup.get("activation_checkpointing", False)), grad_accum_steps=accum,
     )
+    if setup.get("strategy"):
+        # a sharded multi-GPU job: one rank's peak (memguard traces rank 0 over a fake process group)
+        kwargs.update(strategy=setup["strategy"], world_size=int(setup["world_size"]),
+                      zero_stage=int(setup.get("zero_stage", 0)))
     if loop in ("keeps_outputs", "zero_grad_after_forward") and _accepts("keep_outputs"):
         kwargs["keep_outputs"] = True
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -1071,6 +1305,7 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": row["id"], "source": row["source"], "gpu": row["gpu"], "measured": measured,
         "precision": setup["precision"], "batch_size": int(setup["batch"]["batch_size"]),
+        "strategy": setup.get("strategy"), "world_size": int(setup.get("world_size", 1)),
         "checkpointing": bool(setup.get("activation_checkpointing", False)), "lora": bool(setup.get("lora")),
         "published_bytes": published, "predicted_bytes": int(predicted),
         "error": (predicted - published) / published,
