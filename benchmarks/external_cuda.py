@@ -57,8 +57,8 @@ DATA = _REPO / "benchmarks" / "data" / "external_cuda.json"
 # bytes per published unit; "GB" as the sources print it (x / 1e9), "GiB"/"MiB" where they divide by 1024**k
 _UNITS = {"B": 1, "MB": 10**6, "GB": 10**9, "MiB": 1 << 20, "GiB": 1 << 30}
 _MIB = 1 << 20
-# the accuracy goals for this set: median, worst |error|, worst under-prediction
-GOAL_MEDIAN, GOAL_MAX, GOAL_UNDER = 0.03, 0.08, -0.05
+# the accuracy goals for this set (issue 22): median, worst |error|, worst under-prediction
+GOAL_MEDIAN, GOAL_MAX, GOAL_UNDER = 0.02, 0.06, -0.04
 
 
 # --------------------------------------------------------------------------------------------
@@ -999,8 +999,9 @@ class TitanSACBlock(nn.Module):
     ATen op, ``_scaled_dot_product_flash_attention``, which is in ``_save_list``: all its outputs
     (attention output, logsumexp, RNG state) are saved. memguard's trace runs that call as its
     model of CUDA's flash kernel, whose allocations reach the policy as plain ``empty``/``empty_like``
-    calls; so the policy here saves every output of an op issued during the attention call, which is
-    what the real policy saves on CUDA.
+    calls; so the policy here saves the output of every op issued during the attention call that
+    allocates (not the views, such as the transposed query, that would keep its inputs alive), which
+    is what the real policy saves on CUDA.
     """
 
     def __init__(self, block: nn.Module) -> None:
@@ -1023,7 +1024,8 @@ class TitanSACBlock(nn.Module):
                 if func == mm:
                     meta[key] += 1
                 to_save = func in save and not (func == mm and meta[key] % 2 == 0)
-                to_save = to_save or _IN_ATTENTION[0] > 0
+                # during the attention call: what it allocates (not the views it takes of its inputs)
+                to_save = to_save or (_IN_ATTENTION[0] > 0 and not getattr(func, "is_view", False))
                 return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
 
             return create_selective_checkpoint_contexts(policy)
@@ -1307,6 +1309,8 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
         "precision": setup["precision"], "batch_size": int(setup["batch"]["batch_size"]),
         "strategy": setup.get("strategy"), "world_size": int(setup.get("world_size", 1)),
         "checkpointing": bool(setup.get("activation_checkpointing", False)), "lora": bool(setup.get("lora")),
+        "checkpointing_in_model": setup["model"].get("config", {}).get("ac") if isinstance(
+            setup["model"].get("config"), dict) else None,
         "published_bytes": published, "predicted_bytes": int(predicted),
         "error": (predicted - published) / published,
         "estimate": {"peak_bytes": est.peak_bytes, "allocated_peak_bytes": est.allocated_peak_bytes,
@@ -1336,9 +1340,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "max_abs_error_row": worst["id"], "worst_under_prediction": under["error"],
         "worst_under_prediction_row": under["id"], "mean_error": statistics.fmean(errs),
     }
-    s["goals"] = {"median_abs_error<=3%": s["median_abs_error"] <= GOAL_MEDIAN,
-                  "max_abs_error<=8%": s["max_abs_error"] <= GOAL_MAX,
-                  "no_under_prediction_beyond_-5%": s["worst_under_prediction"] >= GOAL_UNDER}
+    s["goals"] = {f"median_abs_error<={GOAL_MEDIAN:.0%}": s["median_abs_error"] <= GOAL_MEDIAN,
+                  f"max_abs_error<={GOAL_MAX:.0%}": s["max_abs_error"] <= GOAL_MAX,
+                  f"no_under_prediction_beyond_{GOAL_UNDER:.0%}": s["worst_under_prediction"] >= GOAL_UNDER}
     return s
 
 
@@ -1380,24 +1384,28 @@ def render_markdown(results: list[dict[str, Any]], summary: dict[str, Any], slop
         "`peak_bytes`, nvidia-smi totals vs `peak_bytes` + CUDA context (the source's own context measurement "
         "where it printed one). GB = 1e9 bytes. Error = (predicted - published) / published.",
         "",
-        "| row | GPU | measured | precision | batch | ckpt | LoRA | published GB | predicted GB | error | conf. |",
-        "|---|---|---|---|---:|---|---|---:|---:|---:|---|",
+        "| row | GPU | ranks | measured | precision | batch | ckpt | LoRA | published GB | predicted GB | error | conf. |",
+        "|---|---|---|---|---|---:|---|---|---:|---:|---:|---|",
     ]
     for r in results:
         if "error" not in r:
-            lines.append(f"| {r['id']} | {r.get('gpu', '')} | | | | | | | | failed: {r.get('failure', '')[:80]} | |")
+            lines.append(f"| {r['id']} | {r.get('gpu', '')} | | | | | | | | | failed: {r.get('failure', '')[:80]} | |")
             continue
+        ranks = f"{r['strategy']} x {r['world_size']}" if r.get("strategy") else "1"
+        ckpt = "yes" if r["checkpointing"] else ("selective op" if r.get("checkpointing_in_model") == "selective_op"
+                                                 else "no")
         lines.append(
-            f"| {r['id']} | {r['gpu']} | {r['measured']} | {r['precision']} | {r['batch_size']} | "
-            f"{'yes' if r['checkpointing'] else 'no'} | {'yes' if r['lora'] else 'no'} | {_gb(r['published_bytes'])} | "
+            f"| {r['id']} | {r['gpu']} | {ranks} | {r['measured']} | {r['precision']} | {r['batch_size']} | "
+            f"{ckpt} | {'yes' if r['lora'] else 'no'} | {_gb(r['published_bytes'])} | "
             f"{_gb(r['predicted_bytes'])} | {100 * r['error']:+.1f}% | {r['confidence']} |")
     if summary.get("rows"):
         lines += [
             "",
             f"Rows: {summary['rows']} (failed: {summary['failed']}). Median |error| "
-            f"{100 * summary['median_abs_error']:.1f}% (goal <= 3%), max |error| {100 * summary['max_abs_error']:.1f}% "
-            f"({summary['max_abs_error_row']}; goal <= 8%), worst under-prediction "
-            f"{100 * summary['worst_under_prediction']:+.1f}% ({summary['worst_under_prediction_row']}; goal >= -5%).",
+            f"{100 * summary['median_abs_error']:.1f}% (goal <= {GOAL_MEDIAN:.0%}), max |error| "
+            f"{100 * summary['max_abs_error']:.1f}% ({summary['max_abs_error_row']}; goal <= {GOAL_MAX:.0%}), worst "
+            f"under-prediction {100 * summary['worst_under_prediction']:+.1f}% ({summary['worst_under_prediction_row']}; "
+            f"goal >= {GOAL_UNDER:.0%}).",
         ]
     if slope_rows:
         lines += ["", "## Bytes per extra sample (rows that differ only in batch size)", "",

@@ -77,6 +77,89 @@ def test_resolved_setups_are_complete():
         assert isinstance(setup.get("activation_checkpointing", False), bool), rid
 
 
+STRATEGIES = {"fsdp2"}
+
+
+def test_sharded_rows_name_their_world():
+    # a per-rank peak of a multi-GPU job means nothing without the strategy, ranks and sharding level
+    _, rows = load_rows(DATA)
+    sharded = [r for r in rows if r["setup"].get("strategy")]
+    assert sharded, "no multi-GPU row"
+    for row in sharded:
+        setup, rid = row["setup"], row["id"]
+        assert setup["strategy"] in STRATEGIES, rid
+        assert int(setup["world_size"]) > 1, rid
+        assert int(setup["zero_stage"]) in (1, 2, 3), rid
+    # rows of one source that differ only in world size resolve to the same model
+    by_id = {r["id"]: r for r in rows}
+    a, b = by_id["torchtitan-llama3.1-8b-fsdp8-b2-s8192"], by_id["torchtitan-llama3.1-8b-fsdp128-b2-s8192"]
+    assert a["setup"]["model"] == b["setup"]["model"] and (a["setup"]["world_size"], b["setup"]["world_size"]) == (8, 128)
+
+
+@pytest.mark.parametrize("arch, params", [
+    # torchvision's parameter counts of these models (torchvision.models, 1000 classes)
+    ("resnet50", 25_557_032), ("vgg16", 138_357_544), ("mobilenet_v2_sequential", 3_504_872),
+    ("googlenet", 13_004_888),
+])
+def test_conv_nets_have_torchvisions_parameter_counts(arch, params):
+    model = BUILDERS["convnet"]({"arch": arch})
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_conv_net_forward_shapes():
+    import torch
+
+    x = torch.empty(2, 3, 224, 224, device="meta")
+    assert BUILDERS["convnet"]({"arch": "resnet50"})(x).shape == (2, 1000)
+    out = BUILDERS["convnet"]({"arch": "googlenet"}).train()(x)  # training: (logits, aux2, aux1)
+    assert [o.shape for o in out] == [(2, 1000)] * 3
+    unet = BUILDERS["convnet"]({"arch": "unet", "height": 416, "width": 608})
+    assert unet(torch.empty(1, 3, 416, 608, device="meta")).shape == (1, 1, 416, 608)
+
+
+def test_torchtitan_llama3_8b_shapes():
+    _, rows = load_rows(DATA)
+    (row,) = [r for r in rows if r["id"] == "torchtitan-llama3.1-8b-fsdp8-b2-s8192"]
+    model = BUILDERS["torchtitan_llama"](row["setup"]["model"])
+    # torchtitan logs 8,030,261,248 parameters for Llama 3 8B (FFN hidden 14336, 8 KV heads)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    assert model.layers[0].block.w1.out_features == 14336
+
+
+def test_torchtitan_selective_checkpointing_matches_plain_backward():
+    # the selective-op checkpoint wrapper must not change the step's result, only what is saved
+    import torch
+
+    from benchmarks.external_cuda import _torchtitan_loss
+
+    cfg = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim_multiplier=1.3, multiple_of=32, norm_eps=1e-5,
+               rope_theta=500000.0, vocab_size=97, max_seq_len=16)
+    grads = []
+    for ac in ("none", "selective_op"):
+        torch.manual_seed(0)
+        model = BUILDERS["torchtitan_llama"]({"config": dict(cfg, ac=ac)}).to_empty(device="cpu")
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.05)
+            theta = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))
+            freqs = torch.outer(torch.arange(16).float(), theta)
+            model.freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+        ids = torch.arange(32).remainder(97).view(2, 16)
+        _torchtitan_loss(model, (ids, ids)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_liger_baselines_hold_what_the_script_holds():
+    # the torch provider's step keeps its leaf input (with gradient) and the unused Liger module's weight
+    model = BUILDERS["liger_baseline"]({"kernel": "fused_linear_cross_entropy", "BT": 4096, "H": 4096, "V": 128256})
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"input", "lin.weight"}
+    assert model.unused_liger_lin.weight.shape == (128256, 4096)
+
+
 def test_units_are_the_sources_units():
     # "GB" as printed by x / 1e9, "GiB"/"MiB" where the source divides by 1024**k
     assert published_bytes({"value": 1.5, "unit": "GB"}) == 1_500_000_000
