@@ -3,9 +3,13 @@
 Each row of ``benchmarks/data/external_cuda.json`` is one real training run on a real GPU whose
 peak was printed by its authors (``torch.cuda.max_memory_allocated()``,
 ``max_memory_reserved()``, ``memory_reserved()`` after training, or an NVML/nvidia-smi total),
-with a citation, the setup written out and a confidence note. This script rebuilds each row's
-model on the ``meta`` device from its config, asks ``memguard.estimate(device="cuda", gpu=...)``
-for the same step and compares like with like:
+with a citation, the setup written out and a confidence note; for a multi-GPU job, the peak of
+one rank, with the row's ``strategy``, ``world_size`` and ``zero_stage`` passed to the estimate
+(memguard traces rank 0 of an FSDP2 job over a fake process group). This script rebuilds each
+row's model on the ``meta`` device from its config (transformers models, and the models of the
+sources written out here: torchvision's conv nets, ViTs, LitGPT, the from-scratch GPT,
+torchtitan's Llama with its selective checkpointing, Liger-Kernel's benchmark modules), asks
+``memguard.estimate(device="cuda", gpu=...)`` for the same step and compares like with like:
 
 * ``allocated_peak`` against ``Estimate.allocated_peak_bytes``;
 * ``reserved_peak`` / ``reserved_after`` against ``Estimate.peak_bytes``;
