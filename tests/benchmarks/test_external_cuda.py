@@ -80,6 +80,13 @@ def test_resolved_setups_are_complete():
 STRATEGIES = {"fsdp2"}
 
 
+def test_set_covers_conv_nets_and_multi_gpu_ranks():
+    # issue 22: the set must not be transformers on one GPU only
+    _, rows = load_rows(DATA)
+    assert any(r["setup"]["model"]["builder"] == "convnet" for r in rows)
+    assert any(int(r["setup"].get("world_size", 1)) > 1 for r in rows)
+
+
 def test_sharded_rows_name_their_world():
     # a per-rank peak of a multi-GPU job means nothing without the strategy, ranks and sharding level
     _, rows = load_rows(DATA)
