@@ -22,8 +22,9 @@ Known limitations:
     product) rather than in the kernel. Not modelled: flash's split-KV buffers (dropout-free calls
     with too few blocks to fill the GPU, i.e. inference-sized), flash's deterministic-mode
     ``nsplits`` accumulator (needs the SM count) and cuDNN's workspace. The cuDNN preference on
-    sm90/sm100 needs the cuDNN version, which a CPU build cannot report: set :data:`CUDNN_VERSION`
-    (or pass ``cudnn_version`` to :func:`select_sdpa_backend`); unset, cuDNN attention is never chosen.
+    sm90/sm100 needs the cuDNN version, which a CPU build cannot report: it is the target's
+    (``CudaTarget.cudnn_version``, from ``memguard.estimate(cudnn_version=...)`` or the torch
+    release's default wheel); a target without one never chooses cuDNN attention.
     The cuDNN rule's output layout and seed/offset tensors follow ``cudnn/MHA.cpp`` as read for
     earlier 2.x releases; only its backward (``_cudnn_attention_backward``) was re-read for 2.13.
     Torch 2.5.0 put cuDNN first on sm90 and 2.5.1 took that back: ``CudaTarget.torch_version``
@@ -633,11 +634,6 @@ def _efficient_bias(mask: torch.Tensor | None, q, k) -> torch.Tensor | None:
     return mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
 
 
-#: The cuDNN version of the modelled CUDA build (``torch.backends.cudnn.version()`` there, e.g.
-#: 91000 for 9.10.0); None: unknown, so cuDNN attention is not chosen (a CPU build cannot report it).
-CUDNN_VERSION: int | None = None
-
-
 @cuda_rule(F.scaled_dot_product_attention)
 def sdpa_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Run ``F.scaled_dot_product_attention`` as CUDA would on ``target``: choose the backend by
@@ -653,7 +649,8 @@ def sdpa_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> 
     mask, dropout_p, is_causal, scale, gqa = p["attn_mask"], float(p["dropout_p"]), bool(p["is_causal"]), p["scale"], bool(p["enable_gqa"])
     settings = sdpa_settings()
     backend = select_sdpa_backend(target, SdpaCall(q, k, v, mask, dropout_p, is_causal, gqa), settings=settings,
-                                  cudnn_version=CUDNN_VERSION)
+                                  cudnn_version=target.cudnn_version,
+                                  cuda_major=target.cuda_version[0] if target.cuda_version else 12)
     grad = _requires_grad(q, k, v)
     if backend == "flash":
         d = q.size(-1)

@@ -160,7 +160,7 @@ def test_efficient_logsumexp_is_padded_to_32_rows():
 # bytes a fake forward+backward allocates
 
 
-def _allocations(cap, dtype, *, b=2, h=4, s=100, d=64, dropout=0.1, mask=False):
+def _allocations(cap, dtype, *, b=2, h=4, s=100, d=64, dropout=0.1, mask=False, cudnn=None, cuda=None):
     """Storage sizes allocated by SDPA's forward and by its backward under the CUDA rules.
 
     q, k, v are views of one projection (as in a transformer block); the output is turned back to
@@ -178,7 +178,7 @@ def _allocations(cap, dtype, *, b=2, h=4, s=100, d=64, dropout=0.1, mask=False):
                 if m is not None:
                     rec.register(m, "inputs")
                 start = len(trace.events)
-                with CudaKernelModel(CudaTarget(cap)):
+                with CudaKernelModel(CudaTarget(cap, cuda_version=cuda, cudnn_version=cudnn)):
                     q, k, v = x.view(b, s, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
                     out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=dropout)
                     y = out.transpose(1, 2).reshape(b, s, h * d)
@@ -320,14 +320,13 @@ def test_multihead_attention_without_weights_runs_the_chosen_kernel():
         gc.enable()
 
 
-def test_cudnn_bytes(monkeypatch):
+def test_cudnn_bytes():
     # H100 with cuDNN 9.16: check_prefer_cudnn_attention puts cuDNN first; dropout 0.125 = 2/16 passes
     # check_cudnn_dropout. Forward: the output in the query's [B, S, H, D] memory layout (so the
     # caller's transpose(1, 2).reshape copies nothing), fp32 stats [B, H, S], int64 seed and offset;
     # backward: dq, dk, dv like q, k, v (_cudnn_attention_backward)
-    monkeypatch.setattr(ca, "CUDNN_VERSION", 91600)
     b, h, s, d = 2, 4, 128, 64
-    fwd, bwd = _allocations(H100, torch.bfloat16, b=b, h=h, s=s, d=d, dropout=0.125)
+    fwd, bwd = _allocations(H100, torch.bfloat16, b=b, h=h, s=s, d=d, dropout=0.125, cudnn=91600, cuda=(12, 8))
     bhsd = b * h * s * d * 2
     assert fwd == Counter([bhsd, b * h * s * 4, 8, 8])
     assert Counter([bhsd] * 3) - bwd == Counter()
