@@ -17,7 +17,7 @@ What the CPU trace records instead, and why each rule exists:
   then cast back; CUDA runs ``_softmax(x, dim, half_to_float=True)`` with neither copy.
 * ``F.rms_norm``: on the CPU ``_fused_rms_norm`` is the composite (an fp32 copy of the input, the
   normalised product and the weighted product are saved); CUDA's fused kernel keeps one fp32
-  ``rstd`` value per row (``cuda/layer_norm_kernel.cu``).
+  ``rstd`` value per row (``cuda/layer_norm_kernel.cu``); torch 2.4-2.7 ran their own composite.
 * ``F.layer_norm``: CUDA keeps ``mean``/``rstd`` in the accumulate type (fp32 for 16-bit inputs,
   where the CPU keeps 16-bit ones), and its weight-gradient reduction for many rows and a narrow
   hidden size uses per-block partial buffers.
@@ -313,17 +313,60 @@ class _FusedRmsNorm(torch.autograd.Function):
 FUSED_RMS_NORM_SINCE = (2, 8)
 
 
+#: pytorch/pytorch#147203 (torch 2.7) moved the composite's weight multiply into the op-math type,
+#: casting once at the end (as pytorch/pytorch#187779 recounts: "the CPU side was aligned in #147203").
+RMS_NORM_WEIGHT_IN_OPMATH_SINCE = (2, 7)
+
+
+def rms_norm_composite(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None, eps: float | None,
+                       torch_version: tuple[int, int]) -> torch.Tensor:
+    """``rms_norm`` as layer_norm.cpp wrote it before the fused CUDA kernel (torch 2.4 to 2.7), the
+    composite every device ran: the input upcast to its op-math type (``toOpMathType``: fp32 for
+    16-bit inputs, the input itself for fp32), ``rsqrt(pow(upcast, 2).mean(dims, keepdim=True)
+    .add_(eps))`` and ``upcast.mul(rsqrt)``; then, in torch 2.4 to 2.6, ``.type_as(input)`` and
+    ``mul(weight)`` in the input's dtype, and from 2.7 (:data:`RMS_NORM_WEIGHT_IN_OPMATH_SINCE`)
+    ``mul(weight)`` in the op-math type and ``type_as(input)`` last.
+
+    Autograd keeps the upcast (``pow`` and ``mul`` save it), the product that ``mul(weight)`` saves
+    and the output: on [8192, 4096] bf16 with a bf16 weight 128 + 64 + 64 = 256 MiB in 2.4-2.6,
+    128 + 128 + 64 = 320 MiB in 2.7 (the fused kernel of 2.8+: the 64 MiB output and the rstd).
+    Written out in ATen calls because the installed torch's own composite may be another release's.
+    """
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))  # dims_to_reduce: the trailing dims
+    opmath = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    upcast = x.to(opmath)
+    eps_val = float(eps) if eps is not None else torch.finfo(opmath).eps  # numeric_limits<opmath>::epsilon()
+    rstd = torch.rsqrt(torch.pow(upcast, 2).mean(dims, keepdim=True).add_(eps_val))
+    result = upcast.mul(rstd)
+    del upcast, rstd
+    if torch_version >= RMS_NORM_WEIGHT_IN_OPMATH_SINCE:
+        if weight is not None:
+            result = result.mul(weight)
+        return result.type_as(x)
+    result = result.type_as(x)
+    if weight is not None:
+        result = result.mul(weight)
+    return result
+
+
 @cuda_rule(F.rms_norm, torch.rms_norm)
 def rms_norm(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``F.rms_norm`` / ``torch.rms_norm`` as CUDA runs them.
 
     layer_norm.cpp ``rms_norm_symint``: channels-last or complex inputs, and a weight whose dtype
     differs from the input's, take ``rms_norm_composite`` (as on the CPU); everything else calls
-    ``_fused_rms_norm``, the fused CUDA kernel.
+    ``_fused_rms_norm``, the fused CUDA kernel. A target torch older than 2.8 runs the composite of
+    its own release (:func:`rms_norm_composite`; ``F.rms_norm`` arrived in 2.4).
     """
     x = args[0] if args else kwargs.get("input")
     shape = _arg(args, kwargs, 1, "normalized_shape", None)
     weight = _arg(args, kwargs, 2, "weight", None)
+    if (
+        target.torch_version < FUSED_RMS_NORM_SINCE and isinstance(x, torch.Tensor) and shape is not None
+        and not x.is_nested and x.is_floating_point()
+    ):
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return rms_norm_composite(x, shape, weight, _arg(args, kwargs, 3, "eps", None), target.torch_version)
     if (
         target.torch_version < FUSED_RMS_NORM_SINCE or not isinstance(x, torch.Tensor) or shape is None
         or x.is_nested or x.is_complex() or not x.is_floating_point()

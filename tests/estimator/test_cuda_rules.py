@@ -29,7 +29,8 @@ from memguard.estimator._cuda_rules import (
 )
 
 load_rules()
-A100 = CudaTarget(capability=(8, 0), sm_count=108)  # A100: 108 SMs (NVIDIA A100 datasheet)
+A100 = CudaTarget(capability=(8, 0), sm_count=108)
+MiB = 1 << 20  # A100: 108 SMs (NVIDIA A100 datasheet)
 
 
 def leaf(*shape, dtype=torch.float32):
@@ -175,6 +176,27 @@ def test_rms_norm_rule_applies_from_the_fused_kernels_torch_version_only():
     # before the fused CUDA kernel the composite runs on CUDA as on the CPU: its fp32 copies stay
     assert new.forward_kept == 2 * m * n + 4 * m
     assert old.forward_kept >= new.forward_kept + 8 * m * n
+
+
+@pytest.mark.parametrize("version, kept_mib", [
+    # layer_norm.cpp rms_norm, 2.4-2.6: fp32 upcast (128 MiB, saved by pow and mul), the product cast
+    # back to bf16 (64, saved by mul(weight)), the bf16 output (64)
+    ((2, 4), 256), ((2, 6), 256),
+    # 2.7 (pytorch/pytorch#147203): mul(weight) in fp32 saves the fp32 product (128) instead
+    ((2, 7), 320),
+    # 2.8+: _fused_rms_norm_cuda keeps the output and one fp32 rstd a row (8192 x 4 B)
+    ((2, 8), 64), ((2, 13), 64),
+])
+def test_rms_norm_on_8192x4096_bf16_keeps_what_each_torch_release_kept(version, kept_mib):
+    m, n = 8192, 4096
+
+    def make(device):
+        return (torch.randn(m, n, device=device, dtype=torch.bfloat16, requires_grad=True),
+                torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True))
+
+    got = modelled_op_memory(lambda x, w: F.rms_norm(x, (n,), w), make, CudaTarget(capability=(8, 0), torch_version=version))
+    rstd = 4 * m  # the [8192, 1] fp32 rstd: saved by the fused kernel, and by the composite's mul
+    assert got.forward_kept == kept_mib * MiB + rstd
 
 
 def test_rms_norm_module_with_weight_backward_allocates_dx_and_dgamma():
