@@ -91,6 +91,25 @@ def cuda_rule(*funcs: Callable) -> Callable[[Rule], Rule]:
     return register
 
 
+#: ATen-level rules: ``op -> rule(target, args, fake_outputs, replay)``, run by the trace's recorder
+#: (:class:`memguard.estimator._trace.Recorder`) after each such op on the CUDA target, to record the
+#: buffers the CUDA kernel allocates and frees inside the call (a
+#: :class:`memguard.estimator._cpu_kernels.Replay`), for ops that autograd calls itself (a backward's
+#: ``mm``) where no torch function is there to replace.
+CUDA_OP_RULES: dict[Any, Callable[..., None]] = {}
+
+
+def cuda_op_rule(*ops: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register the decorated ATen-level rule for each of ``ops`` (``torch.ops.aten.*`` overloads)."""
+
+    def register(rule: Callable[..., None]) -> Callable[..., None]:
+        for op in ops:
+            CUDA_OP_RULES[op] = rule
+        return rule
+
+    return register
+
+
 class CudaKernelModel(TorchFunctionMode):
     """Run each registered torch function through its CUDA rule.
 

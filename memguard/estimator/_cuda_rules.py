@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from memguard.errors import ConfigError
-from memguard.estimator._cuda_kernels import CudaTarget, cuda_rule
+from memguard.estimator._cuda_kernels import CudaTarget, cuda_op_rule, cuda_rule
 
 #: cuda/Embedding.cu ``embedding_dense_backward_cuda``: up to this many indices (and without
 #: ``scale_grad_by_freq``) the backward runs one feature kernel on ``grad_weight`` alone (torch 2.13).
@@ -574,6 +574,62 @@ for _nd, _f in ((1, F.conv1d), (2, F.conv2d), (3, F.conv3d)):
     cuda_rule(_f)(_conv_rule(_nd, False))
 for _nd, _f in ((1, F.conv_transpose1d), (2, F.conv_transpose2d), (3, F.conv_transpose3d)):
     cuda_rule(_f)(_conv_rule(_nd, True))
+
+
+# --------------------------------------------------------------------------------------------
+# Matrix products: operands cuBLAS cannot read in place
+# --------------------------------------------------------------------------------------------
+
+
+def _non_overlapping_and_dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """``TensorImpl::compute_non_overlapping_and_dense`` (c10/core/TensorImpl.cpp): in the order of
+    increasing strides (size-1 dims last), each stride is the product of the sizes before it."""
+    order = sorted(range(len(sizes)), key=lambda i: (sizes[i] < 2, strides[i]))
+    expected = 1
+    for i in order:
+        if sizes[i] < 2:
+            return True
+        if strides[i] != expected:
+            return False
+        expected *= sizes[i]
+    return True
+
+
+def cublas_needs_copy(t: torch.Tensor) -> bool:
+    """Whether CUDA's ``mm``/``addmm`` copies this 2-d operand before calling cuBLAS.
+
+    ``prepare_matrix_for_cublas`` (aten/src/ATen/native/cuda/Blas.cpp; cuBlasCommonArgs.h in recent
+    releases, the same code from torch 1.x to 2.13): a non-overlapping dense tensor is passed as it
+    is, and so is a column-major (``stride(0) == 1``, ``stride(1) >= max(1, size(0))``) or row-major
+    (``stride(1) == 1``, ``stride(0) >= max(1, size(1))``) one; anything else, such as the
+    stride-0 gradient that ``sum()``'s backward expands, becomes ``tensor.clone(Contiguous)``.
+    """
+    if t.dim() != 2 or t.numel() == 0:
+        return False
+    if _non_overlapping_and_dense(tuple(t.shape), t.stride()):
+        return False
+    (s0, s1), (n0, n1) = t.stride(), t.shape
+    if s0 == 1 and s1 >= max(1, n0):
+        return False
+    return not (s1 == 1 and s0 >= max(1, n1))
+
+
+@cuda_op_rule(torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+def cublas_operand_copies(target: CudaTarget, args: tuple, out: Any, replay: Any) -> None:
+    """The contiguous copies ``prepare_matrix_for_cublas`` makes of ``mm``/``addmm`` operands (see
+    :func:`cublas_needs_copy`): allocated after the output (``addmm_out_cuda_impl`` runs on the
+    structured kernel's output) and freed when the call returns. A fake-tensor trace records neither,
+    as the meta kernel reads strides without copying: the backward of ``logits.sum()`` hands the
+    language-model head's two gradient matmuls a stride-0 ``[tokens, vocab]`` gradient, and CUDA
+    materialises it in each (``mean()`` divides first, which is already a dense tensor).
+    """
+    del target
+    mats = args[:2] if len(args) == 2 else args[1:3]  # mm(self, mat2); addmm(self, mat1, mat2, ...)
+    replay.outputs()
+    for i, m in enumerate(mats):
+        if isinstance(m, torch.Tensor) and cublas_needs_copy(m):
+            replay.alloc(f"operand{i}", m.numel() * m.element_size())
+    replay.free("operand0", "operand1")
 
 
 # --------------------------------------------------------------------------------------------

@@ -553,3 +553,48 @@ def test_rules_run_again_in_checkpoint_recomputation():
     backward = ckpt.events[ckpt.phase_starts["backward"]:ckpt.phase_starts["optimizer"]]
     mask = 200 * 64  # one bool [200, 64] mask per recomputed block (an fp32 noise would be 4x)
     assert sum(1 for _, n in backward if n == mask) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# cuBLAS operands (cuda/Blas.cpp prepare_matrix_for_cublas)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, strides, copied", [
+    ((6, 16), (0, 0), True),  # sum()'s expanded gradient: overlapping, neither layout -> clone
+    ((6, 16), (16, 1), False),  # row-major dense
+    ((6, 16), (1, 6), False),  # column-major dense (a transposed view)
+    ((6, 16), (32, 1), False),  # row-major with a larger leading dimension (a slice)
+    ((6, 16), (1, 0), True),  # stride(1) = 0 < size(0): no usable leading dimension
+])
+def test_cublas_copies_operands_it_cannot_read_in_place(shape, strides, copied):
+    from memguard.estimator._cuda_rules import cublas_needs_copy
+
+    t = torch.empty_strided(shape, strides, device="meta")
+    assert cublas_needs_copy(t) is copied
+
+
+def test_sum_backward_through_a_linear_layer_materialises_the_gradient_in_both_matmuls():
+    # linear(x).sum() on x [N, D], W [V, D]: the backward's mm(grad [N, V] stride 0, W) and
+    # mm(grad^T [V, N] stride 0, x) each clone the expanded gradient (N*V*4 bytes), allocated after
+    # the mm's output and freed when it returns; the CPU trace's fake mm records no such buffer
+    n, d, v = 24, 8, 40
+
+    def make(device):
+        return (torch.randn(n, d, device=device, requires_grad=True),
+                torch.randn(v, d, device=device, requires_grad=True))
+
+    cuda, cpu = cuda_and_cpu(lambda x, w: F.linear(x, w).sum(), make)
+    grad_x, grad_w, clone = 4 * n * d, 4 * v * d, 4 * n * v
+    assert cuda.backward_peak == cpu.backward_peak + clone
+    assert cuda.backward_peak >= grad_x + grad_w + clone
+
+
+def test_mean_backward_hands_matmuls_a_dense_gradient():
+    # mean_backward (FunctionsManual.cpp): sum_backward(grad) / n is a dense tensor: no copy
+    def make(device):
+        return (torch.randn(24, 8, device=device, requires_grad=True),
+                torch.randn(40, 8, device=device, requires_grad=True))
+
+    cuda, cpu = cuda_and_cpu(lambda x, w: F.linear(x, w).mean(), make)
+    assert cuda.backward_peak == cpu.backward_peak
