@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from memguard.errors import ConfigError
 from memguard.estimator._cuda_kernels import CudaTarget, cuda_op_rule, cuda_rule
@@ -711,3 +712,48 @@ def cuda_optimizer_path(optimizer: torch.optim.Optimizer, target: CudaTarget) ->
         for g in optimizer.param_groups
     }
     return paths.pop() if len(paths) == 1 else "mixed"
+
+
+#: pytorch/pytorch#104898 (torch 2.1) made ``_multi_tensor_adam``/``_multi_tensor_adamw`` add eps to
+#: the square-root list in place; torch 2.0 computed ``denom = torch._foreach_add(exp_avg_sq_sqrt,
+#: eps)``, a second parameter-sized list live through ``_foreach_addcdiv_`` (pytorch/pytorch#97712).
+ADAM_DENOM_IN_PLACE_SINCE = (2, 1)
+
+
+class _OutOfPlaceAdamDenom(TorchFunctionMode):
+    """Run the installed torch's foreach Adam as torch 2.0 allocated it: the in-place ``_foreach_add_``
+    on the list that the last ``_foreach_sqrt`` returned (``exp_avg_sq_sqrt``, or AMSGrad's
+    ``max_exp_avg_sq_sqrt``) becomes an out-of-place ``_foreach_add`` whose result (``denom``)
+    lives until the ``_foreach_addcdiv_`` that reads it has returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sqrt: list[int] = []
+        self._denom: Any = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch._foreach_add_ and args and self._sqrt and [id(t) for t in args[0]] == self._sqrt:
+            self._sqrt = []
+            self._denom = torch._foreach_add(*args, **kwargs)  # 2.0: denom, a new list
+            return None
+        out = func(*args, **kwargs)
+        if func is torch._foreach_sqrt:
+            self._sqrt = [id(t) for t in out]
+        elif func is torch._foreach_addcdiv_:
+            self._denom = None  # 2.0's denom dies with the step's locals, after the update
+        return out
+
+
+def cuda_optimizer_step_mode(optimizer: torch.optim.Optimizer, target: CudaTarget | None) -> Any:
+    """A mode to run ``optimizer.step()`` under so that its allocations are the target torch's, or a
+    null context: foreach Adam/AdamW before torch 2.1 (:data:`ADAM_DENOM_IN_PLACE_SINCE`)."""
+    import contextlib
+
+    if (
+        target is None or target.torch_version >= ADAM_DENOM_IN_PLACE_SINCE
+        or not _is_optimizer(type(optimizer), ("Adam", "AdamW"))
+        or not any(g.get("foreach") for g in optimizer.param_groups)
+    ):
+        return contextlib.nullcontext()
+    return _OutOfPlaceAdamDenom()

@@ -881,7 +881,9 @@ class StepTracer:
         trace, rec = self.trace, self.recorder
         trace.phase_starts["optimizer"] = len(trace.events)
         rec.phase = "optimizer"
-        with uncached(self.mode):
+        from memguard.estimator._cuda_rules import cuda_optimizer_step_mode  # the target torch's optimizer
+
+        with uncached(self.mode), cuda_optimizer_step_mode(self.opt, self.spec.cuda_target):
             self.opt.step()
         for t in _optimizer_state_tensors(self.opt):
             h = rec.handle_of(t)

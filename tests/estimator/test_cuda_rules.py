@@ -598,3 +598,46 @@ def test_mean_backward_hands_matmuls_a_dense_gradient():
 
     cuda, cpu = cuda_and_cpu(lambda x, w: F.linear(x, w).mean(), make)
     assert cuda.backward_peak == cpu.backward_peak
+
+
+def _optimizer_phase_peak(trace) -> int:
+    """The most bytes live during the optimizer phase, replaying the trace's events."""
+    start, end = trace.phase_starts["optimizer"], trace.phase_starts["zero_grad"]
+    live = sum(n for _, n in trace.events[:start])
+    peak = live
+    for _, n in trace.events[start:end]:
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_foreach_adam_before_torch_2_1_keeps_an_out_of_place_denom(opt_cls):
+    # torch 2.0 _multi_tensor_adam(w): denom = torch._foreach_add(exp_avg_sq_sqrt, eps), a second
+    # parameter-sized list while the square roots live (pytorch/pytorch#97712); torch 2.1+
+    # (pytorch/pytorch#104898): torch._foreach_add_(exp_avg_sq_sqrt, eps). So a 2.0 target's step
+    # peaks one parameter-sized list (every parameter's bytes) higher
+    from memguard.estimator._trace import trace_step
+
+    def peak(version):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40))
+        trace = trace_step(model, torch.randn(4, 64), loss_fn=lambda m, b: m(b).square().mean(), device="cpu",
+                           foreach=True, cuda_target=CudaTarget(capability=(8, 0), torch_version=version),
+                           optimizer=lambda p: opt_cls(p, lr=1e-3))
+        return _optimizer_phase_peak(trace)
+
+    param_bytes = 4 * (64 * 96 + 96 + 96 * 40 + 40)
+    assert peak((2, 0)) - peak((2, 1)) == param_bytes
+    assert peak((2, 1)) == peak((2, 13))
+
+
+def test_sgd_and_fused_adam_take_no_denom_mode():
+    from memguard.estimator._cuda_rules import _OutOfPlaceAdamDenom, cuda_optimizer_step_mode
+
+    p = [nn.Parameter(torch.zeros(3))]
+    old = CudaTarget(capability=(8, 0), torch_version=(2, 0))
+    assert isinstance(cuda_optimizer_step_mode(torch.optim.Adam(p, foreach=True), old), _OutOfPlaceAdamDenom)
+    assert not isinstance(cuda_optimizer_step_mode(torch.optim.SGD(p, lr=0.1, foreach=True), old), _OutOfPlaceAdamDenom)
+    assert not isinstance(cuda_optimizer_step_mode(torch.optim.Adam(p, foreach=False), old), _OutOfPlaceAdamDenom)
+    assert not isinstance(cuda_optimizer_step_mode(torch.optim.Adam(p, foreach=True), A100), _OutOfPlaceAdamDenom)
