@@ -152,3 +152,21 @@ def test_allocator_options_follow_the_target_torch(monkeypatch):
 def test_plan_takes_the_stack_and_refuses_a_bad_one():
     with pytest.raises(ConfigError, match="from 11.7 to 13.2"):
         memguard.plan(_mlp(), torch.randn(4, 64), global_batch_size=8, gpu="A100-80GB", cuda_version="9.0")
+
+
+@pytest.mark.parametrize("torch_version, cuda, cudnn, expected", [
+    # check_prefer_cudnn_attention (cuda/sdp_utils.cpp, torch 2.13): cuDNN > 9.15.0 on sm90 puts cuDNN
+    # first; torch 2.13's default wheel has cuDNN 9.20.0 (CUDA 13.0)
+    ("2.13.0", None, None, "cudnn"),
+    # the same release with the cu126 wheel's cuDNN 9.10.2: the default order, flash first
+    ("2.13.0", "12.6", "9.10.2", "flash"),
+])
+def test_sdpa_prefers_cudnn_attention_by_the_target_stack(torch_version, cuda, cudnn, expected):
+    from memguard.estimator._cuda_attention import SdpaCall, SdpaSettings, select_sdpa_backend
+
+    spec = target_gpu("cuda", "H100-80GB", [], torch_version=torch_version, cuda_version=cuda, cudnn_version=cudnn)
+    target = CudaTarget.for_spec(spec)
+    q = torch.empty(2, 8, 256, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    got = select_sdpa_backend(target, SdpaCall(q, q, q), settings=SdpaSettings(),
+                              cudnn_version=target.cudnn_version, cuda_major=target.cuda_version[0])
+    assert got == expected
