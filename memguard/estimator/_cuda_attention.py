@@ -722,6 +722,8 @@ def _rerouted(func: Callable, target: CudaTarget, helpers: bool = True) -> Calla
     if clone is not None:
         return clone
     g = dict(func.__globals__)
+    if g.get("torch") is torch:
+        g["torch"] = _TORCH_UNDER_AUTOCAST  # torch.bmm, torch.baddbmm, ... called by attribute
     for name, value in func.__globals__.items():
         if not callable(value) or value is func:
             continue
@@ -739,6 +741,33 @@ def _rerouted(func: Callable, target: CudaTarget, helpers: bool = True) -> Calla
     return clone
 
 
+class _TorchUnderAutocast(types.ModuleType):
+    """``torch`` as the rerouted composite sees it: the functions CUDA autocast has a policy for
+    (ATen/autocast_mode.h's lists, :mod:`memguard.estimator._autocast`) go through the active
+    emulation (:func:`_autocast_call`), every other name is torch's own. ``F.multi_head_attention_
+    forward`` calls ``torch.bmm``/``torch.baddbmm`` by attribute on its ``need_weights=True`` path
+    (the default): real autocast casts their fp32 softmax weights to 16 bits, and without this the
+    trace failed on an fp32 x fp16 ``bmm``."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self._wrapped: dict[str, Callable] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        from memguard.estimator._autocast import FP32, FP32_SET_DTYPE, LOWER, PROMOTE
+
+        if callable(value) and not isinstance(value, type) and name in LOWER | FP32 | FP32_SET_DTYPE | PROMOTE:
+            wrapped = self._wrapped.get(name)
+            if wrapped is None:
+                wrapped = self._wrapped[name] = _autocast_call(value, value)
+            return wrapped
+        return value
+
+
+_TORCH_UNDER_AUTOCAST = _TorchUnderAutocast()
+
+
 def _is_ruled(value: Any) -> bool:
     try:
         return value in RULES
@@ -754,6 +783,9 @@ def mha_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> A
     torch/nn/modules/activation.py) needs ``not training`` and no autograd, so a training step
     takes the slow path, ``F.multi_head_attention_forward``: with ``need_weights=True`` (the
     default) it computes explicit weights (bmm, softmax, dropout), otherwise it calls
-    ``scaled_dot_product_attention``. Both run here with the CUDA rules for the functions they call.
+    ``scaled_dot_product_attention``. Both run here with the CUDA rules for the functions they call
+    and, under autocast, with its policy for each (``torch.bmm``/``torch.baddbmm`` included: with
+    weights, 16-bit autocast keeps softmax's fp32 ``[B*H, L, S]`` result and the fp16 copy the second
+    ``bmm`` saves, where ``need_weights=False`` on sm80+ keeps flash's logsumexp only).
     """
     return _rerouted(func, target)(*args, **kwargs)
