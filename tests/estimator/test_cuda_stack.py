@@ -170,3 +170,10 @@ def test_sdpa_prefers_cudnn_attention_by_the_target_stack(torch_version, cuda, c
     got = select_sdpa_backend(target, SdpaCall(q, q, q), settings=SdpaSettings(),
                               cudnn_version=target.cudnn_version, cuda_major=target.cuda_version[0])
     assert got == expected
+
+
+def test_evaluation_estimates_take_the_stack_too():
+    with pytest.raises(ConfigError, match="from 2.0 to 2.13"):
+        memguard.estimate(_mlp(), torch.randn(4, 64), gpu="A100-80GB", train=False, torch_version="1.13")
+    est = memguard.estimate(_mlp(), torch.randn(4, 64), gpu="A100-80GB", train=False, torch_version="2.9")
+    assert any("target stack: torch 2.9, CUDA 12.8, cuDNN 9.10.2" in n for n in est.notes)
