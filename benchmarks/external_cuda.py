@@ -27,6 +27,7 @@ Usage::
     python benchmarks/external_cuda.py --rows llmfs-gpt124m-fp32-b8,hf-bert-large-fp32-b4
     python benchmarks/external_cuda.py --quick              # the rows with the smallest models
     python benchmarks/external_cuda.py --out some/folder
+    python benchmarks/external_cuda.py --published-stack    # each source's printed torch/CUDA versions
 
 Writes ``external_cuda.json`` and ``external_cuda.md`` to ``--out`` (default
 ``benchmarks/results``) and prints the table.
@@ -1253,8 +1254,24 @@ def _accepts(name: str) -> bool:
     return name in inspect.signature(memguard.estimate).parameters
 
 
-def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
-    """Rebuild the row's step, ask memguard, return the comparison."""
+def published_stack(source: dict[str, Any] | None) -> dict[str, str]:
+    """The ``torch_version=``/``cuda_version=`` a source printed (``"2.6.0+cu124 ..."`` -> 2.6.0 and
+    12.4), or nothing where its ``torch`` field does not start with a version."""
+    import re
+
+    text = str((source or {}).get("torch", ""))
+    m = re.match(r"(\d+\.\d+(?:\.\d+)?)(?:\S*?\+cu(\d+)(\d))?", text)
+    if m is None:
+        return {}
+    stack = {"torch_version": m.group(1)}
+    if m.group(2):
+        stack["cuda_version"] = f"{m.group(2)}.{m.group(3)}"
+    return stack
+
+
+def estimate_row(row: dict[str, Any], stack: dict[str, str] | None = None) -> dict[str, Any]:
+    """Rebuild the row's step, ask memguard, return the comparison; ``stack``: the torch/CUDA versions
+    to pass (:func:`published_stack`), where ``memguard.estimate`` takes them."""
     import memguard
 
     setup = row["setup"]
@@ -1291,6 +1308,8 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
                       zero_stage=int(setup.get("zero_stage", 0)))
     if loop in ("keeps_outputs", "zero_grad_after_forward") and _accepts("keep_outputs"):
         kwargs["keep_outputs"] = True
+    if stack and _accepts("torch_version"):
+        kwargs.update(stack)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     t0 = time.perf_counter()
     est = memguard.estimate(model, batch, **kwargs)
@@ -1323,6 +1342,7 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
         "context_used_bytes": context, "trainable_params": trainable, "grad_accum_steps_passed": accum,
         "keep_outputs_passed": bool(kwargs.get("keep_outputs", False)), "slope_group": row.get("slope_group"),
         "confidence": row["confidence"], "estimate_seconds": round(seconds, 2), "notes": notes,
+        "stack_passed": dict(stack) if stack and _accepts("torch_version") else None,
     }
 
 
@@ -1448,6 +1468,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=str(DATA), help="the data file")
     parser.add_argument("--out", default=str(Path("benchmarks") / "results"), help="folder for the .json/.md")
     parser.add_argument("--analysis", help="a Markdown file whose text is appended to the report")
+    parser.add_argument("--published-stack", action="store_true",
+                        help="pass the torch (and CUDA) version a source printed as torch_version=/cuda_version=")
     args = parser.parse_args(argv)
 
     sources, rows = load_rows(Path(args.data))
@@ -1465,7 +1487,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for row in rows:
         try:
-            res = estimate_row(row)
+            res = estimate_row(row, published_stack(sources.get(row["source"])) if args.published_stack else None)
         except Exception as exc:  # noqa: BLE001 - one failing row is reported, the others still run
             res = {"id": row["id"], "gpu": row["gpu"], "failure": f"{type(exc).__name__}: {exc}"}
         results.append(res)

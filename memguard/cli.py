@@ -71,6 +71,7 @@ CLI_OPTIONS = {
     "offload_optimizer": "--offload-optimizer", "headroom": "--headroom", "cache": "--cache",
     "keep_outputs": "--keep-outputs",
     "max_shape": "--max-seq-len", "strategy": "--strategy", "finetune": "--finetune", "train": "--eval",
+    "torch_version": "--torch-version", "cuda_version": "--cuda-version", "cudnn_version": "--cudnn-version",
 }
 
 #: memguard.plan's options that take Python objects, so the command line has no flag for them.
@@ -305,6 +306,14 @@ def _target_options(parser: argparse.ArgumentParser, *, budget_help: str) -> arg
                         "avx512_core_amx")
     g.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
                    help="data-parallel ranks (default 1)")
+    g.add_argument("--torch-version", metavar="X.Y", type=_text("2.5.1"),
+                   help="with --device cuda: the torch release of the training machine, 2.0 to 2.13 "
+                        "(default: the installed torch)")
+    g.add_argument("--cuda-version", metavar="X.Y", type=_text("12.4"),
+                   help="the CUDA toolkit of that torch build, 11.7 to 13.2 (default: that release's PyPI "
+                        "wheel's)")
+    g.add_argument("--cudnn-version", metavar="X.Y.Z", type=_text("9.10.2"),
+                   help="its cuDNN, 8.5 to 9.x (default: that release's PyPI wheel's)")
     g.add_argument("--budget", type=_bytes_arg, metavar="SIZE", help=budget_help)
     return g
 
@@ -805,7 +814,8 @@ def plan_request(args: argparse.Namespace, loaded: "LoadedModel | None" = None) 
     """
     return PlanRequest(
         global_batch_size=args.global_batch_size, gpu=args.gpu, budget_bytes=args.budget,
-        world_size=args.world_size, device=args.device, cpu=args.cpu,
+        world_size=args.world_size, device=args.device, cpu=args.cpu, torch_version=args.torch_version,
+        cuda_version=args.cuda_version, cudnn_version=args.cudnn_version,
         strategy=_restrict(getattr(args, "strategy", None)), finetune=getattr(args, "finetune", None),
         train=not getattr(args, "eval", False),
         optimizer=loaded.optimizer if loaded else None, loss_fn=loaded.loss_fn if loaded else None,
@@ -971,6 +981,7 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
         precision=args.precision, zero_stage=args.zero_stage, world_size=args.world_size, gpu=args.gpu,
         activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
         offload_optimizer=args.offload_optimizer, keep_outputs=args.keep_outputs, cpu=args.cpu,
+        torch_version=args.torch_version, cuda_version=args.cuda_version, cudnn_version=args.cudnn_version,
     )
     progress.say(f"estimated in {progress.elapsed()}")
     budget = args.budget

@@ -323,6 +323,9 @@ def test_model_factory_by_module_name(tmp_path, monkeypatch, capsys):
         # the global batch must split evenly over the ranks
         (["plan", *TINY, "--global-batch-size", "6", "--world-size", "4", "--gpu", "T4"],
          "cannot be split evenly over world_size 4"),
+        # a torch release outside the modelled ones names the range (checked before the model is built)
+        (["plan", "--model", "x:y", "--global-batch-size", "8", "--gpu", "T4", "--torch-version", "1.9"],
+         "from 2.0 to 2.13"),
     ],
 )
 def test_config_errors_exit_2_with_the_fix(argv, message, capsys):

@@ -22,13 +22,17 @@ Known limitations:
     product) rather than in the kernel. Not modelled: flash's split-KV buffers (dropout-free calls
     with too few blocks to fill the GPU, i.e. inference-sized), flash's deterministic-mode
     ``nsplits`` accumulator (needs the SM count) and cuDNN's workspace. The cuDNN preference on
-    sm90/sm100 needs the cuDNN version, which a CPU build cannot report: set :data:`CUDNN_VERSION`
-    (or pass ``cudnn_version`` to :func:`select_sdpa_backend`); unset, cuDNN attention is never chosen.
+    sm90/sm100 needs the cuDNN version, which a CPU build cannot report: it is the target's
+    (``CudaTarget.cudnn_version``, from ``memguard.estimate(cudnn_version=...)`` or the torch
+    release's default wheel); a target without one never chooses cuDNN attention.
     The cuDNN rule's output layout and seed/offset tensors follow ``cudnn/MHA.cpp`` as read for
     earlier 2.x releases; only its backward (``_cudnn_attention_backward``) was re-read for 2.13.
     Torch 2.5.0 put cuDNN first on sm90 and 2.5.1 took that back: ``CudaTarget.torch_version``
     carries no patch level, so 2.5 is modelled as 2.5.1.
-    Nested (jagged) tensors go to the CPU's own implementation. Grouped-query attention (fewer
+    ROCm: flash runs on AOTriton for gfx90a/gfx942 (:data:`ROCM_FLASH_ARCHS`, torch 2.3+), with the
+    CUDA selection checks and ``mha_fwd_aot``/``mha_bwd_aot``'s tensors; AOTriton's lazily made fp32
+    dq accumulator and the ROCm memory-efficient backend (masks take the math path here) are not
+    modelled. Nested (jagged) tensors go to the CPU's own implementation. Grouped-query attention (fewer
     k/v heads than query heads) is taken by flash and cuDNN only: the memory-efficient backend of
     torch <= 2.13 requires equal head counts, so where flash cannot run such a call takes the math
     path (``select_sdpa_backend``). Later torch (main after 2.13, whose
@@ -159,10 +163,26 @@ def _last_dim_stride_1(q, k, v, attn_mask, ignore_singleton: bool) -> bool:
     return ok
 
 
+#: ROCm GPUs AOTriton's flash kernels run on (``aotriton::v2::flash::check_gpu`` in
+#: ``check_flash_attention_hardware_support``'s ROCm branch, cuda/sdp_utils.cpp; its support list,
+#: hip/flash_attn/aot/mha_all_aot.hip ``check_gpu_arch``): gfx90a (MI200, which torch reports as
+#: compute capability 9.0) and gfx942 (MI300X, 9.4); others are experimental or unsupported.
+ROCM_FLASH_ARCHS = ((9, 0), (9, 4))
+#: torch 2.3 built ROCm's SDPA flash backend on AOTriton (USE_FLASH_ATTENTION with aotriton 0.4).
+ROCM_FLASH_SINCE = (2, 3)
+
+
+def _rocm_flash_hardware(target: CudaTarget) -> bool:
+    return tuple(target.capability) in ROCM_FLASH_ARCHS and target.torch_version >= ROCM_FLASH_SINCE
+
+
 def _can_use_flash(target: CudaTarget, s: SdpaSettings, call: SdpaCall) -> bool:
-    """``can_use_flash_attention`` (cuda/sdp_utils.cpp, torch 2.13)."""
+    """``can_use_flash_attention`` (cuda/sdp_utils.cpp, torch 2.13); on ROCm its hardware check is
+    AOTriton's (:data:`ROCM_FLASH_ARCHS`), the other checks are the same code."""
     q, k, v, attn_mask, dropout_p, is_causal, enable_gqa = _unpack(call)
-    if target.vendor != "nvidia" or not s.flash:  # check_runtime_disabled_flash; ROCm: aotriton rules
+    if not s.flash:  # check_runtime_disabled_flash
+        return False
+    if target.vendor != "nvidia" and not _rocm_flash_hardware(target):
         return False
     if not (q.dim() == k.dim() == v.dim() == 4):  # check_tensor_shapes
         return False
@@ -173,10 +193,10 @@ def _can_use_flash(target: CudaTarget, s: SdpaSettings, call: SdpaCall) -> bool:
         return False
     # check_flash_attention_hardware_support: sm80..sm121 (torch < 2.7: sm80..sm90, before Blackwell)
     high = (12, 1) if target.torch_version >= (2, 7) else (9, 0)
-    if not _cap_in(target.capability, (8, 0), high):
+    if target.vendor == "nvidia" and not _cap_in(target.capability, (8, 0), high):
         return False
     # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120
-    if _requires_grad(q, k, v) and (_cap_in(target.capability, (8, 6), (8, 9)) or _cap_in(target.capability, (12, 0), (12, 1))):
+    if target.vendor == "nvidia" and _requires_grad(q, k, v) and (_cap_in(target.capability, (8, 6), (8, 9)) or _cap_in(target.capability, (12, 0), (12, 1))):
         if not (d_q <= 192 or (dropout_p == 0.0 and d_q > 224)):
             return False
     # check_flash_causal_non_square_seqlens
@@ -448,9 +468,13 @@ class _FlashAttention(torch.autograd.Function):
     """``_scaled_dot_product_flash_attention`` on CUDA: ``mha_fwd``/``mha_bwd`` allocations."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dropout_p: float, is_causal: bool, scale):
+    def forward(ctx, q, k, v, dropout_p: float, is_causal: bool, scale, rocm: bool = False):
         b, h, s_q, d = q.shape
         h_k, s_k = k.size(1), k.size(2)
+        ctx.rocm = rocm
+        if rocm and is_causal:  # mha_fwd_aot: atomic_counter = at::zeros({1}, kInt) for causal calls
+            counter = _empty((1,), torch.int32, q)
+            del counter
         # the output is allocated as [B, S, H, D] (empty_like of the transposed query) and handed
         # back transposed: a view, so a later .transpose(1, 2).contiguous() costs no copy
         out = torch.empty_like(_bshd(q))
@@ -470,6 +494,14 @@ class _FlashAttention(torch.autograd.Function):
         out = out_bshd.contiguous()  # already contiguous in [B, S, H, D]: no copy
         q_t, k_t, v_t = _bshd(q), _bshd(k), _bshd(v)
         dq, dk, dv = torch.empty_like(q_t), torch.empty_like(k_t), torch.empty_like(v_t)
+        if ctx.rocm:
+            # mha_bwd_aot (hip/flash_attn/aot/mha_all_aot.hip): dq, dk, dv with empty_like (in the
+            # kernel's GQA layout), softmax_d fp32 [B, H, S_q] and delta fp32 like the [B*H, S_q]
+            # logsumexp; AOTriton's lazily made fp32 dq accumulator is not modelled (Known limitations)
+            softmax_d = _empty((b, h, s_q), torch.float32, q)
+            delta = _empty((b * h, s_q), torch.float32, q)
+            del softmax_d, delta, dout, out
+            return _bshd(dq), _bshd(dk), _bshd(dv), None, None, None, None
         shapes = flash_saved_shapes(b, h, s_q, s_k, d, h_k)
         softmax_d = _empty(shapes["softmax_d"][0], torch.float32, q)
         dq_accum = _empty(shapes["dq_accum"][0], torch.float32, q)
@@ -480,7 +512,7 @@ class _FlashAttention(torch.autograd.Function):
             torch.sum(dv_exp.view(b, s_k, h_k, h // h_k, d), 3, out=dv)
             del dk_exp, dv_exp
         del softmax_d, dq_accum, dout, out
-        return _bshd(dq), _bshd(dk), _bshd(dv), None, None, None
+        return _bshd(dq), _bshd(dk), _bshd(dv), None, None, None, None
 
 
 class _EfficientAttention(torch.autograd.Function):
@@ -633,11 +665,6 @@ def _efficient_bias(mask: torch.Tensor | None, q, k) -> torch.Tensor | None:
     return mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
 
 
-#: The cuDNN version of the modelled CUDA build (``torch.backends.cudnn.version()`` there, e.g.
-#: 91000 for 9.10.0); None: unknown, so cuDNN attention is not chosen (a CPU build cannot report it).
-CUDNN_VERSION: int | None = None
-
-
 @cuda_rule(F.scaled_dot_product_attention)
 def sdpa_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Run ``F.scaled_dot_product_attention`` as CUDA would on ``target``: choose the backend by
@@ -653,12 +680,13 @@ def sdpa_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> 
     mask, dropout_p, is_causal, scale, gqa = p["attn_mask"], float(p["dropout_p"]), bool(p["is_causal"]), p["scale"], bool(p["enable_gqa"])
     settings = sdpa_settings()
     backend = select_sdpa_backend(target, SdpaCall(q, k, v, mask, dropout_p, is_causal, gqa), settings=settings,
-                                  cudnn_version=CUDNN_VERSION)
+                                  cudnn_version=target.cudnn_version,
+                                  cuda_major=target.cuda_version[0] if target.cuda_version else 12)
     grad = _requires_grad(q, k, v)
     if backend == "flash":
         d = q.size(-1)
         qp, kp, vp = (_pad_last_dim(t, 8) for t in (q, k, v))
-        out = _FlashAttention.apply(qp, kp, vp, dropout_p, is_causal, scale)
+        out = _FlashAttention.apply(qp, kp, vp, dropout_p, is_causal, scale, target.vendor == "amd")
         return out[..., :d] if out.size(-1) != d else out
     if backend == "efficient":
         bias = _efficient_bias(_float_mask(mask, q.dtype), q, k)  # heads are equal here (no GQA)
@@ -725,6 +753,8 @@ def _rerouted(func: Callable, target: CudaTarget, helpers: bool = True) -> Calla
     if clone is not None:
         return clone
     g = dict(func.__globals__)
+    if g.get("torch") is torch:
+        g["torch"] = _TORCH_UNDER_AUTOCAST  # torch.bmm, torch.baddbmm, ... called by attribute
     for name, value in func.__globals__.items():
         if not callable(value) or value is func:
             continue
@@ -742,6 +772,33 @@ def _rerouted(func: Callable, target: CudaTarget, helpers: bool = True) -> Calla
     return clone
 
 
+class _TorchUnderAutocast(types.ModuleType):
+    """``torch`` as the rerouted composite sees it: the functions CUDA autocast has a policy for
+    (ATen/autocast_mode.h's lists, :mod:`memguard.estimator._autocast`) go through the active
+    emulation (:func:`_autocast_call`), every other name is torch's own. ``F.multi_head_attention_
+    forward`` calls ``torch.bmm``/``torch.baddbmm`` by attribute on its ``need_weights=True`` path
+    (the default): real autocast casts their fp32 softmax weights to 16 bits, and without this the
+    trace failed on an fp32 x fp16 ``bmm``."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self._wrapped: dict[str, Callable] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        from memguard.estimator._autocast import FP32, FP32_SET_DTYPE, LOWER, PROMOTE
+
+        if callable(value) and not isinstance(value, type) and name in LOWER | FP32 | FP32_SET_DTYPE | PROMOTE:
+            wrapped = self._wrapped.get(name)
+            if wrapped is None:
+                wrapped = self._wrapped[name] = _autocast_call(value, value)
+            return wrapped
+        return value
+
+
+_TORCH_UNDER_AUTOCAST = _TorchUnderAutocast()
+
+
 def _is_ruled(value: Any) -> bool:
     try:
         return value in RULES
@@ -757,6 +814,9 @@ def mha_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> A
     torch/nn/modules/activation.py) needs ``not training`` and no autograd, so a training step
     takes the slow path, ``F.multi_head_attention_forward``: with ``need_weights=True`` (the
     default) it computes explicit weights (bmm, softmax, dropout), otherwise it calls
-    ``scaled_dot_product_attention``. Both run here with the CUDA rules for the functions they call.
+    ``scaled_dot_product_attention``. Both run here with the CUDA rules for the functions they call
+    and, under autocast, with its policy for each (``torch.bmm``/``torch.baddbmm`` included: with
+    weights, 16-bit autocast keeps softmax's fp32 ``[B*H, L, S]`` result and the fp16 copy the second
+    ``bmm`` saves, where ``need_weights=False`` on sm80+ keeps flash's logsumexp only).
     """
     return _rerouted(func, target)(*args, **kwargs)

@@ -26,7 +26,6 @@ from typing import Any, Callable
 
 from torch.overrides import TorchFunctionMode
 
-from memguard.estimator._cuda import parse_torch_version
 
 @dataclass(frozen=True)
 class CudaTarget:
@@ -34,13 +33,17 @@ class CudaTarget:
 
     Attributes:
         capability: the compute capability ``(major, minor)``, e.g. ``(8, 0)`` for an A100.
-        torch_version: the installed torch's ``(major, minor)``, whose kernels are modelled.
+        torch_version: the target's torch ``(major, minor)``, whose kernels are modelled (the
+            trace runs the installed torch; rules that changed between releases follow this one).
         vendor: ``"nvidia"`` or ``"amd"`` (ROCm builds choose other attention kernels).
         sm_count: streaming multiprocessors, where a kernel's choice depends on them (layer-norm
             weight gradients, :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`);
             None when unknown (the SM-dependent paths are then not modelled).
         conv_workspace_bytes: a bound on each cuDNN convolution workspace, or None to read
             ``CUDNN_CONV_WSCAP_DBG`` (see :func:`memguard.estimator._cuda_rules.conv_workspace_cap_bytes`).
+        cuda_version: the CUDA toolkit of the target's torch build ``(major, minor)``; None on ROCm.
+        cudnn_version: ``torch.backends.cudnn.version()`` of that build (e.g. 91002); None when
+            unknown or on ROCm (cuDNN attention is then never chosen).
     """
 
     capability: tuple[int, int] = (8, 0)
@@ -48,12 +51,20 @@ class CudaTarget:
     vendor: str = "nvidia"
     sm_count: int | None = None
     conv_workspace_bytes: int | None = None
+    cuda_version: tuple[int, int] | None = None
+    cudnn_version: int | None = None
 
     @classmethod
     def for_spec(cls, spec: Any = None, **overrides: Any) -> "CudaTarget":
         """The target for a catalog GPU (``memguard.estimator.gpus.GPUSpec``, or None for the
-        generic one) and the installed torch; ``overrides`` replace single fields."""
-        fields: dict[str, Any] = {"torch_version": parse_torch_version(None)}
+        generic one) and its software stack (``spec.stack``; None: the installed torch and its
+        default wheel's CUDA and cuDNN, :func:`memguard.estimator._targets.stack_of`);
+        ``overrides`` replace single fields."""
+        from memguard.estimator._targets import stack_of
+
+        stack = stack_of(spec)
+        fields: dict[str, Any] = {"torch_version": stack.torch, "cuda_version": stack.cuda,
+                                  "cudnn_version": stack.cudnn}
         if spec is not None:
             fields["capability"] = tuple(spec.compute_capability)
             fields["vendor"] = spec.vendor
@@ -75,6 +86,25 @@ def cuda_rule(*funcs: Callable) -> Callable[[Rule], Rule]:
     def register(rule: Rule) -> Rule:
         for f in funcs:
             RULES[f] = rule
+        return rule
+
+    return register
+
+
+#: ATen-level rules: ``op -> rule(target, args, fake_outputs, replay)``, run by the trace's recorder
+#: (:class:`memguard.estimator._trace.Recorder`) after each such op on the CUDA target, to record the
+#: buffers the CUDA kernel allocates and frees inside the call (a
+#: :class:`memguard.estimator._cpu_kernels.Replay`), for ops that autograd calls itself (a backward's
+#: ``mm``) where no torch function is there to replace.
+CUDA_OP_RULES: dict[Any, Callable[..., None]] = {}
+
+
+def cuda_op_rule(*ops: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register the decorated ATen-level rule for each of ``ops`` (``torch.ops.aten.*`` overloads)."""
+
+    def register(rule: Callable[..., None]) -> Callable[..., None]:
+        for op in ops:
+            CUDA_OP_RULES[op] = rule
         return rule
 
     return register

@@ -17,7 +17,7 @@ What the CPU trace records instead, and why each rule exists:
   then cast back; CUDA runs ``_softmax(x, dim, half_to_float=True)`` with neither copy.
 * ``F.rms_norm``: on the CPU ``_fused_rms_norm`` is the composite (an fp32 copy of the input, the
   normalised product and the weighted product are saved); CUDA's fused kernel keeps one fp32
-  ``rstd`` value per row (``cuda/layer_norm_kernel.cu``).
+  ``rstd`` value per row (``cuda/layer_norm_kernel.cu``); torch 2.4-2.7 ran their own composite.
 * ``F.layer_norm``: CUDA keeps ``mean``/``rstd`` in the accumulate type (fp32 for 16-bit inputs,
   where the CPU keeps 16-bit ones), and its weight-gradient reduction for many rows and a narrow
   hidden size uses per-block partial buffers.
@@ -53,9 +53,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from memguard.errors import ConfigError
-from memguard.estimator._cuda_kernels import CudaTarget, cuda_rule
+from memguard.estimator._cuda_kernels import CudaTarget, cuda_op_rule, cuda_rule
 
 #: cuda/Embedding.cu ``embedding_dense_backward_cuda``: up to this many indices (and without
 #: ``scale_grad_by_freq``) the backward runs one feature kernel on ``grad_weight`` alone (torch 2.13).
@@ -313,17 +314,60 @@ class _FusedRmsNorm(torch.autograd.Function):
 FUSED_RMS_NORM_SINCE = (2, 8)
 
 
+#: pytorch/pytorch#147203 (torch 2.7) moved the composite's weight multiply into the op-math type,
+#: casting once at the end (as pytorch/pytorch#187779 recounts: "the CPU side was aligned in #147203").
+RMS_NORM_WEIGHT_IN_OPMATH_SINCE = (2, 7)
+
+
+def rms_norm_composite(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None, eps: float | None,
+                       torch_version: tuple[int, int]) -> torch.Tensor:
+    """``rms_norm`` as layer_norm.cpp wrote it before the fused CUDA kernel (torch 2.4 to 2.7), the
+    composite every device ran: the input upcast to its op-math type (``toOpMathType``: fp32 for
+    16-bit inputs, the input itself for fp32), ``rsqrt(pow(upcast, 2).mean(dims, keepdim=True)
+    .add_(eps))`` and ``upcast.mul(rsqrt)``; then, in torch 2.4 to 2.6, ``.type_as(input)`` and
+    ``mul(weight)`` in the input's dtype, and from 2.7 (:data:`RMS_NORM_WEIGHT_IN_OPMATH_SINCE`)
+    ``mul(weight)`` in the op-math type and ``type_as(input)`` last.
+
+    Autograd keeps the upcast (``pow`` and ``mul`` save it), the product that ``mul(weight)`` saves
+    and the output: on [8192, 4096] bf16 with a bf16 weight 128 + 64 + 64 = 256 MiB in 2.4-2.6,
+    128 + 128 + 64 = 320 MiB in 2.7 (the fused kernel of 2.8+: the 64 MiB output and the rstd).
+    Written out in ATen calls because the installed torch's own composite may be another release's.
+    """
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))  # dims_to_reduce: the trailing dims
+    opmath = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    upcast = x.to(opmath)
+    eps_val = float(eps) if eps is not None else torch.finfo(opmath).eps  # numeric_limits<opmath>::epsilon()
+    rstd = torch.rsqrt(torch.pow(upcast, 2).mean(dims, keepdim=True).add_(eps_val))
+    result = upcast.mul(rstd)
+    del upcast, rstd
+    if torch_version >= RMS_NORM_WEIGHT_IN_OPMATH_SINCE:
+        if weight is not None:
+            result = result.mul(weight)
+        return result.type_as(x)
+    result = result.type_as(x)
+    if weight is not None:
+        result = result.mul(weight)
+    return result
+
+
 @cuda_rule(F.rms_norm, torch.rms_norm)
 def rms_norm(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``F.rms_norm`` / ``torch.rms_norm`` as CUDA runs them.
 
     layer_norm.cpp ``rms_norm_symint``: channels-last or complex inputs, and a weight whose dtype
     differs from the input's, take ``rms_norm_composite`` (as on the CPU); everything else calls
-    ``_fused_rms_norm``, the fused CUDA kernel.
+    ``_fused_rms_norm``, the fused CUDA kernel. A target torch older than 2.8 runs the composite of
+    its own release (:func:`rms_norm_composite`; ``F.rms_norm`` arrived in 2.4).
     """
     x = args[0] if args else kwargs.get("input")
     shape = _arg(args, kwargs, 1, "normalized_shape", None)
     weight = _arg(args, kwargs, 2, "weight", None)
+    if (
+        target.torch_version < FUSED_RMS_NORM_SINCE and isinstance(x, torch.Tensor) and shape is not None
+        and not x.is_nested and x.is_floating_point()
+    ):
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return rms_norm_composite(x, shape, weight, _arg(args, kwargs, 3, "eps", None), target.torch_version)
     if (
         target.torch_version < FUSED_RMS_NORM_SINCE or not isinstance(x, torch.Tensor) or shape is None
         or x.is_nested or x.is_complex() or not x.is_floating_point()
@@ -534,6 +578,62 @@ for _nd, _f in ((1, F.conv_transpose1d), (2, F.conv_transpose2d), (3, F.conv_tra
 
 
 # --------------------------------------------------------------------------------------------
+# Matrix products: operands cuBLAS cannot read in place
+# --------------------------------------------------------------------------------------------
+
+
+def _non_overlapping_and_dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """``TensorImpl::compute_non_overlapping_and_dense`` (c10/core/TensorImpl.cpp): in the order of
+    increasing strides (size-1 dims last), each stride is the product of the sizes before it."""
+    order = sorted(range(len(sizes)), key=lambda i: (sizes[i] < 2, strides[i]))
+    expected = 1
+    for i in order:
+        if sizes[i] < 2:
+            return True
+        if strides[i] != expected:
+            return False
+        expected *= sizes[i]
+    return True
+
+
+def cublas_needs_copy(t: torch.Tensor) -> bool:
+    """Whether CUDA's ``mm``/``addmm`` copies this 2-d operand before calling cuBLAS.
+
+    ``prepare_matrix_for_cublas`` (aten/src/ATen/native/cuda/Blas.cpp; cuBlasCommonArgs.h in recent
+    releases, the same code from torch 1.x to 2.13): a non-overlapping dense tensor is passed as it
+    is, and so is a column-major (``stride(0) == 1``, ``stride(1) >= max(1, size(0))``) or row-major
+    (``stride(1) == 1``, ``stride(0) >= max(1, size(1))``) one; anything else, such as the
+    stride-0 gradient that ``sum()``'s backward expands, becomes ``tensor.clone(Contiguous)``.
+    """
+    if t.dim() != 2 or t.numel() == 0:
+        return False
+    if _non_overlapping_and_dense(tuple(t.shape), t.stride()):
+        return False
+    (s0, s1), (n0, n1) = t.stride(), t.shape
+    if s0 == 1 and s1 >= max(1, n0):
+        return False
+    return not (s1 == 1 and s0 >= max(1, n1))
+
+
+@cuda_op_rule(torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+def cublas_operand_copies(target: CudaTarget, args: tuple, out: Any, replay: Any) -> None:
+    """The contiguous copies ``prepare_matrix_for_cublas`` makes of ``mm``/``addmm`` operands (see
+    :func:`cublas_needs_copy`): allocated after the output (``addmm_out_cuda_impl`` runs on the
+    structured kernel's output) and freed when the call returns. A fake-tensor trace records neither,
+    as the meta kernel reads strides without copying: the backward of ``logits.sum()`` hands the
+    language-model head's two gradient matmuls a stride-0 ``[tokens, vocab]`` gradient, and CUDA
+    materialises it in each (``mean()`` divides first, which is already a dense tensor).
+    """
+    del target
+    mats = args[:2] if len(args) == 2 else args[1:3]  # mm(self, mat2); addmm(self, mat1, mat2, ...)
+    replay.outputs()
+    for i, m in enumerate(mats):
+        if isinstance(m, torch.Tensor) and cublas_needs_copy(m):
+            replay.alloc(f"operand{i}", m.numel() * m.element_size())
+    replay.free("operand0", "operand1")
+
+
+# --------------------------------------------------------------------------------------------
 # Optimizers
 # --------------------------------------------------------------------------------------------
 
@@ -612,3 +712,48 @@ def cuda_optimizer_path(optimizer: torch.optim.Optimizer, target: CudaTarget) ->
         for g in optimizer.param_groups
     }
     return paths.pop() if len(paths) == 1 else "mixed"
+
+
+#: pytorch/pytorch#104898 (torch 2.1) made ``_multi_tensor_adam``/``_multi_tensor_adamw`` add eps to
+#: the square-root list in place; torch 2.0 computed ``denom = torch._foreach_add(exp_avg_sq_sqrt,
+#: eps)``, a second parameter-sized list live through ``_foreach_addcdiv_`` (pytorch/pytorch#97712).
+ADAM_DENOM_IN_PLACE_SINCE = (2, 1)
+
+
+class _OutOfPlaceAdamDenom(TorchFunctionMode):
+    """Run the installed torch's foreach Adam as torch 2.0 allocated it: the in-place ``_foreach_add_``
+    on the list that the last ``_foreach_sqrt`` returned (``exp_avg_sq_sqrt``, or AMSGrad's
+    ``max_exp_avg_sq_sqrt``) becomes an out-of-place ``_foreach_add`` whose result (``denom``)
+    lives until the ``_foreach_addcdiv_`` that reads it has returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sqrt: list[int] = []
+        self._denom: Any = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch._foreach_add_ and args and self._sqrt and [id(t) for t in args[0]] == self._sqrt:
+            self._sqrt = []
+            self._denom = torch._foreach_add(*args, **kwargs)  # 2.0: denom, a new list
+            return None
+        out = func(*args, **kwargs)
+        if func is torch._foreach_sqrt:
+            self._sqrt = [id(t) for t in out]
+        elif func is torch._foreach_addcdiv_:
+            self._denom = None  # 2.0's denom dies with the step's locals, after the update
+        return out
+
+
+def cuda_optimizer_step_mode(optimizer: torch.optim.Optimizer, target: CudaTarget | None) -> Any:
+    """A mode to run ``optimizer.step()`` under so that its allocations are the target torch's, or a
+    null context: foreach Adam/AdamW before torch 2.1 (:data:`ADAM_DENOM_IN_PLACE_SINCE`)."""
+    import contextlib
+
+    if (
+        target is None or target.torch_version >= ADAM_DENOM_IN_PLACE_SINCE
+        or not _is_optimizer(type(optimizer), ("Adam", "AdamW"))
+        or not any(g.get("foreach") for g in optimizer.param_groups)
+    ):
+        return contextlib.nullcontext()
+    return _OutOfPlaceAdamDenom()

@@ -94,6 +94,7 @@ class EvalOptions:
 
     Attributes:
         device, precision, world_size, gpu, cpu: the target, as for :func:`memguard.estimate`.
+        torch_version, cuda_version, cudnn_version: the CUDA target's stack, as for :func:`memguard.estimate`.
             ``*-mixed`` runs the forward under autocast; ``*-true`` casts the weights.
         optimizer_state: the optimizer's state is allocated during evaluation (validation inside
             a training run). Default False: parameters and buffers only.
@@ -113,6 +114,9 @@ class EvalOptions:
     world_size: int = 1
     gpu: str | None = None
     cpu: Any = None
+    torch_version: str | None = None
+    cuda_version: str | None = None
+    cudnn_version: Any = None
     optimizer_state: bool = False
     grads_present: bool = False
     keep_outputs: bool = False
@@ -180,7 +184,8 @@ def estimate_eval(
                         f"dimension, got {type(batch).__name__}")
     if fn is not None and not callable(fn):
         problems.append(f"fn must be a callable(model, batch) -> outputs, got {type(fn).__name__}")
-    spec = target_gpu(device, o.gpu, problems)
+    spec = target_gpu(device, o.gpu, problems, torch_version=o.torch_version, cuda_version=o.cuda_version,
+                      cudnn_version=o.cudnn_version)
     cpu_target = target_cpu(device, o.cpu, problems)
     if problems:
         raise ConfigError(problems)

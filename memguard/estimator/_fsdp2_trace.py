@@ -85,7 +85,8 @@ class FSDP2Tracer(StepTracer):
         super().__init__(model, batch, optimizer, loss_fn, spec)
 
     def make_recorder(self) -> ShardedRecorder:
-        return ShardedRecorder(self.trace, self.spec.cpu_target, gloo=self.layout.backend == "gloo")
+        return ShardedRecorder(self.trace, self.spec.cpu_target, gloo=self.layout.backend == "gloo",
+                               cuda_target=self.spec.cuda_target)
 
     def recording(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
@@ -168,13 +169,13 @@ class ShardedRecorder(Recorder):
     recording storage resizes (:meth:`resized`).
 
     Args:
-        trace, cpu_target: as for :class:`~memguard.estimator._trace.Recorder`.
+        trace, cpu_target, cuda_target: as for :class:`~memguard.estimator._trace.Recorder`.
         gloo: the collectives run on gloo (the CPU target), which allocates temporaries of its own
             inside them (:data:`~memguard.estimator._fsdp2.GLOO_TEMPORARIES`).
     """
 
-    def __init__(self, trace: Trace, cpu_target: Any = None, *, gloo: bool = False) -> None:
-        super().__init__(trace, cpu_target)
+    def __init__(self, trace: Trace, cpu_target: Any = None, *, gloo: bool = False, cuda_target: Any = None) -> None:
+        super().__init__(trace, cpu_target, cuda_target)
         self.gloo = gloo  # the collectives run on gloo (the CPU target): see GLOO_TEMPORARIES
         self._dead: set[int] = set()  # handles freed (by a resize) whose storage may live on
 

@@ -77,12 +77,13 @@ def modelled_op_memory(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         inputs = make_inputs("cpu")
-        recorder = Recorder(trace, None if kernel_model else cpu_target)
+        target = (target or CudaTarget.for_spec()) if kernel_model else None
+        recorder = Recorder(trace, None if kernel_model else cpu_target, target)
         with recorder:
             for t in inputs:
                 if isinstance(t, torch.Tensor):
                     recorder.register(t, "inputs")
-            ctx = CudaKernelModel(target or CudaTarget.for_spec()) if kernel_model else _NoMode()
+            ctx = CudaKernelModel(target) if kernel_model else _NoMode()
             start = len(trace.events)
             with ctx:
                 out = op(*inputs)

@@ -11,13 +11,11 @@ their traces here.
 
 from __future__ import annotations
 
-import torch
-
 from memguard.estimator._analysis import Timeline, scaled_events, scan
 from memguard.estimator._cuda import ROUND_LARGE
 from memguard.estimator._result import Category, Estimate
 from memguard.estimator._sharding import TracedStates, ZeroBuckets, ZeroSetup, model_state_factors
-from memguard.estimator._targets import Target, traced_precision
+from memguard.estimator._targets import Target, cudnn_text, stack_of, traced_precision
 from memguard.vocab import round_up
 
 def estimate_from_trace(trace, target: Target, *, micro_batch_size=0, checkpointed=0, limit_bytes=None,
@@ -205,11 +203,18 @@ def _cuda_reserved(trace, factors, spec, limit_bytes=None) -> tuple[int, int, in
         simulate,
     )
 
-    config = allocator_config()
+    version = "{}.{}".format(*stack_of(spec).torch)  # the target's torch (torch_version=), else the installed one
+    config = allocator_config(torch_version=version)
     ws_config = blas_workspace_config(spec.vendor)
-    per_handle = [n for n in blas_workspace_allocations(spec.compute_capability, torch.__version__, vendor=spec.vendor,
+    per_handle = [n for n in blas_workspace_allocations(spec.compute_capability, version, vendor=spec.vendor,
                                                           cublas_workspace_config=ws_config) if n]
     notes = list(config.notes)
+    stack = getattr(spec, "stack", None)
+    if stack is not None:
+        cudnn = "none" if stack.cudnn is None else cudnn_text(stack.cudnn)
+        cuda = "ROCm" if stack.cuda is None else "CUDA {}.{}".format(*stack.cuda)
+        notes.append(f"target stack: torch {version}, {cuda}, cuDNN {cudnn} (torch_version=, cuda_version=, "
+                     "cudnn_version=)")
     if ws_config is not None:
         notes.append(f"BLAS workspace setting {ws_config!r} read: {sum(per_handle)} bytes per handle")
     sizes = [n for _ in range(BLAS_HANDLES_PER_TRAINING_STEP) for n in per_handle]

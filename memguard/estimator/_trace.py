@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten
 from memguard.batch import LossFn, compute_loss, map_tensors, tensor_leaves
 from memguard.errors import ConfigError
 from memguard.estimator._cpu_kernels import CPU_RULES, CpuTarget, Replay
-from memguard.estimator._cuda_kernels import CudaTarget
+from memguard.estimator._cuda_kernels import CUDA_OP_RULES, CudaTarget
 from memguard.estimator._fake_corrections import CORRECTIONS
 from memguard.estimator._result import Category
 
@@ -188,13 +188,15 @@ class Recorder(TorchDispatchMode):
 
     With a ``cpu_target``, an op that has a rule in :data:`~memguard.estimator._cpu_kernels.CPU_RULES`
     also records the buffers that op's CPU kernel allocates and frees inside the call, in order
-    around its outputs.
+    around its outputs; with a ``cuda_target`` (the CUDA target traced on CPU fakes), likewise for
+    the ATen ops of :data:`~memguard.estimator._cuda_kernels.CUDA_OP_RULES` (CUDA kernels' own buffers).
     """
 
-    def __init__(self, trace: Trace, cpu_target: CpuTarget | None = None) -> None:
+    def __init__(self, trace: Trace, cpu_target: CpuTarget | None = None, cuda_target: CudaTarget | None = None) -> None:
         super().__init__()
         self.trace = trace
         self.cpu_target = cpu_target
+        self.cuda_target = cuda_target
         self._by_key: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
         self.phase = "setup"
@@ -250,10 +252,13 @@ class Recorder(TorchDispatchMode):
         fix = CORRECTIONS.get(func)
         if fix is not None:
             out = fix(args, out)
-        rule = CPU_RULES.get(func) if self.cpu_target is not None else None
+        target: Any = self.cpu_target
+        rule = CPU_RULES.get(func) if target is not None else None
+        if rule is None and self.cuda_target is not None:
+            target, rule = self.cuda_target, CUDA_OP_RULES.get(func)
         if rule is not None:
             replay = Replay(make=self._kernel_buffer, publish=self._register_leaves, out=out)
-            rule(self.cpu_target, args, out, replay)
+            rule(target, args, out, replay)
             replay.close()
         self._register_leaves(out)
         return out
@@ -648,7 +653,7 @@ class StepTracer:
 
     def make_recorder(self) -> Recorder:
         """The recorder of this step (called once, by ``__init__``, after ``self.trace`` exists)."""
-        return Recorder(self.trace, self.spec.cpu_target)
+        return Recorder(self.trace, self.spec.cpu_target, self.spec.cuda_target)
 
     def run(self) -> Trace:
         """Trace one step: training (forward, backward, optimizer step) or, with ``spec.train=False``,
@@ -876,7 +881,9 @@ class StepTracer:
         trace, rec = self.trace, self.recorder
         trace.phase_starts["optimizer"] = len(trace.events)
         rec.phase = "optimizer"
-        with uncached(self.mode):
+        from memguard.estimator._cuda_rules import cuda_optimizer_step_mode  # the target torch's optimizer
+
+        with uncached(self.mode), cuda_optimizer_step_mode(self.opt, self.spec.cuda_target):
             self.opt.step()
         for t in _optimizer_state_tensors(self.opt):
             h = rec.handle_of(t)

@@ -52,6 +52,9 @@ def estimate(
     train: bool = True,
     strategy: str | None = None,
     cpu: str | None = None,
+    torch_version: str | None = None,
+    cuda_version: str | None = None,
+    cudnn_version: str | int | None = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state training step (or, with ``train=False``, evaluation step).
 
@@ -105,6 +108,13 @@ def estimate(
             ``"avx512_core_fp16"``, ``"avx512_core_amx"`` (see :mod:`memguard.estimator._cpu_kernels`:
             16-bit matmuls and convolutions take oneDNN, with its reorders and scratchpads, only
             where the CPU supports the type).
+        torch_version: for ``device="cuda"``, the torch release of the training machine, e.g.
+            ``"2.5.1"`` (2.0 to 2.13 are modelled): the kernel rules, workspaces and allocator options
+            that changed between releases follow it. None = the installed torch.
+        cuda_version: the CUDA toolkit of that torch build, e.g. ``"12.4"`` (``torch.version.cuda``;
+            11.7 to 13.2). None = the one of that release's default PyPI wheel.
+        cudnn_version: its cuDNN, ``"9.10.2"`` or ``torch.backends.cudnn.version()``'s ``91002``
+            (8.5 to 9.x); decides whether SDPA prefers cuDNN attention. None = the default wheel's.
 
     Returns:
         An :class:`~memguard.Estimate`.
@@ -133,7 +143,8 @@ def estimate(
             device=device, precision=precision, world_size=world_size, gpu=gpu, cpu=cpu,
             optimizer_state=optimizer is not None, keep_outputs=keep_outputs, zero_stage=zero_stage,
             activation_checkpointing=activation_checkpointing, grad_accum_steps=grad_accum_steps,
-            offload_optimizer=offload_optimizer,
+            offload_optimizer=offload_optimizer, torch_version=torch_version, cuda_version=cuda_version,
+            cudnn_version=cudnn_version,
         )
         return estimate_eval(model, batch, options, fn=loss_fn, optimizer=optimizer)
     problems: list[str] = []
@@ -156,7 +167,8 @@ def estimate(
     if not (isinstance(grad_accum_steps, int) and grad_accum_steps >= 1):
         problems.append(f"grad_accum_steps={grad_accum_steps!r} must be an integer >= 1")
     check_strategy(strategy=strategy, zero_stage=zero_stage, offload_optimizer=offload_optimizer, problems=problems)
-    spec = target_gpu(device, gpu, problems)
+    spec = target_gpu(device, gpu, problems, torch_version=torch_version, cuda_version=cuda_version,
+                      cudnn_version=cudnn_version)
     cpu_target = target_cpu(device, cpu, problems)
     if problems:
         raise ConfigError(problems)

@@ -33,7 +33,7 @@ import logging
 import re
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping
 
 from memguard.errors import ConfigError
 from memguard.estimator._cuda import DEFAULT_CONTEXT_BYTES
@@ -72,6 +72,11 @@ class GPUSpec:
             ``"infinity-fabric"`` or ``"pcie"`` (the datasheets in ``source``).
         p2p_caveat: a known problem of NCCL's peer-to-peer / InfiniBand transports on this part,
             with its source, or ``""``; :mod:`memguard.planner._notes` turns it into a plan note.
+        stack: the torch, CUDA and cuDNN versions the target runs
+            (:class:`~memguard.estimator._targets.CudaStack`), set by ``torch_version=``,
+            ``cuda_version=`` and ``cudnn_version=``; None (every catalog entry) means the installed
+            torch and the CUDA and cuDNN of its default wheel
+            (:func:`~memguard.estimator._targets.stack_of`).
     """
 
     name: str
@@ -90,6 +95,7 @@ class GPUSpec:
     source: str
     interconnect: Literal["nvlink", "infinity-fabric", "pcie"] = "pcie"
     p2p_caveat: str = ""
+    stack: Any = None
 
 
 # Per-direction link bandwidths in GB/s (half of the bidirectional figures vendors quote).

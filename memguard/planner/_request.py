@@ -86,6 +86,8 @@ class PlanRequest:
             last micro-batch only).
         cpu: for ``device="cpu"``, the CPU whose kernel paths are modelled: None or ``"host"``, or
             an instruction-set level (see :func:`memguard.estimate`).
+        torch_version, cuda_version, cudnn_version: the CUDA target's software stack (see
+            :func:`memguard.estimate`); None = the installed torch and its default wheel's CUDA and cuDNN.
     """
 
     global_batch_size: int
@@ -108,6 +110,9 @@ class PlanRequest:
     finetune: str | None = None
     strategy: str | Sequence[str] | None = None
     cpu: str | None = None
+    torch_version: str | None = None
+    cuda_version: str | None = None
+    cudnn_version: str | int | None = None
 
     @classmethod
     def from_options(cls, **options: Any) -> "PlanRequest":
@@ -131,6 +136,10 @@ class PlanRequest:
         if problems:
             raise ConfigError(problems)
         return cls(**options)
+
+    def _versions(self) -> dict[str, Any]:
+        return {"torch_version": self.torch_version, "cuda_version": self.cuda_version,
+                "cudnn_version": self.cudnn_version}
 
     def options(self) -> dict[str, Any]:
         """The request as keyword options: ``PlanRequest.from_options(**r.options()) == r``."""
@@ -200,6 +209,7 @@ class PlanRequest:
         target = _job_problems(say, world=self.world_size, device=self.device, headroom=self.headroom,
                                budget=self.budget_bytes)
         spec = _target_spec(say, device=self.device, gpu=self.gpu, cpu=None, budget=self.budget_bytes,
+                            versions=self._versions(),
                             problems=target)
         if precision in PRECISIONS:
             _check_bf16(say, spec, (precision,), target)
@@ -229,6 +239,7 @@ class PlanRequest:
         say = _speller(spell)
         problems = self._value_problems(say)
         spec = _target_spec(say, device=self.device, gpu=self.gpu, cpu=self.cpu, budget=self.budget_bytes,
+                            versions=self._versions(),
                             problems=problems)
         knobs = self._knob_choices(say, spec, problems)
         if problems:
@@ -439,7 +450,8 @@ def _job_problems(say: _Say, *, world: Any, device: Any, headroom: Any, budget: 
     return problems
 
 
-def _target_spec(say: _Say, *, device: Any, gpu: Any, cpu: Any, budget: Any, problems: list[str]) -> Any:
+def _target_spec(say: _Say, *, device: Any, gpu: Any, cpu: Any, budget: Any, problems: list[str],
+                 versions: Mapping[str, Any] | None = None) -> Any:
     """The CUDA target's GPU spec (None on the CPU, or when it cannot be resolved), the CPU target checked.
 
     The one resolution is the estimator's (:func:`memguard.estimator._targets.target_gpu`: ``gpu``, else
@@ -448,16 +460,18 @@ def _target_spec(say: _Say, *, device: Any, gpu: Any, cpu: Any, budget: Any, pro
     """
     spec = None
     if device == "cuda":
-        spec = target_gpu(device, gpu, problems)
-        if gpu is None and spec is GENERIC and budget is None:  # no CUDA device here, and no budget
+        spec = target_gpu(device, gpu, problems, **(versions or {}))
+        if gpu is None and spec is not None and spec.name == GENERIC.name and budget is None:  # no CUDA device here, and no budget
             spec = None
             problems.append(
                 f"no CUDA device here: name the target with {say('gpu', 'A100-80GB')} "
                 f"(`memguard gpus` lists them) or give {say('budget_bytes')}, or plan for "
                 f"{say('device', 'cpu')}"
             )
-    elif gpu is not None:
-        problems.append(f"{say('gpu', gpu)} only applies to {say('device', 'cuda')}; drop it")
+    else:
+        if gpu is not None:
+            problems.append(f"{say('gpu', gpu)} only applies to {say('device', 'cuda')}; drop it")
+        target_gpu(device, None, problems, **(versions or {}))  # versions given for the CPU
     if device == "cpu":
         target_cpu(device, cpu, problems)
     elif cpu is not None:

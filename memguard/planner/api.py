@@ -89,6 +89,9 @@ def plan(
     finetune: str | None = None,
     strategy: str | Sequence[str] | None = None,
     cpu: str | None = None,
+    torch_version: str | None = None,
+    cuda_version: str | None = None,
+    cudnn_version: str | int | None = None,
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing and sharding for a budget.
 
@@ -132,6 +135,8 @@ def plan(
             ``MixedPrecisionPolicy`` with fp32 gradient reduction and no autocast.
         cpu: for ``device="cpu"``: the CPU whose kernel paths are modelled, None or ``"host"`` (this
             one) or an instruction-set level such as ``"avx2"`` (see :func:`memguard.estimate`).
+        torch_version, cuda_version, cudnn_version: the CUDA target's torch, CUDA and cuDNN versions
+            (see :func:`memguard.estimate`); None = the installed torch and its default wheel's.
 
     Returns:
         The :class:`~memguard.Plan`, verified with one full trace.
@@ -147,7 +152,7 @@ def plan(
         activation_checkpointing=activation_checkpointing, zero_stage=zero_stage,
         offload_optimizer=offload_optimizer, headroom=headroom, make_batch=make_batch, cache=cache,
         keep_outputs=keep_outputs, max_shape=max_shape, train=train, finetune=finetune, strategy=strategy,
-        cpu=cpu,
+        cpu=cpu, torch_version=torch_version, cuda_version=cuda_version, cudnn_version=cudnn_version,
     )
     return plan_request(model, batch, request)
 
@@ -230,7 +235,8 @@ def _cache_key(session: TraceSession, request: PlanRequest, space: SearchSpace) 
         precision=space.precisions, ckpt=space.checkpointing, zero=space.zero_stages, offload=space.offloads,
         headroom=request.headroom, keep_outputs=request.keep_outputs, finetune=request.finetune,
         **({"strategy": space.shardings} if request.strategy is not None else {}),
-        **({"cpu": request.cpu} if request.cpu is not None else {})))
+        **({"cpu": request.cpu} if request.cpu is not None else {}),
+        **({"stack": repr(space.spec.stack)} if space.spec is not None and space.spec.stack is not None else {})))
 
 
 def alternatives(model: nn.Module, batch: Any, request: PlanRequest, *, only: Sequence[str] | None = None,

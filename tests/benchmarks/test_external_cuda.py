@@ -21,7 +21,7 @@ SCRIPT = REPO / "benchmarks" / "external_cuda.py"
 DATA = REPO / "benchmarks" / "data" / "external_cuda.json"
 
 sys.path.insert(0, str(REPO))
-from benchmarks.external_cuda import BUILDERS, LOSSES, load_rows, published_bytes  # noqa: E402
+from benchmarks.external_cuda import BUILDERS, LOSSES, load_rows, published_bytes, published_stack  # noqa: E402
 
 MEASURED = {"allocated_peak", "reserved_peak", "reserved_after", "nvidia_smi_total"}
 PRECISIONS = {"32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"}
@@ -181,6 +181,16 @@ def test_same_as_lays_the_row_over_its_base():
     base, row = by_id["hf-bert-large-fp32-b4"]["setup"], by_id["hf-bert-large-fp16-b4"]["setup"]
     assert row["precision"] == "16-mixed" and base["precision"] == "32-true"
     assert row["model"] == base["model"] and row["batch"] == base["batch"]
+
+
+@pytest.mark.parametrize("torch_field, stack", [
+    ("2.1.0.dev20230623+cu118 (watermark in logs.md)", {"torch_version": "2.1.0", "cuda_version": "11.8"}),
+    ("2.6.0+cu124 (printed in the README's log)", {"torch_version": "2.6.0", "cuda_version": "12.4"}),
+    ("2.4.1", {"torch_version": "2.4.1"}),  # no CUDA tag: the release's default wheel
+    ("not stated (2024 LitGPT releases)", {}),
+])
+def test_published_stack_reads_the_version_a_source_printed(torch_field, stack):
+    assert published_stack({"torch": torch_field}) == stack
 
 
 def test_script_runs_one_row_end_to_end(tmp_path):

@@ -160,7 +160,8 @@ def test_efficient_logsumexp_is_padded_to_32_rows():
 # bytes a fake forward+backward allocates
 
 
-def _allocations(cap, dtype, *, b=2, h=4, s=100, d=64, dropout=0.1, mask=False):
+def _allocations(cap, dtype, *, b=2, h=4, s=100, d=64, dropout=0.1, mask=False, cudnn=None, cuda=None,
+                 vendor="nvidia"):
     """Storage sizes allocated by SDPA's forward and by its backward under the CUDA rules.
 
     q, k, v are views of one projection (as in a transformer block); the output is turned back to
@@ -178,7 +179,7 @@ def _allocations(cap, dtype, *, b=2, h=4, s=100, d=64, dropout=0.1, mask=False):
                 if m is not None:
                     rec.register(m, "inputs")
                 start = len(trace.events)
-                with CudaKernelModel(CudaTarget(cap)):
+                with CudaKernelModel(CudaTarget(cap, vendor=vendor, cuda_version=cuda, cudnn_version=cudnn)):
                     q, k, v = x.view(b, s, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
                     out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=dropout)
                     y = out.transpose(1, 2).reshape(b, s, h * d)
@@ -320,14 +321,13 @@ def test_multihead_attention_without_weights_runs_the_chosen_kernel():
         gc.enable()
 
 
-def test_cudnn_bytes(monkeypatch):
+def test_cudnn_bytes():
     # H100 with cuDNN 9.16: check_prefer_cudnn_attention puts cuDNN first; dropout 0.125 = 2/16 passes
     # check_cudnn_dropout. Forward: the output in the query's [B, S, H, D] memory layout (so the
     # caller's transpose(1, 2).reshape copies nothing), fp32 stats [B, H, S], int64 seed and offset;
     # backward: dq, dk, dv like q, k, v (_cudnn_attention_backward)
-    monkeypatch.setattr(ca, "CUDNN_VERSION", 91600)
     b, h, s, d = 2, 4, 128, 64
-    fwd, bwd = _allocations(H100, torch.bfloat16, b=b, h=h, s=s, d=d, dropout=0.125)
+    fwd, bwd = _allocations(H100, torch.bfloat16, b=b, h=h, s=s, d=d, dropout=0.125, cudnn=91600, cuda=(12, 8))
     bhsd = b * h * s * d * 2
     assert fwd == Counter([bhsd, b * h * s * 4, 8, 8])
     assert Counter([bhsd] * 3) - bwd == Counter()
@@ -466,3 +466,32 @@ def test_math_rule_allocates_what_the_installed_composite_does(dtype):
     cpu = _sizes(lambda q, k, v: torch_math(q, k, v, 0.1), dtype)
     cuda = _sizes(lambda q, k, v: ours(q, k, v, 0.1), dtype)
     assert cpu - cuda == Counter({b * h * s * s * 4: 1}) and cuda - cpu == Counter({b * h * s * s: 1})
+
+
+MI300X = (9, 4)  # gfx942, as torch's ROCm build reports it
+
+
+@pytest.mark.parametrize("cap, torch_version, mask, expected", [
+    (MI300X, (2, 13), None, "flash"),  # AOTriton check_gpu accepts gfx942
+    ((9, 0), (2, 13), None, "flash"),  # gfx90a (MI200)
+    (MI300X, (2, 2), None, "math"),  # before torch 2.3's AOTriton flash
+    ((11, 0), (2, 13), None, "math"),  # gfx1100: experimental in AOTriton, off by default
+    (MI300X, (2, 13), FLOAT_MASK, "math"),  # a mask: flash takes none; ROCm's mem-efficient is not modelled
+])
+def test_rocm_flash_runs_on_aotriton_architectures(cap, torch_version, mask, expected):
+    q, k, v = qkv()
+    target = CudaTarget(cap, torch_version, vendor="amd")
+    got = ca.select_sdpa_backend(target, ca.SdpaCall(q, k, v, mask, 0.1), settings=DEFAULT)
+    assert got == expected
+
+
+def test_rocm_flash_bytes_match_mha_all_aot():
+    b, h, s, d = 2, 4, 100, 64
+    fwd, bwd = _allocations(MI300X, torch.bfloat16, b=b, h=h, s=s, d=d, vendor="amd")
+    bhsd = b * h * s * d * 2
+    # forward as on CUDA: out [B, S, H, D], softmax_lse fp32 [B, H, S], the two RNG tensors
+    assert fwd == Counter([bhsd, b * h * s * 4, 16, 8])
+    # mha_bwd_aot: dq, dk, dv; softmax_d fp32 [B, H, S_q] and delta fp32 [B*H, S_q] (no rounding to
+    # 128 rows, no dq_accum of CUDA's mha_bwd); autograd's stack and layout copy as on CUDA
+    assert bwd == Counter([bhsd, bhsd, bhsd, b * h * s * 4, b * h * s * 4]) + Counter({3 * bhsd: 2})
+

@@ -17,6 +17,7 @@ from torch import nn
 import memguard
 from memguard.estimator._cuda import parse_torch_version
 from memguard.estimator._cuda_kernels import RULES, CudaTarget
+from memguard.estimator._targets import usual_stack
 from memguard.estimator._trace import load_rules
 
 
@@ -75,7 +76,10 @@ def test_rules_see_the_target_gpu_and_autocast_inputs(calls):
     _estimate(device="cuda", gpu="H100-80GB", precision="bf16-mixed")
     # three blocks, one linear each, in forward; the H100 is compute capability 9.0 (catalog)
     assert len(calls) == 3
-    assert {t for t, _ in calls} == {CudaTarget(capability=(9, 0), torch_version=parse_torch_version(None), vendor="nvidia")}
+    # with the installed torch and its default wheel's CUDA and cuDNN (no torch_version= given)
+    host = usual_stack(parse_torch_version(None), "nvidia", (9, 0))
+    assert {t for t, _ in calls} == {CudaTarget(capability=(9, 0), torch_version=host.torch, vendor="nvidia",
+                                                cuda_version=host.cuda, cudnn_version=host.cudnn)}
     # linear is on CUDA autocast's lower-precision list: the kernel receives bf16 inputs
     assert {d for _, d in calls} == {torch.bfloat16}
 

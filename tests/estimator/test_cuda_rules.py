@@ -29,7 +29,8 @@ from memguard.estimator._cuda_rules import (
 )
 
 load_rules()
-A100 = CudaTarget(capability=(8, 0), sm_count=108)  # A100: 108 SMs (NVIDIA A100 datasheet)
+A100 = CudaTarget(capability=(8, 0), sm_count=108)
+MiB = 1 << 20  # A100: 108 SMs (NVIDIA A100 datasheet)
 
 
 def leaf(*shape, dtype=torch.float32):
@@ -175,6 +176,27 @@ def test_rms_norm_rule_applies_from_the_fused_kernels_torch_version_only():
     # before the fused CUDA kernel the composite runs on CUDA as on the CPU: its fp32 copies stay
     assert new.forward_kept == 2 * m * n + 4 * m
     assert old.forward_kept >= new.forward_kept + 8 * m * n
+
+
+@pytest.mark.parametrize("version, kept_mib", [
+    # layer_norm.cpp rms_norm, 2.4-2.6: fp32 upcast (128 MiB, saved by pow and mul), the product cast
+    # back to bf16 (64, saved by mul(weight)), the bf16 output (64)
+    ((2, 4), 256), ((2, 6), 256),
+    # 2.7 (pytorch/pytorch#147203): mul(weight) in fp32 saves the fp32 product (128) instead
+    ((2, 7), 320),
+    # 2.8+: _fused_rms_norm_cuda keeps the output and one fp32 rstd a row (8192 x 4 B)
+    ((2, 8), 64), ((2, 13), 64),
+])
+def test_rms_norm_on_8192x4096_bf16_keeps_what_each_torch_release_kept(version, kept_mib):
+    m, n = 8192, 4096
+
+    def make(device):
+        return (torch.randn(m, n, device=device, dtype=torch.bfloat16, requires_grad=True),
+                torch.randn(n, device=device, dtype=torch.bfloat16, requires_grad=True))
+
+    got = modelled_op_memory(lambda x, w: F.rms_norm(x, (n,), w), make, CudaTarget(capability=(8, 0), torch_version=version))
+    rstd = 4 * m  # the [8192, 1] fp32 rstd: saved by the fused kernel, and by the composite's mul
+    assert got.forward_kept == kept_mib * MiB + rstd
 
 
 def test_rms_norm_module_with_weight_backward_allocates_dx_and_dgamma():
@@ -531,3 +553,91 @@ def test_rules_run_again_in_checkpoint_recomputation():
     backward = ckpt.events[ckpt.phase_starts["backward"]:ckpt.phase_starts["optimizer"]]
     mask = 200 * 64  # one bool [200, 64] mask per recomputed block (an fp32 noise would be 4x)
     assert sum(1 for _, n in backward if n == mask) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# cuBLAS operands (cuda/Blas.cpp prepare_matrix_for_cublas)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, strides, copied", [
+    ((6, 16), (0, 0), True),  # sum()'s expanded gradient: overlapping, neither layout -> clone
+    ((6, 16), (16, 1), False),  # row-major dense
+    ((6, 16), (1, 6), False),  # column-major dense (a transposed view)
+    ((6, 16), (32, 1), False),  # row-major with a larger leading dimension (a slice)
+    ((6, 16), (1, 0), True),  # stride(1) = 0 < size(0): no usable leading dimension
+])
+def test_cublas_copies_operands_it_cannot_read_in_place(shape, strides, copied):
+    from memguard.estimator._cuda_rules import cublas_needs_copy
+
+    t = torch.empty_strided(shape, strides, device="meta")
+    assert cublas_needs_copy(t) is copied
+
+
+def test_sum_backward_through_a_linear_layer_materialises_the_gradient_in_both_matmuls():
+    # linear(x).sum() on x [N, D], W [V, D]: the backward's mm(grad [N, V] stride 0, W) and
+    # mm(grad^T [V, N] stride 0, x) each clone the expanded gradient (N*V*4 bytes), allocated after
+    # the mm's output and freed when it returns; the CPU trace's fake mm records no such buffer
+    n, d, v = 24, 8, 40
+
+    def make(device):
+        return (torch.randn(n, d, device=device, requires_grad=True),
+                torch.randn(v, d, device=device, requires_grad=True))
+
+    cuda, cpu = cuda_and_cpu(lambda x, w: F.linear(x, w).sum(), make)
+    grad_x, grad_w, clone = 4 * n * d, 4 * v * d, 4 * n * v
+    assert cuda.backward_peak == cpu.backward_peak + clone
+    assert cuda.backward_peak >= grad_x + grad_w + clone
+
+
+def test_mean_backward_hands_matmuls_a_dense_gradient():
+    # mean_backward (FunctionsManual.cpp): sum_backward(grad) / n is a dense tensor: no copy
+    def make(device):
+        return (torch.randn(24, 8, device=device, requires_grad=True),
+                torch.randn(40, 8, device=device, requires_grad=True))
+
+    cuda, cpu = cuda_and_cpu(lambda x, w: F.linear(x, w).mean(), make)
+    assert cuda.backward_peak == cpu.backward_peak
+
+
+def _optimizer_phase_peak(trace) -> int:
+    """The most bytes live during the optimizer phase, replaying the trace's events."""
+    start, end = trace.phase_starts["optimizer"], trace.phase_starts["zero_grad"]
+    live = sum(n for _, n in trace.events[:start])
+    peak = live
+    for _, n in trace.events[start:end]:
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_foreach_adam_before_torch_2_1_keeps_an_out_of_place_denom(opt_cls):
+    # torch 2.0 _multi_tensor_adam(w): denom = torch._foreach_add(exp_avg_sq_sqrt, eps), a second
+    # parameter-sized list while the square roots live (pytorch/pytorch#97712); torch 2.1+
+    # (pytorch/pytorch#104898): torch._foreach_add_(exp_avg_sq_sqrt, eps). So a 2.0 target's step
+    # peaks one parameter-sized list (every parameter's bytes) higher
+    from memguard.estimator._trace import trace_step
+
+    def peak(version):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40))
+        trace = trace_step(model, torch.randn(4, 64), loss_fn=lambda m, b: m(b).square().mean(), device="cpu",
+                           foreach=True, cuda_target=CudaTarget(capability=(8, 0), torch_version=version),
+                           optimizer=lambda p: opt_cls(p, lr=1e-3))
+        return _optimizer_phase_peak(trace)
+
+    param_bytes = 4 * (64 * 96 + 96 + 96 * 40 + 40)
+    assert peak((2, 0)) - peak((2, 1)) == param_bytes
+    assert peak((2, 1)) == peak((2, 13))
+
+
+def test_sgd_and_fused_adam_take_no_denom_mode():
+    from memguard.estimator._cuda_rules import _OutOfPlaceAdamDenom, cuda_optimizer_step_mode
+
+    p = [nn.Parameter(torch.zeros(3))]
+    old = CudaTarget(capability=(8, 0), torch_version=(2, 0))
+    assert isinstance(cuda_optimizer_step_mode(torch.optim.Adam(p, foreach=True), old), _OutOfPlaceAdamDenom)
+    assert not isinstance(cuda_optimizer_step_mode(torch.optim.SGD(p, lr=0.1, foreach=True), old), _OutOfPlaceAdamDenom)
+    assert not isinstance(cuda_optimizer_step_mode(torch.optim.Adam(p, foreach=False), old), _OutOfPlaceAdamDenom)
+    assert not isinstance(cuda_optimizer_step_mode(torch.optim.Adam(p, foreach=True), A100), _OutOfPlaceAdamDenom)
