@@ -138,6 +138,8 @@ class Trace:
         num_blocks: repeated blocks in the traced model (after any truncation).
         num_ops: non-view ATen ops run by forward and backward (the cost model's host-side term).
         flops: FLOPs of forward and backward, when counted (``count_flops=True``).
+        unmodelled: for the CUDA target, what CUDA kernels of the step allocate that the trace does not
+            replay (:class:`memguard.estimator._unmodelled.Unmodelled` entries, in call order).
     """
 
     events: list[tuple[int, int]] = field(default_factory=list)
@@ -151,6 +153,7 @@ class Trace:
     num_blocks: int = 0
     num_ops: int = 0
     flops: int = 0
+    unmodelled: list = field(default_factory=list)
 
     def phase_of(self, index: int) -> str:
         """The phase that event ``index`` belongs to."""
@@ -559,6 +562,7 @@ def load_rules() -> None:
     modules registers them; repeated calls are free). A trace for the CUDA target on CPU fakes calls
     it before it turns the :class:`~memguard.estimator._cuda_kernels.CudaKernelModel` on."""
     from memguard.estimator import _cuda_attention as cuda_attention, _cuda_rules as cuda_rules  # noqa: F401 - imported for registration
+    from memguard.estimator import _unmodelled as unmodelled  # noqa: F401 - registers its finders
 
 
 def trace_step(
@@ -670,6 +674,8 @@ class StepTracer:
                 self.categorise()
                 self.carry_outputs()
             self.recorder.close()
+        if self.kernel_model is not None:
+            self.trace.unmodelled = list(self.kernel_model.unmodelled)
         return self.trace
 
     # ------------------------------------------------------------------------------ setup
