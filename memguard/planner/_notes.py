@@ -152,7 +152,7 @@ def notes_of(plan: Any, *, variable_shapes: bool = False) -> tuple[str, ...]:
     grad_item = 2 if plan.precision in ("16-true", "bf16-true") else 4
     return operational_notes(RunSettings(
         device=plan.device, world_size=plan.world_size, zero_stage=plan.zero_stage,
-        strategy=getattr(plan, "strategy", None), gpu=plan.gpu, peak_bytes=est.peak_upper_bytes,
+        strategy=getattr(plan, "strategy", None), gpu=plan.gpu, peak_bytes=getattr(est, "peak_upper_bytes", est.peak_bytes),
         usable_bytes=plan.usable_bytes, grad_bytes=est.num_trainable_params * grad_item,
         hidden_size=plan.hidden_size, precision=plan.precision, offload_optimizer=plan.offload_optimizer,
         variable_shapes=variable_shapes))
