@@ -23,7 +23,7 @@ Usage::
     python benchmarks/compile_cpu.py --cases mlp,tied-lm --backend aot_eager --out my-results
     python benchmarks/compile_cpu.py --render benchmarks/results/compile_cpu.json   # the Markdown again
 
-Writes ``compile_cpu.json`` and ``compile_cpu.md`` to ``--out`` (default ``benchmarks/results``)
+Writes ``compile_cpu.json`` and ``compile_cpu.md`` (``--name``) to ``--out`` (default ``benchmarks/results``)
 and prints the Markdown table. The inductor backend needs a C++ compiler on the host (it builds
 its CPU kernels with one); ``--backend aot_eager`` runs AOTAutograd's partitioned graphs eagerly
 without one.
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
     p.add_argument("--out", default=str(_REPO / "benchmarks" / "results"))
+    p.add_argument("--name", default="compile_cpu", help="file name of the results, without .json/.md")
     p.add_argument("--render", metavar="JSON", help="only rewrite the Markdown of an earlier run's compile_cpu.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -166,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compile_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     md = render_markdown(rows, meta)
-    (out / "compile_cpu.md").write_text(md)
+    (out / f"{args.name}.md").write_text(md)
     print(md)
     return 0 if all("error" not in r for r in rows) else 1
 
