@@ -646,6 +646,7 @@ class StepTracer:
         self.recorder = self.make_recorder()
         self.emulation = None
         self.kernel_model = None
+        self.finder = None  # the CUDA target on fake CUDA tensors: collects the unmodelled kernels only
         self.flops = [contextlib.nullcontext(), contextlib.nullcontext()]  # forward, backward
         self.output: Any = None  # the model's output, kept alive with keep_outputs
         self.output_at = -1  # the event index at which the output was returned
@@ -674,8 +675,9 @@ class StepTracer:
                 self.categorise()
                 self.carry_outputs()
             self.recorder.close()
-        if self.kernel_model is not None:
-            self.trace.unmodelled = list(self.kernel_model.unmodelled)
+        collector = self.kernel_model if self.kernel_model is not None else self.finder
+        if collector is not None:
+            self.trace.unmodelled = list(collector.unmodelled)
         return self.trace
 
     # ------------------------------------------------------------------------------ setup
@@ -722,6 +724,10 @@ class StepTracer:
 
             load_rules()
             self.kernel_model = CudaKernelModel(spec.cuda_target)
+        elif self.device.type == "cuda":
+            from memguard.estimator._unmodelled import UnmodelledFinder
+
+            self.finder = UnmodelledFinder()
 
     def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
         """Change the fake copy in place before the optimizer is built (the base changes nothing).
@@ -781,6 +787,8 @@ class StepTracer:
         stack = contextlib.ExitStack()
         if self.kernel_model is not None:
             stack.enter_context(self.kernel_model)
+        elif self.finder is not None:
+            stack.enter_context(self.finder)
         if self.emulation is not None:
             stack.enter_context(self.emulation)
         elif self.spec.autocast_dtype:

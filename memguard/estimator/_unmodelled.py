@@ -67,6 +67,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from torch.overrides import TorchFunctionMode
+
 from memguard.estimator._cuda_kernels import UNMODELLED, CudaTarget
 
 _MiB = 1 << 20
@@ -422,6 +424,29 @@ def group_norm(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled
     return [Unmodelled("group-norm backward scratch", what,
                        group_norm_backward_bytes(int(x.shape[0]), int(x.shape[1]), groups, acc, x.requires_grad),
                        True, source)]
+
+
+class UnmodelledFinder(TorchFunctionMode):
+    """Collect the :data:`~memguard.estimator._cuda_kernels.UNMODELLED` entries of every call, and run
+    each call unchanged: the CUDA target traced on fake CUDA tensors (a GPU is present), where no
+    :class:`~memguard.estimator._cuda_kernels.CudaKernelModel` runs but the same kernels go unreplayed
+    (fake CUDA tensors allocate their outputs only).
+
+    Args:
+        target: the GPU and torch the finders judge by (None: the installed torch, the vendor of its build).
+    """
+
+    def __init__(self, target: CudaTarget | None = None) -> None:
+        super().__init__()
+        self.target = target or CudaTarget.for_spec(None, vendor="amd" if torch.version.hip else "nvidia")
+        self.unmodelled: list[Unmodelled] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        finder = UNMODELLED.get(func)
+        if finder is not None:
+            self.unmodelled.extend(finder(self.target, args, kwargs))
+        return func(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------

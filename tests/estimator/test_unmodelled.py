@@ -232,3 +232,16 @@ def test_plan_fits_on_the_upper_bound():
                          precision="32-true", activation_checkpointing=False, zero_stage=0)
     assert plan.estimate.peak_upper_bytes <= plan.usable_bytes
     assert plan.micro_batch_size < 8  # the whole batch fits its peak but not its upper bound
+
+
+def test_the_finder_mode_of_the_gpu_path_reports_without_replacing():
+    """On a GPU host the CUDA target is traced on fake CUDA tensors without the kernel model; the finder
+    mode reports the same entries and leaves every call as it is (run here on CPU tensors)."""
+    from memguard.estimator._unmodelled import UnmodelledFinder
+
+    x = torch.randn(8192)
+    with UnmodelledFinder(CudaTarget()) as finder:
+        values, _ = torch.sort(x)
+    assert torch.equal(values, torch.sort(x).values)  # the call ran unchanged
+    (entry,) = finder.unmodelled
+    assert entry.allocations == sort_workspace_bytes((8192,), 0, 4)
