@@ -121,6 +121,12 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
     return kwargs.get(name, default)
 
 
+def _backward_runs(t: torch.Tensor) -> bool:
+    """Whether autograd will run ``t``'s part of this call's backward (not under ``no_grad``: an
+    evaluation step, whose kernels have no backward)."""
+    return t.requires_grad and torch.is_grad_enabled()
+
+
 def _shape(t: torch.Tensor) -> str:
     return f"[{', '.join(str(int(s)) for s in t.shape)}] {str(t.dtype).replace('torch.', '')}"
 
@@ -324,7 +330,7 @@ def embedding(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]
     max_norm = _arg(args, kwargs, 3, "max_norm", None)
     scale = bool(_arg(args, kwargs, 5, "scale_grad_by_freq", False))
     sparse = bool(_arg(args, kwargs, 6, "sparse", False))
-    if (not isinstance(indices, torch.Tensor) or not isinstance(weight, torch.Tensor) or not weight.requires_grad
+    if (not isinstance(indices, torch.Tensor) or not isinstance(weight, torch.Tensor) or not _backward_runs(weight)
             or sparse or max_norm is not None or indices.is_floating_point()):
         return []
     n = indices.numel()
@@ -357,7 +363,7 @@ def layer_norm_partial_bytes(m: int, n: int, grads: int, grad_bytes: int) -> tup
 def _norm_entry(target: CudaTarget, x: Any, shape: Any, params: list, what: str) -> list[Unmodelled]:
     if target.sm_count is not None or not isinstance(x, torch.Tensor) or shape is None:
         return []  # with an SM count the rule allocates the buffers itself
-    grads = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
+    grads = [p for p in params if isinstance(p, torch.Tensor) and _backward_runs(p)]
     if not grads:
         return []
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -413,7 +419,7 @@ def group_norm(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled
     x = args[0] if args else kwargs.get("input")
     groups = _arg(args, kwargs, 1, "num_groups", None)
     weight, bias = _arg(args, kwargs, 2, "weight", None), _arg(args, kwargs, 3, "bias", None)
-    needs = [t for t in (x, weight, bias) if isinstance(t, torch.Tensor) and t.requires_grad]
+    needs = [t for t in (x, weight, bias) if isinstance(t, torch.Tensor) and _backward_runs(t)]
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or not isinstance(groups, int) or not needs:
         return []
     source = "aten/src/ATen/native/cuda/group_norm_kernel.cu GroupNormBackwardKernelImplInternal"

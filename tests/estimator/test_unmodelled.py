@@ -245,3 +245,14 @@ def test_the_finder_mode_of_the_gpu_path_reports_without_replacing():
     assert torch.equal(values, torch.sort(x).values)  # the call ran unchanged
     (entry,) = finder.unmodelled
     assert entry.allocations == sort_workspace_bytes((8192,), 0, 4)
+
+
+def test_backward_workspaces_are_not_reported_without_a_backward():
+    # an evaluation step runs under no_grad: the embedding's backward never sorts
+    weight = _fake(1000, 64, grad=True)
+    with torch.no_grad():
+        assert UNMODELLED[F.embedding](CudaTarget(), (_fake(4096, dtype=torch.int64), weight), {}) == []
+    est = memguard.estimate(EmbeddingLM(), torch.randint(0, 1000, (8, 512)), device="cuda", gpu="A100-80GB",
+                            train=False)
+    assert est.peak_upper_bytes == est.peak_bytes
+    assert not any("embedding backward" in n for n in est.notes)
