@@ -37,6 +37,9 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   and ``c2``, ``c3`` (``[N, G]``), all in the accumulate type, for a contiguous input; no rule
   allocates them (:func:`group_norm_backward_bytes`). Its channels-last path allocates more,
   not read here: **unbounded** for channels-last inputs.
+* **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True``, and the backward of ``x[index]``
+  with integer index tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear
+  indices with CUB and keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
 
 Bounds of CUB's temporary storage follow CCCL's ``cub/device/dispatch/dispatch_radix_sort.cuh``
 (the onesweep ``allocation_sizes``: bins, lookback, an extra key and value buffer when more than
@@ -55,7 +58,8 @@ depends on values cannot run on fake tensors, so no estimate contains them; ``cr
 Not examined (so not listed, and not in the bound): the global staging buffer and semaphores of
 ``native/cuda/Reduce.cuh`` when a reduction splits over blocks (``ReduceConfig::global_memory_size``,
 whose size depends on ``setReduceConfig``'s launch configuration), CUB scans of ``cumsum``/``cumprod``,
-``topk``'s sort of its results, and ``index_put_``/``scatter`` with deterministic algorithms.
+``topk``'s radix-select buffers and the sort of its results, and ``scatter``/``index_put_`` under
+``torch.use_deterministic_algorithms`` (their copies of ``value`` and ``self``, and which calls then sort).
 """
 
 from __future__ import annotations
@@ -341,6 +345,76 @@ def embedding(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]
                        embedding_backward_workspace_bytes(n, indices.element_size()), True,
                        "aten/src/ATen/native/cuda/Embedding.cu embedding_dense_backward_cuda; "
                        "aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu; cub/device/dispatch/dispatch_radix_sort.cuh")]
+
+
+# --------------------------------------------------------------------------------------------
+# index_put with accumulate (and the backward of advanced indexing)
+# --------------------------------------------------------------------------------------------
+
+
+def index_put_sort_bytes(num_indices: int) -> tuple[int, ...]:
+    """The buffers CUDA's sorting ``index_put_`` holds while it sorts ``num_indices`` linear indices.
+
+    native/cuda/Indexing.cu ``index_put_with_sort_kernel`` (taken for ``accumulate=True``, and under
+    deterministic algorithms, by ``_index_put_impl_`` in native/TensorAdvancedIndexing.cpp): the int64
+    ``linearIndex`` (``computeLinearIndex``), ``sorted_indices``, ``orig_indices`` and ``range``, and
+    ``cuda::cub::radix_sort_pairs`` of int64 pairs, all live together. Copies it makes of a
+    non-contiguous ``self``, of a broadcast ``value`` or of a permuted ``src`` are not counted: the
+    backward of ``x[index]`` (``index_backward``: ``_index_put_impl_`` of the gradient into zeros,
+    accumulating) takes contiguous ones.
+    """
+    if num_indices <= 0:
+        return ()
+    return (num_indices * 8,) * 4 + (cub_radix_sort_bytes(num_indices, 8, 8),)
+
+
+def _index_count(index: Any) -> int | None:
+    """Elements of the broadcast integer index tensors of an advanced index; 0 without one; None for a
+    boolean mask (whose size depends on values: such a call cannot run on fake tensors)."""
+    parts = index if isinstance(index, (tuple, list)) else (index,)
+    shapes = []
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            if part.dtype == torch.bool:
+                return None
+            if not part.is_floating_point():
+                shapes.append(tuple(part.shape))
+    if not shapes:
+        return 0
+    return math.prod(torch.broadcast_shapes(*shapes))
+
+
+_INDEX_SOURCE = ("aten/src/ATen/native/cuda/Indexing.cu index_put_with_sort_kernel; "
+                 "cub/device/dispatch/dispatch_radix_sort.cuh")
+
+
+@unmodelled(torch.Tensor.__getitem__)
+def getitem(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``x[index]`` with integer index tensors: its backward accumulates with the sorting ``index_put_``."""
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor) or not _backward_runs(args[0]):
+        return []
+    n = _index_count(args[1])
+    if not n:
+        return []
+    return [Unmodelled("sorting index_put_'s index buffers and CUB radix-sort temporary storage",
+                       f"backward of advanced indexing of {_shape(args[0])} by {n} indices",
+                       index_put_sort_bytes(n), True, _INDEX_SOURCE)]
+
+
+@unmodelled(torch.index_put, torch.Tensor.index_put, torch._C.TensorBase.index_put, torch.Tensor.index_put_,
+            torch._C.TensorBase.index_put_)
+def index_put(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``index_put(_)(input, indices, values, accumulate=False)``: the sorting kernel when accumulating."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    indices = _arg(args, kwargs, 1, "indices", None)
+    if not isinstance(x, torch.Tensor) or not bool(_arg(args, kwargs, 3, "accumulate", False)):
+        return []
+    n = _index_count(tuple(indices) if indices is not None else ())
+    if not n:
+        return []
+    return [Unmodelled("sorting index_put_'s index buffers and CUB radix-sort temporary storage",
+                       f"index_put with accumulate into {_shape(x)} at {n} indices", index_put_sort_bytes(n), True,
+                       _INDEX_SOURCE)]
 
 
 # --------------------------------------------------------------------------------------------

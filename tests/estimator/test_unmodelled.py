@@ -256,3 +256,25 @@ def test_backward_workspaces_are_not_reported_without_a_backward():
                             train=False)
     assert est.peak_upper_bytes == est.peak_bytes
     assert not any("embedding backward" in n for n in est.notes)
+
+
+def test_index_put_sort_bound():
+    # 1000 indices: four int64 arrays (linearIndex, sorted, orig, range) of 8000 B, and the pair sort:
+    # bins 16384, lookback ceil(1000/256)=4 blocks x 2048 = 8192, keys and values 8000 -> 8192 each
+    # (256-aligned), counters 512
+    from memguard.estimator._unmodelled import index_put_sort_bytes
+
+    assert index_put_sort_bytes(1000) == (8000, 8000, 8000, 8000, 16384 + 8192 + 8192 + 8192 + 512)
+
+
+def test_advanced_indexing_reports_its_backward_sort():
+    from memguard.estimator._unmodelled import UnmodelledFinder, index_put_sort_bytes
+
+    x = torch.randn(64, 10, requires_grad=True)
+    rows, cols = torch.arange(64), torch.zeros(64, dtype=torch.int64)
+    with UnmodelledFinder(CudaTarget()) as finder:
+        x[rows, cols].sum()  # backward: index_put_ accumulating 64 values (the sorting kernel on CUDA)
+        x[:, 0].sum()  # basic indexing: a view, no index_put_ in its backward
+        torch.zeros(5).index_put_((torch.tensor([0, 1]),), torch.ones(2), accumulate=True)
+        torch.zeros(5).index_put_((torch.tensor([0, 1]),), torch.ones(2))  # no accumulate: no sort
+    assert [e.allocations for e in finder.unmodelled] == [index_put_sort_bytes(64), index_put_sort_bytes(2)]
