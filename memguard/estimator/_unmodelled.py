@@ -55,9 +55,12 @@ at least one item.
 Not listed, and why: ``nonzero``, ``unique``, boolean masking and other ops whose output size
 depends on values cannot run on fake tensors, so no estimate contains them; ``cross_entropy`` /
 ``nll_loss`` allocate on CUDA what their meta kernels do (see :mod:`memguard.estimator._cuda_rules`).
-Not examined (so not listed, and not in the bound): the global staging buffer and semaphores of
-``native/cuda/Reduce.cuh`` when a reduction splits over blocks (``ReduceConfig::global_memory_size``,
-whose size depends on ``setReduceConfig``'s launch configuration), CUB scans of ``cumsum``/``cumprod``,
+Not bounded yet (so not listed, and not in the bound): the global staging buffer and semaphores of
+``native/cuda/Reduce.cuh`` when a reduction splits over blocks (``ReduceConfig::global_memory_size``:
+``element_size * num_outputs * ctas_per_output``, times ``block.x`` without a block-x reduction, where
+``setReduceConfig`` chooses ``ctas_per_output = max(min(ceil(target_grid / grid), ceil(values_per_thread
+/ 16)), ceil(values_per_thread / 256))`` from the block shape and the SM count: read, not replayed),
+CUB scans of ``cumsum``/``cumprod``,
 ``topk``'s radix-select buffers and the sort of its results, and ``scatter``/``index_put_`` under
 ``torch.use_deterministic_algorithms`` (their copies of ``value`` and ``self``, and which calls then sort).
 """
