@@ -114,7 +114,7 @@ def _estimate_from_factors(trace, factors, target: Target, *, micro_batch_size, 
         breakdown[Category.ALLOCATOR_OVERHEAD] = max(0, reserved - timeline.peak_bytes - workspace)
         peak = sum(breakdown.values())
         context = spec.context_bytes
-        if trace.unmodelled:  # kernels without a rule: named, and bounded where a bound exists
+        if getattr(trace, "unmodelled", None):  # kernels without a rule: named, and bounded where a bound exists
             from memguard.estimator._cuda import allocator_config
             from memguard.estimator._unmodelled import upper_bound
 
