@@ -78,6 +78,10 @@ Rule = Callable[[CudaTarget, Callable, tuple, dict], Any]
 #: The registered rules, by the torch function they replace.
 RULES: dict[Callable, Rule] = {}
 
+#: Functions whose CUDA kernels allocate memory no rule replays: ``finder(target, args, kwargs)`` lists
+#: it (:mod:`memguard.estimator._unmodelled` registers them; :class:`CudaKernelModel` collects them).
+UNMODELLED: dict[Callable, Callable[[CudaTarget, tuple, dict], list]] = {}
+
 
 def cuda_rule(*funcs: Callable) -> Callable[[Rule], Rule]:
     """Register the decorated rule for each of ``funcs`` (torch functions as
@@ -123,9 +127,13 @@ class CudaKernelModel(TorchFunctionMode):
     def __init__(self, target: CudaTarget) -> None:
         super().__init__()
         self.target = target
+        self.unmodelled: list = []  # what UNMODELLED's finders reported, in call order
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        finder = UNMODELLED.get(func)
+        if finder is not None:
+            self.unmodelled.extend(finder(self.target, args, kwargs))
         rule = RULES.get(func)
         if rule is not None:
             return rule(self.target, func, args, kwargs)

@@ -214,6 +214,7 @@ def _with_ddp_buckets(est: Estimate, trace: Any, world_size: int, grads_present:
     breakdown["grads"] = breakdown.get("grads", 0) + buckets
     if est.device == "cuda":
         breakdown["allocator_overhead"] = breakdown.get("allocator_overhead", 0) + added - buckets
-    return dataclasses.replace(est, peak_bytes=est.peak_bytes + added, breakdown=breakdown,
+    return dataclasses.replace(est, peak_bytes=est.peak_bytes + added, peak_upper_bytes=est.peak_upper_bytes + added,
+                               breakdown=breakdown,
                                allocated_peak_bytes=est.allocated_peak_bytes + buckets,
                                model_state_bytes=est.model_state_bytes + buckets)

@@ -101,6 +101,7 @@ def _estimate_from_factors(trace, factors, target: Target, *, micro_batch_size, 
     context = 0
     peak = timeline.peak_bytes
     notes: tuple[str, ...] = ()
+    upper_extra, unbounded = 0, ()
     if device == "cuda":
         constant = sum(extra.values())
         cap = None if limit_bytes is None else max(0, limit_bytes - round_up(constant, ROUND_LARGE))
@@ -111,6 +112,13 @@ def _estimate_from_factors(trace, factors, target: Target, *, micro_batch_size, 
         breakdown[Category.ALLOCATOR_OVERHEAD] = max(0, reserved - timeline.peak_bytes - workspace)
         peak = sum(breakdown.values())
         context = spec.context_bytes
+        if getattr(trace, "unmodelled", None):  # kernels without a rule: named, and bounded where a bound exists
+            from memguard.estimator._cuda import allocator_config
+            from memguard.estimator._unmodelled import upper_bound
+
+            bound = upper_bound(trace.unmodelled, allocator_config())
+            upper_extra, unbounded = bound.extra_bytes, bound.unbounded
+            notes = notes + bound.notes
     if strategy == "fsdp2":
         from memguard.estimator._fsdp2 import FSDP2_NOTE, describe_stage
 
@@ -136,6 +144,8 @@ def _estimate_from_factors(trace, factors, target: Target, *, micro_batch_size, 
         phase_peaks=timeline.phase_peaks,
         notes=notes,
         strategy=strategy,
+        peak_upper_bytes=int(peak + upper_extra),
+        unbounded_workspaces=unbounded,
     )
     return est, timeline
 

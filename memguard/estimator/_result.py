@@ -78,6 +78,15 @@ class Estimate:
         strategy: ``"ddp"``, ``"deepspeed"`` or ``"fsdp2"``: how the model states were sharded
             (``zero_stage`` is that strategy's sharding level). Dicts written before this field
             existed load as DDP, or DeepSpeed when their ``zero_stage >= 1``.
+        peak_upper_bytes: ``peak_bytes`` plus the most that the CUDA kernels the model has no rule for
+            can add while they run (CUB temporary storage, kernels' own scratch: each named in
+            ``notes`` with its bound; :func:`memguard.estimator._unmodelled.upper_bound` says how the
+            bound composes: the largest one's new allocator segments on top of the peak). Equals
+            ``peak_bytes`` on CPU and where nothing unmodelled ran; dicts written before this field
+            existed load with ``peak_bytes``. It bounds the step only when ``unbounded_workspaces``
+            is empty. The planner plans on it.
+        unbounded_workspaces: the unmodelled mechanisms that have no bound from the shapes (cuDNN's
+            RNN workspaces, sized by cuDNN at run time), each with its call; not in ``peak_upper_bytes``.
     """
 
     peak_bytes: int
@@ -99,6 +108,8 @@ class Estimate:
     phase_peaks: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     strategy: str = ""
+    peak_upper_bytes: int = 0
+    unbounded_workspaces: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.strategy:  # older dicts: today's meaning of zero_stage
@@ -106,6 +117,9 @@ class Estimate:
         object.__setattr__(self, "breakdown", MappingProxyType({_plain(k): v for k, v in self.breakdown.items()}))
         object.__setattr__(self, "phase_peaks", MappingProxyType(dict(self.phase_peaks)))
         object.__setattr__(self, "notes", tuple(self.notes))  # a JSON round trip gives a list
+        object.__setattr__(self, "unbounded_workspaces", tuple(self.unbounded_workspaces))
+        if self.peak_upper_bytes < self.peak_bytes:  # older dicts (0): nothing unmodelled was counted
+            object.__setattr__(self, "peak_upper_bytes", self.peak_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -118,6 +132,7 @@ class Estimate:
         d["breakdown"] = dict(self.breakdown)
         d["phase_peaks"] = dict(self.phase_peaks)
         d["notes"] = list(self.notes)
+        d["unbounded_workspaces"] = list(self.unbounded_workspaces)
         return d
 
     @classmethod
@@ -132,6 +147,9 @@ class Estimate:
         width = max([len(k) for k, _ in rows] + [len("peak")])
         lines = [f"  {k:<{width}}  {format_bytes(v):>11}  {100 * v / max(self.peak_bytes, 1):5.1f}%" for k, v in rows]
         lines.append(f"  {'peak':<{width}}  {format_bytes(self.peak_bytes):>11}  (during {self.peak_phase})")
+        if self.peak_upper_bytes > self.peak_bytes:
+            lines.append(f"  {'upper':<{width}}  {format_bytes(self.peak_upper_bytes):>11}  (with the unmodelled "
+                         "workspaces in the notes)")
         if self.context_bytes:
             lines.append(f"  {'+ context':<{width}}  {format_bytes(self.context_bytes):>11}")
         lines += [f"  note: {n}" for n in self.notes]

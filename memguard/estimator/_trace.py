@@ -138,6 +138,8 @@ class Trace:
         num_blocks: repeated blocks in the traced model (after any truncation).
         num_ops: non-view ATen ops run by forward and backward (the cost model's host-side term).
         flops: FLOPs of forward and backward, when counted (``count_flops=True``).
+        unmodelled: for the CUDA target, what CUDA kernels of the step allocate that the trace does not
+            replay (:class:`memguard.estimator._unmodelled.Unmodelled` entries, in call order).
     """
 
     events: list[tuple[int, int]] = field(default_factory=list)
@@ -151,6 +153,7 @@ class Trace:
     num_blocks: int = 0
     num_ops: int = 0
     flops: int = 0
+    unmodelled: list = field(default_factory=list)
 
     def phase_of(self, index: int) -> str:
         """The phase that event ``index`` belongs to."""
@@ -564,6 +567,7 @@ def load_rules() -> None:
     modules registers them; repeated calls are free). A trace for the CUDA target on CPU fakes calls
     it before it turns the :class:`~memguard.estimator._cuda_kernels.CudaKernelModel` on."""
     from memguard.estimator import _cuda_attention as cuda_attention, _cuda_rules as cuda_rules  # noqa: F401 - imported for registration
+    from memguard.estimator import _unmodelled as unmodelled  # noqa: F401 - registers its finders
 
 
 def trace_step(
@@ -647,6 +651,7 @@ class StepTracer:
         self.recorder = self.make_recorder()
         self.emulation = None
         self.kernel_model = None
+        self.finder = None  # the CUDA target on fake CUDA tensors: collects the unmodelled kernels only
         self.flops = [contextlib.nullcontext(), contextlib.nullcontext()]  # forward, backward
         self.output: Any = None  # the model's output, kept alive with keep_outputs
         self.output_at = -1  # the event index at which the output was returned
@@ -675,6 +680,9 @@ class StepTracer:
                 self.categorise()
                 self.carry_outputs()
             self.recorder.close()
+        collector = self.kernel_model if self.kernel_model is not None else self.finder
+        if collector is not None:
+            self.trace.unmodelled = list(collector.unmodelled)
         return self.trace
 
     # ------------------------------------------------------------------------------ setup
@@ -721,6 +729,10 @@ class StepTracer:
 
             load_rules()
             self.kernel_model = CudaKernelModel(spec.cuda_target)
+        elif self.device.type == "cuda":
+            from memguard.estimator._unmodelled import UnmodelledFinder
+
+            self.finder = UnmodelledFinder()
 
     def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
         """Change the fake copy in place before the optimizer is built (the base changes nothing).
@@ -780,6 +792,8 @@ class StepTracer:
         stack = contextlib.ExitStack()
         if self.kernel_model is not None:
             stack.enter_context(self.kernel_model)
+        elif self.finder is not None:
+            stack.enter_context(self.finder)
         if self.emulation is not None:
             stack.enter_context(self.emulation)
         elif self.spec.autocast_dtype:

@@ -101,7 +101,7 @@ def size_eval(model: nn.Module, batch: Any, request: PlanRequest, space: SearchS
     m1 = 2 * m0
 
     def predicted(m: int) -> int:
-        return estimate(interpolate_trace(trace_at(m0), m0, trace_at(m1), m1, m), m).peak_bytes
+        return estimate(interpolate_trace(trace_at(m0), m0, trace_at(m1), m1, m), m).peak_upper_bytes
 
     lo, hi = 0, n  # the largest m in [1, n] whose prediction fits (0: none)
     if predicted(1) <= usable:
@@ -117,16 +117,16 @@ def size_eval(model: nn.Module, batch: Any, request: PlanRequest, space: SearchS
         if m < 1:
             break
         est = estimate(trace_at(m), m)
-        if est.peak_bytes <= usable:
+        if est.peak_upper_bytes <= usable:  # plan on the upper bound, as the training search does
             return _micro_batch_plan(space, m, est, shape_reason)
         log.info("memguard: eval micro-batch %d predicted to fit but verified at %s; trying %d", m,
-                 format_bytes(est.peak_bytes), m - 1)
+                 format_bytes(est.peak_upper_bytes), m - 1)
         m -= 1
     one = estimate(trace_at(1), 1)
     closest = _micro_batch_plan(space, 1, one, shape_reason)
     raise InfeasiblePlanError(
         f"no evaluation micro-batch fits {format_bytes(usable)} usable per rank: one sample needs "
-        f"{format_bytes(one.peak_bytes)} ({format_bytes(one.model_state_bytes)} of it parameters and other resident "
+        f"{format_bytes(one.peak_upper_bytes)} ({format_bytes(one.model_state_bytes)} of it parameters and other resident "
         "state)", closest=closest,
         suggestions=["evaluate in a 16-bit precision", "a shorter sequence (max_shape)",
                      "drop the optimizer state during evaluation (optimizer_state=False)"])
@@ -145,6 +145,6 @@ def _micro_batch_plan(space: SearchSpace, m: int, est: Any, shape_reason: str | 
     if shape_reason is not None:
         reasons["planned_shape"] = shape_reason
     cand = Candidate(strategy="ddp", precision=precision, micro_batch_size=m, grad_accum_steps=1, checkpoint_blocks=0,
-                     zero_stage=0, offload_optimizer=False, predicted_bytes=est.peak_bytes, step_seconds=0.0,
+                     zero_stage=0, offload_optimizer=False, predicted_bytes=est.peak_upper_bytes, step_seconds=0.0,
                      throughput=0.0)
     return build_plan(space, cand, est, reasons)

@@ -74,8 +74,8 @@ class Alternative:
     Attributes:
         name: short name: ``"lora"``, ``"qlora"``, ``"adamw8bit"``, ``"bf16-true"``, ``"cpu-offload"``.
         change: what to change in the training script, one sentence.
-        predicted_peak_bytes: the predicted peak per rank (the plan's verified estimate when it
-            fits, else the closest configuration's), or None when it could not be measured (e.g.
+        predicted_peak_bytes: the predicted peak per rank, its upper bound (``Estimate.peak_upper_bytes``
+            of the plan's verified estimate when it fits, else of the closest configuration's), or None when it could not be measured (e.g.
             ``peft`` missing; ``note`` says why).
         fits: a plan fits the budget with this change.
         note: what else to know (numerics, host memory, paging, how it was modelled).
@@ -224,8 +224,8 @@ def _measure(plan_with: PlanWith, model: nn.Module, batch: Any, request: Any, se
         plan = plan_with(model, batch, request, session=session)
     except InfeasiblePlanError as exc:
         closest = exc.closest
-        return (closest.estimate.peak_bytes if closest is not None else None), None
-    return plan.estimate.peak_bytes, plan
+        return (closest.estimate.peak_upper_bytes if closest is not None else None), None
+    return plan.estimate.peak_upper_bytes, plan
 
 
 def alternatives(model: nn.Module, batch: Any, request: Any, *, plan_with: PlanWith,

@@ -56,7 +56,7 @@ class RunSettings:
         zero_stage: the ZeRO stage (the sharding level under ``"fsdp2"``).
         strategy: ``"ddp"``, ``"deepspeed"``, ``"fsdp2"`` or None (DDP, or DeepSpeed with ZeRO).
         gpu: the catalog GPU (:class:`~memguard.estimator.gpus.GPUSpec`), its name, or None.
-        peak_bytes: the plan's predicted peak per rank.
+        peak_bytes: the plan's predicted peak per rank (its upper bound, ``Estimate.peak_upper_bytes``).
         usable_bytes: the budget less headroom.
         grad_bytes: the gradients' bytes per rank (what DDP's buckets copy).
         hidden_size: the model's hidden size, when known (DeepSpeed bucket sizes).
@@ -152,7 +152,7 @@ def notes_of(plan: Any, *, variable_shapes: bool = False) -> tuple[str, ...]:
     grad_item = 2 if plan.precision in ("16-true", "bf16-true") else 4
     return operational_notes(RunSettings(
         device=plan.device, world_size=plan.world_size, zero_stage=plan.zero_stage,
-        strategy=getattr(plan, "strategy", None), gpu=plan.gpu, peak_bytes=est.peak_bytes,
+        strategy=getattr(plan, "strategy", None), gpu=plan.gpu, peak_bytes=getattr(est, "peak_upper_bytes", est.peak_bytes),
         usable_bytes=plan.usable_bytes, grad_bytes=est.num_trainable_params * grad_item,
         hidden_size=plan.hidden_size, precision=plan.precision, offload_optimizer=plan.offload_optimizer,
         variable_shapes=variable_shapes))

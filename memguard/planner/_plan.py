@@ -155,6 +155,8 @@ class Plan:
             f"  predicted peak            {format_bytes(e.peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
             f"({format_bytes(self.budget_bytes)} budget, {100 * self.headroom:.0f}% headroom)"
             + (f" + {format_bytes(e.context_bytes)} CUDA context" if e.context_bytes else ""),
+            *([f"  upper bound               {format_bytes(e.peak_upper_bytes)} with the unmodelled kernel "
+               "workspaces (what the plan was sized on)"] if e.peak_upper_bytes > e.peak_bytes else []),
             "",
             "Breakdown at the peak:",
             e.table(),

@@ -17,7 +17,9 @@ How the search works (and why it traces so little):
    go to the simpler plan (no checkpointing, lower ZeRO stage, no offload, then larger
    micro-batch). Probes of a precision or checkpointing mode whose best conceivable throughput
    cannot beat the best plan found are never traced.
-3. **Verification.** The winner is estimated with one full trace; if it does not fit after all,
+3. **Verification.** The winner is estimated with one full trace; if its upper bound
+   (``Estimate.peak_upper_bytes``: the peak plus the largest workspace of the CUDA kernels memguard
+   has no rule for, :mod:`memguard.estimator._unmodelled`) does not fit after all,
    the next candidate is verified (and the configuration that missed is queued one micro-batch
    smaller), and so on.
 
@@ -135,11 +137,11 @@ def search(session: TraceSession, space: SearchSpace) -> Plan:
         if cand.predicted_bytes * worst <= usable:
             est = verify(session, space, cand, limit_bytes=usable)
             tried.append((cand, est))
-            if est.peak_bytes <= usable:
+            if est.peak_upper_bytes <= usable:  # the upper bound: no plan relies on memory the model did not count
                 return _fitting_plan(session, space, cand, est)
-            worst = max(worst, est.peak_bytes / max(cand.predicted_bytes, 1))
+            worst = max(worst, est.peak_upper_bytes / max(cand.predicted_bytes, 1))
             log.info("memguard: candidate %s predicted %s but verified at %s; trying the next",
-                     cand, format_bytes(cand.predicted_bytes), format_bytes(est.peak_bytes))
+                     cand, format_bytes(cand.predicted_bytes), format_bytes(est.peak_upper_bytes))
         # a miss (or one predicted as optimistically as the last miss): try a smaller micro-batch too
         follow = smaller(cand)
         if follow is not None:
@@ -148,10 +150,10 @@ def search(session: TraceSession, space: SearchSpace) -> Plan:
     if closest is not None and all(c is not closest for c, _ in tried):
         # last resort: the configuration with the smallest predicted peak of all
         est = verify(session, space, closest, limit_bytes=usable)
-        if est.peak_bytes <= usable:
+        if est.peak_upper_bytes <= usable:
             return _fitting_plan(session, space, closest, est)
         tried.append((closest, est))
-    cand, est = min(tried, key=lambda t: t[1].peak_bytes)
+    cand, est = min(tried, key=lambda t: t[1].peak_upper_bytes)
     raise _infeasible(session, space, cand, verified=est)
 
 
@@ -211,7 +213,7 @@ def _infeasible(session: TraceSession, space: SearchSpace, cand: Candidate | Non
         if est is None:
             est = verify(session, space, cand)
         closest_plan = build_plan(space, cand, est, CLOSEST_REASONS, facts=ModelFacts.of(session.model))
-    need = est.peak_bytes if est is not None else 0
+    need = est.peak_upper_bytes if est is not None else 0
     suggestions: list[str] = []
     if est is not None:
         states = est.model_state_bytes

@@ -1,0 +1,590 @@
+"""CUDA kernels whose memory the CUDA model does not replay: what they are, and a bound on each.
+
+The CUDA target is traced on CPU fake tensors, and the trace sees tensors only. Some CUDA kernels
+allocate through the caching allocator without a tensor the CPU would also create: CUB's
+temporary storage, cuDNN's workspaces, scratch tensors a CUDA kernel makes for itself. Where
+memguard has a rule (:mod:`memguard.estimator._cuda_rules`, :mod:`memguard.estimator._cuda_attention`)
+the rule allocates them; this module lists the rest. While the trace runs under
+:class:`~memguard.estimator._cuda_kernels.CudaKernelModel`, every call of a function registered
+here with :func:`unmodelled` reports an :class:`Unmodelled` entry (the hook is
+:data:`~memguard.estimator._cuda_kernels.UNMODELLED`); the pricing names each in
+``Estimate.notes`` and adds the largest to ``Estimate.peak_upper_bytes`` (:func:`upper_bound`).
+
+What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless said otherwise):
+
+* **cuDNN RNN** (``nn.LSTM``/``GRU``/``RNN``: ``torch.lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``):
+  ``native/cudnn/RNN.cpp`` ``_cudnn_rnn`` allocates a ``workspace`` for the call and a ``reserve``
+  buffer kept for backward, both of the sizes cuDNN reports at run time
+  (``cudnnGetRNNTempSpaceSizes``); ``_cudnn_rnn_backward`` takes another workspace. No bound
+  follows from the shapes in PyTorch's source: **unbounded**. (The trace records the CPU's
+  per-step activations in place of the reserve.)
+* **Sort** (``torch.sort``/``argsort``/``msort`` and their methods) along a dimension longer
+  than 4096: ``native/cuda/Sort.h`` ``should_use_small_sort`` (``size(dim) <= 4096``) takes the
+  in-place bitonic sort (no extra memory); longer ones take ``native/cuda/Sort.cu``
+  ``launch_stable_sort_kernel``, whose three paths allocate index buffers through the caching
+  allocator and run CUB radix sorts (:func:`sort_workspace_bytes`).
+* **Embedding backward's sort** (``F.embedding`` with more than 3072 indices, or
+  ``scale_grad_by_freq``): the rule allocates the tensors of ``native/cuda/Embedding.cu``
+  ``embedding_dense_backward_cuda``, not the CUB temporary storage of its
+  ``cuda::cub::radix_sort_pairs`` on the indices, nor that of the segment scans of
+  ``native/cuda/EmbeddingBackwardKernel.cu`` (:func:`embedding_backward_workspace_bytes`).
+* **Layer/RMS-norm weight-gradient partial buffers** when the GPU's SM count is unknown: the rule
+  (:func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`) allocates them only when it can
+  evaluate ``native/cuda/layer_norm_kernel.cu``'s ``N / 32 < sm_count / 2``; without an SM count
+  the largest buffers the condition allows are listed (:func:`layer_norm_partial_bytes`).
+* **Group-norm backward's scratch**: ``native/cuda/group_norm_kernel.cu``
+  ``GroupNormBackwardKernelImplInternal`` allocates ``ds``, ``db`` (``[N, C]``), ``c1`` (``[N, C]``)
+  and ``c2``, ``c3`` (``[N, G]``), all in the accumulate type, for a contiguous input; no rule
+  allocates them (:func:`group_norm_backward_bytes`). Its channels-last path allocates more,
+  not read here: **unbounded** for channels-last inputs.
+* **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True``, and the backward of ``x[index]``
+  with integer index tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear
+  indices with CUB and keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
+
+Bounds of CUB's temporary storage follow CCCL's ``cub/device/dispatch/dispatch_radix_sort.cuh``
+(the onesweep ``allocation_sizes``: bins, lookback, an extra key and value buffer when more than
+one pass runs, counters; each aliased at 256-byte alignment by ``AliasTemporaries``) and
+``cub/agent/single_pass_scan_operators.cuh`` (``ScanTileState::AllocationSize``:
+``(num_tiles + TILE_STATUS_PADDING) * sizeof(TxnWord)``), as ATen's ``cuda/cub.cuh`` ``CUB_WRAPPER``
+allocates them from the caching allocator for the call. Where CUB's tuning decides a size, the
+bound takes the largest value the formula admits: 8-byte offsets and counters, 8 radix bits per
+pass (256 digits), a onesweep tile of at least 256 items (every CUB tuning policy's tile: 256 to
+512 threads times several items per thread; an assumption, not checked per GPU), a scan tile of
+at least one item.
+
+Not listed, and why: ``nonzero``, ``unique``, boolean masking and other ops whose output size
+depends on values cannot run on fake tensors, so no estimate contains them; ``cross_entropy`` /
+``nll_loss`` allocate on CUDA what their meta kernels do (see :mod:`memguard.estimator._cuda_rules`).
+Not bounded yet (so not listed, and not in the bound): the global staging buffer and semaphores of
+``native/cuda/Reduce.cuh`` when a reduction splits over blocks (``ReduceConfig::global_memory_size``:
+``element_size * num_outputs * ctas_per_output``, times ``block.x`` without a block-x reduction, where
+``setReduceConfig`` chooses ``ctas_per_output = max(min(ceil(target_grid / grid), ceil(values_per_thread
+/ 16)), ceil(values_per_thread / 256))`` from the block shape and the SM count: read, not replayed),
+CUB scans of ``cumsum``/``cumprod``,
+``topk``'s radix-select buffers and the sort of its results, and ``scatter``/``index_put_`` under
+``torch.use_deterministic_algorithms`` (their copies of ``value`` and ``self``, and which calls then sort).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from torch.overrides import TorchFunctionMode
+
+from memguard.estimator._cuda_kernels import UNMODELLED, CudaTarget
+
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Unmodelled:
+    """Memory one call's CUDA kernels allocate that the trace does not replay.
+
+    Attributes:
+        mechanism: what allocates it, e.g. ``"CUB radix-sort temporary storage"``.
+        op: the call, with its shapes.
+        allocations: the sizes (bytes) of the buffers live together at the worst moment of the call
+            (forward or backward), each requested from the caching allocator separately; empty when
+            no bound exists (``bound_bytes`` is then None).
+        bounded: False where no bound follows from the shapes.
+        source: the PyTorch (or CUB) source that allocates it.
+    """
+
+    mechanism: str
+    op: str
+    allocations: tuple[int, ...]
+    bounded: bool
+    source: str
+
+    @property
+    def bound_bytes(self) -> int | None:
+        """Bytes requested at the worst moment, or None where there is no bound."""
+        return sum(self.allocations) if self.bounded else None
+
+
+#: ``finder(target, args, kwargs) -> entries`` for one torch function.
+Finder = Callable[[CudaTarget, tuple, dict], list[Unmodelled]]
+
+
+def unmodelled(*funcs: Callable) -> Callable[[Finder], Finder]:
+    """Register the decorated finder for each of ``funcs`` in :data:`~memguard.estimator._cuda_kernels.UNMODELLED`."""
+
+    def register(finder: Finder) -> Finder:
+        for f in funcs:
+            UNMODELLED[f] = finder
+        return finder
+
+    return register
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
+def _backward_runs(t: torch.Tensor) -> bool:
+    """Whether autograd will run ``t``'s part of this call's backward (not under ``no_grad``: an
+    evaluation step, whose kernels have no backward)."""
+    return t.requires_grad and torch.is_grad_enabled()
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"[{', '.join(str(int(s)) for s in t.shape)}] {str(t.dtype).replace('torch.', '')}"
+
+
+# --------------------------------------------------------------------------------------------
+# CUB temporary storage
+# --------------------------------------------------------------------------------------------
+
+#: cub/util_device.cuh ``AliasTemporaries``: every aliased allocation starts at a 256-byte boundary.
+CUB_ALIGN = 256
+#: dispatch_radix_sort.cuh: 8 radix bits per pass at most (RADIX_DIGITS = 256) in CUB's policies.
+CUB_RADIX_DIGITS = 256
+#: dispatch_radix_sort.cuh: ``PORTION_SIZE = ((1 << 28) - 1) / TILE * TILE``, at least 2**27 items.
+CUB_PORTION_ITEMS = 1 << 27
+#: The smallest onesweep tile assumed (items per block), see the module docstring.
+CUB_MIN_TILE = 256
+#: single_pass_scan_operators.cuh: ``TILE_STATUS_PADDING`` (one warp).
+CUB_TILE_STATUS_PADDING = 32
+#: single_pass_scan_operators.cuh: ``TxnWord`` of a tile descriptor for values of at most 8 bytes.
+CUB_TXN_WORD = 16
+
+
+def cub_radix_sort_bytes(n: int, key_bytes: int, value_bytes: int = 0) -> int:
+    """A bound on CUB's temporary storage for ``DeviceRadixSort::SortPairs`` (or ``SortKeys`` with
+    ``value_bytes=0``) of ``n`` items, not overwriting its input.
+
+    dispatch_radix_sort.cuh onesweep ``allocation_sizes``, each rounded up to :data:`CUB_ALIGN`:
+    bins ``num_portions * num_passes * RADIX_DIGITS`` offsets, lookback ``max_num_blocks *
+    RADIX_DIGITS`` offsets, an extra key and value buffer of ``n`` items each (when more than one
+    pass runs: counted always), counters ``num_portions * num_passes``. ``num_passes`` is at most
+    the key's bits / 8 rounded up (8 radix bits per pass gives the most bins), ``max_num_blocks``
+    at most ``ceil(min(n, portion) / 256)``; offsets and counters are counted as 8 bytes.
+    """
+    if n <= 0:
+        return 0
+    portions = -(-n // CUB_PORTION_ITEMS)
+    passes = -(-(8 * key_bytes) // 8)
+    blocks = -(-min(n, CUB_PORTION_ITEMS) // CUB_MIN_TILE)
+    sizes = [
+        portions * passes * CUB_RADIX_DIGITS * 8,  # bins
+        blocks * CUB_RADIX_DIGITS * 8,  # lookback
+        n * key_bytes,  # extra key buffer
+        n * value_bytes,  # extra value buffer
+        portions * (8 * key_bytes) * 8,  # counters (num_passes <= key bits, at 1 radix bit a pass)
+    ]
+    return sum(_aligned(s) for s in sizes)
+
+
+def cub_segmented_radix_sort_bytes(n: int, key_bytes: int, value_bytes: int) -> int:
+    """CUB's temporary storage for ``DeviceSegmentedRadixSort::SortPairs`` of ``n`` items in all:
+    dispatch_radix_sort.cuh ``DispatchSegmentedRadixSort``'s two allocations, an extra key and an
+    extra value buffer of ``n`` items each (the input is not overwritten), 256-byte aligned."""
+    return _aligned(n * key_bytes) + _aligned(n * value_bytes)
+
+
+def cub_scan_bytes(n: int, value_bytes: int = 8) -> int:
+    """A bound on CUB's temporary storage for a single-pass scan (``DeviceScan``, and the
+    ``DeviceSelect::UniqueByKey`` of the embedding backward) of ``n`` items: the tile status of
+    single_pass_scan_operators.cuh, ``(num_tiles + 32) * sizeof(TxnWord)`` (16 bytes for values
+    of at most 8 bytes, else status, partial and inclusive values, ``1 + 2 * value_bytes``), with
+    one item a tile at least, plus the grid queue / selected-count word, each 256-byte aligned."""
+    if n <= 0:
+        return 0
+    word = CUB_TXN_WORD if value_bytes <= 8 else 1 + 2 * value_bytes
+    return _aligned((n + CUB_TILE_STATUS_PADDING) * word) + _aligned(8)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // CUB_ALIGN) * CUB_ALIGN if nbytes else 0
+
+
+# --------------------------------------------------------------------------------------------
+# cuDNN RNN
+# --------------------------------------------------------------------------------------------
+
+_RNN_SOURCE = ("aten/src/ATen/native/cudnn/RNN.cpp _cudnn_rnn / _cudnn_rnn_backward: workspace and reserve "
+               "of cudnnGetRNNTempSpaceSizes' run-time sizes")
+
+
+@unmodelled(torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)
+def rnn(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``nn.LSTM``/``GRU``/``RNN``: cuDNN's (MIOpen's on ROCm) workspace and reserve, unbounded."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("data"))
+    if not isinstance(x, torch.Tensor):
+        return []
+    library = "MIOpen" if target.vendor == "amd" else "cuDNN"
+    return [Unmodelled(f"{library} RNN workspace and reserve space", f"RNN layer on input {_shape(x)}", (), False,
+                       _RNN_SOURCE)]
+
+
+# --------------------------------------------------------------------------------------------
+# Sort
+# --------------------------------------------------------------------------------------------
+
+#: native/cuda/Sort.h ``should_use_small_sort``: slices up to this long sort in place (torch 2.13).
+SMALL_SORT = 4096
+#: native/cuda/Sort.cu ``launch_stable_sort_kernel``: one sort per segment from this slice length.
+LARGE_SEGMENT = 1_000_000
+#: native/cuda/Sort.cu ``launch_stable_sort_kernel``: fewer segments than this take the full sort.
+FULL_SORT_SEGMENTS = 128
+
+
+def sort_workspace_bytes(shape: tuple[int, ...], dim: int, key_bytes: int, dense_innermost: bool = True
+                         ) -> tuple[int, ...]:
+    """The buffers CUDA's stable sort allocates beyond its outputs, live together at its worst moment.
+
+    native/cuda/Sort.cu ``launch_stable_sort_kernel`` (keys of ``key_bytes``, int64 indices) with
+    ``n`` elements, slices of ``nsort``, ``nsegments = n / nsort``:
+
+    * ``nsegments == 1`` or ``nsort >= 10**6`` (``segmented_sort_large_segments``): an int64
+      index array of ``nsort`` and, per segment in turn, ``radix_sort_pairs<key, int64>(nsort)``;
+    * ``nsegments < 128`` (``segmented_sort_pairs_by_full_sort``): two ``int2`` arrays of ``n``, then
+      ``radix_sort_pairs<key, int2>(n)`` with no key output (cuda/cub.cuh allocates one of ``n``
+      keys), then ``radix_sort_keys<int64>(n)`` on the segment ids;
+    * otherwise (``segmented_sort_pairs``): an int64 reverse-index array of ``n`` and
+      ``DeviceSegmentedRadixSort::SortPairs`` of ``n``.
+
+    A sort along a dimension that is not innermost, or of a tensor that is not dense, first makes
+    dense copies of the input, values and indices (native/cuda/Sort.cpp); those are counted too
+    when ``dense_innermost`` is False (``n * (2 * key_bytes + 8)``). Slices of at most
+    :data:`SMALL_SORT` sort in place and allocate nothing: ``()``.
+    """
+    n = math.prod(shape)
+    if n == 0 or not shape:
+        return ()
+    nsort = int(shape[dim])
+    if nsort <= SMALL_SORT:
+        return ()
+    nsegments = n // nsort
+    copies = (n * key_bytes, n * key_bytes, n * 8) if not dense_innermost else ()
+    if nsegments == 1 or nsort >= LARGE_SEGMENT:
+        return copies + (nsort * 8, cub_radix_sort_bytes(nsort, key_bytes, 8))
+    if nsegments < FULL_SORT_SEGMENTS:
+        first = (n * key_bytes, cub_radix_sort_bytes(n, key_bytes, 8))
+        second = (cub_radix_sort_bytes(n, 8, 0),)
+        return copies + (n * 8, n * 8) + (first if sum(first) >= sum(second) else second)
+    return copies + (n * 8, cub_segmented_radix_sort_bytes(n, key_bytes, 8))
+
+
+def _sort_call(target: CudaTarget, x: Any, dim: int, what: str) -> list[Unmodelled]:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.is_sparse:
+        return []
+    d = dim % x.dim()
+    dense_innermost = x.is_contiguous() and d == x.dim() - 1
+    allocs = sort_workspace_bytes(tuple(x.shape), d, x.element_size(), dense_innermost)
+    if not allocs:
+        return []
+    return [Unmodelled("stable sort's index buffers and CUB radix-sort temporary storage",
+                       f"{what} of {_shape(x)} along dim {d}", allocs, True,
+                       "aten/src/ATen/native/cuda/Sort.cu launch_stable_sort_kernel; aten/src/ATen/cuda/cub.cuh; "
+                       "cub/device/dispatch/dispatch_radix_sort.cuh")]
+
+
+@unmodelled(torch.sort, torch.Tensor.sort)
+def sort(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``torch.sort(input, dim=-1, descending=False, stable=False)`` (``stable`` may be keyword only)."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    dim = _arg(args, kwargs, 1, "dim", -1)
+    return _sort_call(target, x, dim if isinstance(dim, int) else -1, "torch.sort")
+
+
+@unmodelled(torch.argsort, torch.Tensor.argsort)
+def argsort(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``argsort`` calls ``sort`` (native/Sorting.cpp)."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    dim = _arg(args, kwargs, 1, "dim", -1)
+    return _sort_call(target, x, dim if isinstance(dim, int) else -1, "torch.argsort")
+
+
+@unmodelled(torch.msort, torch.Tensor.msort)
+def msort(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``msort`` sorts along dim 0 (native/Sorting.cpp)."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    return _sort_call(target, x, 0, "torch.msort")
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding backward
+# --------------------------------------------------------------------------------------------
+
+
+def embedding_backward_workspace_bytes(num_indices: int, index_bytes: int = 8) -> tuple[int, ...]:
+    """CUB's temporary storage in CUDA's sort-based embedding backward, at its largest moment.
+
+    native/cuda/Embedding.cu ``embedding_dense_backward_cuda``: ``cuda::cub::radix_sort_pairs`` of the
+    indices with their positions (keys and values of the index type); then
+    native/cuda/EmbeddingBackwardKernel.cu ``embedding_backward_cuda_kernel``: a
+    ``cuda::cub::unique_by_key`` and scans over the segments, one at a time. Each CUB call frees its
+    storage before the next, so the bound is the largest: the sort's.
+    """
+    return (max(cub_radix_sort_bytes(num_indices, index_bytes, index_bytes), cub_scan_bytes(num_indices, index_bytes)),)
+
+
+@unmodelled(F.embedding)
+def embedding(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``F.embedding`` whose CUDA backward sorts (the rule's conditions: dense gradient, no max_norm)."""
+    from memguard.estimator._cuda_rules import EMBEDDING_SORT_THRESHOLD
+
+    indices = args[0] if args else kwargs.get("input")
+    weight = _arg(args, kwargs, 1, "weight", None)
+    max_norm = _arg(args, kwargs, 3, "max_norm", None)
+    scale = bool(_arg(args, kwargs, 5, "scale_grad_by_freq", False))
+    sparse = bool(_arg(args, kwargs, 6, "sparse", False))
+    if (not isinstance(indices, torch.Tensor) or not isinstance(weight, torch.Tensor) or not _backward_runs(weight)
+            or sparse or max_norm is not None or indices.is_floating_point()):
+        return []
+    n = indices.numel()
+    if n <= EMBEDDING_SORT_THRESHOLD and not scale:
+        return []
+    return [Unmodelled("CUB temporary storage of the embedding backward's index sort and segment scans",
+                       f"embedding backward of {n} indices into {_shape(weight)}",
+                       embedding_backward_workspace_bytes(n, indices.element_size()), True,
+                       "aten/src/ATen/native/cuda/Embedding.cu embedding_dense_backward_cuda; "
+                       "aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu; cub/device/dispatch/dispatch_radix_sort.cuh")]
+
+
+# --------------------------------------------------------------------------------------------
+# index_put with accumulate (and the backward of advanced indexing)
+# --------------------------------------------------------------------------------------------
+
+
+def index_put_sort_bytes(num_indices: int) -> tuple[int, ...]:
+    """The buffers CUDA's sorting ``index_put_`` holds while it sorts ``num_indices`` linear indices.
+
+    native/cuda/Indexing.cu ``index_put_with_sort_kernel`` (taken for ``accumulate=True``, and under
+    deterministic algorithms, by ``_index_put_impl_`` in native/TensorAdvancedIndexing.cpp): the int64
+    ``linearIndex`` (``computeLinearIndex``), ``sorted_indices``, ``orig_indices`` and ``range``, and
+    ``cuda::cub::radix_sort_pairs`` of int64 pairs, all live together. Copies it makes of a
+    non-contiguous ``self``, of a broadcast ``value`` or of a permuted ``src`` are not counted: the
+    backward of ``x[index]`` (``index_backward``: ``_index_put_impl_`` of the gradient into zeros,
+    accumulating) takes contiguous ones.
+    """
+    if num_indices <= 0:
+        return ()
+    return (num_indices * 8,) * 4 + (cub_radix_sort_bytes(num_indices, 8, 8),)
+
+
+def _index_count(index: Any) -> int | None:
+    """Elements of the broadcast integer index tensors of an advanced index; 0 without one; None for a
+    boolean mask (whose size depends on values: such a call cannot run on fake tensors)."""
+    parts = index if isinstance(index, (tuple, list)) else (index,)
+    shapes = []
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            if part.dtype == torch.bool:
+                return None
+            if not part.is_floating_point():
+                shapes.append(tuple(part.shape))
+    if not shapes:
+        return 0
+    return math.prod(torch.broadcast_shapes(*shapes))
+
+
+_INDEX_SOURCE = ("aten/src/ATen/native/cuda/Indexing.cu index_put_with_sort_kernel; "
+                 "cub/device/dispatch/dispatch_radix_sort.cuh")
+
+
+@unmodelled(torch.Tensor.__getitem__)
+def getitem(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``x[index]`` with integer index tensors: its backward accumulates with the sorting ``index_put_``."""
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor) or not _backward_runs(args[0]):
+        return []
+    n = _index_count(args[1])
+    if not n:
+        return []
+    return [Unmodelled("sorting index_put_'s index buffers and CUB radix-sort temporary storage",
+                       f"backward of advanced indexing of {_shape(args[0])} by {n} indices",
+                       index_put_sort_bytes(n), True, _INDEX_SOURCE)]
+
+
+@unmodelled(torch.index_put, torch.Tensor.index_put, torch._C.TensorBase.index_put, torch.Tensor.index_put_,
+            torch._C.TensorBase.index_put_)
+def index_put(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``index_put(_)(input, indices, values, accumulate=False)``: the sorting kernel when accumulating."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    indices = _arg(args, kwargs, 1, "indices", None)
+    if not isinstance(x, torch.Tensor) or not bool(_arg(args, kwargs, 3, "accumulate", False)):
+        return []
+    n = _index_count(tuple(indices) if indices is not None else ())
+    if not n:
+        return []
+    return [Unmodelled("sorting index_put_'s index buffers and CUB radix-sort temporary storage",
+                       f"index_put with accumulate into {_shape(x)} at {n} indices", index_put_sort_bytes(n), True,
+                       _INDEX_SOURCE)]
+
+
+# --------------------------------------------------------------------------------------------
+# Layer norm / RMS norm partial buffers without an SM count
+# --------------------------------------------------------------------------------------------
+
+
+def layer_norm_partial_bytes(m: int, n: int, grads: int, grad_bytes: int) -> tuple[int, ...]:
+    """The largest partial buffers ``LaunchGammaBetaBackwardCUDAKernel`` may allocate for ``grads``
+    weight gradients (2 for layer norm with a bias, 1 for RMS norm) of an ``[m, n]`` input when the
+    SM count is unknown: native/cuda/layer_norm_kernel.cu takes them when ``m > 64 * 1024`` (and
+    ``n / 32 < sm_count / 2``), ``[min(32768 / ceil(n / 32), ceil(m / 32)), n]`` in the weight's
+    dtype each, all live together (see :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`)."""
+    if m <= 64 * 1024:
+        return ()
+    rows = min((64 * 1024 // 2) // -(-n // 32), -(-m // 32))
+    return tuple(rows * n * grad_bytes for _ in range(grads))
+
+
+def _norm_entry(target: CudaTarget, x: Any, shape: Any, params: list, what: str) -> list[Unmodelled]:
+    if target.sm_count is not None or not isinstance(x, torch.Tensor) or shape is None:
+        return []  # with an SM count the rule allocates the buffers itself
+    grads = [p for p in params if isinstance(p, torch.Tensor) and _backward_runs(p)]
+    if not grads:
+        return []
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    n = math.prod(shape)
+    m = x.numel() // max(n, 1)
+    allocs = layer_norm_partial_bytes(m, n, len(grads), grads[0].element_size())
+    if not allocs:
+        return []
+    return [Unmodelled("weight-gradient partial buffers (the GPU's SM count is unknown, so the rule cannot decide)",
+                       f"{what} of {_shape(x)}", allocs, True,
+                       "aten/src/ATen/native/cuda/layer_norm_kernel.cu LaunchGammaBetaBackwardCUDAKernel")]
+
+
+@unmodelled(F.layer_norm, torch.layer_norm)
+def layer_norm(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``F.layer_norm``: dgamma and dbeta partial buffers."""
+    x = args[0] if args else kwargs.get("input")
+    return _norm_entry(target, x, _arg(args, kwargs, 1, "normalized_shape", None),
+                       [_arg(args, kwargs, 2, "weight", None), _arg(args, kwargs, 3, "bias", None)], "layer_norm")
+
+
+@unmodelled(F.rms_norm, torch.rms_norm)
+def rms_norm(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``F.rms_norm``: the dgamma partial buffer (the fused kernel, torch >= 2.8)."""
+    from memguard.estimator._cuda_rules import FUSED_RMS_NORM_SINCE
+
+    if target.torch_version < FUSED_RMS_NORM_SINCE:
+        return []
+    x = args[0] if args else kwargs.get("input")
+    return _norm_entry(target, x, _arg(args, kwargs, 1, "normalized_shape", None),
+                       [_arg(args, kwargs, 2, "weight", None)], "rms_norm")
+
+
+# --------------------------------------------------------------------------------------------
+# Group norm backward
+# --------------------------------------------------------------------------------------------
+
+
+def group_norm_backward_bytes(n: int, c: int, groups: int, acc_bytes: int, input_grad: bool = True
+                              ) -> tuple[int, ...]:
+    """native/cuda/group_norm_kernel.cu ``GroupNormBackwardKernelImplInternal`` (contiguous input):
+    ``ds``, ``db`` ``[N, C]``, and for the input gradient ``c1`` ``[N, C]``, ``c2``, ``c3`` ``[N, G]``,
+    all of the accumulate type and live together."""
+    out = (n * c * acc_bytes, n * c * acc_bytes)
+    if input_grad:
+        out += (n * c * acc_bytes, n * groups * acc_bytes, n * groups * acc_bytes)
+    return out
+
+
+@unmodelled(F.group_norm)
+def group_norm(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``F.group_norm(input, num_groups, weight, bias, eps)`` with a gradient to compute."""
+    x = args[0] if args else kwargs.get("input")
+    groups = _arg(args, kwargs, 1, "num_groups", None)
+    weight, bias = _arg(args, kwargs, 2, "weight", None), _arg(args, kwargs, 3, "bias", None)
+    needs = [t for t in (x, weight, bias) if isinstance(t, torch.Tensor) and _backward_runs(t)]
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not isinstance(groups, int) or not needs:
+        return []
+    source = "aten/src/ATen/native/cuda/group_norm_kernel.cu GroupNormBackwardKernelImplInternal"
+    what = f"group_norm backward of {_shape(x)}, {groups} groups"
+    if not x.is_contiguous():
+        return [Unmodelled("group-norm backward scratch (channels-last path)", what, (), False, source)]
+    acc = 8 if x.dtype == torch.float64 else 4  # kAccType: fp32 for 16-bit and fp32 inputs
+    return [Unmodelled("group-norm backward scratch", what,
+                       group_norm_backward_bytes(int(x.shape[0]), int(x.shape[1]), groups, acc, x.requires_grad),
+                       True, source)]
+
+
+class UnmodelledFinder(TorchFunctionMode):
+    """Collect the :data:`~memguard.estimator._cuda_kernels.UNMODELLED` entries of every call, and run
+    each call unchanged: the CUDA target traced on fake CUDA tensors (a GPU is present), where no
+    :class:`~memguard.estimator._cuda_kernels.CudaKernelModel` runs but the same kernels go unreplayed
+    (fake CUDA tensors allocate their outputs only).
+
+    Args:
+        target: the GPU and torch the finders judge by (None: the installed torch, the vendor of its build).
+    """
+
+    def __init__(self, target: CudaTarget | None = None) -> None:
+        super().__init__()
+        self.target = target or CudaTarget.for_spec(None, vendor="amd" if torch.version.hip else "nvidia")
+        self.unmodelled: list[Unmodelled] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        finder = UNMODELLED.get(func)
+        if finder is not None:
+            self.unmodelled.extend(finder(self.target, args, kwargs))
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Composition: the notes and the upper bound
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UpperBound:
+    """What the unmodelled kernels add to a CUDA estimate.
+
+    Attributes:
+        extra_bytes: reserved bytes the largest bounded entry can add (see :func:`upper_bound`).
+        notes: one sentence per distinct (mechanism, call), with its count and bound.
+        unbounded: the mechanisms (with their calls) that have no bound.
+    """
+
+    extra_bytes: int
+    notes: tuple[str, ...]
+    unbounded: tuple[str, ...]
+
+
+def upper_bound(entries: Iterable[Unmodelled], config: Any = None) -> UpperBound:
+    """Compose the entries of one traced step into the bound ``Estimate.peak_upper_bytes`` adds.
+
+    A CUDA stream runs one kernel at a time and every listed buffer is freed before its op returns
+    (CUB_WRAPPER's ``DataPtr``, the ``at::empty`` scratch of a kernel), so at any moment at most one
+    entry's buffers are live, on top of what the trace replays. The caching allocator
+    (``CUDACachingAllocator.cpp``) serves each such request from a cached free block or from a new
+    segment of ``segment_size(round_size(request))`` bytes, so while it is live reserved memory exceeds
+    the replay by at most the sum of those segment sizes for that entry. The bound adds the largest
+    such sum over all entries to the peak, wherever the peak is: exact for the moment the entry is
+    live, and it assumes (as every replay does) that the cached block the entry leaves behind does not
+    make later requests need more memory than the replay gave them. Entries without a bound are not
+    in it; they are returned in ``unbounded``.
+    """
+    from memguard.estimator._cuda import round_size, segment_size
+    from memguard.vocab import format_bytes
+
+    groups: dict[tuple[str, str], list[Unmodelled]] = {}
+    for e in entries:
+        groups.setdefault((e.mechanism, e.op), []).append(e)
+    extra = 0
+    notes: list[str] = []
+    unbounded: list[str] = []
+    for (mechanism, op), same in groups.items():
+        e = same[0]
+        times = f" ({len(same)} calls)" if len(same) > 1 else ""
+        if not e.bounded:
+            unbounded.append(f"{mechanism}: {op}")
+            notes.append(f"not modelled: {mechanism} of {op}{times}, unbounded (sized by the library at run "
+                         f"time; {e.source}); peak_upper_bytes does not include it")
+            continue
+        reserved = sum(segment_size(round_size(a, config), config) for a in e.allocations if a)
+        extra = max(extra, reserved)
+        notes.append(f"not modelled: {mechanism} of {op}{times}, at most {format_bytes(e.bound_bytes)} requested "
+                     f"({format_bytes(reserved)} of new segments) while it runs ({e.source}); in peak_upper_bytes")
+    return UpperBound(extra, tuple(notes), tuple(unbounded))

@@ -1,0 +1,280 @@
+"""Tests of the CUDA kernels memguard has no rule for: their bounds, their notes, the upper bound.
+
+The bounds are checked against numbers worked out by hand from the formulas each function cites
+(CUB's ``dispatch_radix_sort.cuh`` onesweep allocation list, ATen's ``cuda/Sort.cu`` paths,
+``cuda/layer_norm_kernel.cu``, ``cuda/group_norm_kernel.cu``); the end-to-end tests check that an
+estimate names them and that ``peak_upper_bytes`` adds exactly the allocator segments of the
+largest one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import memguard
+from memguard.estimator._cuda_kernels import RULES, UNMODELLED, CudaTarget
+from memguard.estimator._cuda_rules import layer_norm_partial_rows
+from memguard.estimator._trace import load_rules
+from memguard.estimator._unmodelled import (
+    Unmodelled,
+    cub_radix_sort_bytes,
+    cub_scan_bytes,
+    embedding_backward_workspace_bytes,
+    group_norm_backward_bytes,
+    layer_norm_partial_bytes,
+    sort_workspace_bytes,
+    upper_bound,
+)
+
+KiB, MiB = 1 << 10, 1 << 20
+
+load_rules()
+
+
+# --------------------------------------------------------------------------------------------
+# the formulas
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n, key, value, expected",
+    [
+        # n=10000, int64 pairs: bins 1 portion x 8 passes x 256 digits x 8 B = 16384; lookback
+        # ceil(10000/256)=40 blocks x 256 x 8 = 81920; keys and values 80000 B each, aligned to 256:
+        # 80128 each; counters 1 x 64 x 8 = 512 -> 16384 + 81920 + 2 * 80128 + 512
+        (10_000, 8, 8, 16384 + 81920 + 2 * 80128 + 512),
+        # n=4096, int64 pairs: bins 16384; lookback 16 x 2048 = 32768; keys, values 32768 each;
+        # counters 512 -> 115200 (the embedding backward of 4096 indices)
+        (4096, 8, 8, 16384 + 32768 + 2 * 32768 + 512),
+        # n=262144 float32 keys, int64 values: bins 4 passes x 256 x 8 = 8192; lookback 1024 x 2048 =
+        # 2 MiB; keys 1 MiB; values 2 MiB; counters 32 x 8 = 256
+        (262_144, 4, 8, 8192 + 2 * MiB + MiB + 2 * MiB + 256),
+        # keys only (SortKeys): no value buffer
+        (4096, 8, 0, 16384 + 32768 + 32768 + 512),
+        (0, 8, 8, 0),
+    ],
+)
+def test_cub_radix_sort_bound(n, key, value, expected):
+    assert cub_radix_sort_bytes(n, key, value) == expected
+
+
+def test_cub_scan_bound():
+    # (4096 tiles + 32 padding) x 16-byte TxnWord = 66048 (a multiple of 256), plus an aligned 8-byte word
+    assert cub_scan_bytes(4096, 8) == 66048 + 256
+    # 16-byte values: status + partial + inclusive = 33 bytes a tile: (100 + 32) x 33 = 4356 -> 4608
+    assert cub_scan_bytes(100, 16) == 4608 + 256
+
+
+@pytest.mark.parametrize(
+    "shape, dim, expected",
+    [
+        # a slice of 4096 sorts in place (Sort.h should_use_small_sort): nothing extra
+        ((64, 4096), 1, ()),
+        # one segment of 8192 float32: an int64 index array of 8192 and radix_sort_pairs<float, int64>(8192)
+        ((8192,), 0, (8192 * 8, cub_radix_sort_bytes(8192, 4, 8))),
+        # 16 segments (< 128): two int2 arrays of n, then the larger of the float/int2 pair sort (with
+        # its n-key output buffer) and the int64 key sort
+        ((16, 8192), 1, (16 * 8192 * 8, 16 * 8192 * 8, 16 * 8192 * 4, cub_radix_sort_bytes(16 * 8192, 4, 8))),
+        # 256 segments: a reverse-index array of n and the segmented sort's key and value buffers
+        ((256, 8192), 1, (256 * 8192 * 8, 256 * 8192 * 4 + 256 * 8192 * 8)),
+    ],
+)
+def test_sort_paths(shape, dim, expected):
+    assert sort_workspace_bytes(shape, dim, 4) == expected
+
+
+def test_sort_along_an_outer_dim_counts_the_dense_copies():
+    inner = sort_workspace_bytes((8192, 2), 0, 4, dense_innermost=True)
+    outer = sort_workspace_bytes((8192, 2), 0, 4, dense_innermost=False)
+    n = 8192 * 2
+    assert outer == (n * 4, n * 4, n * 8) + inner  # input, values and indices copied dense (cuda/Sort.cpp)
+
+
+def test_embedding_backward_bound_is_the_sort():
+    # the sort (115200) exceeds the scans' tile state (66304) at 4096 indices
+    assert embedding_backward_workspace_bytes(4096) == (115200,)
+
+
+def test_layer_norm_partials_match_the_rule_where_the_rule_can_decide():
+    # [70000, 64]: blocks.x = 2, rows = min(32768 / 2, ceil(70000 / 32) = 2188) = 2188 of 64 fp32
+    assert layer_norm_partial_bytes(70_000, 64, 2, 4) == (2188 * 64 * 4, 2188 * 64 * 4)
+    assert layer_norm_partial_rows(70_000, 64, 132) == 2188  # the rule allocates the same rows on an H100
+    assert layer_norm_partial_bytes(60_000, 64, 2, 4) == ()  # M <= 64 Ki rows: one kernel, no partials
+
+
+def test_group_norm_backward_scratch():
+    # [8, 32, 16, 16], 8 groups, fp32: ds, db, c1 [8, 32] fp32 = 1024 B each; c2, c3 [8, 8] = 256 B each
+    assert group_norm_backward_bytes(8, 32, 8, 4) == (1024, 1024, 1024, 256, 256)
+    assert group_norm_backward_bytes(8, 32, 8, 4, input_grad=False) == (1024, 1024)
+
+
+# --------------------------------------------------------------------------------------------
+# the finders: what reports, and that a rule's own buffers are never counted twice
+# --------------------------------------------------------------------------------------------
+
+
+def _fake(*shape, dtype=torch.float32, grad=False):
+    with FakeTensorMode():
+        t = torch.empty(shape, dtype=dtype)
+    return t.requires_grad_() if grad else t
+
+
+def test_layer_norm_reports_only_without_an_sm_count():
+    assert F.layer_norm in RULES  # the rule allocates the partial buffers when it knows the SM count
+    x, w, b = _fake(70_000, 64), _fake(64, grad=True), _fake(64, grad=True)
+    finder = UNMODELLED[F.layer_norm]
+    assert finder(CudaTarget(sm_count=132), (x, (64,), w, b), {}) == []
+    (entry,) = finder(CudaTarget(sm_count=None), (x, (64,), w, b), {})
+    assert entry.bound_bytes == 2 * 2188 * 64 * 4
+
+
+def test_embedding_reports_only_on_the_sorting_path():
+    weight = _fake(1000, 64, grad=True)
+    finder = UNMODELLED[F.embedding]
+    assert finder(CudaTarget(), (_fake(3072, dtype=torch.int64), weight), {}) == []  # the feature kernel
+    (entry,) = finder(CudaTarget(), (_fake(4096, dtype=torch.int64), weight), {})
+    assert entry.allocations == (115200,)
+    assert finder(CudaTarget(), (_fake(4096, dtype=torch.int64), weight), {"sparse": True}) == []
+
+
+def test_rnn_is_unbounded():
+    (entry,) = UNMODELLED[torch.lstm](CudaTarget(), (_fake(5, 2, 4),), {})
+    assert not entry.bounded and entry.bound_bytes is None and "cuDNN" in entry.mechanism
+
+
+def test_upper_bound_takes_the_largest_entry_in_new_segments():
+    small = Unmodelled("a", "op a", (100 * KiB,), True, "src")  # <= 1 MiB: one 2 MiB small segment
+    large = Unmodelled("b", "op b", (2 * MiB, 5 * MiB), True, "src")  # each 1-10 MiB: a 20 MiB segment
+    huge = Unmodelled("c", "op c", (), False, "src")
+    bound = upper_bound([small, large, large, huge])
+    assert bound.extra_bytes == 40 * MiB
+    assert bound.unbounded == ("c: op c",)
+    assert any("op b (2 calls)" in n for n in bound.notes)
+
+
+# --------------------------------------------------------------------------------------------
+# end to end
+# --------------------------------------------------------------------------------------------
+
+
+class EmbeddingLM(nn.Module):
+    def __init__(self, vocab: int = 1000, dim: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.emb(tokens)).flatten(0, 1), tokens.flatten())
+
+
+class LSTMSorter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(x)
+        values, _ = torch.sort(h.flatten())  # 8 x 512 x 32 = 131072 fp32 in one segment
+        return values[-8:].sum()
+
+
+def test_estimate_names_the_embedding_backward_and_bounds_it():
+    tokens = torch.randint(0, 1000, (8, 512))  # 4096 indices > 3072: the sorting backward
+    est = memguard.estimate(EmbeddingLM(), tokens, device="cuda", gpu="A100-80GB")
+    notes = [n for n in est.notes if "embedding backward" in n]
+    assert len(notes) == 1 and "112.50 KiB" in notes[0]
+    # 115200 B rounds to a small-pool block: at most one new 2 MiB segment (kSmallBuffer)
+    assert est.peak_upper_bytes == est.peak_bytes + 2 * MiB
+    assert est.unbounded_workspaces == ()
+    d = est.to_dict()
+    assert d["peak_upper_bytes"] == est.peak_upper_bytes
+    assert memguard.Estimate.from_dict(d) == est
+
+
+def test_estimate_with_an_lstm_and_a_sort():
+    x = torch.randn(8, 512, 16)
+    est = memguard.estimate(LSTMSorter(), x, loss_fn=lambda m, b: m(b), device="cuda", gpu="A100-80GB")
+    assert len(est.unbounded_workspaces) == 1 and "cuDNN RNN" in est.unbounded_workspaces[0]
+    n = 8 * 512 * 32
+    # the sort: an int64 index array of n (1 MiB) and the pair sort's storage (bins 8192, lookback
+    # 512 x 2048 = 1 MiB, keys 512 KiB, values 1 MiB, counters 256). A 1 MiB request is still a small
+    # one (kSmallSize): at most a new 2 MiB segment; the 2.5 MiB one at most a new 20 MiB segment
+    assert sort_workspace_bytes((n,), 0, 4) == (n * 8, 8192 + MiB + 512 * KiB + MiB + 256)
+    assert est.peak_upper_bytes == est.peak_bytes + 2 * MiB + 20 * MiB
+    assert any("torch.sort" in n and "in peak_upper_bytes" in n for n in est.notes)
+    assert any("unbounded" in n and "cuDNN" in n for n in est.notes)
+
+
+def test_cpu_estimates_have_no_unmodelled_kernels():
+    est = memguard.estimate(EmbeddingLM(), torch.randint(0, 1000, (8, 512)), device="cpu")
+    assert est.peak_upper_bytes == est.peak_bytes and est.unbounded_workspaces == ()
+    assert not any("not modelled" in n for n in est.notes)
+
+
+def test_old_dicts_load_with_the_peak_as_upper_bound():
+    est = memguard.estimate(EmbeddingLM(), torch.randint(0, 1000, (2, 16)), device="cpu")
+    d = est.to_dict()
+    del d["peak_upper_bytes"], d["unbounded_workspaces"]
+    assert memguard.Estimate.from_dict(d).peak_upper_bytes == est.peak_bytes
+
+
+def test_plan_fits_on_the_upper_bound():
+    """A budget between the peak and the upper bound of the whole batch: the plan must not take it."""
+    tokens = torch.randint(0, 1000, (8, 512))
+    model = EmbeddingLM()
+    whole = memguard.estimate(model, tokens, device="cuda", gpu="A100-80GB")
+    budget = (whole.peak_bytes + whole.peak_upper_bytes) // 2
+    plan = memguard.plan(model, tokens, global_batch_size=8, gpu="A100-80GB", budget_bytes=budget, headroom=0.0,
+                         precision="32-true", activation_checkpointing=False, zero_stage=0)
+    assert plan.estimate.peak_upper_bytes <= plan.usable_bytes
+    assert plan.micro_batch_size < 8  # the whole batch fits its peak but not its upper bound
+
+
+def test_the_finder_mode_of_the_gpu_path_reports_without_replacing():
+    """On a GPU host the CUDA target is traced on fake CUDA tensors without the kernel model; the finder
+    mode reports the same entries and leaves every call as it is (run here on CPU tensors)."""
+    from memguard.estimator._unmodelled import UnmodelledFinder
+
+    x = torch.randn(8192)
+    with UnmodelledFinder(CudaTarget()) as finder:
+        values, _ = torch.sort(x)
+    assert torch.equal(values, torch.sort(x).values)  # the call ran unchanged
+    (entry,) = finder.unmodelled
+    assert entry.allocations == sort_workspace_bytes((8192,), 0, 4)
+
+
+def test_backward_workspaces_are_not_reported_without_a_backward():
+    # an evaluation step runs under no_grad: the embedding's backward never sorts
+    weight = _fake(1000, 64, grad=True)
+    with torch.no_grad():
+        assert UNMODELLED[F.embedding](CudaTarget(), (_fake(4096, dtype=torch.int64), weight), {}) == []
+    est = memguard.estimate(EmbeddingLM(), torch.randint(0, 1000, (8, 512)), device="cuda", gpu="A100-80GB",
+                            train=False)
+    assert est.peak_upper_bytes == est.peak_bytes
+    assert not any("embedding backward" in n for n in est.notes)
+
+
+def test_index_put_sort_bound():
+    # 1000 indices: four int64 arrays (linearIndex, sorted, orig, range) of 8000 B, and the pair sort:
+    # bins 16384, lookback ceil(1000/256)=4 blocks x 2048 = 8192, keys and values 8000 -> 8192 each
+    # (256-aligned), counters 512
+    from memguard.estimator._unmodelled import index_put_sort_bytes
+
+    assert index_put_sort_bytes(1000) == (8000, 8000, 8000, 8000, 16384 + 8192 + 8192 + 8192 + 512)
+
+
+def test_advanced_indexing_reports_its_backward_sort():
+    from memguard.estimator._unmodelled import UnmodelledFinder, index_put_sort_bytes
+
+    x = torch.randn(64, 10, requires_grad=True)
+    rows, cols = torch.arange(64), torch.zeros(64, dtype=torch.int64)
+    with UnmodelledFinder(CudaTarget()) as finder:
+        x[rows, cols].sum()  # backward: index_put_ accumulating 64 values (the sorting kernel on CUDA)
+        x[:, 0].sum()  # basic indexing: a view, no index_put_ in its backward
+        torch.zeros(5).index_put_((torch.tensor([0, 1]),), torch.ones(2), accumulate=True)
+        torch.zeros(5).index_put_((torch.tensor([0, 1]),), torch.ones(2))  # no accumulate: no sort
+    assert [e.allocations for e in finder.unmodelled] == [index_put_sort_bytes(64), index_put_sort_bytes(2)]
