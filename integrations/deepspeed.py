@@ -447,50 +447,10 @@ def fill_auto(user_config: Mapping[str, Any], plan: Plan, *, strict: bool = Fals
 
 
 # --------------------------------------------------------------------------------------------------
-# OOM recovery inside a DeepSpeed engine (ZeRO-0/1 with caller-owned accumulation)
+# OOM recovery inside a DeepSpeed engine (memguard.guard._deepspeed: an agreement before every collective)
 
 # One micro-batch window per engine, kept as long as the engine lives.
 _WINDOWS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-
-
-def _engine_problems(engine: Any) -> list[str]:
-    """Why :func:`step` cannot recover from an OOM in ``engine`` (empty when it can)."""
-    problems = []
-    managed = getattr(engine, "managed_gradient_accumulation", None)
-    if managed is None:
-        return [f"step needs a DeepSpeed engine (from deepspeed.initialize) of DeepSpeed >= 0.19, got "
-                f"{type(engine).__name__}"]
-    if managed():
-        problems.append('the engine manages gradient accumulation itself, so its backward can start the gradient '
-                        'reduction; build its config with "managed_gradient_accumulation": false (to_config(plan, '
-                        'managed_gradient_accumulation=False)) so that only engine.step() reduces')
-    stage = engine.zero_optimization_stage()
-    if stage >= 2:
-        problems.append(f"ZeRO stage {stage} reduces gradients inside every backward, where one rank's OOM leaves the "
-                        "others waiting in the reduction; memguard recovers under ZeRO stage 0 and 1 only (see this "
-                        "module's docstring)")
-    if engine.fp16_enabled() or engine.bfloat16_enabled():
-        problems.append("memguard's recovery inside a DeepSpeed engine is verified in fp32 only (DeepSpeed's fp16 "
-                        "and bf16 optimizers keep gradient copies of their own); drop the fp16/bf16 block or use "
-                        "memguard.step on a plain DDP model")
-    return problems
-
-
-def _rank_group(engine: Any) -> Any:
-    """The engine's data-parallel group as memguard's :class:`RankGroup`, or None on one rank."""
-    import torch
-    import torch.distributed as dist
-
-    from memguard.guard._distributed import RankGroup
-
-    group = getattr(engine, "data_parallel_group", None)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return None
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)):  # NCCL moves CUDA tensors only
-        device = engine.device
-    src = dist.get_global_rank(group, 0) if group not in (None, dist.group.WORLD) else 0
-    return RankGroup(group, dist.get_world_size(group), dist.get_rank(group), src, device, False)
 
 
 def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | None = None) -> float:
@@ -499,20 +459,21 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
     ``batch`` is this rank's samples of the whole optimizer step (``train_micro_batch_size_per_gpu
     x gradient_accumulation_steps`` of them, or any number): it is split into micro-batches of the
     current size (first the config's micro-batch), each runs ``loss_fn(engine, micro)`` and
-    ``engine.backward`` of its loss weighted by its share of the samples (``scale_wrt_gas=False``),
-    then every rank reports its outcome in one small all-reduce. On an OOM on any rank, every rank
-    drops the step's gradients, the micro-batch is halved and the step's samples run again from the
-    first; once all ranks succeeded, ``engine.step()`` reduces the gradients and updates the weights.
-    The halved micro-batch is kept for later steps. This is the protocol of
-    :class:`memguard.guard._window.MicroBatchWindow`, with DeepSpeed's backward.
+    ``engine.backward`` of its loss weighted by its share of the samples (``scale_wrt_gas=False``);
+    then ``engine.step()`` updates the weights. Every DeepSpeed collective in between (ZeRO-1/2
+    gradient reduction, ZeRO-3 parameter all-gathers and gradient reduce-scatters, the step's
+    all-reduces) runs after a small agreement of all ranks (:mod:`memguard.guard._deepspeed`). On an
+    OOM on any rank in forward or backward, every rank leaves at its next collective, resets the
+    engine's step state, halves the micro-batch and runs the step's samples again from the first; the
+    halved micro-batch is kept for later steps. Each retry is logged at WARNING on every rank.
 
-    It needs an engine whose backward starts no collective: ZeRO stage 0 or 1 with
-    ``"managed_gradient_accumulation": false`` (DeepSpeed 0.19's caller-owned accumulation, where
-    ``engine.step()`` is the only reduction), in fp32. Under ZeRO-2 the backward reduces gradient
-    buckets itself; see the module docstring for what an OOM does there.
+    Under DeepSpeed's own gradient accumulation (the default) memguard makes the window's last
+    micro-batch the accumulation boundary (``engine.set_gradient_accumulation_boundary``) and calls
+    ``engine.step()`` once per window; with ``"managed_gradient_accumulation": false`` the engine
+    reduces in ``engine.step()`` (ZeRO-0/1) or per backward (ZeRO-2/3) as it does by itself.
 
     Args:
-        engine: the ``DeepSpeedEngine`` from ``deepspeed.initialize``.
+        engine: the ``DeepSpeedEngine`` from ``deepspeed.initialize`` (ZeRO stage 0-3).
         batch: this rank's samples for the step: a tensor or a dict/tuple/list of tensors, samples in dim 0.
         loss_fn: ``loss_fn(engine, micro_batch) -> mean loss``; default: call the engine with the
             batch and use ``output.loss`` or a scalar output (as :func:`memguard.step`).
@@ -522,21 +483,26 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
         The step's mean loss over ``batch``.
 
     Raises:
-        ConfigError: the engine cannot be guarded (every reason listed), or the batch cannot be split.
-        OOMRecoveryError: out of memory at micro-batch 1, or after ``max_retries`` halvings.
+        ConfigError: the engine cannot be guarded (every reason listed: pipeline parallelism, ZeRO
+            offload, ZenFlow, fp16/bf16 under DeepSpeed's FP16/BF16 optimizer wrappers), or the
+            batch cannot be split.
+        OOMRecoveryError: out of memory at micro-batch 1 or after ``max_retries`` halvings; an OOM
+            inside a collective (every rank raises the same error and the process groups are torn
+            down); an OOM in the optimizer update (every rank; restart from a checkpoint).
         PeerFailedError: another rank failed with an error that is not an OOM.
 
     Known limitations:
-        An OOM inside ``engine.step()`` itself (the gradient all-reduce or the optimizer update) is not
-        recovered from: it is a collective, and a smaller micro-batch would not shrink it. DeepSpeed
-        counts ``global_samples`` from the backward calls, so a replayed step counts its replayed
-        micro-batches too. ``loss_fn`` runs once per micro-batch and again on a replay; it must not
-        start collectives of its own.
+        ``loss_fn`` runs once per micro-batch and again on a replay; it must not start collectives of
+        its own. Under managed accumulation ``engine.micro_steps`` advances once per optimizer step
+        (memguard calls ``engine.step()`` once per window), and the engine counts
+        ``global_samples`` from its config's batch. An OOM inside ``engine.step()`` is not retried:
+        a smaller micro-batch does not shrink the optimizer's memory.
     """
     from memguard.batch import compute_loss
+    from memguard.guard._deepspeed import agreed_engine_step, deepspeed_rank_group, engine_problems
     from memguard.guard._window import DEFAULT_MAX_RETRIES, MicroBatchWindow
 
-    problems = _engine_problems(engine)
+    problems = engine_problems(engine)
     retries = DEFAULT_MAX_RETRIES if max_retries is None else max_retries
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         problems.append(f"max_retries must be an int >= 0, got {max_retries!r}")
@@ -546,11 +512,13 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
         raise ConfigError(problems)
     window = _WINDOWS.get(engine)
     if window is None:
-        window = MicroBatchWindow(int(engine.train_micro_batch_size_per_gpu()), rank_group=_rank_group(engine),
+        window = MicroBatchWindow(int(engine.train_micro_batch_size_per_gpu()), rank_group=deepspeed_rank_group(engine),
                                   max_retries=retries)
         _WINDOWS[engine] = window
     window.max_retries = retries
+    rg = window.rank_group
     module = engine.module
+    rg.start_window()
     window.start(module, [p for p in module.parameters() if p.requires_grad])
 
     def loss_of(micro: Any) -> Any:
@@ -561,10 +529,11 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
         engine.backward(weighted, scale_wrt_gas=False)
 
     try:
-        loss = window.run(batch, loss_of, backward)
+        loss = window.run(batch, loss_of, backward, last=True)
     finally:
         window.finish()
-    engine.step()
+    agreed_engine_step(rg, micro_batch_size=window.micro_batch_size)
+    engine._is_gradient_accumulation_boundary = rg.snapshot.boundary  # the engine's own rule again
     return float(loss)
 
 

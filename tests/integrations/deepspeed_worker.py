@@ -2,18 +2,22 @@
 
 Run as ``python deepspeed_worker.py '<json config>'`` with ``DS_ACCELERATOR=cpu``. Rank 0 first
 trains a plain PyTorch reference on each step's global batch (both ranks' samples, no DeepSpeed, no
-cap). Then both ranks train the same initial weights through a ZeRO-1 engine with caller-owned
-accumulation (``managed_gradient_accumulation: false``) and
+cap). Then both ranks train the same initial weights through a DeepSpeed engine (ZeRO stage
+``stage``, DeepSpeed's own accumulation unless ``managed`` is false) with
 :func:`memguard.integrations.deepspeed.step`. At the start of step ``cap_step`` the ranks in
 ``cap_ranks`` cap their address space with ``RLIMIT_AS`` (current VmSize plus ``budget_mib``), so a
 micro-batch that does not fit fails with the CPU allocator's real error.
 
-Config keys: ``out`` (folder), ``steps``, ``batch`` (samples per rank per step), ``micro`` (the
-config's micro-batch; accumulation = batch / micro), ``seq`` (about 1 MiB of activations per sample
-at 64, as in lightning_worker.py), ``budget_mib``, ``cap_step``, ``cap_ranks``, ``port``.
+Config keys: ``out`` (folder), ``port``, ``stage``, ``managed``, ``steps``, ``batch`` (samples per
+rank per step), ``micro`` (the config's micro-batch; accumulation = batch / micro), ``seq`` (about
+1 MiB of activations per sample at 64, as in lightning_worker.py), ``budget_mib``, ``cap_step``,
+``cap_ranks``; optional ``model`` ("net": worker_common.Net; "wide": one 8 MiB layer, whose ZeRO-3
+all-gather is the largest allocation), ``time_steps`` (after training: that many interleaved steps
+with and without memguard's agreements, uncapped, for the cost figures).
 
-Each rank writes ``result<rank>.json`` (events, messages, micro-batch, retries, error) and
-``deepspeed<rank>.pt`` (its final weights); rank 0 also writes ``reference.pt``.
+Each rank writes ``result<rank>.json`` (events, messages, the phase each retry came from,
+micro-batch, retries, agreements, error) and ``deepspeed<rank>.pt`` (its final full weights); rank
+0 also writes ``reference.pt``.
 """
 
 from __future__ import annotations
@@ -24,17 +28,45 @@ import json
 import logging
 import os
 import resource
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from worker_common import LR, MOMENTUM, Net, Samples, vm_size  # noqa: E402
 
 
+class Wide(nn.Module):
+    """16 -> 2048 -> 1024 (an 8 MiB fp32 weight) -> 1: the 8 MiB layer's all-gather dominates a small batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 2048)
+        self.fc2 = nn.Linear(2048, 1024)
+        self.fc3 = nn.Linear(1024, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x))))).mean(dim=(1, 2))
+
+
 def mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((pred.float() - y) ** 2).mean()
+
+
+def full_state(engine) -> dict:
+    """The engine's full weights (ZeRO-3 keeps partitions: gather them first)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    ctx = deepspeed.zero.GatheredParameters(params) if engine.zero_optimization_stage() == 3 else None
+    if ctx is None:
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    with ctx:
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
 def worker(rank: int, world: int, cfg: dict) -> None:
@@ -48,18 +80,21 @@ def worker(rank: int, world: int, cfg: dict) -> None:
     out = Path(cfg["out"])
     events: list = []
     messages: list[str] = []
+    phase = ["idle"]
+    retry_phases: list[str] = []
 
     class Recorder(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(f"{record.levelname}:{record.getMessage()}")
-            if record.levelno >= logging.WARNING:
+            if record.levelno == logging.WARNING and record.getMessage().startswith("out of memory"):
                 events.append("RETRY")
+                retry_phases.append(phase[0])
 
     logging.getLogger("memguard").addHandler(Recorder())
     # a short process-group timeout: a rank left waiting in a collective fails the test instead of hanging it
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=90))
     torch.manual_seed(0)
-    initial = Net()
+    initial = Wide() if cfg.get("model") == "wide" else Net()
     b, steps = cfg["batch"], cfg["steps"]
     data = Samples(steps * b * world, cfg["seq"])
 
@@ -78,20 +113,28 @@ def worker(rank: int, world: int, cfg: dict) -> None:
         torch.save(net.state_dict(), out / "reference.pt")
 
     model = copy.deepcopy(initial)
+    zero = {"stage": cfg["stage"], "reduce_bucket_size": 500_000}
+    if cfg["stage"] == 3:  # gather every parameter (DeepSpeed keeps parameters under 1e5 elements whole)
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
     config = {"train_micro_batch_size_per_gpu": cfg["micro"], "gradient_accumulation_steps": b // cfg["micro"],
-              "train_batch_size": b * world,
-              # a 2 MB gradient bucket (DeepSpeed allocates it in the first backward of every step)
-              "zero_optimization": {"stage": 1, "reduce_bucket_size": 500_000},
-              "managed_gradient_accumulation": False, "zero_allow_untested_optimizer": True}
+              "train_batch_size": b * world, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+              # DeepSpeed clips at 1.0 when the key is absent (runtime/constants.py): compare with plain SGD
+              "gradient_clipping": 0.0}
+    if not cfg.get("managed", True):
+        config["managed_gradient_accumulation"] = False
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))
 
     def loss_fn(eng, micro: dict) -> torch.Tensor:
+        phase[0] = "forward"
         events.append(micro["idx"].tolist())  # the samples of this micro-batch
-        return mse(eng(micro["x"]), micro["y"])
+        loss = mse(eng(micro["x"]), micro["y"])
+        phase[0] = "backward"
+        return loss
 
     result: dict = {"rank": rank, "error": None, "order": [i for s in range(steps) for i in indices(s, rank)]}
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    t0 = time.perf_counter()
     try:
         for s in range(steps):
             idx = torch.tensor(indices(s, rank))
@@ -101,24 +144,45 @@ def worker(rank: int, world: int, cfg: dict) -> None:
                 resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (cfg["budget_mib"] << 20), hard))
                 result["capped"] = True
             mg_ds.step(engine, batch, loss_fn)
+            phase[0] = "idle"
             events.append("STEP")
     except Exception as exc:  # reported to the test, which decides whether it was expected
-        result["error"] = {"type": type(exc).__name__, "message": str(exc)[:2000]}
+        result["error"] = {"type": type(exc).__name__, "message": str(exc)[:3000]}
+    result["train_s"] = time.perf_counter() - t0
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    # What step() refuses, on a real engine: ZeRO-2 with DeepSpeed's own accumulation (the default).
-    zero2 = {k: v for k, v in config.items() if k != "managed_gradient_accumulation"}
-    zero2["zero_optimization"] = {"stage": 2, "reduce_bucket_size": 500_000}
-    other = copy.deepcopy(initial)
-    engine2, *_ = deepspeed.initialize(model=other, config=zero2,
-                                       optimizer=torch.optim.SGD(other.parameters(), lr=LR, momentum=MOMENTUM))
-    try:
-        mg_ds.step(engine2, {"x": data.x[:2], "y": data.y[:2], "idx": torch.arange(2)}, loss_fn)
-        result["refused"] = None
-    except Exception as exc:
-        result["refused"] = {"type": type(exc).__name__, "problems": list(getattr(exc, "problems", [str(exc)]))}
-    result.update(events=events, messages=messages, micro_batch_size=mg_ds.micro_batch_size(engine),
-                  oom_retries=mg_ds.oom_retries(engine), global_steps=engine.global_steps)
-    torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out / f"deepspeed{rank}.pt")
+    window = mg_ds._WINDOWS.get(engine)
+    rg = window.rank_group if window is not None else None
+    result.update(events=events, messages=messages, retry_phases=retry_phases,
+                  micro_batch_size=mg_ds.micro_batch_size(engine), oom_retries=mg_ds.oom_retries(engine),
+                  global_steps=engine.global_steps, agreements=rg.agreements if rg is not None else 0)
+    if result["error"] is None:
+        torch.save(full_state(engine), out / f"deepspeed{rank}.pt")
+        n_time = cfg.get("time_steps", 0)
+        if n_time:  # interleaved steps with and without the agreements (same engine, uncapped)
+            idx = torch.tensor(indices(0, rank))
+            batch = {"x": data.x[idx], "y": data.y[idx], "idx": idx}
+            times: dict[str, list[float]] = {"with": [], "without": []}
+            per_step = []
+            for i in range(2 * n_time + 2):
+                skip = i % 2 == 1
+                rg.skip_agreements = skip
+                before = rg.agreements
+                t = time.perf_counter()
+                mg_ds.step(engine, batch, loss_fn)
+                dt = time.perf_counter() - t
+                if i >= 2:  # the first pair warms up
+                    times["without" if skip else "with"].append(dt)
+                    if not skip:
+                        per_step.append(rg.agreements - before)
+            rg.skip_agreements = False
+            result["timing"] = {k: statistics.median(v) for k, v in times.items()}
+            result["timing"]["agreements_per_step"] = statistics.median(per_step)
+            result["timing"]["micro_batch_size"] = mg_ds.micro_batch_size(engine)
+            # the agreement alone: the same all-reduce, 200 times
+            t = time.perf_counter()
+            for _ in range(200):
+                rg.agree(0, [0])
+            result["timing"]["agreement_ms"] = (time.perf_counter() - t) / 200 * 1e3
     (out / f"result{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()
