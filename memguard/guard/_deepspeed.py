@@ -128,8 +128,9 @@ class DeepSpeedRankGroup(ShardedRankGroup):
     backend: Any = None
     skip_agreements: bool = False
     framework: str = "DeepSpeed"
-    restart_advice: str = ("Restart the job with a smaller train_micro_batch_size_per_gpu (or activation "
-                           "checkpointing, or a higher ZeRO stage)")
+    restart_advice: str = ("Restart the job with more headroom: a smaller train_micro_batch_size_per_gpu, activation "
+                           "checkpointing, or smaller ZeRO buffers (reduce_bucket_size, stage3_prefetch_bucket_size, "
+                           "stage3_max_live_parameters)")
     store_prefix: str = "memguard/deepspeed/stopped/"
     snapshot: _Snapshot = field(default_factory=_Snapshot)
     _depth: int = 0
@@ -315,6 +316,7 @@ def _reset_stage12(opt: Any) -> None:
 def _reset_stage3(engine: Any, opt: Any, snap: _Snapshot) -> None:
     """DeepSpeedZeroOptimizer_Stage3 (runtime/zero/stage3.py) and its parameter coordinator."""
     from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.runtime.zero.partitioned_param_coordinator import ZeRoTraceMode
 
     coord = opt.parameter_offload.get_param_coordinator()
@@ -336,6 +338,11 @@ def _reset_stage3(engine: Any, opt: Any, snap: _Snapshot) -> None:
     for p in module.parameters():
         if hasattr(p, "ds_active_sub_modules"):
             p.ds_active_sub_modules.clear()
+        # partition_parameters.py, all_gather_coalesced: marked INFLIGHT (its buffer perhaps allocated) before
+        # the all-gather starts; an abort at the agreement before it leaves no handle to wait for. Mark it
+        # gathered so that the release below frees that buffer (_partition_param: free_param).
+        if getattr(p, "ds_status", None) == ZeroParamStatus.INFLIGHT:
+            p.ds_status = ZeroParamStatus.AVAILABLE
     coord.release_and_reset_all(module)  # every gathered parameter back to its partition
     setattr(coord, mangled + "n_available_params", 0)
     setattr(coord, mangled + "step_id", 0)
