@@ -8,16 +8,20 @@ cap). Then both ranks train the same initial weights through a DeepSpeed engine 
 ``cap_ranks`` cap their address space with ``RLIMIT_AS`` (current VmSize plus ``budget_mib``), so a
 micro-batch that does not fit fails with the CPU allocator's real error.
 
-Config keys: ``out`` (folder), ``port``, ``stage``, ``managed``, ``steps``, ``batch`` (samples per
-rank per step), ``micro`` (the config's micro-batch; accumulation = batch / micro), ``seq`` (about
-1 MiB of activations per sample at 64, as in lightning_worker.py), ``budget_mib``, ``cap_step``,
-``cap_ranks``; optional ``model`` ("net": worker_common.Net; "wide": one 8 MiB layer, whose ZeRO-3
-all-gather is the largest allocation), ``time_steps`` (after training: that many interleaved steps
-with and without memguard's agreements, uncapped, for the cost figures).
+Config keys: ``out`` (folder), ``port``, ``steps``, ``batch`` (samples per rank per step), ``micro``
+(the config's micro-batch; accumulation = batch / micro), ``seq`` (about 1 MiB of activations per
+sample at 64, as in lightning_worker.py), ``cap_step``, ``cap_ranks``, optional ``model`` ("net":
+worker_common.Net; "wide": an 8 MiB layer, whose ZeRO-3 all-gather is the largest allocation), and
+``runs``: a list of engines trained one after the other in the same two processes, each a dict with
+``name``, ``stage``, ``managed`` (DeepSpeed's own accumulation, default true), ``budget_mib`` and
+optional ``bf16`` (DeepSpeed's bf16 mode), ``uncapped`` (no cap: the run to compare with), ``no_agreements`` (from ``cap_step`` on, DeepSpeed's
+collectives run without memguard's agreements: the control that shows what they prevent) and
+``time_steps`` (after training: that many interleaved steps with and without memguard's
+agreements, uncapped, for the cost figures).
 
-Each rank writes ``result<rank>.json`` (events, messages, the phase each retry came from,
-micro-batch, retries, agreements, error) and ``deepspeed<rank>.pt`` (its final full weights); rank
-0 also writes ``reference.pt``.
+Each rank writes ``result<rank>_<name>.json`` (events, messages, the phase each retry came from,
+micro-batch, retries, agreements, error) and ``deepspeed<rank>_<name>.pt`` (its final full
+weights); rank 0 also writes ``reference.pt``.
 """
 
 from __future__ import annotations
@@ -112,78 +116,90 @@ def worker(rank: int, world: int, cfg: dict) -> None:
             opt.zero_grad(set_to_none=True)
         torch.save(net.state_dict(), out / "reference.pt")
 
-    model = copy.deepcopy(initial)
-    zero = {"stage": cfg["stage"], "reduce_bucket_size": 500_000}
-    if cfg["stage"] == 3:  # gather every parameter (DeepSpeed keeps parameters under 1e5 elements whole)
-        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
-    config = {"train_micro_batch_size_per_gpu": cfg["micro"], "gradient_accumulation_steps": b // cfg["micro"],
-              "train_batch_size": b * world, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-              # DeepSpeed clips at 1.0 when the key is absent (runtime/constants.py): compare with plain SGD
-              "gradient_clipping": 0.0}
-    if not cfg.get("managed", True):
-        config["managed_gradient_accumulation"] = False
-    engine, *_ = deepspeed.initialize(model=model, config=config,
-                                      optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))
+    def train(run: dict) -> None:
+        for log in (events, messages, retry_phases):
+            log.clear()
+        model = copy.deepcopy(initial)
+        zero = {"stage": run["stage"], "reduce_bucket_size": 500_000}
+        if run["stage"] == 3:  # gather every parameter (DeepSpeed keeps parameters under 1e5 elements whole)
+            zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+        config = {"train_micro_batch_size_per_gpu": cfg["micro"], "gradient_accumulation_steps": b // cfg["micro"],
+                  "train_batch_size": b * world, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+                  # DeepSpeed clips at 1.0 when the key is absent (runtime/constants.py): compare with plain SGD
+                  "gradient_clipping": 0.0}
+        if not run.get("managed", True):
+            config["managed_gradient_accumulation"] = False
+        if run.get("bf16"):
+            config["bf16"] = {"enabled": True}
+        engine, *_ = deepspeed.initialize(model=model, config=config,
+                                          optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))
 
-    def loss_fn(eng, micro: dict) -> torch.Tensor:
-        phase[0] = "forward"
-        events.append(micro["idx"].tolist())  # the samples of this micro-batch
-        loss = mse(eng(micro["x"]), micro["y"])
-        phase[0] = "backward"
-        return loss
+        dtype = torch.bfloat16 if run.get("bf16") else torch.float32
 
-    result: dict = {"rank": rank, "error": None, "order": [i for s in range(steps) for i in indices(s, rank)]}
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    t0 = time.perf_counter()
-    try:
-        for s in range(steps):
-            idx = torch.tensor(indices(s, rank))
-            batch = {"x": data.x[idx], "y": data.y[idx], "idx": idx}
-            events.append(["BATCH", idx.tolist()])
-            if s == cfg["cap_step"] and rank in cfg["cap_ranks"]:
-                resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (cfg["budget_mib"] << 20), hard))
-                result["capped"] = True
-            mg_ds.step(engine, batch, loss_fn)
-            phase[0] = "idle"
-            events.append("STEP")
-    except Exception as exc:  # reported to the test, which decides whether it was expected
-        result["error"] = {"type": type(exc).__name__, "message": str(exc)[:3000]}
-    result["train_s"] = time.perf_counter() - t0
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    window = mg_ds._WINDOWS.get(engine)
-    rg = window.rank_group if window is not None else None
-    result.update(events=events, messages=messages, retry_phases=retry_phases,
-                  micro_batch_size=mg_ds.micro_batch_size(engine), oom_retries=mg_ds.oom_retries(engine),
-                  global_steps=engine.global_steps, agreements=rg.agreements if rg is not None else 0)
-    if result["error"] is None:
-        torch.save(full_state(engine), out / f"deepspeed{rank}.pt")
-        n_time = cfg.get("time_steps", 0)
-        if n_time:  # interleaved steps with and without the agreements (same engine, uncapped)
-            idx = torch.tensor(indices(0, rank))
-            batch = {"x": data.x[idx], "y": data.y[idx], "idx": idx}
-            times: dict[str, list[float]] = {"with": [], "without": []}
-            per_step = []
-            for i in range(2 * n_time + 2):
-                skip = i % 2 == 1
-                rg.skip_agreements = skip
-                before = rg.agreements
-                t = time.perf_counter()
+        def loss_fn(eng, micro: dict) -> torch.Tensor:
+            phase[0] = "forward"
+            events.append(micro["idx"].tolist())  # the samples of this micro-batch
+            loss = mse(eng(micro["x"].to(dtype)), micro["y"])
+            phase[0] = "backward"
+            return loss
+
+        result: dict = {"rank": rank, "error": None, "order": [i for s in range(steps) for i in indices(s, rank)]}
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        t0 = time.perf_counter()
+        try:
+            for s in range(steps):
+                idx = torch.tensor(indices(s, rank))
+                batch = {"x": data.x[idx], "y": data.y[idx], "idx": idx}
+                events.append(["BATCH", idx.tolist()])
+                if s == cfg["cap_step"] and run.get("no_agreements"):  # the control: DeepSpeed's collectives unguarded
+                    mg_ds._WINDOWS[engine].rank_group.skip_agreements = True
+                if s == cfg["cap_step"] and rank in cfg["cap_ranks"] and not run.get("uncapped"):
+                    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (run["budget_mib"] << 20), hard))
+                    result["capped"] = True
                 mg_ds.step(engine, batch, loss_fn)
-                dt = time.perf_counter() - t
-                if i >= 2:  # the first pair warms up
-                    times["without" if skip else "with"].append(dt)
-                    if not skip:
-                        per_step.append(rg.agreements - before)
-            rg.skip_agreements = False
-            result["timing"] = {k: statistics.median(v) for k, v in times.items()}
-            result["timing"]["agreements_per_step"] = statistics.median(per_step)
-            result["timing"]["micro_batch_size"] = mg_ds.micro_batch_size(engine)
-            # the agreement alone: the same all-reduce, 200 times
-            t = time.perf_counter()
-            for _ in range(200):
-                rg.agree(0, [0])
-            result["timing"]["agreement_ms"] = (time.perf_counter() - t) / 200 * 1e3
-    (out / f"result{rank}.json").write_text(json.dumps(result))
+                phase[0] = "idle"
+                events.append("STEP")
+        except Exception as exc:  # reported to the test, which decides whether it was expected
+            result["error"] = {"type": type(exc).__name__, "message": str(exc)[:3000]}
+        result["train_s"] = time.perf_counter() - t0
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        window = mg_ds._WINDOWS.get(engine)
+        rg = window.rank_group if window is not None else None
+        result.update(events=events, messages=messages, retry_phases=retry_phases,
+                      micro_batch_size=mg_ds.micro_batch_size(engine), oom_retries=mg_ds.oom_retries(engine),
+                      global_steps=engine.global_steps, agreements=rg.agreements if rg is not None else 0)
+        if result["error"] is None:
+            torch.save(full_state(engine), out / f"deepspeed{rank}_{run['name']}.pt")
+            n_time = run.get("time_steps", 0)
+            if n_time:  # interleaved steps with and without the agreements (same engine, uncapped)
+                idx = torch.tensor(indices(0, rank))
+                batch = {"x": data.x[idx], "y": data.y[idx], "idx": idx}
+                times: dict[str, list[float]] = {"with": [], "without": []}
+                per_step = []
+                for i in range(2 * n_time + 2):
+                    skip = i % 2 == 1
+                    rg.skip_agreements = skip
+                    before = rg.agreements
+                    t = time.perf_counter()
+                    mg_ds.step(engine, batch, loss_fn)
+                    dt = time.perf_counter() - t
+                    if i >= 2:  # the first pair warms up
+                        times["without" if skip else "with"].append(dt)
+                        if not skip:
+                            per_step.append(rg.agreements - before)
+                rg.skip_agreements = False
+                result["timing"] = {k: statistics.median(v) for k, v in times.items()}
+                result["timing"]["agreements_per_step"] = statistics.median(per_step)
+                result["timing"]["micro_batch_size"] = mg_ds.micro_batch_size(engine)
+                # the agreement alone: the same all-reduce, 200 times
+                t = time.perf_counter()
+                for _ in range(200):
+                    rg.agree(0, [0])
+                result["timing"]["agreement_ms"] = (time.perf_counter() - t) / 200 * 1e3
+        (out / f"result{rank}_{run['name']}.json").write_text(json.dumps(result))
+
+    for run in cfg["runs"]:
+        train(run)
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave without interpreter teardown: destroying a gloo group while its threads release work can
