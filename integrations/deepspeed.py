@@ -5,7 +5,7 @@ keeps a user's config and replaces its ``"auto"`` values with what the plan dete
 the Hugging Face Trainer fills ``"auto"`` from its ``TrainingArguments``. Neither imports
 DeepSpeed: a config is plain JSON-ready data (validate it with
 ``deepspeed.runtime.config.DeepSpeedConfig(config)``, which works without a GPU). ``step(engine,
-batch, loss_fn)`` runs one optimizer step of a ZeRO-0/1 engine with memguard's OOM recovery (below).
+batch, loss_fn)`` runs one optimizer step of a ZeRO-0/1/2/3 engine with memguard's OOM recovery (below).
 
 What the plan determines, and what a config must therefore agree with:
 
@@ -39,34 +39,45 @@ precision model states (arXiv 1910.02054, 2+2+12 bytes per parameter), as memgua
 optimizer states; ``fp16_master_weights_and_grads`` needs ZeRO-Offload and still keeps fp32
 moments), so it is refused with a :class:`memguard.ConfigError`.
 
-Out-of-memory errors inside a DeepSpeed engine. What happens when one rank runs out was measured on
-CPU (DeepSpeed 0.19.8, ``DS_ACCELERATOR=cpu``, two ranks with gloo, ZeRO-1 and -2, an ``RLIMIT_AS``
-cap on rank 1 during the backward of the last micro-batch of an accumulation window, each rank then
-joining a one-integer all-reduce to agree on the outcome):
+Out-of-memory errors inside a DeepSpeed engine. ``step(engine, batch, loss_fn)`` runs one optimizer
+step with memguard's OOM recovery, for ZeRO stages 0-3, with DeepSpeed's own gradient accumulation
+(the default) or ``"managed_gradient_accumulation": false``. Why the end-of-step agreement that
+serves DDP is not enough here, measured on CPU (DeepSpeed 0.19.8, ``DS_ACCELERATOR=cpu``, two gloo
+ranks, an ``RLIMIT_AS`` cap on rank 1): the engine starts collectives inside forward and backward
+(ZeRO-1 reduces in the boundary micro-batch's backward, ZeRO-2 reduces gradient buckets from its
+hooks in every backward, ZeRO-3 all-gathers parameters in every module's forward and backward and
+reduce-scatters gradients), so a rank that fails in compute leaves its peers waiting in the next
+collective: ZeRO-1 with managed accumulation stalls until the process-group timeout, ZeRO-2 dies
+on a gloo size mismatch when the failed rank's agreement meets the peer's bucket reduction, and
+ZeRO-3 hangs.
 
-* default ``managed_gradient_accumulation`` (True), ZeRO-1: the engine reduces the gradients inside
-  ``engine.backward`` of the boundary micro-batch. Rank 1 raises the allocator's
-  ``RuntimeError`` (``DefaultCPUAllocator: can't allocate memory``) and enters the agreement;
-  rank 0 waits in the gradient all-reduce. Neither completes: both raise only when the process
-  group's timeout expires (gloo: ``Timed out waiting ... for send operation to complete`` on rank
-  1, ``Connection closed by peer`` on rank 0; 30 minutes by default). The same happens for an OOM
-  in a non-boundary backward once the other rank reaches the boundary.
-* ZeRO-2, with either setting: the engine reduces gradient buckets inside every backward (its
-  gradient hooks), so rank 0 waits in a bucket's reduction while rank 1 agrees: the same stall
-  until the timeout, then both raise. DeepSpeed refuses ``no_sync`` under ZeRO-2/3, so the
-  reduction cannot be postponed past the agreement.
-* ``managed_gradient_accumulation: false``, ZeRO-1 (and stage 0): ``engine.backward`` only
-  accumulates locally and ``engine.step`` reduces. An OOM in the forward or backward touches no
-  collective: rank 1 raises, both ranks reach the agreement and go on (under 0.1 s). :func:`step`
-  recovers there: every rank drops the step's gradients, the micro-batch is halved and the step's
-  samples run again (a real OOM on one of two ranks: the weights equal an uncapped single-process
-  run within 5e-7). It refuses fp16 and bf16 engines: their optimizers keep gradient copies of
-  their own (ZeRO-1's ``grad_accum`` attribute when the accumulation dtype differs), which
-  dropping ``param.grad`` would not clear.
+What ``step`` does instead (:mod:`memguard.guard._deepspeed`, the FSDP2 protocol of
+:mod:`memguard.guard._sharded` applied to DeepSpeed's communication backend): every collective the
+engine starts (through ``deepspeed.comm``) first runs a small all-reduce agreement of all ranks; a
+rank that ran out of memory in forward or backward reports it there, its peers leave forward or
+backward at their next collective, every rank resets the engine's step state (ZeRO-1/2 buckets and
+partly reduced gradients, ZeRO-3 gathered and in-flight parameters and its parameter coordinator's
+trace, the engine's counters and accumulation boundary), the micro-batch is halved and the step's
+samples run again. Each retry is logged at WARNING on every rank. Measured on two gloo ranks with a
+real OOM on rank 1 (``tests/integrations/test_deepspeed.py``): ZeRO-0/1/2/3, managed and
+unmanaged accumulation, OOM in the forward or the backward, every rank recovers, every sample of a
+step runs once in the attempt that updates the weights, and the fp32 weights equal a single-process
+run on both ranks' samples within 3e-7 (relative; 3e-8 absolute); bf16 ZeRO-2/3 end within a bf16
+rounding step of an uncapped bf16 run. An OOM *inside* a collective (measured: the output copy of a
+ZeRO-3 all-gather) stops every rank within a second with the same :class:`memguard.OOMRecoveryError`
+(the process groups are torn down; restart the job); so does an OOM in ``engine.step()``'s optimizer
+update, which a smaller micro-batch would not shrink.
 
-Under ZeRO-2/3, size the plan with headroom (``memguard.plan(..., headroom=...)``) and set a short
-process-group timeout (``deepspeed.init_distributed(timeout=...)``) so that a failed rank ends the
-job instead of stalling it.
+Refused with a :class:`memguard.ConfigError` that says what to do: pipeline-parallel engines (their
+point-to-point sends are not covered), ZeRO offload and ZenFlow (host-side gradient state memguard
+does not reset), and fp16/bf16 engines whose optimizer is DeepSpeed's ``FP16_Optimizer``,
+``FP16_UnfusedOptimizer`` or ``BF16_Optimizer`` (fp16/bf16 without ZeRO, or bf16 ZeRO-1 with fp32
+gradient accumulation): those keep fp32 gradient copies of their own. fp16/bf16 under the ZeRO
+optimizers is recovered (their gradient copies are the buckets and partitions that are reset);
+bf16 is verified, fp16 is not (CPU fp16 kernels under a memory cap fail in oneDNN before any
+recovery can be observed).
+
+Cost when nothing fails: see :mod:`memguard.guard._deepspeed` (agreements per step and their time).
 """
 
 from __future__ import annotations
@@ -499,8 +510,15 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
         a smaller micro-batch does not shrink the optimizer's memory.
     """
     from memguard.batch import compute_loss
-    from memguard.guard._deepspeed import agreed_engine_step, deepspeed_rank_group, engine_problems
-    from memguard.guard._window import DEFAULT_MAX_RETRIES, MicroBatchWindow
+    from memguard.guard._deepspeed import (
+        agreed_engine_step,
+        engine_backward,
+        engine_problems,
+        engine_rank_group,
+        engine_window,
+        open_engine_window,
+    )
+    from memguard.guard._window import DEFAULT_MAX_RETRIES
 
     problems = engine_problems(engine)
     retries = DEFAULT_MAX_RETRIES if max_retries is None else max_retries
@@ -512,28 +530,16 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
         raise ConfigError(problems)
     window = _WINDOWS.get(engine)
     if window is None:
-        window = MicroBatchWindow(int(engine.train_micro_batch_size_per_gpu()), rank_group=deepspeed_rank_group(engine),
-                                  max_retries=retries)
-        _WINDOWS[engine] = window
+        window = _WINDOWS[engine] = engine_window(engine, max_retries=retries)
     window.max_retries = retries
-    rg = window.rank_group
-    module = engine.module
-    rg.start_window()
-    window.start(module, [p for p in module.parameters() if p.requires_grad])
-
-    def loss_of(micro: Any) -> Any:
-        return compute_loss(engine, micro, loss_fn)
-
-    def backward(weighted: Any) -> None:
-        # the weight already holds the micro-batch's share: DeepSpeed must not divide by its accumulation
-        engine.backward(weighted, scale_wrt_gas=False)
-
+    rg = engine_rank_group(engine)
+    open_engine_window(engine, window)
     try:
-        loss = window.run(batch, loss_of, backward, last=True)
+        loss = window.run(batch, lambda micro: compute_loss(engine, micro, loss_fn), engine_backward(engine),
+                          last=True)
     finally:
         window.finish()
     agreed_engine_step(rg, micro_batch_size=window.micro_batch_size)
-    engine._is_gradient_accumulation_boundary = rg.snapshot.boundary  # the engine's own rule again
     return float(loss)
 
 

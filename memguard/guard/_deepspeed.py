@@ -71,6 +71,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -269,6 +270,10 @@ def reset_engine(engine: Any, snap: _Snapshot) -> None:
     """
     opt = engine.optimizer
     stage = engine.zero_optimization_stage()
+    # drop the gradients first: stage3.py's zero_grad calls record_stream on a remaining gradient, which a
+    # CPU tensor does not support
+    for p in engine.module.parameters():
+        p.grad = None
     if stage == 3:
         _reset_stage3(engine, opt, snap)
     elif stage in (1, 2):
@@ -430,8 +435,70 @@ def deepspeed_rank_group(engine: Any) -> DeepSpeedRankGroup:
     return rg
 
 
+# One rank group per engine, kept as long as the engine lives.
+_GROUPS: "weakref.WeakKeyDictionary[Any, DeepSpeedRankGroup]" = weakref.WeakKeyDictionary()
+
+
+def engine_rank_group(engine: Any) -> DeepSpeedRankGroup:
+    """``engine``'s :class:`DeepSpeedRankGroup`, made on the first call (every rank must make that call).
+
+    Raises:
+        memguard.ConfigError: as :func:`deepspeed_rank_group`.
+    """
+    rg = _GROUPS.get(engine)
+    if rg is None:
+        rg = _GROUPS[engine] = deepspeed_rank_group(engine)
+    return rg
+
+
 # --------------------------------------------------------------------------------------------------
-# one guarded call: what framework adapters use around their own engine.backward / engine.step
+# what memguard.integrations.deepspeed.step and framework adapters run
+
+
+def engine_window(engine: Any, *, micro_batch_size: int | None = None, **options: Any) -> Any:
+    """A :class:`~memguard.guard._window.MicroBatchWindow` whose attempts run under ``engine``'s agreements.
+
+    The recipe for a loop that owns its batches (``memguard.integrations.deepspeed.step``, or a
+    framework adapter that can hand one optimizer step's batches to memguard), on every rank::
+
+        window = engine_window(engine)                     # once; every rank
+        open_engine_window(engine, window)                 # at each optimizer step
+        loss = window.run(batch, lambda micro: loss_fn(engine, micro), engine_backward(engine), last=True)
+        window.finish()
+        agreed_engine_step(engine_rank_group(engine), micro_batch_size=window.micro_batch_size)
+
+    Args:
+        engine: the ``DeepSpeedEngine``.
+        micro_batch_size: the micro-batch to start from (default: the engine's
+            ``train_micro_batch_size_per_gpu``).
+        **options: more :class:`MicroBatchWindow` options (``max_retries``, ``plan``, ``precision``, ``on_halve``).
+
+    Raises:
+        memguard.ConfigError: as :func:`deepspeed_rank_group`.
+    """
+    from memguard.guard._window import MicroBatchWindow
+
+    mbs = int(engine.train_micro_batch_size_per_gpu()) if micro_batch_size is None else micro_batch_size
+    return MicroBatchWindow(mbs, rank_group=engine_rank_group(engine), **options)
+
+
+def open_engine_window(engine: Any, window: Any) -> None:
+    """Start an optimizer step's window: remember the engine's counters, drop every gradient."""
+    engine_rank_group(engine).start_window()
+    module = engine.module
+    window.start(module, [p for p in module.parameters() if p.requires_grad])
+
+
+def engine_backward(engine: Any) -> Callable[[torch.Tensor], None]:
+    """The window's backward for ``engine``: ``engine.backward(loss, scale_wrt_gas=False)`` (the window
+    already weights each micro-batch's loss by its share of the step's samples)."""
+    def backward(weighted: torch.Tensor) -> None:
+        engine.backward(weighted, scale_wrt_gas=False)
+    return backward
+
+
+# --------------------------------------------------------------------------------------------------
+# one guarded call: for adapters that run engine.backward / engine.step themselves, one call at a time
 
 
 @dataclass(frozen=True)
@@ -503,6 +570,8 @@ def guarded_attempt(rg: DeepSpeedRankGroup, fn: Callable[[], Any], *, n_max: int
         raise PeerFailedError(f"rank {bad} failed with an error that is not an out-of-memory error (see that rank's "
                               "log); this rank stops too so that no rank waits forever", rank=bad)
     failed = tuple(r for r, c in enumerate(codes) if c == OOM)
+    logger.warning("DeepSpeed engine reset on every rank after an out-of-memory error on rank %s%s",
+                   ", ".join(map(str, failed)), f" ({detail})" if detail else "")
     return Outcome(False, failed, detail, time.perf_counter() - start)
 
 
@@ -517,6 +586,7 @@ def agreed_engine_step(rg: DeepSpeedRankGroup, *, micro_batch_size: int = 0) -> 
     engine = rg.engine
     out = guarded_attempt(rg, engine.step, micro_batch_size=micro_batch_size)
     if out.ok:
+        engine._is_gradient_accumulation_boundary = rg.snapshot.boundary  # the engine's own rule again
         return
     ranks = ", ".join(map(str, out.oom_ranks))
     detail = f" ({out.detail})" if out.detail else ""

@@ -344,8 +344,8 @@ class ShardedRankGroup(RankGroup):
             except Exception:  # the store's host may be gone too
                 payload = None
         if payload is None:
-            return PeerFailedError(f"the connection to a peer was lost during {self.framework} training ({exc}); this rank "
-                                   "stops too so that no rank waits forever", rank=-1)
+            return PeerFailedError(f"the connection to a peer was lost during {self.framework} training ({exc}); this "
+                                   "rank stops too so that no rank waits forever", rank=-1)
         if payload["type"] == "OOMRecoveryError":
             return OOMRecoveryError(payload["message"], micro_batch_size=self._mbs)
         return PeerFailedError(payload["message"], rank=int(payload["rank"]))

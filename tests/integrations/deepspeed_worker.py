@@ -14,14 +14,15 @@ sample at 64, as in lightning_worker.py), ``cap_step``, ``cap_ranks``, optional 
 worker_common.Net; "wide": an 8 MiB layer, whose ZeRO-3 all-gather is the largest allocation), and
 ``runs``: a list of engines trained one after the other in the same two processes, each a dict with
 ``name``, ``stage``, ``managed`` (DeepSpeed's own accumulation, default true), ``budget_mib`` and
-optional ``bf16`` (DeepSpeed's bf16 mode), ``uncapped`` (no cap: the run to compare with), ``no_agreements`` (from ``cap_step`` on, DeepSpeed's
-collectives run without memguard's agreements: the control that shows what they prevent) and
-``time_steps`` (after training: that many interleaved steps with and without memguard's
-agreements, uncapped, for the cost figures).
+optional ``bf16`` (DeepSpeed's bf16 mode), ``uncapped`` (no cap: the run to compare with),
+``adapter`` (each step through :func:`adapter_step`, a framework adapter's loop, instead of
+:func:`memguard.integrations.deepspeed.step`), ``no_agreements`` (from ``cap_step`` on, DeepSpeed's collectives run without memguard's agreements:
+the control that shows what they prevent) and ``time_steps`` (after training: that many interleaved
+steps with and without memguard's agreements, uncapped, for the cost figures).
 
-Each rank writes ``result<rank>_<name>.json`` (events, messages, the phase each retry came from,
-micro-batch, retries, agreements, error) and ``deepspeed<rank>_<name>.pt`` (its final full
-weights); rank 0 also writes ``reference.pt``.
+Each rank writes ``result<rank>_<name>.json`` (events, messages, the phase and time of each retry,
+each step's start and end, micro-batch, retries, agreements, error) and
+``deepspeed<rank>_<name>.pt`` (its final full weights); rank 0 also writes ``reference.pt``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import resource
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -73,6 +75,39 @@ def full_state(engine) -> dict:
         return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
+def adapter_step(engine, batch: dict, loss_fn, state: dict) -> None:
+    """One optimizer step the way a framework adapter would run it with memguard's DeepSpeed protocol:
+    its own loop over micro-batches, each forward/backward in :func:`guarded_attempt`, halving and
+    redoing the step's samples on an agreed OOM, then :func:`agreed_engine_step`."""
+    from memguard.batch import batch_size, split_batch
+    from memguard.guard._deepspeed import agreed_engine_step, engine_rank_group, guarded_attempt
+
+    rg = engine_rank_group(engine)
+    n = batch_size(batch)
+    rg.start_window()
+    while True:
+        mbs, seen, ok = state["micro"], 0, True
+        for micro, k in split_batch(batch, mbs):
+            seen += k
+            rg.before_micro_batch(seen >= n)  # the boundary on the last micro-batch (managed accumulation)
+
+            def forward_backward(micro=micro, k=k) -> None:
+                engine.backward(loss_fn(engine, micro) * (k / n), scale_wrt_gas=False)
+
+            out = guarded_attempt(rg, forward_backward, n_max=n, micro_batch_size=mbs)
+            if not out.ok:  # every rank got the same outcome, and the engine is reset on every rank
+                ok = False
+                break
+        if ok:
+            break
+        state["micro"] = mbs // 2
+        state["retries"] += 1
+        logging.getLogger("memguard").warning(
+            "out of memory at micro-batch %d on rank %s%s; redoing the step's %d samples with micro-batch %d", mbs,
+            ", ".join(map(str, out.oom_ranks)), f" ({out.detail})" if out.detail else "", n, mbs // 2)
+    agreed_engine_step(rg, micro_batch_size=state["micro"])
+
+
 def worker(rank: int, world: int, cfg: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(cfg["port"]))
@@ -86,6 +121,7 @@ def worker(rank: int, world: int, cfg: dict) -> None:
     messages: list[str] = []
     phase = ["idle"]
     retry_phases: list[str] = []
+    retry_times: list[float] = []
 
     class Recorder(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -93,6 +129,7 @@ def worker(rank: int, world: int, cfg: dict) -> None:
             if record.levelno == logging.WARNING and record.getMessage().startswith("out of memory"):
                 events.append("RETRY")
                 retry_phases.append(phase[0])
+                retry_times.append(time.perf_counter())
 
     logging.getLogger("memguard").addHandler(Recorder())
     # a short process-group timeout: a rank left waiting in a collective fails the test instead of hanging it
@@ -117,7 +154,7 @@ def worker(rank: int, world: int, cfg: dict) -> None:
         torch.save(net.state_dict(), out / "reference.pt")
 
     def train(run: dict) -> None:
-        for log in (events, messages, retry_phases):
+        for log in (events, messages, retry_phases, retry_times):
             log.clear()
         model = copy.deepcopy(initial)
         zero = {"stage": run["stage"], "reduce_bucket_size": 500_000}
@@ -143,30 +180,42 @@ def worker(rank: int, world: int, cfg: dict) -> None:
             phase[0] = "backward"
             return loss
 
+        adapter_state = {"micro": cfg["micro"], "retries": 0}
         result: dict = {"rank": rank, "error": None, "order": [i for s in range(steps) for i in indices(s, rank)]}
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         t0 = time.perf_counter()
+        step_times: list[list[float]] = []  # [start, end] of each step (perf_counter)
         try:
             for s in range(steps):
                 idx = torch.tensor(indices(s, rank))
                 batch = {"x": data.x[idx], "y": data.y[idx], "idx": idx}
                 events.append(["BATCH", idx.tolist()])
                 if s == cfg["cap_step"] and run.get("no_agreements"):  # the control: DeepSpeed's collectives unguarded
-                    mg_ds._WINDOWS[engine].rank_group.skip_agreements = True
+                    mg_ds._WINDOWS[engine].rank_group.skip_agreements = True  # made by step 0
                 if s == cfg["cap_step"] and rank in cfg["cap_ranks"] and not run.get("uncapped"):
                     resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (run["budget_mib"] << 20), hard))
                     result["capped"] = True
-                mg_ds.step(engine, batch, loss_fn)
+                started = time.perf_counter()
+                if run.get("adapter"):
+                    adapter_step(engine, batch, loss_fn, adapter_state)
+                else:
+                    mg_ds.step(engine, batch, loss_fn)
+                step_times.append([started, time.perf_counter()])
                 phase[0] = "idle"
                 events.append("STEP")
         except Exception as exc:  # reported to the test, which decides whether it was expected
-            result["error"] = {"type": type(exc).__name__, "message": str(exc)[:3000]}
+            result["error"] = {"type": type(exc).__name__, "message": str(exc)[:3000],
+                               "traceback": traceback.format_exc()[-4000:]}
         result["train_s"] = time.perf_counter() - t0
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        window = mg_ds._WINDOWS.get(engine)
-        rg = window.rank_group if window is not None else None
-        result.update(events=events, messages=messages, retry_phases=retry_phases,
-                      micro_batch_size=mg_ds.micro_batch_size(engine), oom_retries=mg_ds.oom_retries(engine),
+        from memguard.guard._deepspeed import _GROUPS
+
+        rg = _GROUPS.get(engine)
+        adapter = run.get("adapter")
+        result.update(events=events, messages=messages, retry_phases=retry_phases, retry_times=retry_times,
+                      step_times=step_times,
+                      micro_batch_size=adapter_state["micro"] if adapter else mg_ds.micro_batch_size(engine),
+                      oom_retries=adapter_state["retries"] if adapter else mg_ds.oom_retries(engine),
                       global_steps=engine.global_steps, agreements=rg.agreements if rg is not None else 0)
         if result["error"] is None:
             torch.save(full_state(engine), out / f"deepspeed{rank}_{run['name']}.pt")
