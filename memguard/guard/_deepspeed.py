@@ -544,7 +544,7 @@ def guarded_attempt(rg: DeepSpeedRankGroup, fn: Callable[[], Any], *, n_max: int
     except ShardingStopped as stopped:
         error = stopped.error
         release_exception(stopped)
-        raise error from None
+        raise error  # the cause is the failing rank's own error (set by stop)
     except PeerAbort as abort:
         codes = abort.codes
         release_exception(abort)

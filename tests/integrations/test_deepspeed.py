@@ -592,3 +592,23 @@ def test_oom_inside_a_deepspeed_collective_stops_every_rank_with_the_same_error(
     # bounded: rank 0 leaves its all-gather as soon as rank 1 tears the process group down (not the 90 s timeout)
     assert r0["train_s"] < 30 and r1["train_s"] < 30
     assert r0["global_steps"] == r1["global_steps"] == 1  # step 0 ran, step 1 stopped
+
+
+@_real_oom
+def test_oom_in_engine_step_stops_every_rank_the_same_way(tmp_path):
+    # ZeRO-1 with the reduction in engine.step() over the 8 MiB layer, 14 MiB on rank 1 from step 1: the forward
+    # and backward of 4 short samples fit, the step's 8 MiB flat gradient copy does not (13-16 MiB observed to
+    # fail there; 11 fails inside gloo's all-reduce instead). A smaller micro-batch would not shrink it.
+    _run_worker(tmp_path, {"steps": 2, "batch": 4, "micro": 4, "seq": 4, "cap_step": 1, "cap_ranks": [1],
+                           "model": "wide",
+                           "runs": [{"name": "step", "stage": 1, "managed": False, "budget_mib": 14}]}, timeout=240)
+    r0, r1 = _results(tmp_path, "step")
+    for r in (r0, r1):
+        assert r["error"]["type"] == "OOMRecoveryError", r["error"]
+        assert "out of memory in DeepSpeed's engine.step() on rank 1" in r["error"]["message"]
+        assert "restart from the last checkpoint" in r["error"]["message"]
+        # agreed on at rank 0's next collective inside the step, and logged on every rank; no retry
+        resets = [m for m in r["messages"] if m.startswith("WARNING:DeepSpeed engine reset on every rank")]
+        assert len(resets) == 1 and "on rank 1" in resets[0]
+        assert r["oom_retries"] == 0 and r["train_s"] < 30
+    assert "DefaultCPUAllocator" in r1["error"]["message"]
