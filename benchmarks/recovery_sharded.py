@@ -35,6 +35,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -68,6 +69,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _clean(text: str) -> str:
+    """``text`` without this machine's paths: the checkout as ``.``, installed packages as ``<site-packages>``."""
+    import torch
+
+    site = str(Path(torch.__file__).resolve().parent.parent)
+    return text.replace(str(REPO), ".").replace(site, "<site-packages>").replace(sys.prefix, "<python>")
+
+
 def run_worker(cfg: dict[str, Any], out: Path, timeout: float) -> tuple[bool, float, str]:
     """Two ranks of the worker: (finished in time, wall seconds, output tail)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536",
@@ -84,7 +93,7 @@ def run_worker(cfg: dict[str, Any], out: Path, timeout: float) -> tuple[bool, fl
         os.killpg(proc.pid, signal.SIGKILL)
         text = proc.communicate()[0]
         done = False
-    return done, time.perf_counter() - t0, text[-1500:].replace(str(REPO), ".")
+    return done, time.perf_counter() - t0, _clean(text[-1500:])
 
 
 def _load(out: Path, name: str) -> list[dict | None]:
@@ -160,7 +169,8 @@ def control(name: str, timeout: float) -> dict[str, Any]:
         errors = [None if r is None else r["error"] for r in (r0, r1)]
         return {"finished": done, "wall_s": wall,
                 "recovered": done and all(r is not None and r["error"] is None for r in (r0, r1)),
-                "errors": [None if e is None else {"type": e["type"], "message": e["message"][:300]} for e in errors],
+                "errors": [None if e is None else {"type": e["type"], "message": _clean(e["message"][:300])}
+                           for e in errors],
                 "train_s": [None if r is None else r["train_s"] for r in (r0, r1)],
                 "tail": None if done and r0 is not None and r1 is not None else tail[-600:]}
 
@@ -186,11 +196,13 @@ def render_markdown(meta: dict[str, Any], rows: dict[str, dict[str, Any]]) -> st
             ctl = f"hang (killed after {c['wall_s']:.0f} s)"
         elif c["recovered"]:
             ctl = "recovered"
-        elif all(t is None for t in c["train_s"]):
-            ctl = f"the ranks died without a result after {c['wall_s']:.0f} s"
         else:
-            ctl = "; ".join(f"rank {i}: {e['type']}" for i, e in enumerate(c["errors"]) if e) + \
-                  f" after {max(t for t in c['train_s'] if t is not None):.0f} s"
+            died = re.search(r"process (\d+) terminated with signal (\w+)", c.get("tail") or "")
+            parts = [f"rank {i}: {e['type']}" for i, e in enumerate(c["errors"]) if e]
+            if died:
+                parts.append(f"rank {died.group(1)}: killed by {died.group(2)}")
+            times = [t for t in c["train_s"] if t is not None]
+            ctl = "; ".join(parts) + (f" after {max(times):.0f} s" if times else "")
         lines.append(f"| {name} | {r['recovered']} | {f(r.get('retries'))} | {f(r.get('micro_batch_size'))} | "
                      f"{f(r.get('samples_lost'))} | {f(r.get('samples_twice'))} | {f(r.get('oom_step_s'))} | "
                      f"{f(r.get('detect_s'))} | {f(r.get('redo_s'))} | {f(r.get('normal_step_s'))} | "
@@ -198,6 +210,12 @@ def render_markdown(meta: dict[str, Any], rows: dict[str, dict[str, Any]]) -> st
                      f"{f(r.get('step_with_s'))} / {f(r.get('step_without_s'))} | "
                      f"{f(r.get('overhead_pct'), '{:+.1f}%')} | {ctl} |")
     return "\n".join(lines) + "\n"
+
+
+def rerender(path: Path) -> None:
+    """Write the Markdown of an existing JSON again (after a change to the table)."""
+    data = json.loads(path.read_text())
+    path.with_suffix(".md").write_text(render_markdown(data["meta"], data["rows"]))
 
 
 def main(argv: list[str] | None = None) -> None:

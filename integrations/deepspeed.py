@@ -47,9 +47,10 @@ ranks, an ``RLIMIT_AS`` cap on rank 1): the engine starts collectives inside for
 (ZeRO-1 reduces in the boundary micro-batch's backward, ZeRO-2 reduces gradient buckets from its
 hooks in every backward, ZeRO-3 all-gathers parameters in every module's forward and backward and
 reduce-scatters gradients), so a rank that fails in compute leaves its peers waiting in the next
-collective: ZeRO-1 with managed accumulation stalls until the process-group timeout, ZeRO-2 dies
-on a gloo size mismatch when the failed rank's agreement meets the peer's bucket reduction, and
-ZeRO-3 hangs.
+collective. Measured with only the end-of-step agreement (``benchmarks/recovery_sharded.py``, its
+control runs): under ZeRO-1 and ZeRO-2 (either accumulation mode) both ranks wait until the process
+group's timeout (90 s there, 30 minutes by default) and then fail; under ZeRO-3 the failed rank's
+agreement meets the peer's parameter all-gather and gloo aborts the process (SIGABRT).
 
 What ``step`` does instead (:mod:`memguard.guard._deepspeed`, the FSDP2 protocol of
 :mod:`memguard.guard._sharded` applied to DeepSpeed's communication backend): every collective the

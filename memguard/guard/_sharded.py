@@ -202,7 +202,7 @@ class ShardedRankGroup(RankGroup):
             if self.peer_stopped():  # a torn-down peer: read what it left in the store
                 raise ShardingStopped(self.stopped_error(exc)) from exc
             # this rank's own failure (e.g. no memory left for the all-reduce): peers may wait in it
-            raise ShardingStopped(self.stop(exc, f"memguard's agreement before a {self.framework} collective")) from exc
+            raise ShardingStopped(self.stop(exc, f"memguard's agreement between {self.framework} collectives")) from exc
         self.agreements += 1
         out = buf.tolist()
         return out[: self.world_size], out[self.world_size:]

@@ -548,8 +548,8 @@ def test_bf16_zero_engine_recovers_and_ends_where_an_uncapped_run_ends(tmp_path,
             {"name": "uncapped", "stage": stage, "bf16": True, "budget_mib": 0, "uncapped": True}]
     if stage == 2:  # what stays refused: bf16 without ZeRO runs under DeepSpeed's FP16_UnfusedOptimizer
         runs.append({"name": "refused", "stage": 0, "bf16": True, "budget_mib": 0, "uncapped": True})
-    # oneDNN's AVX-512/AMX bf16 kernels crash (SIGSEGV) when an allocation fails under RLIMIT_AS on this
-    # host; its AVX2 path raises the allocator's error (observed 2026-12-02)
+    # oneDNN's AVX-512 bf16 kernels (an AMD EPYC host with avx512_bf16) crashed with SIGSEGV when an allocation
+    # failed under RLIMIT_AS; its AVX2 path raises the allocator's error (observed 2026-12-02)
     _run_worker(tmp_path, {**_STEPS, "runs": runs}, ONEDNN_MAX_CPU_ISA="AVX2")
     r0, r1 = _results(tmp_path, "capped")
     assert r0["error"] is None and r1["error"] is None
