@@ -75,8 +75,9 @@ does not reset), and fp16/bf16 engines whose optimizer is DeepSpeed's ``FP16_Opt
 ``FP16_UnfusedOptimizer`` or ``BF16_Optimizer`` (fp16/bf16 without ZeRO, or bf16 ZeRO-1 with fp32
 gradient accumulation): those keep fp32 gradient copies of their own. fp16/bf16 under the ZeRO
 optimizers is recovered (their gradient copies are the buckets and partitions that are reset);
-bf16 is verified, fp16 is not (CPU fp16 kernels under a memory cap fail in oneDNN before any
-recovery can be observed).
+bf16 is verified; fp16 takes the same path (its loss scaler changes only in ``engine.step()``) but
+is not exercised here: DeepSpeed's CPU accelerator refuses fp16 ("Type fp16 is not supported on
+your device").
 
 Cost when nothing fails: see :mod:`memguard.guard._deepspeed` (agreements per step and their time).
 """

@@ -76,7 +76,8 @@ one agreement per all-gather.
 
 Precision. ZeRO-1/2/3 with fp16/bf16 where DeepSpeed uses its ZeRO optimizers
 (``DeepSpeedZeroOptimizer``, ``DeepSpeedZeroOptimizer_Stage3``: their gradient copies are the
-buckets, partitions and ``grad_accum`` attributes that :func:`reset_engine` clears) are guarded.
+buckets, partitions and ``grad_accum`` attributes that :func:`reset_engine` clears; the fp16 loss
+scaler and overflow flags change only in ``step()``, which a failed attempt never reached) are guarded.
 DeepSpeed's ``FP16_Optimizer``/``BF16_Optimizer`` wrappers (ZeRO-0 with fp16/bf16, ZeRO-1 with bf16
 and fp32 gradient accumulation) keep fp32 gradient copies of their own that nothing here resets:
 they are refused (:func:`engine_problems`).

@@ -16,9 +16,10 @@ worker_common.Net; "wide": an 8 MiB layer, whose ZeRO-3 all-gather is the larges
 ``name``, ``stage``, ``managed`` (DeepSpeed's own accumulation, default true), ``budget_mib`` and
 optional ``bf16`` (DeepSpeed's bf16 mode), ``uncapped`` (no cap: the run to compare with),
 ``adapter`` (each step through :func:`adapter_step`, a framework adapter's loop, instead of
-:func:`memguard.integrations.deepspeed.step`), ``no_agreements`` (from ``cap_step`` on, DeepSpeed's collectives run without memguard's agreements:
-the control that shows what they prevent) and ``time_steps`` (after training: that many interleaved
-steps with and without memguard's agreements, uncapped, for the cost figures).
+:func:`memguard.integrations.deepspeed.step`), ``no_agreements`` (from ``cap_step`` on,
+DeepSpeed's collectives run without memguard's agreements: the control that shows what they
+prevent) and ``time_steps`` (after training: that many interleaved steps with and without
+memguard's agreements, uncapped, for the cost figures).
 
 Each rank writes ``result<rank>_<name>.json`` (events, messages, the phase and time of each retry,
 each step's start and end, micro-batch, retries, agreements, error) and
