@@ -1,8 +1,9 @@
 """OOM recovery inside a DeepSpeed engine that cannot hang: an agreement before every collective.
 
 Why the agreement at the end of an attempt is not enough. A DeepSpeed engine starts collectives
-*inside* forward and backward (DeepSpeed 0.19.8): ZeRO-1 reduces the gradients in the backward of
-the accumulation boundary (``DeepSpeedEngine._backward_epilogue`` -> ``allreduce_gradients`` ->
+*inside* forward and backward (DeepSpeed 0.19.8): without ZeRO and under ZeRO-1 it reduces the
+gradients in the backward of the accumulation boundary (``DeepSpeedEngine._backward_epilogue`` ->
+``allreduce_gradients`` -> ``buffered_allreduce_fallback`` or
 ``DeepSpeedZeroOptimizer.reduce_gradients``), ZeRO-2 reduces full gradient buckets from its
 gradient hooks in every backward (``stage_1_and_2.py``: ``reduce_independent_p_g_buckets_and_remove_grads``
 -> ``reduce_ipg_grads`` -> ``average_tensor``), ZeRO-3 all-gathers each module's parameters in
@@ -11,9 +12,11 @@ its forward and backward pre-hooks (``partitioned_param_coordinator.py``:
 ``partition_parameters.py``) and reduce-scatters gradient buckets from its hooks
 (``stage3.py``: ``__reduce_and_partition_ipg_grads``), and ``engine.step()`` all-reduces the
 overflow flag and the gradient norm and all-gathers the updated partitions. A rank that runs out of
-memory in compute leaves forward/backward, while its peers wait in the next collective forever
-(measured: ZeRO-2 dies on a gloo size mismatch when the failed rank's agreement meets the peer's
-bucket reduction, ZeRO-3 hangs).
+memory in compute leaves forward/backward, while its peers wait in the next collective. Measured
+with the per-collective agreements skipped (``benchmarks/recovery_sharded.py``, control runs): under
+ZeRO-1 and ZeRO-2 both ranks wait until the process group's timeout (90 s there, 30 minutes by
+default); under ZeRO-3 the failed rank's agreement meets the peer's parameter all-gather and gloo
+aborts the process (SIGABRT).
 
 The protocol (every rank runs the same program, so every rank starts DeepSpeed's collectives in the
 same order; this is :mod:`memguard.guard._sharded`'s protocol for FSDP2, with DeepSpeed's entry points):
@@ -44,7 +47,9 @@ same order; this is :mod:`memguard.guard._sharded`'s protocol for FSDP2, with De
    ``global_samples``, the unmanaged backward count) and its accumulation boundary. The window
    halves the micro-batch and runs the same samples again.
 4. **What cannot be made safe fails the same way on every rank, fast.** An error *inside* a
-   collective after the agreement passed (the backend's own staging or gloo's buffers) leaves the
+   collective after the agreement passed (measured: the flat output copy inside a ZeRO-3
+   ``all_gather_into_tensor``, and gloo's own buffer in an ``all_reduce``, ``std::bad_alloc``; an
+   async collective's failure surfaces in its handle's ``wait()``, which is wrapped too) leaves the
    peers inside a collective this rank will never finish: the failing rank writes the error to the
    process group's store and aborts its process groups, and every rank raises the same
    :class:`memguard.OOMRecoveryError` (:meth:`ShardedRankGroup.stop`). An OOM in ``engine.step()``
