@@ -5,7 +5,7 @@ keeps a user's config and replaces its ``"auto"`` values with what the plan dete
 the Hugging Face Trainer fills ``"auto"`` from its ``TrainingArguments``. Neither imports
 DeepSpeed: a config is plain JSON-ready data (validate it with
 ``deepspeed.runtime.config.DeepSpeedConfig(config)``, which works without a GPU). ``step(engine,
-batch, loss_fn)`` runs one optimizer step of a ZeRO-0/1 engine with memguard's OOM recovery (below).
+batch, loss_fn)`` runs one optimizer step of a ZeRO-0/1/2/3 engine with memguard's OOM recovery (below).
 
 What the plan determines, and what a config must therefore agree with:
 
@@ -39,34 +39,47 @@ precision model states (arXiv 1910.02054, 2+2+12 bytes per parameter), as memgua
 optimizer states; ``fp16_master_weights_and_grads`` needs ZeRO-Offload and still keeps fp32
 moments), so it is refused with a :class:`memguard.ConfigError`.
 
-Out-of-memory errors inside a DeepSpeed engine. What happens when one rank runs out was measured on
-CPU (DeepSpeed 0.19.8, ``DS_ACCELERATOR=cpu``, two ranks with gloo, ZeRO-1 and -2, an ``RLIMIT_AS``
-cap on rank 1 during the backward of the last micro-batch of an accumulation window, each rank then
-joining a one-integer all-reduce to agree on the outcome):
+Out-of-memory errors inside a DeepSpeed engine. ``step(engine, batch, loss_fn)`` runs one optimizer
+step with memguard's OOM recovery, for ZeRO stages 0-3, with DeepSpeed's own gradient accumulation
+(the default) or ``"managed_gradient_accumulation": false``. Why the end-of-step agreement that
+serves DDP is not enough here, measured on CPU (DeepSpeed 0.19.8, ``DS_ACCELERATOR=cpu``, two gloo
+ranks, an ``RLIMIT_AS`` cap on rank 1): the engine starts collectives inside forward and backward
+(ZeRO-1 reduces in the boundary micro-batch's backward, ZeRO-2 reduces gradient buckets from its
+hooks in every backward, ZeRO-3 all-gathers parameters in every module's forward and backward and
+reduce-scatters gradients), so a rank that fails in compute leaves its peers waiting in the next
+collective. Measured with only the end-of-step agreement (``benchmarks/recovery_sharded.py``, its
+control runs): under ZeRO-1 and ZeRO-2 (either accumulation mode) both ranks wait until the process
+group's timeout (90 s there, 30 minutes by default) and then fail; under ZeRO-3 the failed rank's
+agreement meets the peer's parameter all-gather and gloo aborts the process (SIGABRT).
 
-* default ``managed_gradient_accumulation`` (True), ZeRO-1: the engine reduces the gradients inside
-  ``engine.backward`` of the boundary micro-batch. Rank 1 raises the allocator's
-  ``RuntimeError`` (``DefaultCPUAllocator: can't allocate memory``) and enters the agreement;
-  rank 0 waits in the gradient all-reduce. Neither completes: both raise only when the process
-  group's timeout expires (gloo: ``Timed out waiting ... for send operation to complete`` on rank
-  1, ``Connection closed by peer`` on rank 0; 30 minutes by default). The same happens for an OOM
-  in a non-boundary backward once the other rank reaches the boundary.
-* ZeRO-2, with either setting: the engine reduces gradient buckets inside every backward (its
-  gradient hooks), so rank 0 waits in a bucket's reduction while rank 1 agrees: the same stall
-  until the timeout, then both raise. DeepSpeed refuses ``no_sync`` under ZeRO-2/3, so the
-  reduction cannot be postponed past the agreement.
-* ``managed_gradient_accumulation: false``, ZeRO-1 (and stage 0): ``engine.backward`` only
-  accumulates locally and ``engine.step`` reduces. An OOM in the forward or backward touches no
-  collective: rank 1 raises, both ranks reach the agreement and go on (under 0.1 s). :func:`step`
-  recovers there: every rank drops the step's gradients, the micro-batch is halved and the step's
-  samples run again (a real OOM on one of two ranks: the weights equal an uncapped single-process
-  run within 5e-7). It refuses fp16 and bf16 engines: their optimizers keep gradient copies of
-  their own (ZeRO-1's ``grad_accum`` attribute when the accumulation dtype differs), which
-  dropping ``param.grad`` would not clear.
+What ``step`` does instead (:mod:`memguard.guard._deepspeed`, the FSDP2 protocol of
+:mod:`memguard.guard._sharded` applied to DeepSpeed's communication backend): every collective the
+engine starts (through ``deepspeed.comm``) first runs a small all-reduce agreement of all ranks; a
+rank that ran out of memory in forward or backward reports it there, its peers leave forward or
+backward at their next collective, every rank resets the engine's step state (ZeRO-1/2 buckets and
+partly reduced gradients, ZeRO-3 gathered and in-flight parameters and its parameter coordinator's
+trace, the engine's counters and accumulation boundary), the micro-batch is halved and the step's
+samples run again. Each retry is logged at WARNING on every rank. Measured on two gloo ranks with a
+real OOM on rank 1 (``tests/integrations/test_deepspeed.py``): ZeRO-0/1/2/3, managed and
+unmanaged accumulation, OOM in the forward or the backward, every rank recovers, every sample of a
+step runs once in the attempt that updates the weights, and the fp32 weights equal a single-process
+run on both ranks' samples within 3e-7 (relative; 3e-8 absolute); bf16 ZeRO-2/3 end within a bf16
+rounding step of an uncapped bf16 run. An OOM *inside* a collective (measured: the output copy of a
+ZeRO-3 all-gather) stops every rank within a second with the same :class:`memguard.OOMRecoveryError`
+(the process groups are torn down; restart the job); so does an OOM in ``engine.step()``'s optimizer
+update, which a smaller micro-batch would not shrink.
 
-Under ZeRO-2/3, size the plan with headroom (``memguard.plan(..., headroom=...)``) and set a short
-process-group timeout (``deepspeed.init_distributed(timeout=...)``) so that a failed rank ends the
-job instead of stalling it.
+Refused with a :class:`memguard.ConfigError` that says what to do: pipeline-parallel engines (their
+point-to-point sends are not covered), ZeRO offload and ZenFlow (host-side gradient state memguard
+does not reset), and fp16/bf16 engines whose optimizer is DeepSpeed's ``FP16_Optimizer``,
+``FP16_UnfusedOptimizer`` or ``BF16_Optimizer`` (fp16/bf16 without ZeRO, or bf16 ZeRO-1 with fp32
+gradient accumulation): those keep fp32 gradient copies of their own. fp16/bf16 under the ZeRO
+optimizers is recovered (their gradient copies are the buckets and partitions that are reset);
+bf16 is verified; fp16 takes the same path (its loss scaler changes only in ``engine.step()``) but
+is not exercised here: DeepSpeed's CPU accelerator refuses fp16 ("Type fp16 is not supported on
+your device").
+
+Cost when nothing fails: see :mod:`memguard.guard._deepspeed` (agreements per step and their time).
 """
 
 from __future__ import annotations
@@ -447,50 +460,10 @@ def fill_auto(user_config: Mapping[str, Any], plan: Plan, *, strict: bool = Fals
 
 
 # --------------------------------------------------------------------------------------------------
-# OOM recovery inside a DeepSpeed engine (ZeRO-0/1 with caller-owned accumulation)
+# OOM recovery inside a DeepSpeed engine (memguard.guard._deepspeed: an agreement before every collective)
 
 # One micro-batch window per engine, kept as long as the engine lives.
 _WINDOWS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-
-
-def _engine_problems(engine: Any) -> list[str]:
-    """Why :func:`step` cannot recover from an OOM in ``engine`` (empty when it can)."""
-    problems = []
-    managed = getattr(engine, "managed_gradient_accumulation", None)
-    if managed is None:
-        return [f"step needs a DeepSpeed engine (from deepspeed.initialize) of DeepSpeed >= 0.19, got "
-                f"{type(engine).__name__}"]
-    if managed():
-        problems.append('the engine manages gradient accumulation itself, so its backward can start the gradient '
-                        'reduction; build its config with "managed_gradient_accumulation": false (to_config(plan, '
-                        'managed_gradient_accumulation=False)) so that only engine.step() reduces')
-    stage = engine.zero_optimization_stage()
-    if stage >= 2:
-        problems.append(f"ZeRO stage {stage} reduces gradients inside every backward, where one rank's OOM leaves the "
-                        "others waiting in the reduction; memguard recovers under ZeRO stage 0 and 1 only (see this "
-                        "module's docstring)")
-    if engine.fp16_enabled() or engine.bfloat16_enabled():
-        problems.append("memguard's recovery inside a DeepSpeed engine is verified in fp32 only (DeepSpeed's fp16 "
-                        "and bf16 optimizers keep gradient copies of their own); drop the fp16/bf16 block or use "
-                        "memguard.step on a plain DDP model")
-    return problems
-
-
-def _rank_group(engine: Any) -> Any:
-    """The engine's data-parallel group as memguard's :class:`RankGroup`, or None on one rank."""
-    import torch
-    import torch.distributed as dist
-
-    from memguard.guard._distributed import RankGroup
-
-    group = getattr(engine, "data_parallel_group", None)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return None
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)):  # NCCL moves CUDA tensors only
-        device = engine.device
-    src = dist.get_global_rank(group, 0) if group not in (None, dist.group.WORLD) else 0
-    return RankGroup(group, dist.get_world_size(group), dist.get_rank(group), src, device, False)
 
 
 def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | None = None) -> float:
@@ -499,20 +472,21 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
     ``batch`` is this rank's samples of the whole optimizer step (``train_micro_batch_size_per_gpu
     x gradient_accumulation_steps`` of them, or any number): it is split into micro-batches of the
     current size (first the config's micro-batch), each runs ``loss_fn(engine, micro)`` and
-    ``engine.backward`` of its loss weighted by its share of the samples (``scale_wrt_gas=False``),
-    then every rank reports its outcome in one small all-reduce. On an OOM on any rank, every rank
-    drops the step's gradients, the micro-batch is halved and the step's samples run again from the
-    first; once all ranks succeeded, ``engine.step()`` reduces the gradients and updates the weights.
-    The halved micro-batch is kept for later steps. This is the protocol of
-    :class:`memguard.guard._window.MicroBatchWindow`, with DeepSpeed's backward.
+    ``engine.backward`` of its loss weighted by its share of the samples (``scale_wrt_gas=False``);
+    then ``engine.step()`` updates the weights. Every DeepSpeed collective in between (ZeRO-1/2
+    gradient reduction, ZeRO-3 parameter all-gathers and gradient reduce-scatters, the step's
+    all-reduces) runs after a small agreement of all ranks (:mod:`memguard.guard._deepspeed`). On an
+    OOM on any rank in forward or backward, every rank leaves at its next collective, resets the
+    engine's step state, halves the micro-batch and runs the step's samples again from the first; the
+    halved micro-batch is kept for later steps. Each retry is logged at WARNING on every rank.
 
-    It needs an engine whose backward starts no collective: ZeRO stage 0 or 1 with
-    ``"managed_gradient_accumulation": false`` (DeepSpeed 0.19's caller-owned accumulation, where
-    ``engine.step()`` is the only reduction), in fp32. Under ZeRO-2 the backward reduces gradient
-    buckets itself; see the module docstring for what an OOM does there.
+    Under DeepSpeed's own gradient accumulation (the default) memguard makes the window's last
+    micro-batch the accumulation boundary (``engine.set_gradient_accumulation_boundary``) and calls
+    ``engine.step()`` once per window; with ``"managed_gradient_accumulation": false`` the engine
+    reduces in ``engine.step()`` (ZeRO-0/1) or per backward (ZeRO-2/3) as it does by itself.
 
     Args:
-        engine: the ``DeepSpeedEngine`` from ``deepspeed.initialize``.
+        engine: the ``DeepSpeedEngine`` from ``deepspeed.initialize`` (ZeRO stage 0-3).
         batch: this rank's samples for the step: a tensor or a dict/tuple/list of tensors, samples in dim 0.
         loss_fn: ``loss_fn(engine, micro_batch) -> mean loss``; default: call the engine with the
             batch and use ``output.loss`` or a scalar output (as :func:`memguard.step`).
@@ -522,21 +496,33 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
         The step's mean loss over ``batch``.
 
     Raises:
-        ConfigError: the engine cannot be guarded (every reason listed), or the batch cannot be split.
-        OOMRecoveryError: out of memory at micro-batch 1, or after ``max_retries`` halvings.
+        ConfigError: the engine cannot be guarded (every reason listed: pipeline parallelism, ZeRO
+            offload, ZenFlow, fp16/bf16 under DeepSpeed's FP16/BF16 optimizer wrappers), or the
+            batch cannot be split.
+        OOMRecoveryError: out of memory at micro-batch 1 or after ``max_retries`` halvings; an OOM
+            inside a collective (every rank raises the same error and the process groups are torn
+            down); an OOM in the optimizer update (every rank; restart from a checkpoint).
         PeerFailedError: another rank failed with an error that is not an OOM.
 
     Known limitations:
-        An OOM inside ``engine.step()`` itself (the gradient all-reduce or the optimizer update) is not
-        recovered from: it is a collective, and a smaller micro-batch would not shrink it. DeepSpeed
-        counts ``global_samples`` from the backward calls, so a replayed step counts its replayed
-        micro-batches too. ``loss_fn`` runs once per micro-batch and again on a replay; it must not
-        start collectives of its own.
+        ``loss_fn`` runs once per micro-batch and again on a replay; it must not start collectives of
+        its own. Under managed accumulation ``engine.micro_steps`` advances once per optimizer step
+        (memguard calls ``engine.step()`` once per window), and the engine counts
+        ``global_samples`` from its config's batch. An OOM inside ``engine.step()`` is not retried:
+        a smaller micro-batch does not shrink the optimizer's memory.
     """
     from memguard.batch import compute_loss
-    from memguard.guard._window import DEFAULT_MAX_RETRIES, MicroBatchWindow
+    from memguard.guard._deepspeed import (
+        agreed_engine_step,
+        engine_backward,
+        engine_problems,
+        engine_rank_group,
+        engine_window,
+        open_engine_window,
+    )
+    from memguard.guard._window import DEFAULT_MAX_RETRIES
 
-    problems = _engine_problems(engine)
+    problems = engine_problems(engine)
     retries = DEFAULT_MAX_RETRIES if max_retries is None else max_retries
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         problems.append(f"max_retries must be an int >= 0, got {max_retries!r}")
@@ -546,25 +532,16 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
         raise ConfigError(problems)
     window = _WINDOWS.get(engine)
     if window is None:
-        window = MicroBatchWindow(int(engine.train_micro_batch_size_per_gpu()), rank_group=_rank_group(engine),
-                                  max_retries=retries)
-        _WINDOWS[engine] = window
+        window = _WINDOWS[engine] = engine_window(engine, max_retries=retries)
     window.max_retries = retries
-    module = engine.module
-    window.start(module, [p for p in module.parameters() if p.requires_grad])
-
-    def loss_of(micro: Any) -> Any:
-        return compute_loss(engine, micro, loss_fn)
-
-    def backward(weighted: Any) -> None:
-        # the weight already holds the micro-batch's share: DeepSpeed must not divide by its accumulation
-        engine.backward(weighted, scale_wrt_gas=False)
-
+    rg = engine_rank_group(engine)
+    open_engine_window(engine, window)
     try:
-        loss = window.run(batch, loss_of, backward)
+        loss = window.run(batch, lambda micro: compute_loss(engine, micro, loss_fn), engine_backward(engine),
+                          last=True)
     finally:
         window.finish()
-    engine.step()
+    agreed_engine_step(rg, micro_batch_size=window.micro_batch_size)
     return float(loss)
 
 

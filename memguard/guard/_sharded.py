@@ -166,6 +166,13 @@ class ShardedRankGroup(RankGroup):
     sync_last_only: bool = False
     store: Any = None
     agreements: int = 0
+    #: The framework whose collectives are guarded, as messages name it.
+    framework: str = "FSDP2"
+    #: What an unrecoverable OOM inside a collective tells the user to do.
+    restart_advice: str = ("Restart the job with a smaller micro_batch_size (or activation checkpointing, or "
+                           "reshard_after_forward=True)")
+    #: The key-value store prefix under which a stopping rank records its error.
+    store_prefix: str = _STORE_PREFIX
     _armed: bool = False
     _n_max: int = 0
     _mbs: int = 0
@@ -195,7 +202,7 @@ class ShardedRankGroup(RankGroup):
             if self.peer_stopped():  # a torn-down peer: read what it left in the store
                 raise ShardingStopped(self.stopped_error(exc)) from exc
             # this rank's own failure (e.g. no memory left for the all-reduce): peers may wait in it
-            raise ShardingStopped(self.stop(exc, "memguard's agreement before an FSDP2 collective")) from exc
+            raise ShardingStopped(self.stop(exc, f"memguard's agreement between {self.framework} collectives")) from exc
         self.agreements += 1
         out = buf.tolist()
         return out[: self.world_size], out[self.world_size:]
@@ -288,7 +295,7 @@ class ShardedRankGroup(RankGroup):
     # ---------------------------------------------------------------------------------- stopping
 
     def _store_key(self) -> str:
-        return f"{_STORE_PREFIX}{self.src}"  # one key per group (a stop ends training in this process)
+        return f"{self.store_prefix}{self.src}"  # one key per group (a stop ends training in this process)
 
     def stop(self, exc: BaseException, where: str) -> BaseException:
         """Record ``exc`` in the store and tear the process groups down; the error this rank raises.
@@ -300,8 +307,7 @@ class ShardedRankGroup(RankGroup):
                        "message": f"out of memory inside {where} on rank {self.rank} ({oom_summary(exc)}); "
                        "an allocation failure inside a collective cannot be recovered without the ranks' "
                        "collectives going out of step, so every rank stops and the process groups are torn "
-                       "down. Restart the job with a smaller micro_batch_size (or activation checkpointing, or "
-                       "reshard_after_forward=True)", "rank": self.rank}
+                       f"down. {self.restart_advice}", "rank": self.rank}
         else:
             payload = {"type": "PeerFailedError",
                        "message": f"rank {self.rank} failed inside {where} with {type(exc).__name__}: {exc} "
@@ -338,8 +344,8 @@ class ShardedRankGroup(RankGroup):
             except Exception:  # the store's host may be gone too
                 payload = None
         if payload is None:
-            return PeerFailedError(f"the connection to a peer was lost during FSDP2 training ({exc}); this rank "
-                                   "stops too so that no rank waits forever", rank=-1)
+            return PeerFailedError(f"the connection to a peer was lost during {self.framework} training ({exc}); this "
+                                   "rank stops too so that no rank waits forever", rank=-1)
         if payload["type"] == "OOMRecoveryError":
             return OOMRecoveryError(payload["message"], micro_batch_size=self._mbs)
         return PeerFailedError(payload["message"], rank=int(payload["rank"]))
