@@ -78,6 +78,9 @@ class Estimate:
         strategy: ``"ddp"``, ``"deepspeed"`` or ``"fsdp2"``: how the model states were sharded
             (``zero_stage`` is that strategy's sharding level). Dicts written before this field
             existed load as DDP, or DeepSpeed when their ``zero_stage >= 1``.
+        rank_peak_bytes: the peak of each rank, in the rank order of
+            :mod:`memguard.estimator._layout` (pipeline stages differ); ``peak_bytes`` is their
+            maximum. An estimate without a ``layout=`` holds ``(peak_bytes,)``: its ranks are alike.
     """
 
     peak_bytes: int
@@ -99,8 +102,15 @@ class Estimate:
     phase_peaks: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     strategy: str = ""
+    rank_peak_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        ranks = tuple(int(p) for p in self.rank_peak_bytes)  # a JSON round trip gives a list
+        if len(ranks) <= 1:  # ranks alike (a replace() of peak_bytes carries the old single entry)
+            ranks = (int(self.peak_bytes),)
+        object.__setattr__(self, "rank_peak_bytes", ranks)
+        if max(ranks) != self.peak_bytes:
+            raise ValueError(f"peak_bytes={self.peak_bytes} must be max(rank_peak_bytes)={max(ranks)}")
         if not self.strategy:  # older dicts: today's meaning of zero_stage
             object.__setattr__(self, "strategy", "deepspeed" if self.zero_stage >= 1 else "ddp")
         object.__setattr__(self, "breakdown", MappingProxyType({_plain(k): v for k, v in self.breakdown.items()}))
@@ -118,6 +128,7 @@ class Estimate:
         d["breakdown"] = dict(self.breakdown)
         d["phase_peaks"] = dict(self.phase_peaks)
         d["notes"] = list(self.notes)
+        d["rank_peak_bytes"] = list(self.rank_peak_bytes)
         return d
 
     @classmethod
