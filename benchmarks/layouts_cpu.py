@@ -7,6 +7,7 @@ rank, ``init_device_mesh("cpu", (dp_shard, tp), mesh_dim_names=("dp_shard", "tp"
   (:func:`memguard.estimator._layout.resolve_tp_plan`: a Llama config's ``base_model_tp_plan``; for
   the GPT-2-shaped model below, the plan found by name: ``q_proj``/``k_proj``/``v_proj``/``c_fc``
   colwise, ``out_proj``/``c_proj`` rowwise);
+* sequence parallel: the GPT-2-shaped model with :func:`sequence_parallel_plan`;
 * FSDP2 x TP: the same, then ``fully_shard`` of each block and the root over ``mesh["dp_shard"]``
   (:func:`memguard.estimator._fsdp2.shard_model`, level 3), as torchtitan's ``parallelize_llama``.
 
@@ -63,6 +64,7 @@ class Case:
     dp_shard: int = 1
     batch: int = 4
     seq: int = 128
+    sp: bool = False  # the GPT model with the sequence-parallel plan of sequence_parallel_plan()
 
     @property
     def world_size(self) -> int:
@@ -70,11 +72,13 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"{self.model}-" + (f"dp{self.dp_shard}" if self.dp_shard > 1 else "") + f"tp{self.tp}"
+        return (f"{self.model}-" + (f"dp{self.dp_shard}" if self.dp_shard > 1 else "") + f"tp{self.tp}"
+                + ("-sp" if self.sp else ""))
 
 
 def all_cases() -> dict[str, Case]:
-    cases = [Case("llama", 2), Case("gpt", 2), Case("llama", 2, dp_shard=2), Case("gpt", 2, dp_shard=2)]
+    cases = [Case("llama", 2), Case("gpt", 2), Case("gpt", 2, sp=True), Case("llama", 2, dp_shard=2),
+             Case("gpt", 2, dp_shard=2)]
     return {c.name: c for c in cases}
 
 
@@ -164,10 +168,42 @@ def make_batch(case: Case):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def sequence_parallel_plan() -> dict[str, Any]:
+    """A Megatron-style sequence-parallel plan for the GPT-2-shaped model (Korthikanti et al. 2022,
+    arXiv 2205.05198, section 4.2.2; torchtitan's ``apply_tp`` for Llama): the residual stream and
+    the LayerNorms hold 1/tp of the sequence (``SequenceParallel``), all-gathered before attention
+    and the MLP (``PrepareModuleInput``, ``ColwiseParallel(input_layouts=Shard(1))``) and
+    reduce-scattered after them (``RowwiseParallel(output_layouts=Shard(1))``); the final norm and
+    the tied head see the whole sequence."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    def to(src, dst):
+        return PrepareModuleInput(input_layouts=(src,), desired_input_layouts=(dst,), use_local_output=True)
+
+    return {
+        "h.0": to(Replicate(), Shard(1)),
+        "h.*.ln_1": SequenceParallel(use_local_output=True),
+        "h.*.ln_2": SequenceParallel(use_local_output=True),
+        "h.*.attn": to(Shard(1), Replicate()),
+        "h.*.attn.q_proj": ColwiseParallel(), "h.*.attn.k_proj": ColwiseParallel(),
+        "h.*.attn.v_proj": ColwiseParallel(),
+        "h.*.attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "h.*.c_fc": ColwiseParallel(input_layouts=Shard(1)),
+        "h.*.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_f": to(Shard(1), Replicate()),
+    }
+
+
 def layout_of(case: Case):
     import memguard
 
-    return memguard.Layout(dp_shard=case.dp_shard, tp=case.tp)
+    return memguard.Layout(dp_shard=case.dp_shard, tp=case.tp, tp_plan=sequence_parallel_plan() if case.sp else None)
 
 
 def estimate_case(case: Case) -> dict[str, Any]:
@@ -382,8 +418,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="profiled steps per run, after one warm-up step")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--merge", nargs="*", default=None,
+                    help="re-summarise the rows of these layouts_cpu.json files (later files replace earlier "
+                         "rows of the same case) into --out, without running anything")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.merge is not None:
+        by_case: dict[str, dict[str, Any]] = {}
+        metas = []
+        for path in args.merge:
+            data = json.loads(Path(path).read_text())
+            metas.append(data["meta"])
+            for row in data["rows"]:
+                by_case[row["case"]] = row
+        order = [n for n in all_cases() if n in by_case] + [n for n in by_case if n not in all_cases()]
+        rows = [by_case[n] for n in order]
+        meta = dict(metas[0], command=" ; ".join(m["command"] for m in metas),
+                    date=" ; ".join(m["date"] for m in metas), cases_done=f"{len(rows)} of {len(all_cases())}")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "layouts_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        (out / "layouts_cpu.md").write_text(render_markdown(rows, meta))
+        print(render_markdown(rows, meta))
+        return 0
     if args.worker is not None:
         case = Case(**json.loads(args.worker))
         print(_MARKER + json.dumps(_rank_worker(case, args.steps)), flush=True)

@@ -131,6 +131,42 @@ class TPTracer(FSDP2Tracer):
         by_name = dict(self.model.named_parameters())
         return {id(p): by_name[name] for name, p in fmodel.named_parameters() if name in by_name}
 
+    def build_optimizer(self, originals: dict[int, Any]) -> torch.optim.Optimizer:
+        """The FSDP2 tracer's optimizer (its state made by one step on the DTensors): see :meth:`optimizer_step`."""
+        with _mixed_foreach_refused():
+            return super().build_optimizer(originals)
+
+    def optimizer_step(self) -> None:
+        """The base's step; a foreach step over a mix of DTensors and whole parameters is refused.
+
+        Raises:
+            ConfigError: the optimizer's step fails on the tensor-parallel parameters. torch.optim
+                takes the foreach path on CUDA by default (``optim/optimizer.py``,
+                ``_default_to_fused_or_foreach``: DTensor counts as supported), and a foreach kernel
+                refuses a list mixing DTensors with plain tensors (``DTensor`` dispatch: "got mixed
+                torch.Tensor and DTensor"), which a plan that leaves some parameters whole makes.
+        """
+        with _mixed_foreach_refused():
+            super().optimizer_step()
+
+
+@contextlib.contextmanager
+def _mixed_foreach_refused() -> Iterator[None]:
+    """Turn a foreach optimizer step over DTensors mixed with plain tensors into a ConfigError
+    (see :meth:`TPTracer.optimizer_step`)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "mixed torch.Tensor and DTensor" not in str(exc):
+            raise
+        raise ConfigError(
+            "the optimizer's step fails on this tensor-parallel model: its foreach kernels get the "
+            "plan's DTensor parameters mixed with the parameters left whole (embeddings, norms, head), as "
+            "torch.optim's default foreach path on CUDA would for real; pass optimizer=lambda params: "
+            "torch.optim.AdamW(params, foreach=False), or a plan that makes every parameter a DTensor, or add "
+            "Layout(dp_shard=N) (FSDP2 makes every parameter a DTensor)"
+        ) from exc
+
 
 @contextlib.contextmanager
 def _real_mesh_bookkeeping() -> Iterator[None]:
