@@ -1,7 +1,8 @@
 """Layouts on CPU: ``memguard.estimate(layout=...)`` against real multi-rank gloo runs, per rank.
 
 Each case lays out a small model over ``world_size`` gloo ranks on this machine (one process per
-rank, ``init_device_mesh("cpu", (dp_shard, tp), mesh_dim_names=("dp_shard", "tp"))``):
+rank, ``init_device_mesh("cpu", (dp_replicate, dp_shard, tp), mesh_dim_names=("dp_replicate", "dp_shard",
+"tp"))``):
 
 * tensor parallel: ``parallelize_module(model, mesh["tp"], plan)`` with the plan memguard resolves
   (:func:`memguard.estimator._layout.resolve_tp_plan`: a Llama config's ``base_model_tp_plan``; for
@@ -9,7 +10,9 @@ rank, ``init_device_mesh("cpu", (dp_shard, tp), mesh_dim_names=("dp_shard", "tp"
   colwise, ``out_proj``/``c_proj`` rowwise);
 * sequence parallel: the GPT-2-shaped model with :func:`sequence_parallel_plan`;
 * FSDP2 x TP: the same, then ``fully_shard`` of each block and the root over ``mesh["dp_shard"]``
-  (:func:`memguard.estimator._fsdp2.shard_model`, level 3), as torchtitan's ``parallelize_llama``.
+  (:func:`memguard.estimator._fsdp2.shard_model`, level 3), as torchtitan's ``parallelize_llama``;
+* HSDP: ``fully_shard`` over ``mesh["dp_replicate", "dp_shard"]`` (replicated over the first
+  dimension, sharded over the second).
 
 Every rank runs one warm-up step, then ``--steps`` steps under ``torch.profiler``
 (``profile_memory=True``); its live tensor bytes are replayed by address from the allocator events
@@ -65,20 +68,22 @@ class Case:
     batch: int = 4
     seq: int = 128
     sp: bool = False  # the GPT model with the sequence-parallel plan of sequence_parallel_plan()
+    dp_replicate: int = 1  # > 1 with dp_shard: HSDP
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp_shard
+        return self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def name(self) -> str:
-        return (f"{self.model}-" + (f"dp{self.dp_shard}" if self.dp_shard > 1 else "") + f"tp{self.tp}"
+        return (f"{self.model}-" + (f"rep{self.dp_replicate}" if self.dp_replicate > 1 else "")
+                + (f"dp{self.dp_shard}" if self.dp_shard > 1 else "") + (f"tp{self.tp}" if self.tp > 1 else "")
                 + ("-sp" if self.sp else ""))
 
 
 def all_cases() -> dict[str, Case]:
     cases = [Case("llama", 2), Case("gpt", 2), Case("gpt", 2, sp=True), Case("llama", 2, dp_shard=2),
-             Case("gpt", 2, dp_shard=2)]
+             Case("gpt", 2, dp_shard=2), Case("gpt", 4), Case("llama", 1, dp_shard=2, dp_replicate=2)]
     return {c.name: c for c in cases}
 
 
@@ -203,7 +208,8 @@ def sequence_parallel_plan() -> dict[str, Any]:
 def layout_of(case: Case):
     import memguard
 
-    return memguard.Layout(dp_shard=case.dp_shard, tp=case.tp, tp_plan=sequence_parallel_plan() if case.sp else None)
+    return memguard.Layout(dp_replicate=case.dp_replicate, dp_shard=case.dp_shard, tp=case.tp,
+                           tp_plan=sequence_parallel_plan() if case.sp else None)
 
 
 def estimate_case(case: Case) -> dict[str, Any]:
@@ -269,16 +275,19 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     settle_functional_collectives(pause_s=0.02)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (case.dp_shard, case.tp), mesh_dim_names=("dp_shard", "tp"))
+    mesh = init_device_mesh("cpu", (case.dp_replicate, case.dp_shard, case.tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     model = build_model(case.model)
     model.train()
-    problems: list[str] = []
-    plan, _ = resolve_tp_plan(model, layout_of(case), problems)
-    if problems:
-        raise RuntimeError(problems)
-    parallelize_module(model, mesh["tp"], plan)
+    if case.tp > 1:
+        problems: list[str] = []
+        plan, _ = resolve_tp_plan(model, layout_of(case), problems)
+        if problems:
+            raise RuntimeError(problems)
+        parallelize_module(model, mesh["tp"], plan)
     if case.dp_shard > 1:
-        shard_model(model, FSDP2Layout(world_size=case.dp_shard, zero_stage=3), mesh["dp_shard"])
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if case.dp_replicate > 1 else mesh["dp_shard"]
+        shard_model(model, FSDP2Layout(world_size=case.dp_shard, zero_stage=3), dp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch(case)
     losses: list[float] = []

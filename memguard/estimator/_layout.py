@@ -10,10 +10,15 @@ How each degree is estimated:
 
 * ``dp_replicate > 1`` alone is DDP over that many ranks (the existing DDP estimate);
 * ``dp_shard > 1`` alone is FSDP2 over that many ranks (:mod:`memguard.estimator._fsdp2`);
+* ``dp_replicate > 1`` with ``dp_shard > 1`` is HSDP: ``fully_shard`` over the 2-D
+  ``(dp_replicate, dp_shard)`` mesh (``_fsdp_api.py``: a 2-D mesh replicates over its first
+  dimension and shards over its second), traced as FSDP2 x TP is below;
 * ``tp > 1`` traces rank 0 of a real ``parallelize_module`` step over a fake process group
   (:mod:`memguard.estimator._tp_trace`); with ``dp_shard > 1`` as well, the tensor-parallel copy is
-  then sharded with ``fully_shard`` over the data-parallel dimension of a 2-D mesh (FSDP2 x TP, as
-  torchtitan's ``parallelize_llama`` applies TP first, then FSDP2);
+  then sharded with ``fully_shard`` over the data-parallel dimensions of the
+  ``(dp_replicate, dp_shard, tp)`` mesh (FSDP2 x TP, or HSDP x TP, as torchtitan's
+  ``parallelize_llama`` applies TP first, then FSDP2); DDP over tensor-parallel shards
+  (``dp_replicate`` and ``tp`` without ``dp_shard``) is refused;
 * ``pp > 1`` is refused for now (see :func:`check_layout`).
 
 The tensor-parallel plan (:func:`resolve_tp_plan`): ``Layout(tp_plan=...)`` if given, else the
@@ -126,10 +131,10 @@ def check_layout(layout: Any, *, zero_stage: Any, world_size: Any, strategy: Any
     if layout.pp > 1:
         problems.append(f"Layout(pp={layout.pp}): pipeline-parallel layouts are not estimated yet; estimate "
                         "one stage's share with pp=1 and the stage's own module, or drop pp")
-    if layout.dp_replicate > 1 and (layout.dp_shard > 1 or layout.tp > 1):
-        problems.append(f"Layout(dp_replicate={layout.dp_replicate}) combined with dp_shard or tp (HSDP, DDP over "
-                        "tensor-parallel shards) is not estimated yet: use dp_replicate alone (DDP), or dp_shard "
-                        "(FSDP2) with tp")
+    if layout.dp_replicate > 1 and layout.dp_shard == 1 and layout.tp > 1:
+        problems.append(f"Layout(dp_replicate={layout.dp_replicate}, tp={layout.tp}) (DDP over tensor-parallel "
+                        "shards) is not estimated yet: shard the data-parallel dimension instead (dp_shard with tp, "
+                        "or dp_replicate with dp_shard and tp: HSDP x TP)")
     if world_size != 1 and world_size != layout.world_size:
         problems.append(f"world_size={world_size!r} conflicts with the layout's {layout.world_size} ranks: drop "
                         "world_size= (the layout sets it)")
@@ -321,8 +326,9 @@ def layout_note(layout: Layout, source: str | None) -> str:
     note = f"layout {layout.describe()}: rank 0 traced"
     if layout.tp > 1:
         note += f"; tensor parallel over a fake process group with parallelize_module, plan from {source}"
-    if layout.dp_shard > 1 and layout.tp > 1:
-        note += "; then fully_shard over the dp_shard dimension of a 2-D mesh"
+    if layout.dp_shard > 1 and (layout.tp > 1 or layout.dp_replicate > 1):
+        dims = "(dp_replicate, dp_shard) dimensions (HSDP)" if layout.dp_replicate > 1 else "dp_shard dimension"
+        note += f"; fully_shard over the mesh's {dims}"
     return note
 
 
@@ -359,13 +365,13 @@ def estimate_layout(model: nn.Module, batch: Any, layout: Any, options: dict[str
         options.update(strategy="fsdp2", zero_stage=level)
     else:
         options.update(strategy=None if strategy is None else "ddp", zero_stage=0)
-    if layout.tp == 1:
+    if layout.tp == 1 and (layout.dp_replicate == 1 or layout.dp_shard == 1):
         return with_ranks(estimate(model, batch, **options), layout)
     return with_ranks(_estimate_tp(model, batch, layout, options), layout)
 
 
 def _estimate_tp(model: nn.Module, batch: Any, layout: Layout, options: dict[str, Any]) -> Any:
-    """Trace and price rank 0 of a tensor-parallel (optionally FSDP2 x TP) training step."""
+    """Trace and price rank 0 of a tensor-parallel (optionally FSDP2 or HSDP x TP) or HSDP training step."""
     from memguard.batch import first_dim
     from memguard.estimator._blocks import find_blocks
     from memguard.estimator._fsdp2 import fsdp2_factors
@@ -405,7 +411,7 @@ def _estimate_tp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
         problems.append(f"grad_accum_steps={accum!r} must be an integer >= 1")
     spec_gpu = target_gpu(device, options.get("gpu"), problems)
     cpu_target = target_cpu(device, options.get("cpu"), problems)
-    plan, source = resolve_tp_plan(model, layout, problems)
+    plan, source = resolve_tp_plan(model, layout, problems) if layout.tp > 1 else (None, None)
     check_model_fits(model, layout, plan, problems)
     if problems:
         raise ConfigError(problems)
@@ -418,7 +424,7 @@ def _estimate_tp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
     spec = trace_spec(request)
     if fsdp is not None and fsdp.mp_dtype is not None:  # FSDP2's policy casts; no autocast (as run_trace)
         spec = dataclasses.replace(spec, autocast_dtype=None, cuda_autocast=False)
-    trace = trace_tp_step(model, batch, spec, tp=layout.tp, plan=plan, fsdp=fsdp,
+    trace = trace_tp_step(model, batch, spec, tp=layout.tp, plan=plan, fsdp=fsdp, replicate=layout.dp_replicate,
                           optimizer=options.get("optimizer"), loss_fn=options.get("loss_fn"))
     factors = fsdp2_factors(offload) if fsdp is not None else ShardFactors()
     target = Target(device=device, precision=precision, zero_stage=zero_stage, world_size=layout.world_size,

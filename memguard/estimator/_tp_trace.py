@@ -47,8 +47,8 @@ from memguard.estimator._fsdp2_trace import FSDP2Tracer
 from memguard.estimator._trace import Trace, TraceSpec, quiet_fake_tensor_log
 
 
-def trace_tp_step(model: nn.Module, batch: Any, spec: TraceSpec, *, tp: int, plan: dict[str, Any],
-                  fsdp: FSDP2Layout | None, optimizer=None, loss_fn=None) -> Trace:
+def trace_tp_step(model: nn.Module, batch: Any, spec: TraceSpec, *, tp: int, plan: dict[str, Any] | None,
+                  fsdp: FSDP2Layout | None, replicate: int = 1, optimizer=None, loss_fn=None) -> Trace:
     """Trace one steady-state step of rank 0 of a tensor-parallel (optionally FSDP2 x TP) job.
 
     Args:
@@ -56,8 +56,10 @@ def trace_tp_step(model: nn.Module, batch: Any, spec: TraceSpec, *, tp: int, pla
         spec: the :class:`~memguard.estimator._trace.TraceSpec` (under FSDP2 without autocast: its
             policy casts).
         tp: the tensor-parallel degree.
-        plan: ``parallelize_module``'s plan (styles made: :func:`~memguard.estimator._layout.resolve_tp_plan`).
+        plan: ``parallelize_module``'s plan (styles made: :func:`~memguard.estimator._layout.resolve_tp_plan`),
+            or None (``tp == 1``: HSDP only).
         fsdp: the FSDP2 sharding over ``fsdp.world_size`` data-parallel ranks, or None (TP only).
+        replicate: data-parallel replicas (HSDP: ``fully_shard`` over the ``(dp_replicate, dp_shard)`` mesh).
 
     Returns:
         A :class:`~memguard.estimator._trace.Trace` of one rank's allocations.
@@ -73,7 +75,7 @@ def trace_tp_step(model: nn.Module, batch: Any, spec: TraceSpec, *, tp: int, pla
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with quiet_fake_tensor_log(), fake_mesh((dp, tp), ("dp_shard", "tp")) as mesh:
+        with quiet_fake_tensor_log(), fake_mesh((replicate, dp, tp), ("dp_replicate", "dp_shard", "tp")) as mesh:
             return TPTracer(model, batch, optimizer, loss_fn, spec, layout, mesh, plan=plan,
                             fsdp=fsdp is not None).run()
     finally:
@@ -84,13 +86,14 @@ def trace_tp_step(model: nn.Module, batch: Any, spec: TraceSpec, *, tp: int, pla
 class TPTracer(FSDP2Tracer):
     """:class:`~memguard.estimator._fsdp2_trace.FSDP2Tracer` whose copy is first parallelized with
     ``parallelize_module`` over the mesh's ``"tp"`` dimension, then (``fsdp=True``) sharded with
-    ``fully_shard`` over its ``"dp_shard"`` dimension.
+    ``fully_shard`` over its ``"dp_shard"`` dimension (with ``"dp_replicate"`` as well when that is
+    larger than 1: HSDP).
 
     Args:
         model, batch, optimizer, loss_fn, spec, layout: as for the FSDP2 tracer (``layout`` is the
             FSDP2 sharding; without ``fsdp`` only its backend is read).
-        mesh: the 2-D ``DeviceMesh`` ``("dp_shard", "tp")`` of the fake process group.
-        plan: ``parallelize_module``'s plan.
+        mesh: the 3-D ``DeviceMesh`` ``("dp_replicate", "dp_shard", "tp")`` of the fake process group.
+        plan: ``parallelize_module``'s plan, or None (no tensor parallelism).
         fsdp: shard with FSDP2 after tensor parallelism.
     """
 
@@ -113,9 +116,13 @@ class TPTracer(FSDP2Tracer):
         """
         from torch.distributed.tensor.parallel import parallelize_module
 
+        mesh = self.mesh  # sub-meshes made outside the fake mode (their rank tensors stay real)
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+        tp_mesh = mesh["tp"]
         with self.mode:
             try:
-                parallelize_module(fmodel, self.mesh["tp"], self.plan)
+                if self.plan is not None:
+                    parallelize_module(fmodel, tp_mesh, self.plan)
             except Exception as exc:  # noqa: BLE001 - a plan torch refuses is the user's problem
                 raise ConfigError(f"parallelize_module could not apply the tensor-parallel plan: "
                                   f"{type(exc).__name__}: {exc}; pass Layout(tp_plan=...) naming nn.Linear "
@@ -123,8 +130,7 @@ class TPTracer(FSDP2Tracer):
             if self.fsdp:
                 try:
                     with _real_mesh_bookkeeping():
-                        shard_model(fmodel, dataclasses.replace(self.layout, offload=False), self.mesh["dp_shard"],
-                                    blocks)
+                        shard_model(fmodel, dataclasses.replace(self.layout, offload=False), dp_mesh, blocks)
                 except Exception as exc:  # noqa: BLE001 - FSDP2 refusing the model is the user's problem
                     raise ConfigError(f"FSDP2 (fully_shard) could not shard the tensor-parallel model: "
                                       f"{type(exc).__name__}: {exc}") from exc

@@ -89,8 +89,8 @@ def test_rank_peaks_must_have_the_peak_as_maximum():
     (memguard.Layout(dp_shard=2), dict(strategy="ddp"), ["strategy='ddp' conflicts"]),
     # a sharding level needs a dp_shard dimension to shard over
     (memguard.Layout(tp=2), dict(zero_stage=3), ["zero_stage=3 shards over the layout's dp_shard dimension"]),
-    # HSDP and DDP over TP shards are not modelled: say what is
-    (memguard.Layout(dp_replicate=2, tp=2), {}, ["use dp_replicate alone (DDP), or dp_shard"]),
+    # DDP over TP shards is not modelled: say what is
+    (memguard.Layout(dp_replicate=2, tp=2), {}, ["DDP over tensor-parallel shards", "HSDP x TP"]),
     # 3 divides none of 4 heads, 2 kv-heads, hidden 128, intermediate 344: all four reported
     (memguard.Layout(tp=3), {}, ["num_attention_heads=4", "num_key_value_heads=2", "hidden_size=128",
                                  "intermediate_size=344"]),
@@ -185,6 +185,16 @@ def test_data_parallel_layouts_are_the_existing_estimates(llama):
     ddp = memguard.estimate(llama, _batch(), device="cpu", world_size=2)
     assert _est(llama, memguard.Layout(dp_shard=2)).rank_peak_bytes == (fsdp.peak_bytes,) * 2
     assert _est(llama, memguard.Layout(dp_replicate=2)).rank_peak_bytes == (ddp.peak_bytes,) * 2
+
+
+def test_hsdp_shards_over_dp_shard_only(llama):
+    hsdp = _est(llama, memguard.Layout(dp_replicate=2, dp_shard=2))
+    fsdp = _est(llama, memguard.Layout(dp_shard=2))
+    # HSDP replicates over dp_replicate and shards over dp_shard: each rank holds the 2-way shards that
+    # FSDP2 over 2 ranks holds (the reduce-scatter's output is then all-reduced in place over replicas)
+    assert hsdp.rank_peak_bytes == (hsdp.peak_bytes,) * 4
+    assert hsdp.breakdown["optimizer"] == fsdp.breakdown["optimizer"]
+    assert any("HSDP" in n for n in hsdp.notes)
 
 
 def test_sequence_parallel_plan_shrinks_the_norms_activations():
