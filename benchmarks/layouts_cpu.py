@@ -442,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                 by_case[row["case"]] = row
         order = [n for n in all_cases() if n in by_case] + [n for n in by_case if n not in all_cases()]
         rows = [by_case[n] for n in order]
-        meta = dict(metas[0], command=" ; ".join(m["command"] for m in metas),
+        meta = dict(metas[0], command=" ; ".join(m["command"] for m in metas)
+                    + f" ; then --merge of the {len(metas)} layouts_cpu.json files they wrote",
                     date=" ; ".join(m["date"] for m in metas), cases_done=f"{len(rows)} of {len(all_cases())}")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,8 @@ class Layout:
         tp_plan: the tensor-parallel plan, ``{module name pattern: style}`` as
             ``parallelize_module`` takes it (``*`` matches one name part), a style being a torch
             ``ParallelStyle`` or one of :data:`STYLE_NAMES`; None: the model config's
-            ``base_model_tp_plan``, else the plan found by name (:func:`resolve_tp_plan`).
+            ``base_model_tp_plan``, else the plan found by name (:func:`resolve_tp_plan`). Not part
+            of the layout's equality or hash (a plan's styles are not comparable values).
     """
 
     dp_replicate: int = 1
