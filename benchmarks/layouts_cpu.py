@@ -69,6 +69,9 @@ class Case:
     seq: int = 128
     sp: bool = False  # the GPT model with the sequence-parallel plan of sequence_parallel_plan()
     dp_replicate: int = 1  # > 1 with dp_shard: HSDP
+    # or "bf16-mixed": forward and loss under torch.autocast("cpu", bfloat16); with dp_shard, FSDP2's
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead (what memguard's FSDP2 estimate means)
+    precision: str = "32-true"
 
     @property
     def world_size(self) -> int:
@@ -78,12 +81,13 @@ class Case:
     def name(self) -> str:
         return (f"{self.model}-" + (f"rep{self.dp_replicate}" if self.dp_replicate > 1 else "")
                 + (f"dp{self.dp_shard}" if self.dp_shard > 1 else "") + (f"tp{self.tp}" if self.tp > 1 else "")
-                + ("-sp" if self.sp else ""))
+                + ("-sp" if self.sp else "") + ("-bf16" if self.precision == "bf16-mixed" else ""))
 
 
 def all_cases() -> dict[str, Case]:
     cases = [Case("llama", 2), Case("gpt", 2), Case("gpt", 2, sp=True), Case("llama", 2, dp_shard=2),
-             Case("gpt", 2, dp_shard=2), Case("gpt", 4), Case("llama", 1, dp_shard=2, dp_replicate=2)]
+             Case("gpt", 2, dp_shard=2), Case("gpt", 4), Case("llama", 1, dp_shard=2, dp_replicate=2),
+             Case("llama", 2, precision="bf16-mixed"), Case("llama", 2, dp_shard=2, precision="bf16-mixed")]
     return {c.name: c for c in cases}
 
 
@@ -216,7 +220,8 @@ def estimate_case(case: Case) -> dict[str, Any]:
     import memguard
 
     t0 = time.perf_counter()
-    est = memguard.estimate(build_model(case.model, "meta"), make_batch(case), device="cpu", layout=layout_of(case))
+    est = memguard.estimate(build_model(case.model, "meta"), make_batch(case), device="cpu", layout=layout_of(case),
+                            precision=case.precision)
     return {"peak_bytes": int(est.peak_bytes), "rank_peak_bytes": list(est.rank_peak_bytes),
             "peak_phase": est.peak_phase, "breakdown": dict(est.breakdown), "phase_peaks": dict(est.phase_peaks),
             "seconds": round(time.perf_counter() - t0, 2)}
@@ -224,9 +229,12 @@ def estimate_case(case: Case) -> dict[str, Any]:
 
 def single_process_loss(case: Case) -> float:
     """The first step's loss of the unsharded model in one process (what every rank must match)."""
+    import torch
+
     from memguard.batch import compute_loss
 
-    return float(compute_loss(build_model(case.model), make_batch(case)).detach())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
+        return float(compute_loss(build_model(case.model), make_batch(case)).detach())
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,14 +295,17 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
         parallelize_module(model, mesh["tp"], plan)
     if case.dp_shard > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if case.dp_replicate > 1 else mesh["dp_shard"]
-        shard_model(model, FSDP2Layout(world_size=case.dp_shard, zero_stage=3), dp_mesh)
+        mp = torch.bfloat16 if case.precision == "bf16-mixed" else None
+        shard_model(model, FSDP2Layout(world_size=case.dp_shard, zero_stage=3, mp_dtype=mp), dp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch(case)
     losses: list[float] = []
 
+    autocast = case.precision == "bf16-mixed" and case.dp_shard == 1
+
     def step():
         with record_function(_PREFIX + "step"):
-            with record_function(_PREFIX + "forward"):
+            with record_function(_PREFIX + "forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = compute_loss(model, batch)
             with record_function(_PREFIX + "backward"):
                 loss.backward()
