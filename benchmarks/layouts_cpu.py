@@ -411,7 +411,10 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "profiled steps, replayed by address from the profiler's allocator events (`benchmarks/fsdp2_cpu.py`, "
         "`_replay`), collectives settled. Estimate: `memguard.estimate(..., device=\"cpu\", layout=...)`'s "
         "`rank_peak_bytes` for that rank. Loss: the largest difference of any rank's first-step loss from a "
-        "single-process step of the same model and batch.", "",
+        "single-process step of the same model and batch (for `-bf16` cases run under "
+        "`torch.autocast(\"cpu\", bfloat16)`; a bf16 sum split over shards rounds differently, hence ~1e-4; "
+        "under FSDP2 x TP the ranks use FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` "
+        "instead of autocast, as memguard's FSDP2 estimate means).", "",
         "| case | ranks | rank | real worst (MiB) | real best (MiB) | estimate (MiB) | error vs worst | loss diff |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
