@@ -11,6 +11,9 @@ rank, ``init_device_mesh("cpu", (dp_replicate, dp_shard, tp), mesh_dim_names=("d
 * sequence parallel: the GPT-2-shaped model with :func:`sequence_parallel_plan`;
 * FSDP2 x TP: the same, then ``fully_shard`` of each block and the root over ``mesh["dp_shard"]``
   (:func:`memguard.estimator._fsdp2.shard_model`, level 3), as torchtitan's ``parallelize_llama``;
+* pipeline parallel: the Llama cut into ``pp`` stages (:func:`memguard.estimator._pipeline.split_decoder`),
+  each rank's ``PipelineStage`` under ``ScheduleGPipe`` or ``Schedule1F1B``; only the last rank has a
+  loss (the mean of its micro-batches' losses);
 * HSDP: ``fully_shard`` over ``mesh["dp_replicate", "dp_shard"]`` (replicated over the first
   dimension, sharded over the second).
 
@@ -72,13 +75,18 @@ class Case:
     # or "bf16-mixed": forward and loss under torch.autocast("cpu", bfloat16); with dp_shard, FSDP2's
     # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead (what memguard's FSDP2 estimate means)
     precision: str = "32-true"
+    pp: int = 1  # > 1: pipeline stages (alone), under pp_schedule with pp_microbatches micro-batches
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 4
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
 
     @property
     def name(self) -> str:
+        if self.pp > 1:
+            return f"{self.model}-pp{self.pp}-{self.pp_schedule.lower()}-mb{self.pp_microbatches}"
         return (f"{self.model}-" + (f"rep{self.dp_replicate}" if self.dp_replicate > 1 else "")
                 + (f"dp{self.dp_shard}" if self.dp_shard > 1 else "") + (f"tp{self.tp}" if self.tp > 1 else "")
                 + ("-sp" if self.sp else "") + ("-bf16" if self.precision == "bf16-mixed" else ""))
@@ -87,7 +95,10 @@ class Case:
 def all_cases() -> dict[str, Case]:
     cases = [Case("llama", 2), Case("gpt", 2), Case("gpt", 2, sp=True), Case("llama", 2, dp_shard=2),
              Case("gpt", 2, dp_shard=2), Case("gpt", 4), Case("llama", 1, dp_shard=2, dp_replicate=2),
-             Case("llama", 2, precision="bf16-mixed"), Case("llama", 2, dp_shard=2, precision="bf16-mixed")]
+             Case("llama", 2, precision="bf16-mixed"), Case("llama", 2, dp_shard=2, precision="bf16-mixed"),
+             Case("llama", 1, pp=2, pp_schedule="GPipe"), Case("llama", 1, pp=2, pp_schedule="1F1B"),
+             Case("llama", 1, pp=4, pp_schedule="1F1B", pp_microbatches=4, batch=8),
+             Case("llama", 1, pp=4, pp_schedule="GPipe", pp_microbatches=4, batch=8)]
     return {c.name: c for c in cases}
 
 
@@ -212,7 +223,8 @@ def sequence_parallel_plan() -> dict[str, Any]:
 def layout_of(case: Case):
     import memguard
 
-    return memguard.Layout(dp_replicate=case.dp_replicate, dp_shard=case.dp_shard, tp=case.tp,
+    return memguard.Layout(dp_replicate=case.dp_replicate, dp_shard=case.dp_shard, tp=case.tp, pp=case.pp,
+                           pp_schedule=case.pp_schedule, pp_microbatches=case.pp_microbatches,
                            tp_plan=sequence_parallel_plan() if case.sp else None)
 
 
@@ -279,6 +291,8 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     from memguard.estimator._layout import resolve_tp_plan
 
     torch.set_num_threads(1)
+    if case.pp > 1:
+        return _pipeline_worker(case, steps)
     settle_collectives(pause_s=0.02)  # FSDP2's torch.distributed calls (see benchmarks/fsdp2_cpu.py)
     settle_functional_collectives(pause_s=0.02)
     dist.init_process_group("gloo")
@@ -331,6 +345,79 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     return {"rank": rank, "peak_bytes": peak, "phase_peaks": phase_peaks, "step_peaks": step_peaks,
             "raw_step_peaks": raw_peaks, "suspect_steps": suspect, "baseline_bytes": baseline,
             "residual_bytes": level - end, "first_loss": losses[0]}
+
+
+def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
+    """One pipeline rank: the model cut to its stage as the estimate cuts it
+    (:func:`memguard.estimator._pipeline.split_decoder`), a ``PipelineStage`` and its schedule
+    (:func:`~memguard.estimator._pipeline.make_schedule`), one warm-up step, then ``steps`` profiled
+    steps (schedule, ``optimizer.step()``, ``zero_grad``). The stage's p2p receive buffers, made on
+    the warm-up step and reused, are live when profiling starts and are counted in the baseline."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.fsdp2_cpu import _storage_bytes
+    from memguard.estimator._pipeline import causal_lm_loss, make_schedule, run_schedule, split_decoder, stage_buffers
+
+    dist.init_process_group("gloo")
+    rank, stages = dist.get_rank(), case.pp
+    model = build_model(case.model)
+    model.train()
+    loss_fn = causal_lm_loss(model)
+    stage_module = split_decoder(model, rank, stages)
+    batch = make_batch(case)
+    micro, cfg = case.batch // case.pp_microbatches, model.config
+    hidden = torch.empty(micro, case.seq, cfg.hidden_size)
+    inp = torch.empty(micro, case.seq, dtype=torch.long) if rank == 0 else hidden
+    out = torch.empty(micro, case.seq, cfg.vocab_size) if rank == stages - 1 else hidden
+    schedule = make_schedule(stage_module, rank, stages, case.pp_schedule, case.pp_microbatches, inp, out,
+                             loss_fn if rank == stages - 1 else (lambda output, target: output.sum()),
+                             torch.device("cpu"))
+    del hidden, inp, out
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses: list[float] = []
+
+    def step():
+        with record_function(_PREFIX + "step"):
+            with record_function(_PREFIX + "forward"):
+                if rank == stages - 1:
+                    mb_losses: list = []
+                    schedule.step(target=batch["labels"], losses=mb_losses)
+                    # equal micro-batches, every label counted: the mean of their means is the batch's loss
+                    losses.append(float(sum(x.detach() for x in mb_losses) / len(mb_losses)))
+                else:
+                    run_schedule(schedule, rank, stages, batch)
+            with record_function(_PREFIX + "optimizer"):
+                optimizer.step()
+            with record_function(_PREFIX + "zero_grad"):
+                optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: the stage's receive buffers and the optimizer's state
+    gc.collect()
+    gc.disable()
+    dist.barrier()
+    fwd, grads = stage_buffers(schedule)
+
+    def live() -> int:
+        # the last stage keeps its micro-batches' outputs until the next step starts (stage.py,
+        # output_chunks, cleared by clear_runtime_states)
+        chunks = [t for t in schedule._stage.output_chunks if isinstance(t, torch.Tensor)]
+        return _live_bytes(model, batch, optimizer) + _storage_bytes(fwd + grads + chunks)
+
+    baseline = live()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(steps):
+            step()
+    end = live()
+    gc.enable()
+    level, phase_peaks, step_peaks, raw_peaks, suspect = _replay(prof, baseline)
+    peak = max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"rank": rank, "peak_bytes": peak, "phase_peaks": phase_peaks, "step_peaks": step_peaks,
+            "raw_step_peaks": raw_peaks, "suspect_steps": suspect, "baseline_bytes": baseline,
+            "residual_bytes": level - end, "first_loss": losses[0] if losses else None}
 
 
 def run_case(case: Case, *, steps: int, timeout: float) -> list[dict[str, Any]]:
@@ -393,7 +480,7 @@ def summarise(row: dict[str, Any]) -> dict[str, Any]:
         per_rank.append({"rank": rank, "real_peak_bytes": worst, "real_min_peak_bytes": min(r["peak_bytes"] for r in clean),
                          "estimate_bytes": est, "error_pct": round(100 * (est - worst) / worst, 2),
                          "ranks_unclosed": len(ranks) - len(clean) if clean is not ranks else 0})
-    losses = [r["first_loss"] for rs in row["runs"] for r in rs]
+    losses = [r["first_loss"] for rs in row["runs"] for r in rs if r.get("first_loss") is not None]
     row.update(per_rank=per_rank, worst_error_pct=max((p["error_pct"] for p in per_rank), key=abs),
                loss_max_abs_diff=max(abs(x - row["single_process_loss"]) for x in losses))
     return row

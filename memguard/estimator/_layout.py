@@ -19,7 +19,8 @@ How each degree is estimated:
   ``(dp_replicate, dp_shard, tp)`` mesh (FSDP2 x TP, or HSDP x TP, as torchtitan's
   ``parallelize_llama`` applies TP first, then FSDP2); DDP over tensor-parallel shards
   (``dp_replicate`` and ``tp`` without ``dp_shard``) is refused;
-* ``pp > 1`` is refused for now (see :func:`check_layout`).
+* ``pp > 1`` (alone) traces each pipeline rank's stage under the real ``GPipe`` or ``1F1B`` schedule
+  over a fake process group (:mod:`memguard.estimator._pipeline`); the ranks' peaks differ.
 
 The tensor-parallel plan (:func:`resolve_tp_plan`): ``Layout(tp_plan=...)`` if given, else the
 model config's ``base_model_tp_plan`` (transformers' own plan: decoder projections colwise and
@@ -73,7 +74,7 @@ class Layout:
         dp_shard: data-parallel shards (FSDP2 ``fully_shard``; its sharding level is the
             estimate's ``zero_stage``, 3 by default).
         tp: tensor-parallel degree (``parallelize_module`` with ColwiseParallel/RowwiseParallel).
-        pp: pipeline stages (not estimated yet: refused with a ConfigError).
+        pp: pipeline stages, one per rank (alone: not combined with data or tensor parallelism yet).
         pp_schedule: a name of :data:`PP_SCHEDULES`.
         pp_microbatches: micro-batches the schedule splits one replica's batch into (None: ``pp``).
         tp_plan: the tensor-parallel plan, ``{module name pattern: style}`` as
@@ -130,8 +131,19 @@ def check_layout(layout: Any, *, zero_stage: Any, world_size: Any, strategy: Any
     if not degrees_ok:
         return
     if layout.pp > 1:
-        problems.append(f"Layout(pp={layout.pp}): pipeline-parallel layouts are not estimated yet; estimate "
-                        "one stage's share with pp=1 and the stage's own module, or drop pp")
+        from memguard.estimator._pipeline import SINGLE_STAGE_SCHEDULES
+
+        if layout.world_size != layout.pp:
+            problems.append(f"Layout(pp={layout.pp}) with data or tensor parallelism is not estimated yet: use pp "
+                            "alone, or drop pp")
+        if layout.pp_schedule in PP_SCHEDULES and layout.pp_schedule not in SINGLE_STAGE_SCHEDULES:
+            problems.append(f"Layout(pp_schedule={layout.pp_schedule!r}) (several stages per rank) is not estimated "
+                            f"yet: use {' or '.join(map(repr, SINGLE_STAGE_SCHEDULES))}")
+        micro = layout.pp_microbatches or layout.pp
+        if layout.pp_schedule == "1F1B" and _is_int(micro) and micro < layout.pp:
+            # Schedule1F1B refuses it (schedules.py, Schedule1F1B.__init__)
+            problems.append(f"Layout(pp_microbatches={micro}) must be >= pp={layout.pp} under 1F1B: use "
+                            f"pp_microbatches={layout.pp} or more, or pp_schedule='GPipe'")
     if layout.dp_replicate > 1 and layout.dp_shard == 1 and layout.tp > 1:
         problems.append(f"Layout(dp_replicate={layout.dp_replicate}, tp={layout.tp}) (DDP over tensor-parallel "
                         "shards) is not estimated yet: shard the data-parallel dimension instead (dp_shard with tp, "
@@ -360,6 +372,8 @@ def estimate_layout(model: nn.Module, batch: Any, layout: Any, options: dict[str
     if options.get("train", True) is False and (layout.tp > 1 or layout.pp > 1):
         raise ConfigError(f"an evaluation step (train=False) is not estimated under Layout(tp={layout.tp}, "
                           f"pp={layout.pp}): drop layout= or estimate a training step")
+    if layout.pp > 1:
+        return _estimate_pp(model, batch, layout, options)
     level = zero_stage if _is_int(zero_stage) and zero_stage >= 1 else 3  # FSDP2's default: reshard_after_forward
     options["world_size"] = layout.dp_replicate * layout.dp_shard
     if layout.dp_shard > 1:
@@ -433,3 +447,65 @@ def _estimate_tp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
     est, _ = _estimate_from_factors(trace, factors, target, micro_batch_size=int(micro or 0),
                                     checkpointed=min(int(blocks or 0), len(find_blocks(model))), limit_bytes=None)
     return dataclasses.replace(est, notes=est.notes + (layout_note(layout, source),))
+
+
+def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str, Any]) -> Any:
+    """Trace and price every pipeline rank (:func:`~memguard.estimator._pipeline.trace_pipeline_rank`);
+    the estimate is the highest rank's, with every rank's peak in ``rank_peak_bytes``."""
+    from collections.abc import Mapping as _Mapping
+
+    from memguard.batch import first_dim
+    from memguard.estimator._pipeline import decoder_parts, trace_pipeline_rank
+    from memguard.estimator._pricing import _estimate_from_factors
+    from memguard.estimator._sharding import ShardFactors
+    from memguard.estimator._targets import Target, check_common, target_cpu, target_gpu, unwrap_model
+    from memguard.estimator._tracing import TraceRequest, trace_spec
+
+    device, precision = options.get("device", "cuda"), options.get("precision", "32-true")
+    problems: list[str] = []
+    check_common(precision=precision, zero_stage=0, world_size=layout.world_size, device=device, problems=problems)
+    model = unwrap_model(model)
+    parts = decoder_parts(model) if isinstance(model, nn.Module) else None
+    micro = layout.pp_microbatches or layout.pp
+    if parts is None:
+        problems.append(f"pipeline stages are cut from transformers decoder models (a base model with layers, "
+                        f"embed_tokens and norm, and an lm_head); {type(model).__name__} is not one: drop "
+                        "Layout(pp=...)")
+    elif len(parts[1]) < layout.pp:
+        problems.append(f"Layout(pp={layout.pp}) needs at least {layout.pp} blocks, the model has {len(parts[1])}: "
+                        f"use pp <= {len(parts[1])}")
+    if not (isinstance(batch, _Mapping) and "input_ids" in batch and "labels" in batch):
+        problems.append("under Layout(pp=...) the batch must be a mapping with 'input_ids' and 'labels' (the first "
+                        "stage reads the ids, the last computes the model's loss on the labels)")
+    else:
+        rows = first_dim(batch)
+        if rows is not None and rows % micro:
+            problems.append(f"the batch's {rows} rows do not split into pp_microbatches={micro}: use a batch that "
+                            f"is a multiple of {micro}, or set pp_microbatches to a divisor of {rows}")
+    if options.get("loss_fn") is not None:
+        problems.append("under Layout(pp=...) the last stage computes the model's own loss: drop loss_fn")
+    for name, default in (("activation_checkpointing", 0), ("grad_accum_steps", 1), ("keep_outputs", False),
+                          ("offload_optimizer", False)):
+        if options.get(name, default) not in (default, False, 0):
+            problems.append(f"{name}={options[name]!r} is not estimated under Layout(pp=...) yet: drop it")
+    spec_gpu = target_gpu(device, options.get("gpu"), problems)
+    cpu_target = target_cpu(device, options.get("cpu"), problems)
+    if problems:
+        raise ConfigError(problems)
+    spec = trace_spec(TraceRequest(device=device, precision=precision, gpu=spec_gpu, cpu=cpu_target))
+    target = Target(device=device, precision=precision, world_size=layout.world_size, gpu=spec_gpu,
+                    strategy="ddp").resolved()
+    estimates = []
+    for rank in range(layout.pp):
+        trace = trace_pipeline_rank(model, batch, spec, rank=rank, stages=layout.pp, schedule=layout.pp_schedule,
+                                    microbatches=micro, optimizer=options.get("optimizer"))
+        est, _ = _estimate_from_factors(trace, ShardFactors(), target, micro_batch_size=int(first_dim(batch) or 0),
+                                        checkpointed=0, limit_bytes=None)
+        estimates.append(est)
+    peaks = tuple(e.peak_bytes for e in estimates)
+    worst = estimates[peaks.index(max(peaks))]
+    note = (f"layout {layout.describe()}: each pipeline rank traced under torch.distributed.pipelining's "
+            f"{layout.pp_schedule} schedule with {micro} micro-batches over a fake process group; the breakdown is "
+            f"rank {peaks.index(max(peaks))}'s; its forward phase holds the whole schedule, backward included; "
+            "not yet checked against real pipeline runs to 3%")
+    return dataclasses.replace(worst, rank_peak_bytes=peaks, notes=worst.notes + (note,))

@@ -79,8 +79,14 @@ def test_rank_peaks_must_have_the_peak_as_maximum():
 @pytest.mark.parametrize("layout, kwargs, needles", [
     # degrees must be positive integers; schedule names are torch's; both reported at once
     (memguard.Layout(tp=0, pp_schedule="zigzag"), {}, ["Layout(tp=0)", "pp_schedule='zigzag'"]),
-    # pipeline layouts are refused, saying what would work
-    (memguard.Layout(pp=2), {}, ["pipeline-parallel layouts are not estimated yet"]),
+    # pipeline stages alone only; several stages per rank not yet; 1F1B needs micro-batches >= stages
+    (memguard.Layout(pp=2, tp=2), {}, ["with data or tensor parallelism is not estimated yet"]),
+    (memguard.Layout(pp=2, pp_schedule="Interleaved1F1B"), {}, ["several stages per rank"]),
+    (memguard.Layout(pp=4, pp_microbatches=2), {}, ["must be >= pp=4 under 1F1B"]),
+    # 2 blocks cannot make 3 stages; 2 rows do not split into 3 micro-batches
+    (memguard.Layout(pp=3, pp_schedule="GPipe", pp_microbatches=3), {}, ["needs at least 3 blocks",
+                                                                         "do not split into pp_microbatches=3"]),
+    (memguard.Layout(pp=2), dict(loss_fn=lambda m, b: m(**b).loss), ["drop loss_fn"]),
     # world_size is the layout's; a different one conflicts
     (memguard.Layout(tp=2), dict(world_size=4), ["world_size=4 conflicts with the layout's 2 ranks"]),
     # DeepSpeed's ZeRO takes no layout
@@ -207,6 +213,28 @@ def test_sequence_parallel_plan_shrinks_the_norms_activations():
     # the LayerNorms and the residual stream hold half the sequence: fewer activation bytes in forward
     assert sp.phase_peaks["forward"] < plain.phase_peaks["forward"]
     assert sp.breakdown["params"] == plain.breakdown["params"]
+
+
+def test_pipeline_ranks_differ_and_1f1b_keeps_fewer_micro_batches_in_flight(llama):
+    batch = _batch(4, 32)
+    gpipe = memguard.estimate(llama, batch, device="cpu", layout=memguard.Layout(pp=2, pp_schedule="GPipe",
+                                                                                  pp_microbatches=4))
+    f1b = memguard.estimate(llama, batch, device="cpu", layout=memguard.Layout(pp=2, pp_schedule="1F1B",
+                                                                                pp_microbatches=4))
+    for est in (gpipe, f1b):
+        assert len(est.rank_peak_bytes) == 2 and est.peak_bytes == max(est.rank_peak_bytes)
+        assert len(set(est.rank_peak_bytes)) == 2  # the stages hold different blocks, head and buffers
+    # GPipe keeps all 4 micro-batches' activations on rank 0 before its first backward, 1F1B pp - 0 = 2
+    # (the schedules' own action order, schedules.py)
+    assert f1b.rank_peak_bytes[0] < gpipe.rank_peak_bytes[0]
+    assert any("pipelining" in n for n in f1b.notes)
+
+
+def test_pipeline_needs_a_decoder_it_can_cut():
+    from benchmarks.layouts_cpu import build_model
+
+    with pytest.raises(ConfigError, match="transformers decoder models"):
+        memguard.estimate(build_model("gpt", "meta"), _batch(2, 32), device="cpu", layout=memguard.Layout(pp=2))
 
 
 def test_cuda_target_refuses_a_foreach_step_over_mixed_dtensors(llama):
