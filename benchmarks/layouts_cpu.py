@@ -399,17 +399,19 @@ def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
     dist.barrier()
     fwd, grads = stage_buffers(schedule)
 
-    def live() -> int:
+    def live(chunks: bool) -> int:
         # the last stage keeps its micro-batches' outputs until the next step starts (stage.py,
-        # output_chunks, cleared by clear_runtime_states)
-        chunks = [t for t in schedule._stage.output_chunks if isinstance(t, torch.Tensor)]
-        return _live_bytes(model, batch, optimizer) + _storage_bytes(fwd + grads + chunks)
+        # output_chunks, cleared by clear_runtime_states): the warm-up's are freed inside the first
+        # profiled step, and the replay counts only frees of blocks it saw allocated, so they stay out
+        # of the baseline; the last profiled step's are live at the end
+        kept = [t for t in schedule._stage.output_chunks if isinstance(t, torch.Tensor)] if chunks else []
+        return _live_bytes(model, batch, optimizer) + _storage_bytes(fwd + grads + kept)
 
-    baseline = live()
+    baseline = live(False)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(steps):
             step()
-    end = live()
+    end = live(True)
     gc.enable()
     level, phase_peaks, step_peaks, raw_peaks, suspect = _replay(prof, baseline)
     peak = max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)

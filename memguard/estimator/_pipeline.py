@@ -18,10 +18,10 @@ Known limitations:
     ``layers``, ``embed_tokens`` and ``norm``, called with ``inputs_embeds`` on later stages, and an
     ``lm_head``; Llama, Mistral, Qwen2 and the like); ``loss_fn`` must be None. Only ``GPipe`` and
     ``1F1B`` (one stage per rank); pipeline stages are not combined with data or tensor parallelism
-    yet. Not yet checked against real runs to 3%: first 2-rank gloo runs (``benchmarks/layouts_cpu.py``,
-    its ``llama-pp*`` cases) put the first stage's estimate 1.5-2% above its real peak and the last
-    stage's 5-8% below, where the real run's accounting does not close yet (a 4 MB residual: the
-    last stage's output chunks, kept from one step to the next, are not fully tracked).
+    yet. Not yet within 3% everywhere: on real 2- and 4-rank gloo runs (``benchmarks/layouts_cpu.py``,
+    its ``llama-pp*`` cases) every rank's estimate is 0.9-4.6% above that rank's real peak (7 of 12
+    ranks within 3%); the excess grows with the micro-batches a rank keeps in flight (0.375 MiB per
+    micro-batch on the 4-stage Llama) and is not explained yet.
     Every rank holds the replica's batch (the first stage reads its ``input_ids``, the last
     its ``labels``). The trace's ``forward`` phase holds the whole schedule, backward included.
 """
