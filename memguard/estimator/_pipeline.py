@@ -59,8 +59,8 @@ def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
 
 
 def stage_bounds(num_layers: int, stages: int, stage: int) -> tuple[int, int]:
-    """Blocks ``[lo, hi)`` of ``stage``: an even split, the first stages one longer where it is uneven
-    (torchtitan's ``generate_llm_fqn_per_model_part`` splits the same way)."""
+    """Blocks ``[lo, hi)`` of ``stage``: an even split, the first stages one block longer where the
+    blocks do not divide evenly."""
     base, extra = divmod(num_layers, stages)
     lo = stage * base + min(stage, extra)
     return lo, lo + base + (1 if stage < extra else 0)
