@@ -17,6 +17,7 @@ from memguard.errors import (
     PeerFailedError,
 )
 from memguard.estimator.api import estimate
+from memguard.estimator._layout import Layout
 from memguard.estimator._result import Estimate
 from memguard.guard import prepare, step
 from memguard.guard._evaluate import evaluate
@@ -28,6 +29,7 @@ __all__ = [
     "ConfigError",
     "Estimate",
     "InfeasiblePlanError",
+    "Layout",
     "MemguardError",
     "MissingDependencyError",
     "OOMRecoveryError",

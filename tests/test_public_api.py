@@ -18,6 +18,7 @@ EXPECTED = {
     "ConfigError",
     "Estimate",
     "InfeasiblePlanError",
+    "Layout",
     "MemguardError",
     "MissingDependencyError",
     "OOMRecoveryError",

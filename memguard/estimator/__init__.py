@@ -13,6 +13,8 @@ internal (they may change in any release). How an estimate is made, in the order
   (``_onednn*``) what the host's CPU kernel paths allocate, and ``_fake_corrections`` fixing fake
   kernels that under-report; ``_fsdp2_trace`` traces rank 0 of an FSDP2 step (subclasses of the
   tracer and recorder);
+* ``_layout`` is ``estimate(layout=...)``: ``Layout``, its checks and tensor-parallel plan, the
+  per-rank estimate; ``_tp_trace`` traces rank 0 of a tensor-parallel (FSDP2/HSDP x TP) step;
 * ``_pricing`` turns the trace into an :class:`Estimate` (``_result``; categories are
   :class:`Category`): ``_analysis`` scans the timeline, ``_sharding`` applies ZeRO/DDP, ``_fsdp2``
   FSDP2's layout, ``_cuda`` models the caching allocator and workspaces;

@@ -87,6 +87,9 @@ class Estimate:
             is empty. The planner plans on it.
         unbounded_workspaces: the unmodelled mechanisms that have no bound from the shapes (cuDNN's
             RNN workspaces, sized by cuDNN at run time), each with its call; not in ``peak_upper_bytes``.
+        rank_peak_bytes: the peak of each rank, in the rank order of
+            :mod:`memguard.estimator._layout` (pipeline stages differ); ``peak_bytes`` is their
+            maximum. An estimate without a ``layout=`` holds ``(peak_bytes,)``: its ranks are alike.
     """
 
     peak_bytes: int
@@ -110,8 +113,15 @@ class Estimate:
     strategy: str = ""
     peak_upper_bytes: int = 0
     unbounded_workspaces: tuple[str, ...] = ()
+    rank_peak_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        ranks = tuple(int(p) for p in self.rank_peak_bytes)  # a JSON round trip gives a list
+        if len(ranks) <= 1:  # ranks alike (a replace() of peak_bytes carries the old single entry)
+            ranks = (int(self.peak_bytes),)
+        object.__setattr__(self, "rank_peak_bytes", ranks)
+        if max(ranks) != self.peak_bytes:
+            raise ValueError(f"peak_bytes={self.peak_bytes} must be max(rank_peak_bytes)={max(ranks)}")
         if not self.strategy:  # older dicts: today's meaning of zero_stage
             object.__setattr__(self, "strategy", "deepspeed" if self.zero_stage >= 1 else "ddp")
         object.__setattr__(self, "breakdown", MappingProxyType({_plain(k): v for k, v in self.breakdown.items()}))
@@ -133,6 +143,7 @@ class Estimate:
         d["phase_peaks"] = dict(self.phase_peaks)
         d["notes"] = list(self.notes)
         d["unbounded_workspaces"] = list(self.unbounded_workspaces)
+        d["rank_peak_bytes"] = list(self.rank_peak_bytes)
         return d
 
     @classmethod

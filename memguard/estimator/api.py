@@ -55,6 +55,7 @@ def estimate(
     torch_version: str | None = None,
     cuda_version: str | None = None,
     cudnn_version: str | int | None = None,
+    layout: Any = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state training step (or, with ``train=False``, evaluation step).
 
@@ -115,6 +116,12 @@ def estimate(
             11.7 to 13.2). None = the one of that release's default PyPI wheel.
         cudnn_version: its cuDNN, ``"9.10.2"`` or ``torch.backends.cudnn.version()``'s ``91002``
             (8.5 to 9.x); decides whether SDPA prefers cuDNN attention. None = the default wheel's.
+        layout: a :class:`memguard.Layout` (data-parallel replicas and shards, tensor and pipeline
+            parallel degrees), or None. ``batch`` is then one data-parallel replica's micro-batch;
+            ``world_size`` is the layout's; ``dp_shard`` is FSDP2 (``zero_stage`` its level, 3 by
+            default), ``dp_replicate`` DDP, ``tp`` a real ``parallelize_module`` step traced over a
+            fake process group (see :mod:`memguard.estimator._layout`); ``rank_peak_bytes`` holds
+            each rank's peak.
 
     Returns:
         An :class:`~memguard.Estimate`.
@@ -123,7 +130,8 @@ def estimate(
         ConfigError: invalid arguments (all listed at once), or a model/batch/loss that cannot be
             traced (the message says which call failed and how to pass ``loss_fn``); under
             ``"fsdp2"`` also a model FSDP2 cannot shard, or a default process group that exists
-            already (plan before ``init_process_group``).
+            already (plan before ``init_process_group``); an invalid ``layout``, one that conflicts
+            with ``world_size``/``zero_stage``/``strategy``, or one the model's sizes do not divide.
 
     Known limitations:
         On a machine without a GPU the CUDA target is traced on CPU fake tensors: autocast
@@ -134,6 +142,15 @@ def estimate(
         reads ``PYTORCH_CUDA_ALLOC_CONF`` and ``CUBLAS_WORKSPACE_CONFIG`` from the environment
         (see ``Estimate.notes``).
     """
+    if layout is not None:
+        from memguard.estimator._layout import estimate_layout
+
+        return estimate_layout(model, batch, layout, dict(
+            optimizer=optimizer, loss_fn=loss_fn, device=device, precision=precision, zero_stage=zero_stage,
+            world_size=world_size, gpu=gpu, activation_checkpointing=activation_checkpointing,
+            grad_accum_steps=grad_accum_steps, offload_optimizer=offload_optimizer, keep_outputs=keep_outputs,
+            train=train, strategy=strategy, cpu=cpu, torch_version=torch_version, cuda_version=cuda_version,
+            cudnn_version=cudnn_version))
     if train is False:
         if strategy not in (None, "ddp"):
             raise ConfigError(f"strategy={strategy!r} is not modelled for an evaluation step (train=False): "

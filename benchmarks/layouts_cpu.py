@@ -1,0 +1,589 @@
+"""Layouts on CPU: ``memguard.estimate(layout=...)`` against real multi-rank gloo runs, per rank.
+
+Each case lays out a small model over ``world_size`` gloo ranks on this machine (one process per
+rank, ``init_device_mesh("cpu", (dp_replicate, dp_shard, tp), mesh_dim_names=("dp_replicate", "dp_shard",
+"tp"))``):
+
+* tensor parallel: ``parallelize_module(model, mesh["tp"], plan)`` with the plan memguard resolves
+  (:func:`memguard.estimator._layout.resolve_tp_plan`: a Llama config's ``base_model_tp_plan``; for
+  the GPT-2-shaped model below, the plan found by name: ``q_proj``/``k_proj``/``v_proj``/``c_fc``
+  colwise, ``out_proj``/``c_proj`` rowwise);
+* sequence parallel: the GPT-2-shaped model with :func:`sequence_parallel_plan`;
+* FSDP2 x TP: the same, then ``fully_shard`` of each block and the root over ``mesh["dp_shard"]``
+  (:func:`memguard.estimator._fsdp2.shard_model`, level 3), as torchtitan's ``parallelize_llama``;
+* pipeline parallel: the Llama cut into ``pp`` stages (:func:`memguard.estimator._pipeline.split_decoder`),
+  each rank's ``PipelineStage`` under ``ScheduleGPipe`` or ``Schedule1F1B``; only the last rank has a
+  loss (the mean of its micro-batches' losses);
+* HSDP: ``fully_shard`` over ``mesh["dp_replicate", "dp_shard"]`` (replicated over the first
+  dimension, sharded over the second).
+
+Every rank runs one warm-up step, then ``--steps`` steps under ``torch.profiler``
+(``profile_memory=True``); its live tensor bytes are replayed by address from the allocator events
+exactly as :mod:`benchmarks.fsdp2_cpu` does (``_replay``), with every collective settled: the
+``torch.distributed`` calls FSDP2 makes (:func:`benchmarks.common.settle_collectives`) and the
+functional collectives DTensor makes (:func:`settle_functional_collectives`: each waited on, then a
+pause), so that gloo's worker thread never drops a buffer's last reference unseen. A case's real
+peak per rank is that rank's worst peak over ``--runs`` runs (fresh processes each); it is compared
+with ``memguard.estimate(..., device="cpu", layout=...)``'s ``rank_peak_bytes`` for that rank. The
+first step's loss of every rank is compared with a single-process step of the same model and batch.
+
+Usage::
+
+    python benchmarks/layouts_cpu.py                         # every case, 3 runs each
+    python benchmarks/layouts_cpu.py --cases llama-tp2 --runs 3
+
+Writes ``layouts_cpu.json`` and ``layouts_cpu.md`` to ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
+from benchmarks.common import REPO, machine_description, settle_collectives  # noqa: E402
+from benchmarks.fsdp2_cpu import _PREFIX, _free_port, _live_bytes, _replay  # noqa: E402
+
+_MARKER = "@@LAYOUTS_CPU_RESULT@@ "
+_MIB = 1 << 20
+_VOCAB = 2048
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration: model, layout degrees, batch (one data-parallel replica's)."""
+
+    model: str  # "gpt" (GPT-2-shaped, plan by name) or "llama" (HF, base_model_tp_plan)
+    tp: int
+    dp_shard: int = 1
+    batch: int = 4
+    seq: int = 128
+    sp: bool = False  # the GPT model with the sequence-parallel plan of sequence_parallel_plan()
+    dp_replicate: int = 1  # > 1 with dp_shard: HSDP
+    # or "bf16-mixed": forward and loss under torch.autocast("cpu", bfloat16); with dp_shard, FSDP2's
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead (what memguard's FSDP2 estimate means)
+    precision: str = "32-true"
+    pp: int = 1  # > 1: pipeline stages (alone), under pp_schedule with pp_microbatches micro-batches
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 4
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        if self.pp > 1:
+            return f"{self.model}-pp{self.pp}-{self.pp_schedule.lower()}-mb{self.pp_microbatches}"
+        return (f"{self.model}-" + (f"rep{self.dp_replicate}" if self.dp_replicate > 1 else "")
+                + (f"dp{self.dp_shard}" if self.dp_shard > 1 else "") + (f"tp{self.tp}" if self.tp > 1 else "")
+                + ("-sp" if self.sp else "") + ("-bf16" if self.precision == "bf16-mixed" else ""))
+
+
+def all_cases() -> dict[str, Case]:
+    cases = [Case("llama", 2), Case("gpt", 2), Case("gpt", 2, sp=True), Case("llama", 2, dp_shard=2),
+             Case("gpt", 2, dp_shard=2), Case("gpt", 4), Case("llama", 1, dp_shard=2, dp_replicate=2),
+             Case("llama", 2, precision="bf16-mixed"), Case("llama", 2, dp_shard=2, precision="bf16-mixed"),
+             Case("llama", 1, pp=2, pp_schedule="GPipe"), Case("llama", 1, pp=2, pp_schedule="1F1B"),
+             Case("llama", 1, pp=4, pp_schedule="1F1B", pp_microbatches=4, batch=8),
+             Case("llama", 1, pp=4, pp_schedule="GPipe", pp_microbatches=4, batch=8)]
+    return {c.name: c for c in cases}
+
+
+def build_model(name: str, device: str = "cpu"):
+    """A small model (nothing downloaded), on ``device`` ("meta": no memory), seeded."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        if name == "llama":
+            import transformers
+
+            cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=_VOCAB,
+                                           max_position_embeddings=256)
+            return transformers.LlamaForCausalLM(cfg)
+        if name == "gpt":
+            return TinyGPT()
+    raise ValueError(f"unknown model {name!r}")
+
+
+def _tiny_gpt_classes():
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self, dim: int, heads: int) -> None:
+            super().__init__()
+            self.head_dim = dim // heads
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim) for _ in range(3))
+            self.out_proj = nn.Linear(dim, dim)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            # -1 heads: under tensor parallelism a rank holds heads/tp of them (as transformers reshapes)
+            q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    class Block(nn.Module):
+        def __init__(self, dim: int, heads: int) -> None:
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.attn = Attention(dim, heads)
+            self.c_fc, self.c_proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        """GPT-2-shaped: learned positions, pre-LayerNorm blocks, GELU MLP (4x), tied head."""
+
+        def __init__(self, dim: int = 256, heads: int = 4, layers: int = 4, positions: int = 256) -> None:
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(_VOCAB, dim), nn.Embedding(positions, dim)
+            self.h = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+            self.ln_f = nn.LayerNorm(dim)
+            self.lm_head = nn.Linear(dim, _VOCAB, bias=False)
+            self.lm_head.weight = self.wte.weight
+            for m in self.modules():  # GPT-2's initialisation (std 0.02; transformers' GPT2PreTrainedModel)
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(m.weight, std=0.02)
+
+        def forward(self, input_ids, labels):
+            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = self.wte(input_ids) + self.wpe(pos)
+            for block in self.h:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            # next-token prediction, as GPT2LMHeadModel shifts its labels
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+    return GPT
+
+
+def TinyGPT():  # noqa: N802 - a class made on first use (no torch at import)
+    return _tiny_gpt_classes()()
+
+
+def make_batch(case: Case):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, _VOCAB, (case.batch, case.seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def sequence_parallel_plan() -> dict[str, Any]:
+    """A Megatron-style sequence-parallel plan for the GPT-2-shaped model (Korthikanti et al. 2022,
+    arXiv 2205.05198, section 4.2.2; torchtitan's ``apply_tp`` for Llama): the residual stream and
+    the LayerNorms hold 1/tp of the sequence (``SequenceParallel``), all-gathered before attention
+    and the MLP (``PrepareModuleInput``, ``ColwiseParallel(input_layouts=Shard(1))``) and
+    reduce-scattered after them (``RowwiseParallel(output_layouts=Shard(1))``); the final norm and
+    the tied head see the whole sequence."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    def to(src, dst):
+        return PrepareModuleInput(input_layouts=(src,), desired_input_layouts=(dst,), use_local_output=True)
+
+    return {
+        "h.0": to(Replicate(), Shard(1)),
+        "h.*.ln_1": SequenceParallel(use_local_output=True),
+        "h.*.ln_2": SequenceParallel(use_local_output=True),
+        "h.*.attn": to(Shard(1), Replicate()),
+        "h.*.attn.q_proj": ColwiseParallel(), "h.*.attn.k_proj": ColwiseParallel(),
+        "h.*.attn.v_proj": ColwiseParallel(),
+        "h.*.attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "h.*.c_fc": ColwiseParallel(input_layouts=Shard(1)),
+        "h.*.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_f": to(Shard(1), Replicate()),
+    }
+
+
+def layout_of(case: Case):
+    import memguard
+
+    return memguard.Layout(dp_replicate=case.dp_replicate, dp_shard=case.dp_shard, tp=case.tp, pp=case.pp,
+                           pp_schedule=case.pp_schedule, pp_microbatches=case.pp_microbatches,
+                           tp_plan=sequence_parallel_plan() if case.sp else None)
+
+
+def estimate_case(case: Case) -> dict[str, Any]:
+    import memguard
+
+    t0 = time.perf_counter()
+    est = memguard.estimate(build_model(case.model, "meta"), make_batch(case), device="cpu", layout=layout_of(case),
+                            precision=case.precision)
+    return {"peak_bytes": int(est.peak_bytes), "rank_peak_bytes": list(est.rank_peak_bytes),
+            "peak_phase": est.peak_phase, "breakdown": dict(est.breakdown), "phase_peaks": dict(est.phase_peaks),
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def single_process_loss(case: Case) -> float:
+    """The first step's loss of the unsharded model in one process (what every rank must match)."""
+    import torch
+
+    from memguard.batch import compute_loss
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
+        return float(compute_loss(build_model(case.model), make_batch(case)).detach())
+
+
+# --------------------------------------------------------------------------------------------
+# one rank (run in its own process)
+# --------------------------------------------------------------------------------------------
+
+_FUNCTIONAL = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
+               "reduce_scatter_tensor", "all_to_all_single")
+
+
+def settle_functional_collectives(pause_s: float) -> None:
+    """Wait on every functional collective DTensor issues (``torch.distributed._functional_collectives``,
+    called by ``torch/distributed/tensor/placement_types.py`` as ``funcol.all_reduce`` etc.), then
+    pause, as :func:`benchmarks.common.settle_collectives` does for ``torch.distributed``'s calls."""
+    import torch.distributed._functional_collectives as funcol
+
+    def settled(fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            out = out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else funcol.wait_tensor(out)
+            time.sleep(pause_s)
+            return out
+
+        call.__wrapped__ = fn
+        return call
+
+    for name in _FUNCTIONAL:
+        fn = getattr(funcol, name, None)
+        if fn is not None and not hasattr(fn, "__wrapped__"):
+            setattr(funcol, name, settled(fn))
+
+
+def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from memguard.batch import compute_loss
+    from memguard.estimator._fsdp2 import FSDP2Layout, shard_model
+    from memguard.estimator._layout import resolve_tp_plan
+
+    torch.set_num_threads(1)
+    if case.pp > 1:
+        return _pipeline_worker(case, steps)
+    settle_collectives(pause_s=0.02)  # FSDP2's torch.distributed calls (see benchmarks/fsdp2_cpu.py)
+    settle_functional_collectives(pause_s=0.02)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (case.dp_replicate, case.dp_shard, case.tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    model = build_model(case.model)
+    model.train()
+    if case.tp > 1:
+        problems: list[str] = []
+        plan, _ = resolve_tp_plan(model, layout_of(case), problems)
+        if problems:
+            raise RuntimeError(problems)
+        parallelize_module(model, mesh["tp"], plan)
+    if case.dp_shard > 1:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if case.dp_replicate > 1 else mesh["dp_shard"]
+        mp = torch.bfloat16 if case.precision == "bf16-mixed" else None
+        shard_model(model, FSDP2Layout(world_size=case.dp_shard, zero_stage=3, mp_dtype=mp), dp_mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = make_batch(case)
+    losses: list[float] = []
+
+    autocast = case.precision == "bf16-mixed" and case.dp_shard == 1
+
+    def step():
+        with record_function(_PREFIX + "step"):
+            with record_function(_PREFIX + "forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = compute_loss(model, batch)
+            with record_function(_PREFIX + "backward"):
+                loss.backward()
+            with record_function(_PREFIX + "optimizer"):
+                optimizer.step()
+            with record_function(_PREFIX + "zero_grad"):
+                optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+
+    step()  # warm-up: lazy inits and the optimizer's state
+    gc.collect()
+    gc.disable()  # frees by reference count only, as in the estimator's trace
+    dist.barrier()
+    baseline = _live_bytes(model, batch, optimizer)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(steps):
+            step()
+    end = _live_bytes(model, batch, optimizer)
+    gc.enable()
+    level, phase_peaks, step_peaks, raw_peaks, suspect = _replay(prof, baseline)
+    peak = max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)
+    dist.destroy_process_group()
+    return {"rank": rank, "peak_bytes": peak, "phase_peaks": phase_peaks, "step_peaks": step_peaks,
+            "raw_step_peaks": raw_peaks, "suspect_steps": suspect, "baseline_bytes": baseline,
+            "residual_bytes": level - end, "first_loss": losses[0]}
+
+
+def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
+    """One pipeline rank: the model cut to its stage as the estimate cuts it
+    (:func:`memguard.estimator._pipeline.split_decoder`), a ``PipelineStage`` and its schedule
+    (:func:`~memguard.estimator._pipeline.make_schedule`), one warm-up step, then ``steps`` profiled
+    steps (schedule, ``optimizer.step()``, ``zero_grad``). The stage's p2p receive buffers, made on
+    the warm-up step and reused, are live when profiling starts and are counted in the baseline."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.fsdp2_cpu import _storage_bytes
+    from memguard.estimator._pipeline import causal_lm_loss, make_schedule, run_schedule, split_decoder, stage_buffers
+
+    dist.init_process_group("gloo")
+    rank, stages = dist.get_rank(), case.pp
+    model = build_model(case.model)
+    model.train()
+    loss_fn = causal_lm_loss(model)
+    stage_module = split_decoder(model, rank, stages)
+    batch = make_batch(case)
+    micro, cfg = case.batch // case.pp_microbatches, model.config
+    hidden = torch.empty(micro, case.seq, cfg.hidden_size)
+    inp = torch.empty(micro, case.seq, dtype=torch.long) if rank == 0 else hidden
+    out = torch.empty(micro, case.seq, cfg.vocab_size) if rank == stages - 1 else hidden
+    schedule = make_schedule(stage_module, rank, stages, case.pp_schedule, case.pp_microbatches, inp, out,
+                             loss_fn if rank == stages - 1 else (lambda output, target: output.sum()),
+                             torch.device("cpu"))
+    del hidden, inp, out
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses: list[float] = []
+
+    def step():
+        with record_function(_PREFIX + "step"):
+            with record_function(_PREFIX + "forward"):
+                if rank == stages - 1:
+                    mb_losses: list = []
+                    schedule.step(target=batch["labels"], losses=mb_losses)
+                    # equal micro-batches, every label counted: the mean of their means is the batch's loss
+                    losses.append(float(sum(x.detach() for x in mb_losses) / len(mb_losses)))
+                else:
+                    run_schedule(schedule, rank, stages, batch)
+            with record_function(_PREFIX + "optimizer"):
+                optimizer.step()
+            with record_function(_PREFIX + "zero_grad"):
+                optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: the stage's receive buffers and the optimizer's state
+    gc.collect()
+    gc.disable()
+    dist.barrier()
+    fwd, grads = stage_buffers(schedule)
+
+    def live(chunks: bool) -> int:
+        # the last stage keeps its micro-batches' outputs until the next step starts (stage.py,
+        # output_chunks, cleared by clear_runtime_states): the warm-up's are freed inside the first
+        # profiled step, and the replay counts only frees of blocks it saw allocated, so they stay out
+        # of the baseline; the last profiled step's are live at the end
+        kept = [t for t in schedule._stage.output_chunks if isinstance(t, torch.Tensor)] if chunks else []
+        return _live_bytes(model, batch, optimizer) + _storage_bytes(fwd + grads + kept)
+
+    baseline = live(False)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(steps):
+            step()
+    end = live(True)
+    gc.enable()
+    level, phase_peaks, step_peaks, raw_peaks, suspect = _replay(prof, baseline)
+    peak = max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"rank": rank, "peak_bytes": peak, "phase_peaks": phase_peaks, "step_peaks": step_peaks,
+            "raw_step_peaks": raw_peaks, "suspect_steps": suspect, "baseline_bytes": baseline,
+            "residual_bytes": level - end, "first_loss": losses[0] if losses else None}
+
+
+def run_case(case: Case, *, steps: int, timeout: float) -> list[dict[str, Any]]:
+    """One real run of ``case``: one process per rank; each rank's measurement (or an error)."""
+    port = _free_port()
+    procs = []
+    for rank in range(case.world_size):
+        env = dict(os.environ)
+        env.update(RANK=str(rank), WORLD_SIZE=str(case.world_size), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   MALLOC_ARENA_MAX="1")  # glibc arenas per gloo thread make memory erratic otherwise
+        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [sys.executable, "-m", "benchmarks.layouts_cpu", "--worker", json.dumps(asdict(case)),
+               "--steps", str(steps)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return [{"error": f"timed out after {timeout:.0f} s"}]
+        line = next((ln for ln in out.splitlines() if ln.startswith(_MARKER)), None)
+        if line is None:
+            tail = " | ".join(err.strip().splitlines()[-3:]).replace(str(REPO), ".")
+            results.append({"error": f"exit {p.returncode}: {tail}"})
+        else:
+            results.append(json.loads(line[len(_MARKER):]))
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# the report
+# --------------------------------------------------------------------------------------------
+
+
+def measure(case: Case, *, runs: int, steps: int, timeout: float) -> dict[str, Any]:
+    per_run = [run_case(case, steps=steps, timeout=timeout) for _ in range(runs)]
+    errors = [r["error"] for rs in per_run for r in rs if "error" in r]
+    row: dict[str, Any] = {"case": case.name, **asdict(case), "world_size": case.world_size, "runs": per_run}
+    if errors:
+        row["error"] = errors[0]
+        return row
+    row.update(estimate=estimate_case(case), single_process_loss=single_process_loss(case))
+    return summarise(row)
+
+
+def summarise(row: dict[str, Any]) -> dict[str, Any]:
+    """Per rank: the worst peak over the runs (ranks whose replay closed, as in fsdp2_cpu), the
+    estimate for that rank and the error; and the largest loss difference from one process."""
+    per_rank = []
+    for rank in range(row["world_size"]):
+        ranks = [r for rs in row["runs"] for r in rs if r.get("rank") == rank]
+        clean = [r for r in ranks if r["residual_bytes"] == 0] or ranks
+        worst = max(r["peak_bytes"] for r in clean)
+        est = row["estimate"]["rank_peak_bytes"][rank]
+        per_rank.append({"rank": rank, "real_peak_bytes": worst, "real_min_peak_bytes": min(r["peak_bytes"] for r in clean),
+                         "estimate_bytes": est, "error_pct": round(100 * (est - worst) / worst, 2),
+                         "ranks_unclosed": len(ranks) - len(clean) if clean is not ranks else 0})
+    losses = [r["first_loss"] for rs in row["runs"] for r in rs if r.get("first_loss") is not None]
+    row.update(per_rank=per_rank, worst_error_pct=max((p["error_pct"] for p in per_rank), key=abs),
+               loss_max_abs_diff=max(abs(x - row["single_process_loss"]) for x in losses))
+    return row
+
+
+def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Layouts on CPU: per-rank estimate vs. real gloo runs", "",
+        f"Command: `{meta['command']}`  ",
+        f"Date: {meta['date']}  ",
+        f"Machine: {meta['machine'].get('cpu_model', '?')}, {meta['machine'].get('cpu_count')} cores, "
+        f"torch {meta['machine'].get('torch')}, transformers {meta['machine'].get('transformers')}; "
+        f"{meta['runs']} runs x {meta['steps']} profiled steps per case; cases done: {meta.get('cases_done', '?')}", "",
+        "Real peak: a rank's worst peak of live tensor bytes over all runs (fresh processes each) and their "
+        "profiled steps, replayed by address from the profiler's allocator events (`benchmarks/fsdp2_cpu.py`, "
+        "`_replay`), collectives settled. Estimate: `memguard.estimate(..., device=\"cpu\", layout=...)`'s "
+        "`rank_peak_bytes` for that rank. Loss: the largest difference of any rank's first-step loss from a "
+        "single-process step of the same model and batch (for `-bf16` cases run under "
+        "`torch.autocast(\"cpu\", bfloat16)`; a bf16 sum split over shards rounds differently, hence ~1e-4; "
+        "under FSDP2 x TP the ranks use FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` "
+        "instead of autocast, as memguard's FSDP2 estimate means).", "",
+        "| case | ranks | rank | real worst (MiB) | real best (MiB) | estimate (MiB) | error vs worst | loss diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "per_rank" not in r:
+            lines.append(f"| {r['case']} | {r.get('world_size', '?')} | | error: {r.get('error', '?')[:80]} | | | | |")
+            continue
+        for p in r["per_rank"]:
+            lines.append(f"| {r['case']} | {r['world_size']} | {p['rank']} | {p['real_peak_bytes'] / _MIB:.3f} | "
+                         f"{p['real_min_peak_bytes'] / _MIB:.3f} | {p['estimate_bytes'] / _MIB:.3f} | "
+                         f"{p['error_pct']:+.2f}% | {r['loss_max_abs_diff']:.1e} |")
+    ok = [r for r in rows if "per_rank" in r]
+    if ok:
+        errs = [p["error_pct"] for r in ok for p in r["per_rank"]]
+        lines += ["", f"{sum(abs(e) <= 3 for e in errs)} of {len(errs)} rank estimates within 3% of the rank's worst "
+                  f"real peak; worst {max(errs, key=abs):+.2f}%."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--runs", type=int, default=3, help="real runs per case (fresh processes each)")
+    ap.add_argument("--steps", type=int, default=2, help="profiled steps per run, after one warm-up step")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--merge", nargs="*", default=None,
+                    help="re-summarise the rows of these layouts_cpu.json files (later files replace earlier "
+                         "rows of the same case) into --out, without running anything")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.merge is not None:
+        by_case: dict[str, dict[str, Any]] = {}
+        metas = []
+        for path in args.merge:
+            data = json.loads(Path(path).read_text())
+            metas.append(data["meta"])
+            for row in data["rows"]:
+                by_case[row["case"]] = row
+        order = [n for n in all_cases() if n in by_case] + [n for n in by_case if n not in all_cases()]
+        rows = [by_case[n] for n in order]
+        meta = dict(metas[0], command=" ; ".join(m["command"] for m in metas)
+                    + f" ; then --merge of the {len(metas)} layouts_cpu.json files they wrote",
+                    date=" ; ".join(m["date"] for m in metas), cases_done=f"{len(rows)} of {len(all_cases())}")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "layouts_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        (out / "layouts_cpu.md").write_text(render_markdown(rows, meta))
+        print(render_markdown(rows, meta))
+        return 0
+    if args.worker is not None:
+        case = Case(**json.loads(args.worker))
+        print(_MARKER + json.dumps(_rank_worker(case, args.steps)), flush=True)
+        return 0
+    cases = all_cases()
+    names = [n for n in args.cases.split(",") if n] or list(cases)
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; known: {', '.join(cases)}")
+    meta = {
+        "command": "python benchmarks/layouts_cpu.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_description(gpu=False, torch_threads=1),
+        "runs": args.runs, "steps": args.steps,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in names:
+        t0 = time.perf_counter()
+        row = measure(cases[name], runs=args.runs, steps=args.steps, timeout=args.timeout)
+        rows.append(row)
+        msg = f"worst rank error {row['worst_error_pct']:+.2f}%" if "per_rank" in row else row.get("error")
+        print(f"{name}: {msg}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+        meta["cases_done"] = f"{len(rows)} of {len(names)}"
+        (out / "layouts_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        (out / "layouts_cpu.md").write_text(render_markdown(rows, meta))
+    print(render_markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
