@@ -133,9 +133,14 @@ class _Sharding:
             resharded after forward, 2 = kept unsharded between forward and backward).
         offload_optimizer: the strategy keeps optimizer states in host memory.
         world_size: the data-parallel ranks (the batch is split over them).
-        guarded: the callback runs its out-of-memory guard (single device and DDP); under the sharded
-            strategies it plans and applies the plan only.
+        guarded: the callback plans in ``on_fit_start`` and runs its out-of-memory guard from there
+            (single device and DDP); under the sharded strategies it plans and applies the plan in
+            ``setup``, before the strategy shards the module.
+        arms_fsdp2: under ``ModelParallelStrategy``: once ``configure_model`` has sharded the module
+            (``on_fit_start``), the callback arms FSDP2's agreement protocol on it and runs its guard.
         name: the strategy's class name, for messages.
+        unguarded_why: the key of :data:`_UNGUARDED_WHY` that says why the callback does not recover
+            from out-of-memory errors under the strategy ("": it does).
     """
 
     strategy: str = "ddp"
@@ -143,7 +148,9 @@ class _Sharding:
     offload_optimizer: bool = False
     world_size: int | None = None
     guarded: bool = True
+    arms_fsdp2: bool = False
     name: str = ""
+    unguarded_why: str = ""
 
 
 # Before a Trainer is known: every sharding any supported strategy runs (checked again in setup()).
@@ -235,8 +242,12 @@ _UNGUARDED_WHY = {
     "deepspeed": "the DeepSpeed engine runs the backward and the optimizer step itself and reduces gradients "
                  "inside the backward (ZeRO-2) where one rank's failure would leave the others waiting; memguard "
                  "planned and applied the micro-batch, accumulation and checkpointing only",
-    "fsdp2": "a rank that fails inside FSDP's all-gathers or reduce-scatters leaves the others waiting; memguard "
-             "planned and applied the micro-batch, accumulation and checkpointing only",
+    "fsdp1": "FSDP1 (FullyShardedDataParallel) all-gathers and reduce-scatters inside forward and backward, where "
+             "a rank that fails leaves the others waiting, and memguard has no agreement protocol for FSDP1's "
+             "collectives yet (it has one for FSDP2: use ModelParallelStrategy with fully_shard in configure_model); "
+             "memguard planned and applied the micro-batch, accumulation and checkpointing only",
+    "fsdp2": "configure_model sharded nothing with fully_shard, so memguard has no FSDP2 collectives to guard; "
+             "memguard planned and applied the micro-batch, accumulation and checkpointing only",
 }
 
 
@@ -261,7 +272,7 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
             problems.append(f"the DeepSpeed config's zero_optimization.stage {stage!r} is not a ZeRO stage 0-3")
             stage = 0
         return _Sharding(strategy="deepspeed", zero_stages=(int(stage),), offload_optimizer=offload, guarded=False,
-                         name=name)
+                         name=name, unguarded_why="deepspeed")
     if isinstance(strategy, strategies.FSDPStrategy):
         # FSDP1's sharding strategies (torch.distributed.fsdp.ShardingStrategy): FULL_SHARD frees each
         # unit's parameters after its forward (ZeRO-3), SHARD_GRAD_OP keeps them until the backward (ZeRO-2).
@@ -275,7 +286,8 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
             problems.append("FSDPStrategy(cpu_offload=True) keeps parameters and gradients in host memory, which "
                             "memguard does not plan for; drop cpu_offload or plan without the callback")
         stage = stages.get(kind, (3,))
-        return _Sharding(strategy="ddp" if stage == (0,) else "fsdp2", zero_stages=stage, guarded=False, name=name)
+        return _Sharding(strategy="ddp" if stage == (0,) else "fsdp2", zero_stages=stage, guarded=False, name=name,
+                         unguarded_why="fsdp1")
     if isinstance(strategy, strategies.ModelParallelStrategy):
         mesh = getattr(strategy, "_device_mesh", None)
         if mesh is not None and mesh.mesh_dim_names:
@@ -286,7 +298,8 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
             problems.append(f"ModelParallelStrategy with tensor_parallel_size={tp}: memguard does not model tensor "
                             "parallelism; use tensor_parallel_size=1 (FSDP2 over data_parallel_size ranks)")
         # The user's configure_model() applies fully_shard; any FSDP2 sharding level can run there.
-        return _Sharding(strategy="fsdp2", zero_stages=(3, 2, 1), world_size=dp, guarded=False, name=name)
+        return _Sharding(strategy="fsdp2", zero_stages=(3, 2, 1), world_size=dp, guarded=False, arms_fsdp2=True,
+                         name=name)
     if isinstance(strategy, (strategies.SingleDeviceStrategy, strategies.DDPStrategy)) and not getattr(
             strategy, "handles_gradient_accumulation", False):
         return _Sharding(name=name)
@@ -568,9 +581,36 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 on bad input (as :func:`memguard.plan`).
             InfeasiblePlanError: nothing fits the budget.
         """
-        if self._sharding is not None and not self._sharding.guarded:
+        sharding = self._sharding
+        if sharding is not None and sharding.arms_fsdp2:
+            self._arm_fsdp2(trainer, pl_module, sharding)
+        if sharding is not None and not sharding.guarded:
             return
         self._plan_and_apply(trainer, pl_module, _package_of(trainer))
+
+    def _arm_fsdp2(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> None:
+        """Under ``ModelParallelStrategy``, after ``configure_model`` sharded the module (the strategy's
+        ``setup`` runs it before ``on_fit_start``: ``trainer/trainer.py`` ``_run``, Lightning 2.6): arm
+        FSDP2's agreement protocol on every ``fully_shard``-ed module
+        (:func:`memguard.guard._fsdp2_frameworks.framework_rank_group`) and stand in for
+        ``training_step``, so that an OOM on any rank is recovered on every rank."""
+        from memguard.guard._fsdp2_frameworks import framework_rank_group
+
+        guard = self._guard
+        assert guard is not None  # planned in setup()
+        rg = framework_rank_group(pl_module)
+        if rg is None:
+            if trainer.is_global_zero:
+                logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
+                            _UNGUARDED_WHY["fsdp2"])
+            return
+        guard.rank_group = rg
+        guard.on_undo(rg.uninstall)
+        self._patch_module(trainer, pl_module)
+        if trainer.is_global_zero:
+            logger.info("memguard recovers from out-of-memory errors under %s: an agreement of the %d ranks runs "
+                        "before each FSDP2 all-gather and reduce-scatter, so all ranks halve the micro-batch and "
+                        "redo the same samples together", sharding.name, rg.world_size)
 
     def _plan_and_apply(self, trainer: Any, pl_module: Any, pkg: ModuleType) -> None:
         """Plan (rank 0 plans and broadcasts) or check the given plan, then apply it to the Trainer and module."""
@@ -626,9 +666,9 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 changed.append(f"accumulate_grad_batches {user_accum} -> {plan.grad_accum_steps}")
             guard.announce(plan, made=self._given_plan is None, overrides=changed)
             logger.debug("the plan memguard applies to the Trainer:\n%s", plan.explain())
-            if not guarded:
+            if sharding.unguarded_why:
                 logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
-                            _UNGUARDED_WHY[sharding.strategy])
+                            _UNGUARDED_WHY[sharding.unguarded_why])
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """The window's batches have all run: let them go (Lightning steps the optimizer itself)."""
