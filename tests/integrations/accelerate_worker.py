@@ -16,6 +16,10 @@ first step with a 1 GiB budget; the Accelerator accumulates ``accumulate`` batch
 Started by ``torchrun`` on several processes, the Accelerator runs DDP (``MULTI_CPU``) and each
 rank gets every ``world``-th batch of the dataloader (Accelerate's default batch sharding), so one
 optimizer step covers ``batch x accumulation x world`` consecutive samples.
+With ``fsdp2``, the Accelerator shards the model with FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``,
+``fully_shard`` of each ``Linear`` and of the root, parameters resharded after forward): the planner path
+builds the plugin itself, a hand-made plan is an FSDP2 plan of sharding level 3 whose
+``accelerator_kwargs`` builds it.
 With ``eval_factor``, after training (the cap still in force on the capped ranks) each rank evaluates
 one validation batch of ``eval_factor x batch`` samples of its own with
 :func:`memguard.integrations.accelerate.evaluate` and gathers the predictions with
@@ -40,6 +44,19 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from worker_common import LR, MOMENTUM, Net, Samples, traced, vm_size  # noqa: E402 - this folder is on sys.path
+
+
+def force_fsdp_on_cpu(accelerator, plugin) -> None:
+    """Make a CPU Accelerator run its FSDP plugin. Accelerate 1.15 turns an ``fsdp_plugin`` into
+    ``DistributedType.FSDP`` only for the accelerator types of GPUs and other devices, not MULTI_CPU
+    (``AcceleratorState.__init__``, accelerate/state.py), so a CPU Accelerator ignores it; set what that
+    branch sets (the distributed type and the plugin) so that ``accelerator.prepare`` shards the model with
+    ``fsdp2_prepare_model`` and ``no_sync``/``backward`` take their FSDP2 paths, as on GPUs."""
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
 
 
 def main() -> None:
@@ -92,19 +109,37 @@ def main() -> None:
 
     model = initial
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    fsdp2 = bool(cfg.get("fsdp2"))
+    plan = None
     if cfg["plan"] == "planner":
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
-        model, optimizer = prepare(accelerator, model, optimizer, loss_fn=loss_fn, budget_bytes=1 << 30)
+        kwargs: dict = {"cpu": True, "gradient_accumulation_steps": accumulate}
+        if fsdp2:
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+                fsdp_version=2, reshard_after_forward=True, auto_wrap_policy="transformer_based_wrap",
+                transformer_cls_names_to_wrap=["Linear"])
     else:
         micro, accum = cfg["plan"]
+        stage = 3 if fsdp2 else 0
         est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                        peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
-                       zero_stage=0, world_size=world, gpu=None, micro_batch_size=micro)
+                       zero_stage=stage, world_size=world, gpu=None, micro_batch_size=micro)
         plan = Plan(micro_batch_size=micro, grad_accum_steps=accum, world_size=world,
                     global_batch_size=micro * accum * world,
-                    precision="32-true", activation_checkpointing=False, zero_stage=0,
+                    precision="32-true", activation_checkpointing=False, zero_stage=stage,
+                    strategy="fsdp2" if fsdp2 else "ddp", block_class="Linear" if fsdp2 else None,
                     budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu")
-        accelerator = Accelerator(**accelerator_kwargs(plan))
+        kwargs = accelerator_kwargs(plan)
+    accelerator = Accelerator(**kwargs)
+    if fsdp2:
+        force_fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
+    if plan is None:
+        # under FSDP2 memguard plans before accelerator.prepare shards the model: from an example batch
+        example = {k: v[: cfg["batch"]] for k, v in {"x": data.x, "y": data.y, "idx": torch.arange(len(data))}.items()}
+        model, optimizer = prepare(accelerator, model, optimizer, loss_fn=loss_fn, budget_bytes=1 << 30,
+                                   example_batch=example if fsdp2 else None)
+    else:
         model, optimizer = prepare(accelerator, model, optimizer, plan=plan, loss_fn=loss_fn)
     loader = accelerator.prepare(DataLoader(data, batch_size=cfg["batch"], shuffle=False))
 
@@ -156,7 +191,14 @@ def main() -> None:
     st = status(model)
     result.update(events=events, messages=messages, micro_batch_size=st.micro_batch_size, oom_retries=st.oom_retries,
                   planned=st.planned_micro_batch_size, steps=st.steps)
-    torch.save(accelerator.unwrap_model(model).state_dict(), out / f"accelerate{rank}.pt")
+    from memguard.guard._core import guard_of
+
+    result["agreements"] = getattr(guard_of(model, "").rank_group, "agreements", None)  # FSDP2's, for their cost
+    (out / f"result{rank}.json").write_text(json.dumps(result))  # in case gathering the weights below fails
+    # FSDP2 holds DTensor shards: gather the full weights (a collective every rank joins here)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+             for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    torch.save(state, out / f"accelerate{rank}.pt")
     (out / f"result{rank}.json").write_text(json.dumps(result))
     # Leave without interpreter teardown: with gloo, destroying the process group while a gloo worker
     # thread still releases a finished work's tensors can deadlock at exit (tests/guard/oom_worker.py).
