@@ -54,9 +54,14 @@ def force_fsdp_on_cpu(accelerator, plugin) -> None:
     ``fsdp2_prepare_model`` and ``no_sync``/``backward`` take their FSDP2 paths, as on GPUs."""
     from accelerate.utils import DistributedType
 
+    from accelerate.state import PartialState
+
     state = accelerator.state
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
+    # AcceleratorState() copies PartialState's fields into itself whenever it is built again (state.py,
+    # AcceleratorState.__init__), as Accelerate's utilities do: set it there too
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def main() -> None:
