@@ -12,18 +12,26 @@ is a ``Callback`` of every installed package (so either Trainer's ``isinstance``
 and it takes the strategy classes and utilities from the package of the Trainer it runs in (the
 first Lightning class in the Trainer's MRO, so a Trainer subclass defined anywhere works).
 
-Strategies. Single device and DDP: the callback plans, applies and guards (below). Under
-``DeepSpeedStrategy``, ``FSDPStrategy`` and ``ModelParallelStrategy`` it plans and applies only,
-constrained to the strategy's sharding: DeepSpeed's ZeRO stage and optimizer offload from its
-config; FSDP's ``FULL_SHARD`` as ZeRO-3 (parameters resharded after forward) and ``SHARD_GRAD_OP``
-as stage 2; ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``) any FSDP2
-level over its data-parallel ranks, which ``configure_model`` applies (``reshard_after_forward`` is
-``plan.zero_stage == 3``); the plan's world size is the strategy's. It plans in ``setup`` there,
-before the strategy wraps the module and before DeepSpeed reads the batch size and accumulation
-into its config, and logs that it does not recover from out-of-memory errors under that strategy
-(a rank that fails inside the sharded collectives would leave the others waiting; see
-:mod:`memguard.integrations.deepspeed` for what was measured under DeepSpeed). :func:`strategy_for`
-returns the Lightning strategy that runs a plan.
+Strategies. Single device, DDP and ``ModelParallelStrategy`` (FSDP2): the callback plans, applies
+and guards (below). Under ``DeepSpeedStrategy`` and ``FSDPStrategy`` (FSDP1) it plans and applies
+only. Under the sharded strategies the plan is constrained to the strategy's sharding: DeepSpeed's
+ZeRO stage and optimizer offload from its config; FSDP's ``FULL_SHARD`` as ZeRO-3 (parameters
+resharded after forward) and ``SHARD_GRAD_OP`` as stage 2; ``ModelParallelStrategy`` (FSDP2,
+``fully_shard`` in ``configure_model``) any FSDP2 level over its data-parallel ranks, which
+``configure_model`` applies (``reshard_after_forward`` is ``plan.zero_stage == 3``); the plan's world
+size is the strategy's. It plans in ``setup`` there, before the strategy wraps the module and before
+DeepSpeed reads the batch size and accumulation into its config. Under ``ModelParallelStrategy``,
+once ``configure_model`` has sharded the module (``on_fit_start``), the callback arms FSDP2's
+agreement protocol on every ``fully_shard``-ed module (:mod:`memguard.guard._sharded`,
+:mod:`memguard.guard._fsdp2_frameworks`: an agreement of the ranks before each FSDP2 all-gather and
+reduce-scatter, so that a rank that runs out of memory in compute makes its peers leave
+forward/backward at their next FSDP2 collective instead of waiting in it) and guards the training
+steps as under DDP; FSDP2 reduce-scatters the gradients itself (Lightning's ``no_sync`` holds them
+back on an accumulation window's earlier batches). Under ``DeepSpeedStrategy`` and ``FSDPStrategy``
+it logs that it does not recover from out-of-memory errors (a rank that fails inside the sharded
+collectives would leave the others waiting, and memguard has no agreement protocol for FSDP1's or
+DeepSpeed's collectives; see :mod:`memguard.integrations.deepspeed` for what was measured under
+DeepSpeed). :func:`strategy_for` returns the Lightning strategy that runs a plan.
 
 What the callback does, in Lightning's hooks:
 
@@ -81,8 +89,10 @@ Known limitations:
     that got no gradient on any rank are left alone, so DDP with ``find_unused_parameters=False``
     fails on them as it would without memguard. Trainer limits counted in batches
     (``limit_train_batches``, ``val_check_interval`` as ints) count the smaller batches. Manual
-    optimization and dataloaders passed directly to ``fit`` are not supported; under DeepSpeed, FSDP
-    and ModelParallel strategies the plan is applied but OOMs are not recovered from, FSDP's
+    optimization and dataloaders passed directly to ``fit`` are not supported; under DeepSpeed and
+    FSDP (FSDP1) strategies the plan is applied but OOMs are not recovered from; under
+    ModelParallel (FSDP2) an OOM inside FSDP2's own collectives (their buffers) stops every rank
+    with the same :class:`memguard.OOMRecoveryError`, and HSDP (a 2-D mesh) is refused; FSDP's
     ``HYBRID_SHARD``, ``cpu_offload`` and DeepSpeed's ``offload_param`` are refused, tensor
     parallelism is not modelled, and the module's layers must exist before ``configure_model``
     (the plan is made from them). FSDP1 (``FSDPStrategy``) is planned with memguard's FSDP2
