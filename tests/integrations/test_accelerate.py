@@ -422,3 +422,33 @@ def test_fsdp2_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path, 
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     # the reference is one process on the step's 128 samples; ~3e-7 observed, 1e-5 allowed
     assert _rel_sd(tmp_path) <= 1e-5
+
+
+def _fsdp_accelerator(version: int):
+    """A CPU Accelerator that runs an FSDP plugin. Accelerate 1.15 enables an FSDP plugin only for GPU-like
+    accelerator types (accelerate/state.py, AcceleratorState.__init__), so the test sets the distributed type
+    and the plugin that branch sets (as accelerate_worker.force_fsdp_on_cpu does)."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=version)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return accelerator
+
+
+def test_fsdp2_needs_a_plan_or_an_example_batch_before_the_model_is_sharded() -> None:
+    accelerator = _fsdp_accelerator(2)
+    assert accelerator.is_fsdp2
+    model = _net()
+    with pytest.raises(ConfigError, match="under FSDP2 pass plan= .*or example_batch="):
+        prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)
+
+
+def test_fsdp1_is_refused_with_the_way_to_fsdp2() -> None:
+    accelerator = _fsdp_accelerator(1)
+    model = _net()
+    with pytest.raises(ConfigError, match="FSDP1 .* is not guarded.*fsdp_version=2"):
+        prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), plan=_plan(8, 1), loss_fn=loss_fn)
