@@ -16,6 +16,7 @@ first step with a 1 GiB budget; the Accelerator accumulates ``accumulate`` batch
 Started by ``torchrun`` on several processes, the Accelerator runs DDP (``MULTI_CPU``) and each
 rank gets every ``world``-th batch of the dataloader (Accelerate's default batch sharding), so one
 optimizer step covers ``batch x accumulation x world`` consecutive samples.
+With ``fsdp1``, the same with FSDP1 (``fsdp_version=1``, ``FULL_SHARD``, each ``Linear`` wrapped).
 With ``fsdp2``, the Accelerator shards the model with FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``,
 ``fully_shard`` of each ``Linear`` and of the root, parameters resharded after forward): the planner path
 builds the plugin itself, a hand-made plan is an FSDP2 plan of sharding level 3 whose
@@ -62,6 +63,12 @@ def force_fsdp_on_cpu(accelerator, plugin) -> None:
     # AcceleratorState() copies PartialState's fields into itself whenever it is built again (state.py,
     # AcceleratorState.__init__), as Accelerate's utilities do: set it there too
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if plugin.fsdp_version == 1:
+        # FSDP1 checks its device_id (Accelerate passes accelerator.device, accelerator.py _prepare_fsdp1 path) against
+        # the parameters' device; on CPU PartialState.set_device makes it "cpu:0" (torch.cpu.device_count() is 1) while
+        # the parameters are on "cpu", which FSDP1's _get_compute_device refuses as inconsistent
+        for shared in (state._shared_state, PartialState._shared_state):
+            shared["device"] = torch.device("cpu")
 
 
 def main() -> None:
@@ -114,11 +121,22 @@ def main() -> None:
 
     model = initial
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    fsdp2 = bool(cfg.get("fsdp2"))
+    fsdp1 = bool(cfg.get("fsdp1"))
+    fsdp2 = bool(cfg.get("fsdp2")) or fsdp1  # (fsdp2: "sharded" below)
+
+    def fsdp1_plugin():
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        return FullyShardedDataParallelPlugin(fsdp_version=1, sharding_strategy="FULL_SHARD", use_orig_params=True,
+                                              auto_wrap_policy="transformer_based_wrap",
+                                              transformer_cls_names_to_wrap=["Linear"])
+
     plan = None
     if cfg["plan"] == "planner":
         kwargs: dict = {"cpu": True, "gradient_accumulation_steps": accumulate}
-        if fsdp2:
+        if fsdp1:
+            kwargs["fsdp_plugin"] = fsdp1_plugin()
+        elif fsdp2:
             from accelerate.utils import FullyShardedDataParallelPlugin
 
             kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
@@ -136,6 +154,8 @@ def main() -> None:
                     strategy="fsdp2" if fsdp2 else "ddp", block_class="Linear" if fsdp2 else None,
                     budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu")
         kwargs = accelerator_kwargs(plan)
+        if fsdp1:  # the same plan run by FSDP1 (FULL_SHARD: its sharding level 3)
+            kwargs["fsdp_plugin"] = fsdp1_plugin()
     accelerator = Accelerator(**kwargs)
     if fsdp2:
         force_fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
@@ -201,8 +221,15 @@ def main() -> None:
     result["agreements"] = getattr(guard_of(model, "").rank_group, "agreements", None)  # FSDP2's, for their cost
     (out / f"result{rank}.json").write_text(json.dumps(result))  # in case gathering the weights below fails
     # FSDP2 holds DTensor shards: gather the full weights (a collective every rank joins here)
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
-             for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    if fsdp1:  # FSDP1's full state dict, on every rank (a collective every rank joins)
+        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                                      FullStateDictConfig(rank0_only=False)):
+            state = dict(model.state_dict())
+    else:
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+                 for k, v in accelerator.unwrap_model(model).state_dict().items()}
     torch.save(state, out / f"accelerate{rank}.pt")
     (out / f"result{rank}.json").write_text(json.dumps(result))
     # Leave without interpreter teardown: with gloo, destroying the process group while a gloo worker

@@ -398,17 +398,20 @@ def test_ddp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path) ->
 @pytest.mark.parametrize("cfg, retries", [
     # memguard plans from an example batch before accelerator.prepare shards the model: micro-batch 64 for each
     # rank's 64-sample batch (1 GiB budget); rank 1 capped (20 MiB) from batch 1: 64 and 32 fail, 16 fits
-    ({"batch": 64, "plan": "planner", "accumulate": 1, "cap_batch": 1}, 2),
+    ({"batch": 64, "plan": "planner", "accumulate": 1, "cap_batch": 1, "fsdp2": True}, 2),
     # a hand-made FSDP2 plan of 32 x 2 (accelerator_kwargs builds the plugin: sync_each_batch, reshard after
     # forward, each Linear wrapped); rank 1 capped at its batch 3, the second of step 2: 32 fails, 16 fits, and
     # both ranks replay batch 2 before batch 3
-    ({"batch": 32, "plan": [32, 2], "cap_batch": 3}, 1),
+    ({"batch": 32, "plan": [32, 2], "cap_batch": 3, "fsdp2": True}, 1),
+    # the same two runs under FSDP1 (FullyShardedDataParallel, FULL_SHARD, each Linear wrapped, use_orig_params)
+    ({"batch": 64, "plan": "planner", "accumulate": 1, "cap_batch": 1, "fsdp1": True}, 2),
+    ({"batch": 32, "plan": [32, 2], "cap_batch": 3, "fsdp1": True}, 1),
 ])
-def test_fsdp2_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path, cfg: dict, retries: int) -> None:
+def test_fsdp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path, cfg: dict, retries: int) -> None:
     # torchrun, 2 CPU processes; the Accelerator shards the model with FSDP2 (fully_shard of each Linear and the
-    # root, through Accelerate's own fsdp2_prepare_model). memguard arms an agreement before each FSDP2
-    # all-gather and reduce-scatter, so rank 0 leaves its forward/backward when rank 1 fails in compute.
-    r0, r1 = _run_worker(tmp_path, world=2, cap_ranks=[1], fsdp2=True, **cfg)
+    # root, through Accelerate's own fsdp2_prepare_model) or wraps it in FSDP1. memguard arms an agreement before
+    # each FSDP all-gather and reduce-scatter, so rank 0 leaves its forward/backward when rank 1 fails in compute.
+    r0, r1 = _run_worker(tmp_path, world=2, cap_ranks=[1], **cfg)
     assert r0["error"] is None and r1["error"] is None and r1.get("capped") and not r0.get("capped")
     m0 = [m for m in r0["messages"] if m.startswith("WARNING:out of memory")]
     m1 = [m for m in r1["messages"] if m.startswith("WARNING:out of memory")]
@@ -447,8 +450,9 @@ def test_fsdp2_needs_a_plan_or_an_example_batch_before_the_model_is_sharded() ->
         prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)
 
 
-def test_fsdp1_is_refused_with_the_way_to_fsdp2() -> None:
+def test_fsdp1_without_use_orig_params_is_refused() -> None:
+    # the plugin's default use_orig_params=False would leave the optimizer built on the unwrapped model stale
     accelerator = _fsdp_accelerator(1)
     model = _net()
-    with pytest.raises(ConfigError, match="FSDP1 .* is not guarded.*fsdp_version=2"):
+    with pytest.raises(ConfigError, match="use_orig_params=True"):
         prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), plan=_plan(8, 1), loss_fn=loss_fn)
