@@ -29,9 +29,11 @@ forward/backward at their next FSDP2 collective instead of waiting in it) and gu
 steps as under DDP; FSDP2 reduce-scatters the gradients itself (Lightning's ``no_sync`` holds them
 back on an accumulation window's earlier batches). Under ``DeepSpeedStrategy`` and ``FSDPStrategy``
 it logs that it does not recover from out-of-memory errors (a rank that fails inside the sharded
-collectives would leave the others waiting, and memguard has no agreement protocol for FSDP1's or
-DeepSpeed's collectives; see :mod:`memguard.integrations.deepspeed` for what was measured under
-DeepSpeed). :func:`strategy_for` returns the Lightning strategy that runs a plan.
+collectives would leave the others waiting; memguard has no agreement protocol for DeepSpeed's
+collectives, and its FSDP1 protocol, :mod:`memguard.guard._fsdp1`, needs each micro-batch to run
+through FSDP1's root forward, while ``FSDPStrategy`` runs ``training_step`` inside that forward
+through Lightning's forward redirection; see :mod:`memguard.integrations.deepspeed` for what was
+measured under DeepSpeed). :func:`strategy_for` returns the Lightning strategy that runs a plan.
 
 What the callback does, in Lightning's hooks:
 
@@ -253,9 +255,11 @@ _UNGUARDED_WHY = {
                  "inside the backward (ZeRO-2) where one rank's failure would leave the others waiting; memguard "
                  "planned and applied the micro-batch, accumulation and checkpointing only",
     "fsdp1": "FSDP1 (FullyShardedDataParallel) all-gathers and reduce-scatters inside forward and backward, where "
-             "a rank that fails leaves the others waiting, and memguard has no agreement protocol for FSDP1's "
-             "collectives yet (it has one for FSDP2: use ModelParallelStrategy with fully_shard in configure_model); "
-             "memguard planned and applied the micro-batch, accumulation and checkpointing only",
+             "a rank that fails leaves the others waiting; memguard's agreement protocol for FSDP1 needs every "
+             "micro-batch to run through the FSDP root's forward, while FSDPStrategy runs training_step inside it "
+             "(Lightning's forward redirection), so the callback does not split there (use ModelParallelStrategy with "
+             "fully_shard in configure_model, which memguard guards); memguard planned and applied the micro-batch, "
+             "accumulation and checkpointing only",
     "fsdp2": "configure_model sharded nothing with fully_shard, so memguard has no FSDP2 collectives to guard; "
              "memguard planned and applied the micro-batch, accumulation and checkpointing only",
 }

@@ -268,9 +268,6 @@ def _constraints(args: Any = None, model: Any = None) -> Constraints:
 _UNGUARDED_WHY = {
     "deepspeed": "the DeepSpeed engine reduces gradients inside the backward, where a rank that ran out of memory "
                  "would leave its peers waiting",
-    "fsdp1": "FSDP1 (fsdp_config version 1) all-gathers and reduce-scatters inside forward and backward, where a rank "
-             "that ran out of memory would leave its peers waiting, and memguard has no agreement protocol for "
-             "FSDP1's collectives yet; use fsdp_config={'version': 2}",
 }
 
 
@@ -359,8 +356,8 @@ class MemguardCallback(_tf.TrainerCallback):
       ``activation_checkpointing`` option says otherwise); under DeepSpeed
       the config's ``"auto"`` batch values are filled again (transformers' ``propagate_args_to_deepspeed``).
       The plan is logged at INFO on the ``memguard`` logger.
-    * ``on_train_begin``: on a single device, under DDP and under FSDP2 (``fsdp_config`` version 2, the
-      default of transformers 5), the callback stands in for the Trainer's
+    * ``on_train_begin``: on a single device, under DDP and under FSDP (``fsdp_config`` version 2, the
+      default of transformers 5, or version 1), the callback stands in for the Trainer's
       ``training_step`` (an attribute on the Trainer instance, removed at ``on_train_end``). Each
       dataloader batch goes through the guard core (:class:`memguard.guard._core.Guard`, whose OOM engine
       is :class:`memguard.guard._window.MicroBatchWindow`): the batch is split into micro-batches of the
@@ -375,13 +372,14 @@ class MemguardCallback(_tf.TrainerCallback):
       its first sample, on every rank together. Under DDP the micro-batches run under ``no_sync`` and
       the gradients are averaged after the step's last batch by memguard
       (:mod:`memguard.guard._distributed`, SUM then divide by the world size, as DDP does), so no rank
-      can wait in a collective that a rank that ran out of memory never joins. Under FSDP2 (the model is
-      sharded by the time ``on_train_begin`` runs) an agreement of the ranks runs before each FSDP2
+      can wait in a collective that a rank that ran out of memory never joins. Under FSDP (the model is
+      sharded by the time ``on_train_begin`` runs) an agreement of the ranks runs before each FSDP
       all-gather and reduce-scatter (:mod:`memguard.guard._sharded`,
-      :mod:`memguard.guard._fsdp2_frameworks`): a rank that runs out of memory in compute reports at
-      once, its peers leave forward/backward at their next FSDP2 collective, every rank resets FSDP2's
-      per-step state and replays the step's samples at half the micro-batch; FSDP2 reduce-scatters the
-      gradients itself, under the Trainer's own ``no_sync`` for the accumulation's earlier batches. The
+      :mod:`memguard.guard._fsdp2_frameworks`, :mod:`memguard.guard._fsdp1`): a rank that runs out of
+      memory in compute reports at once, its peers leave forward/backward at their next FSDP
+      collective, every rank resets FSDP's per-step state and replays the step's samples at half the
+      micro-batch; FSDP reduces the gradients itself, under the Trainer's own ``no_sync`` for the
+      accumulation's earlier batches. The
       Trainer then clips the gradients, steps the optimizer and the scheduler and logs, unchanged.
     * ``on_train_end``: ``training_step`` is restored and the guard's state released.
 
@@ -430,13 +428,13 @@ class MemguardCallback(_tf.TrainerCallback):
         per-device batch, which the Trainer reads before ``on_train_begin``. Callbacks are not given the
         Trainer, so the callback finds it on the call stack of ``on_init_end``. The Trainer's activation
         checkpointing covers every layer, while a plan may checkpoint only its first ``checkpoint_blocks``
-        blocks: the run then uses less memory than planned and is somewhat slower. Under DeepSpeed and FSDP1
-        (``fsdp_config`` version 1) the plan is applied but out-of-memory errors are not recovered from (they
-        reduce gradients inside the backward, where a rank that ran out of memory would leave its peers
-        waiting, and memguard has an agreement protocol for FSDP2's collectives only); a warning says so.
-        Under FSDP2 an out-of-memory error inside FSDP2's own collectives stops every rank with the same
-        :class:`memguard.OOMRecoveryError` (see :mod:`memguard.guard._sharded`), and evaluation is not
-        guarded. ``training_step`` runs once per micro-batch (and again on a replay), so a subclass's
+        blocks: the run then uses less memory than planned and is somewhat slower. Under DeepSpeed the plan
+        is applied but out-of-memory errors are not recovered from (the engine reduces gradients inside the
+        backward, where a rank that ran out of memory would leave its peers waiting, and memguard has an
+        agreement protocol for FSDP's collectives only); a warning says so. Under FSDP an out-of-memory
+        error inside FSDP's own collectives stops every rank with the same :class:`memguard.OOMRecoveryError`
+        (see :mod:`memguard.guard._sharded`), FSDP1's ``HYBRID_SHARD`` and ``cpu_offload`` are refused at
+        ``on_train_begin``, and evaluation is not guarded. ``training_step`` runs once per micro-batch (and again on a replay), so a subclass's
         ``training_step`` that logs, logs per micro-batch. Without ``num_items_in_batch`` the split weights
         micro-batches by samples, which equals the Trainer's per-batch mean only when every sample has the same
         number of loss tokens. Gradient communication no longer overlaps the backward under DDP, and DDP
@@ -524,7 +522,7 @@ class MemguardCallback(_tf.TrainerCallback):
             self._patch_prediction_step(trainer)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Stand in for the Trainer's ``training_step`` (single device, DDP or FSDP2).
+        """Stand in for the Trainer's ``training_step`` (single device, DDP or FSDP).
 
         Raises:
             ConfigError: the callback was added after the Trainer was built.
@@ -535,21 +533,22 @@ class MemguardCallback(_tf.TrainerCallback):
                               "batch; pass it to the constructor: Trainer(..., callbacks=[MemguardCallback(...)])")
         if not self.guard_oom:
             return
-        fsdp2 = trainer.is_fsdp_enabled and bool(getattr(trainer.accelerator, "is_fsdp2", False))
-        if trainer.is_deepspeed_enabled or (trainer.is_fsdp_enabled and not fsdp2):
-            logger.warning("memguard: under %s the plan is applied but out-of-memory errors during training are not "
-                           "recovered from: %s", "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP1",
-                           _UNGUARDED_WHY["deepspeed" if trainer.is_deepspeed_enabled else "fsdp1"])
+        if trainer.is_deepspeed_enabled:
+            logger.warning("memguard: under DeepSpeed the plan is applied but out-of-memory errors during training are "
+                           "not recovered from: %s", _UNGUARDED_WHY["deepspeed"])
             return
         wrapped = trainer.model_wrapped
-        if fsdp2:
-            # The model is sharded by now: Trainer._prepare_for_training runs accelerator.prepare (fsdp2_prepare_model)
-            # before the loop's on_train_begin (trainer.py, _inner_training_loop, transformers 5.24). Arm the agreement
-            # before each FSDP2 collective; FSDP2 reduce-scatters the gradients (the Trainer's no_sync holds them back
-            # on the accumulation's earlier batches), so memguard does not average them.
+        if trainer.is_fsdp_enabled:
+            # The model is sharded by now: Trainer._prepare_for_training runs accelerator.prepare (fsdp2_prepare_model,
+            # or the FullyShardedDataParallel wrapper of FSDP1) before the loop's on_train_begin (trainer.py,
+            # _inner_training_loop, transformers 5.24). Arm the agreement before each FSDP collective; FSDP reduces
+            # the gradients (the Trainer's no_sync holds them back on the accumulation's earlier batches), so memguard
+            # does not average them. Trainer.training_step runs compute_loss on model_wrapped: FSDP1's root forward.
+            from memguard.guard._fsdp1 import fsdp1_rank_group
             from memguard.guard._fsdp2_frameworks import framework_rank_group
 
-            rg = framework_rank_group(wrapped)
+            fsdp2 = bool(getattr(trainer.accelerator, "is_fsdp2", False))
+            rg = framework_rank_group(wrapped) if fsdp2 else fsdp1_rank_group(wrapped)
             guard.rank_group = rg
             guard.options = dataclasses.replace(guard.options, sync_gradients=False)
             if rg is not None:

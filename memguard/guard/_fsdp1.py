@@ -23,8 +23,10 @@ same error (:meth:`ShardedRankGroup.stop`). Every other call (another model, ``s
 ``summon_full_params``, evaluation) runs FSDP's function unchanged.
 
 After a failed attempt :meth:`FSDP1RankGroup.reset` puts FSDP1's per-iteration state back where the
-root's ``_post_backward_final_callback`` leaves it after a full backward: every unsharded flat
-parameter resharded (``_reshard``, freeing the padded unsharded one), the post-backward hooks
+root's ``_post_backward_final_callback`` leaves it after a full backward: every flat parameter
+resharded (``_reshard``) and its padded unsharded storage freed (also the root's, which FSDP1 keeps
+from forward to backward: ``FlatParamHandle.needs_unshard`` decides from that storage whether the
+next forward all-gathers, and it must decide alike on every rank), the post-backward hooks
 registered in the failed forward removed (``_post_backward_hook_state``), the handles' flags
 (``_ran_pre_backward_hook``, ``_needs_pre_backward_unshard``, ``_post_forward_index``,
 ``_prefetched``, ``_training_state``) and each state's ``training_state`` reset, the root's
@@ -136,10 +138,10 @@ class FSDP1RankGroup(ShardedRankGroup):
             handle = state._handle
             if handle:
                 flat_param = handle.flat_param
-                sharded = (flat_param.data_ptr() == flat_param._local_shard.data_ptr()
-                           and not handle._skipped_use_sharded_views)
-                if not sharded:  # unsharded by a forward or backward that did not finish
-                    _reshard(state, handle, True)
+                # Always, and freeing the padded unsharded flat parameter: a unit that kept it (the root keeps its
+                # parameters unsharded from forward to backward) would otherwise skip its next all-gather on this
+                # rank only (FlatParamHandle.needs_unshard looks at that storage) while its peers run it.
+                _reshard(state, handle, handle.uses_sharded_strategy)
                 for key in ("_post_backward_hook_state", "_post_backward_hook_handle"):
                     hook = getattr(flat_param, key, None)
                     if hook is not None:  # registered by the failed forward; the next one registers its own

@@ -18,7 +18,8 @@ Config keys: ``out`` (folder), ``batch`` (per-device batch), ``accum`` (gradient
 (also run an evaluation whose forward always raises an out-of-memory error, to show that the
 evaluation guard gives up with memguard's error and does not touch the training micro-batch), ``fsdp2``
 (both Trainers shard the model with FSDP2 through Accelerate: ``fsdp="full_shard"``, each ``GPT2Block``
-and the root ``fully_shard``-ed, see :func:`force_fsdp_on_cpu`).
+and the root ``fully_shard``-ed, see :func:`force_fsdp_on_cpu`), ``fsdp_version`` (1: FSDP1's
+``FullyShardedDataParallel`` instead, each ``GPT2Block`` and the root wrapped).
 
 Each rank writes ``result<rank>.json`` and its two sets of final weights.
 """
@@ -55,11 +56,24 @@ def force_fsdp_on_cpu(trainer) -> None:
         # AcceleratorState() copies PartialState's fields into itself whenever it is built again (state.py,
         # AcceleratorState.__init__), as Accelerate's utilities do during training: set it there too
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if state.fsdp_plugin.fsdp_version == 1:
+            # FSDP1 checks its device_id (Accelerate passes accelerator.device) against the parameters' device; on CPU
+            # PartialState.set_device makes it "cpu:0" (torch.cpu.device_count() is 1) while the parameters are on
+            # "cpu", which FSDP1's _get_compute_device refuses as inconsistent
+            for shared in (state._shared_state, PartialState._shared_state):
+                shared["device"] = torch.device("cpu")
     trainer.is_fsdp_enabled = True
 
 
 def full_state(model) -> dict:
-    """The model's weights; FSDP2's DTensor shards gathered (a collective every rank joins here)."""
+    """The model's weights; FSDP2's DTensor shards or FSDP1's flat parameters gathered (a collective every rank
+    joins here)."""
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                                      FullStateDictConfig(rank0_only=False)):
+            return dict(model.state_dict())
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
 
 
@@ -109,7 +123,12 @@ def main() -> None:
             gradient_accumulation_steps=cfg["accum"], max_steps=cfg["steps"], learning_rate=1e-3, max_grad_norm=0.5,
             lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="no", disable_tqdm=True,
             dataloader_num_workers=0, seed=0, ddp_backend="gloo" if world > 1 else None,
-            **({"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+            # FSDP1 without sync_module_states (its plugin looks for a GPU to broadcast on; every rank starts from
+            # the same weights here anyway)
+            **({"fsdp": "full_shard", "fsdp_config": {"version": cfg.get("fsdp_version", 2),
+                                                      "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                                                      **({"sync_module_states": "false"}
+                                                         if cfg.get("fsdp_version") == 1 else {})}}
                if cfg.get("fsdp2") else {}),
         )
 
