@@ -16,6 +16,8 @@ first step with a 1 GiB budget; the Accelerator accumulates ``accumulate`` batch
 Started by ``torchrun`` on several processes, the Accelerator runs DDP (``MULTI_CPU``) and each
 rank gets every ``world``-th batch of the dataloader (Accelerate's default batch sharding), so one
 optimizer step covers ``batch x accumulation x world`` consecutive samples.
+``batch_s`` in the result is each batch's wall time; ``skip_agreements`` (only without a cap) runs FSDP's
+collectives without memguard's agreements before them, to measure what those cost.
 With ``fsdp1``, the same with FSDP1 (``fsdp_version=1``, ``FULL_SHARD``, each ``Linear`` wrapped).
 With ``fsdp2``, the Accelerator shards the model with FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``,
 ``fully_shard`` of each ``Linear`` and of the root, parameters resharded after forward): the planner path
@@ -38,6 +40,7 @@ import logging
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -166,6 +169,11 @@ def main() -> None:
                                    example_batch=example if fsdp2 else None)
     else:
         model, optimizer = prepare(accelerator, model, optimizer, plan=plan, loss_fn=loss_fn)
+    if cfg.get("skip_agreements"):
+        # For measuring what the agreements cost (no cap: nothing can fail): FSDP's collectives then run without them
+        from memguard.guard._sharded import ShardedRankGroup
+
+        ShardedRankGroup._boundary = lambda self: None
     loader = accelerator.prepare(DataLoader(data, batch_size=cfg["batch"], shuffle=False))
 
     b = cfg["batch"]
@@ -179,7 +187,9 @@ def main() -> None:
             if i == cfg["cap_batch"] and rank in cfg.get("cap_ranks", [0]):
                 resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (cfg["budget_mib"] << 20), hard))
                 result["capped"] = True
+            started = time.perf_counter()
             result["losses"].append(step(accelerator, model, optimizer, batch))
+            result.setdefault("batch_s", []).append(time.perf_counter() - started)
             if accelerator.sync_gradients:
                 events.append("STEP")
         if cfg.get("eval_factor"):
