@@ -59,8 +59,8 @@ Known limitations:
     recovery). Under FSDP, :func:`evaluate` is refused (its forward gathers parameters from every
     rank), an out-of-memory error inside FSDP's own collectives stops every rank with the same
     :class:`memguard.OOMRecoveryError` (see :mod:`memguard.guard._sharded`), and HSDP (a 2-D mesh)
-    (and FSDP1's HYBRID_SHARD) is refused. Accelerate 1.15 runs an FSDP plugin only on GPUs and other accelerators, not on
-    CPU processes (``AcceleratorState.__init__`` in ``accelerate/state.py`` leaves MULTI_CPU
+    (and FSDP1's HYBRID_SHARD) is refused. Accelerate 1.15 runs an FSDP plugin only on GPUs and
+    other accelerators, not on CPU processes (``AcceleratorState.__init__`` in ``accelerate/state.py`` leaves MULTI_CPU
     alone). XLA and Megatron-LM Accelerators are not supported. Gradient
     clipping must be asked of :func:`prepare` (``max_grad_norm=``, ``clip_grad_value=``), since the
     optimizer steps inside :func:`step`. The loss function runs once per micro-batch (and again on
@@ -397,8 +397,8 @@ def prepare(
 
 def _prepare_sharded(accelerator: Any, model: nn.Module, optimizer: Any, already: bool, options: GuardOptions,
                      plan: Plan | None, example_batch: Any, *, version: int) -> tuple[Any, Any]:
-    """:func:`prepare` under FSDP2 (``version=2``) or FSDP1. memguard plans (from ``example_batch``) or checks and applies ``plan`` on the
-    unsharded model, within what the plugin fixes (its ``reshard_after_forward`` and mixed-precision policy);
+    """:func:`prepare` under FSDP2 (``version=2``) or FSDP1. memguard plans (from ``example_batch``) or
+    checks and applies ``plan`` on the unsharded model, within what the plugin fixes (its ``reshard_after_forward`` and mixed-precision policy);
     then ``accelerator.prepare`` shards it (``fsdp2_prepare_model`` in ``accelerate/utils/fsdp_utils.py``,
     1.15: ``fully_shard`` of each auto-wrapped module, then the root, the optimizer re-pointed at the sharded
     parameters), and memguard arms FSDP2's agreement protocol on every FSDP2 group
@@ -415,8 +415,8 @@ def _prepare_sharded(accelerator: Any, model: nn.Module, optimizer: Any, already
     from memguard.guard._fsdp2_frameworks import framework_rank_group
 
     if plan is None and (example_batch is None or already):
-        raise ConfigError(f"under FSDP{version} pass plan= (or example_batch=, with the model and optimizer not yet prepared) "
-                          "to memguard.integrations.accelerate.prepare: memguard plans on the unsharded model, before "
+        raise ConfigError(f"under FSDP{version} pass plan= (or example_batch=, with the model and optimizer not yet "
+                          "prepared) to memguard.integrations.accelerate.prepare: memguard plans on the unsharded model, before "
                           "accelerator.prepare shards it, and cannot trace a sharded one on the first step")
     raw_optimizer = optimizer.optimizer if already else optimizer
     world = accelerator.num_processes
@@ -430,7 +430,8 @@ def _prepare_sharded(accelerator: Any, model: nn.Module, optimizer: Any, already
                              announce=False)  # the first step says what runs (see _announce)
     if not already:
         model, optimizer = accelerator.prepare(model, optimizer)
-        if version == 2 and model is not guard.module:  # fully_shard shards in place (FSDPModule); Accelerate returns it
+        # fully_shard shards in place (an FSDPModule), and Accelerate returns that module
+        if version == 2 and model is not guard.module:
             raise ConfigError("accelerator.prepare returned another module than the one memguard planned for; prepare "
                               "the model with memguard.integrations.accelerate.prepare only")
     if version == 1:

@@ -235,7 +235,7 @@ def _fsdp_stage(args: Any) -> int | None:
     forward (memguard's stage 3), ``shard_grad_op`` does not (stage 2); transformers' FSDPOption names."""
     if not args.fsdp:
         return None
-    if args.fsdp is True:  # transformers 5: the options moved into fsdp_plugin_args (training_args.py, _process_fsdp_args)
+    if args.fsdp is True:  # transformers 5: options moved to fsdp_plugin_args (training_args.py, _process_fsdp_args)
         raf = (getattr(args, "fsdp_plugin_args", None) or {}).get("reshard_after_forward", True)
         # FSDP2: a bool; FSDP1: the sharding strategy's name
         return 3 if raf is True or str(raf).lower() in ("full_shard", "true", "1") else 2
@@ -434,8 +434,8 @@ class MemguardCallback(_tf.TrainerCallback):
         agreement protocol for FSDP's collectives only); a warning says so. Under FSDP an out-of-memory
         error inside FSDP's own collectives stops every rank with the same :class:`memguard.OOMRecoveryError`
         (see :mod:`memguard.guard._sharded`), FSDP1's ``HYBRID_SHARD`` and ``cpu_offload`` are refused at
-        ``on_train_begin``, and evaluation is not guarded. ``training_step`` runs once per micro-batch (and again on a replay), so a subclass's
-        ``training_step`` that logs, logs per micro-batch. Without ``num_items_in_batch`` the split weights
+        ``on_train_begin``, and evaluation is not guarded. ``training_step`` runs once per micro-batch (and
+        again on a replay), so a subclass's ``training_step`` that logs, logs per micro-batch. Without ``num_items_in_batch`` the split weights
         micro-batches by samples, which equals the Trainer's per-batch mean only when every sample has the same
         number of loss tokens. Gradient communication no longer overlaps the backward under DDP, and DDP
         communication hooks are not used. ``Trainer.add_callback`` after construction is refused at

@@ -179,8 +179,13 @@ def fsdp1_rank_group(model: nn.Module) -> FSDP1RankGroup | None:
     states = _fsdp1_states(model)
     if not states:
         return None
-    from torch.distributed.fsdp import ShardingStrategy
-    from torch.distributed.fsdp._runtime_utils import _reduce_grad  # noqa: F401 - fail early without it
+    from torch.distributed.fsdp import ShardingStrategy, _runtime_utils
+
+    missing = [name for name in _COLLECTIVES if not hasattr(_runtime_utils, name)]
+    if missing:
+        raise ConfigError(f"this torch's FSDP1 has no {', '.join(missing)} in torch.distributed.fsdp._runtime_utils, "
+                          "where memguard puts its agreement before FSDP1's collectives (torch 2.13 has them); "
+                          "use torch 2.13 or FSDP2 (fully_shard)")
 
     problems = []
     if any(s.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
