@@ -27,7 +27,19 @@ optimizer step so far is run again from its first sample, losing and repeating n
 DDP (``accelerate launch`` on several processes) the micro-batches run on the module inside the
 DDP wrapper, every rank reports its outcome in one small all-reduce after each batch, so all ranks
 retry together, and the gradients are averaged by memguard once per optimizer step
-(:mod:`memguard.guard._distributed`), after every rank has finished.
+(:mod:`memguard.guard._distributed`), after every rank has finished. Under FSDP2
+(``FullyShardedDataParallelPlugin(fsdp_version=2)``, as :func:`accelerator_kwargs` builds it) the
+micro-batches run through the model ``accelerator.prepare`` sharded, with an agreement of the
+ranks before each FSDP2 all-gather and reduce-scatter (:mod:`memguard.guard._sharded`,
+:mod:`memguard.guard._fsdp2_frameworks`): a rank that runs out of memory in compute reports at
+once, its peers leave forward/backward at their next FSDP2 collective instead of waiting in it,
+every rank resets FSDP2's per-step state, halves and replays the same samples. Gradients are
+FSDP2's to reduce-scatter (and Accelerate's ``no_sync`` to hold back when accumulating). Under
+FSDP1 (``fsdp_version=1``, with ``use_orig_params=True``) the same protocol runs before FSDP1's
+all-gathers and reduce-scatters (:mod:`memguard.guard._fsdp1`), the micro-batches going through the
+``FullyShardedDataParallel`` wrapper ``accelerator.prepare`` returns. Under FSDP memguard plans
+before the model is sharded: give :func:`prepare` ``plan=`` or ``example_batch=`` (it then calls
+``accelerator.prepare`` itself).
 
 Without ``plan=`` or ``example_batch=``, :func:`prepare` plans on the first :func:`step`, from its
 batch: the plan is constrained to the Accelerator's precision (``"no"`` -> the model's dtype,
@@ -40,9 +52,16 @@ The plan summary, on the first :func:`step`, says what runs: the plan's micro-ba
 dataloader batch, and the Accelerator's own accumulation.
 
 Known limitations:
-    :func:`prepare` and :func:`step` guard DDP and single-process Accelerators only; for an FSDP2 or
-    DeepSpeed plan, :func:`accelerator_kwargs` builds the plugin that runs it, and Accelerate's own
-    loop runs it without OOM recovery. XLA and Megatron-LM Accelerators are not supported. Gradient
+    :func:`prepare` and :func:`step` guard single-process, DDP, FSDP2 and FSDP1 Accelerators
+    (FSDP1 with ``use_orig_params=True``, without ``cpu_offload``); DeepSpeed Accelerators are
+    refused (for DeepSpeed,
+    :func:`accelerator_kwargs` builds the plugin, and Accelerate's own loop runs it without OOM
+    recovery). Under FSDP, :func:`evaluate` is refused (its forward gathers parameters from every
+    rank), an out-of-memory error inside FSDP's own collectives stops every rank with the same
+    :class:`memguard.OOMRecoveryError` (see :mod:`memguard.guard._sharded`), and HSDP (a 2-D mesh)
+    (and FSDP1's HYBRID_SHARD) is refused. Accelerate 1.15 runs an FSDP plugin only on GPUs and
+    other accelerators, not on CPU processes (``AcceleratorState.__init__`` in ``accelerate/state.py`` leaves MULTI_CPU
+    alone). XLA and Megatron-LM Accelerators are not supported. Gradient
     clipping must be asked of :func:`prepare` (``max_grad_norm=``, ``clip_grad_value=``), since the
     optimizer steps inside :func:`step`. The loss function runs once per micro-batch (and again on
     a replay). Under DDP, gradient communication does not overlap the backward passes and DDP communication hooks
@@ -62,6 +81,8 @@ from memguard.errors import ConfigError
 from memguard.guard._core import Guard, GuardStatus, guard_of, register
 from memguard.guard._distributed import rank_group_of
 from memguard.guard._evaluate import evaluate as memguard_evaluate
+from memguard.guard._fsdp1 import is_fsdp1_model
+from memguard.guard._fsdp2_frameworks import is_fsdp2
 from memguard.guard._options import Constraints, GuardOptions, option_problems, plan_problems, wrapper_problems
 from memguard.guard._window import DEFAULT_MAX_RETRIES
 from memguard.integrations import require
@@ -81,15 +102,30 @@ _HOW_TO_PREPARE = ("call model, optimizer = memguard.integrations.accelerate.pre
                    "first and pass the model it returns")
 
 
-def _constraints(accelerator: Any = None, module: nn.Module | None = None, *, accumulation: bool = True) -> Constraints:
-    """What the Accelerator fixes: its precision, processes and (for a given plan) accumulation."""
+def _constraints(accelerator: Any = None, module: nn.Module | None = None, *, accumulation: bool = True,
+                 fsdp2: bool = False) -> Constraints:
+    """What the Accelerator fixes: its precision, processes and (for a given plan) accumulation; under FSDP2
+    the precision of its plugin's mixed-precision policy and FSDP2's sharding levels."""
     allowed = _allowed_precisions(accelerator, module) if accelerator is not None and module is not None else ()
+    extra: dict[str, Any] = {}
+    if fsdp2 and accelerator is not None:
+        policy = getattr(accelerator.state.fsdp_plugin, "mixed_precision_policy", None)
+        param_dtype = getattr(policy, "param_dtype", None)
+        if param_dtype in (torch.bfloat16, torch.float16):
+            allowed = ("bf16-mixed",) if param_dtype == torch.bfloat16 else ("16-mixed",)
+        raf = getattr(accelerator.state.fsdp_plugin, "reshard_after_forward", True)
+        if isinstance(raf, bool):  # FSDP2
+            stages: tuple[int, ...] = (3,) if raf else (2, 1)
+        else:  # FSDP1: a ShardingStrategy (memguard plans FSDP1 with its FSDP2 model, as for Lightning's FSDPStrategy)
+            stages = {"FULL_SHARD": (3,), "SHARD_GRAD_OP": (2,)}.get(str(getattr(raf, "name", raf)).upper(), (3, 2))
+        extra = {"strategies": ("fsdp2",), "zero_stages": stages}
     return Constraints(
-        source="the Accelerator", taken=_FROM_ACCELERATOR, precision_role="weights",
+        source="the Accelerator", taken=_FROM_ACCELERATOR,
         precisions=allowed or None,
         world_size=accelerator.num_processes if accelerator is not None else None,
         grad_accum_steps=accelerator.gradient_accumulation_steps if accelerator is not None and accumulation else None,
         fix_plan=_FIX_PLAN, fix_precision="build the Accelerator with that precision (accelerator_kwargs)",
+        precision_role="weights", **extra,
     )
 
 
@@ -126,9 +162,9 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
       (:func:`memguard.integrations.deepspeed.to_config`), ``gradient_accumulation_steps`` and the
       ``mixed_precision`` that names the config's precision.
 
-    Under FSDP2 and DeepSpeed, :func:`prepare` and :func:`step` do not run (they guard DDP only): use
-    ``accelerator.prepare`` and Accelerate's own loop; memguard's plan is applied but an
-    out-of-memory error is not recovered from.
+    Under FSDP2, :func:`prepare` (with the plan) and :func:`step` run it and recover from
+    out-of-memory errors. Under DeepSpeed they do not run: use ``accelerator.prepare`` and
+    Accelerate's own loop; memguard's plan is applied but an out-of-memory error is not recovered from.
 
     Raises:
         ConfigError: ``plan`` is not a Plan, or it has no Accelerate equivalent (``"16-true"`` under
@@ -253,10 +289,11 @@ def prepare(
     applied to the model's repeated blocks.
 
     Args:
-        accelerator: an ``accelerate.Accelerator`` (single process, or DDP over processes).
+        accelerator: an ``accelerate.Accelerator`` (single process, DDP over processes, FSDP2 or FSDP1).
         first, second: the model and its optimizer, in either order; returned prepared, in the same order.
         plan: a :class:`memguard.Plan` to apply; the Accelerator must match it (:func:`accelerator_kwargs`).
-        example_batch: a batch like this rank's dataloader batches, to plan now.
+        example_batch: a batch like this rank's dataloader batches, to plan now (under FSDP2 this or
+            ``plan`` is required: memguard plans on the model before it is sharded).
         global_batch_size: samples per optimizer step over all ranks, for planning (default: the
             batch's size x ``gradient_accumulation_steps`` x processes).
         loss_fn: ``loss_fn(model, batch) -> mean loss``, the default for :func:`step`; None calls the
@@ -276,8 +313,9 @@ def prepare(
 
     Raises:
         MissingDependencyError: accelerate is not installed.
-        ConfigError: bad arguments (all listed), an Accelerator that is not single-process or DDP, or
-            one whose precision or accumulation differs from the plan's.
+        ConfigError: bad arguments (all listed), an Accelerator that is not single-process, DDP or
+            FSDP, one whose precision or accumulation differs from the plan's, FSDP without
+            ``plan`` or ``example_batch``, FSDP1 without ``use_orig_params`` or with ``cpu_offload``.
         InfeasiblePlanError: planning now found nothing that fits.
         PeerFailedError: under DDP, planning now failed on rank 0 with an error that is not memguard's.
     """
@@ -295,13 +333,28 @@ def prepare(
         raise ConfigError(problems)
     model, optimizer = models[0], optimizers[0]
     dtype = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-    if dtype != "NO" and not dtype.startswith("MULTI_"):
+    fsdp2 = dtype == "FSDP" and bool(getattr(accelerator, "is_fsdp2", False))
+    fsdp1 = dtype == "FSDP" and not fsdp2
+    if fsdp1:
+        plugin = accelerator.state.fsdp_plugin
+        if not getattr(plugin, "use_orig_params", False):
+            problems.append("under FSDP1 build the plugin with use_orig_params=True: memguard prepares the model and "
+                            "the optimizer you built on its parameters together, and FSDP1 without it replaces them "
+                            "with flat parameters the optimizer does not hold")
+        if getattr(getattr(plugin, "cpu_offload", None), "offload_params", False):
+            problems.append("FSDP1's cpu_offload copies gradients to the host asynchronously, which memguard's reset "
+                            "after an OOM does not wait for; drop cpu_offload from the FSDP plugin")
+    if dtype not in ("NO", "FSDP") and not dtype.startswith("MULTI_"):
         problems.append(f"Accelerator with distributed_type {dtype} is not supported: memguard's Accelerate hooks "
-                        "run one process or DDP (for DeepSpeed, write the plan into its config with "
+                        "run one process, DDP or FSDP2 (for DeepSpeed, write the plan into its config with "
                         "memguard.integrations.deepspeed.to_config)")
-    problems += wrapper_problems(model)
+    if fsdp1 and is_fsdp1_model(model):
+        problems.append("under FSDP1 pass the model before accelerator.prepare wraps it: memguard plans on the "
+                        "unwrapped model and prepares it itself")
+    elif not fsdp2 or not is_fsdp2(model):  # FSDP2: a model accelerator.prepare already sharded is accepted
+        problems += wrapper_problems(model)
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    constraints = _constraints(accelerator, inner)
+    constraints = _constraints(accelerator, inner, fsdp2=fsdp2 or fsdp1)
     if constraints.precisions is None:
         problems.append(f"the Accelerator's mixed_precision {accelerator.mixed_precision!r} is not one memguard plans "
                         "for; use 'no', 'fp16' or 'bf16'")
@@ -317,7 +370,11 @@ def prepare(
     # The accumulation is the Accelerator's own; a plan memguard makes only splits its batches.
     options = GuardOptions(loss_fn=loss_fn, max_retries=max_retries, max_grad_norm=max_grad_norm,
                            clip_grad_value=clip_grad_value, verbose=verbose, global_batch_size=global_batch_size,
-                           plan_options=plan_options)
+                           plan_options=plan_options, sync_gradients=not (fsdp2 or fsdp1))
+    if fsdp2 or fsdp1:
+        model, optimizer = _prepare_sharded(accelerator, model, optimizer, already, options, plan, example_batch,
+                                            version=2 if fsdp2 else 1)
+        return (model, optimizer) if isinstance(first, nn.Module) else (optimizer, model)
     guard = Guard(inner, _constraints(accelerator, inner, accumulation=False), options,
                   world_size=accelerator.num_processes)
     # "*-true": cast the model now (as memguard.prepare does), before Accelerate wraps it in DDP.
@@ -336,6 +393,70 @@ def prepare(
                              announce=False)  # the first step says what runs (see _announce)
     register(model, guard)
     return (model, optimizer) if isinstance(first, nn.Module) else (optimizer, model)
+
+
+def _prepare_sharded(accelerator: Any, model: nn.Module, optimizer: Any, already: bool, options: GuardOptions,
+                     plan: Plan | None, example_batch: Any, *, version: int) -> tuple[Any, Any]:
+    """:func:`prepare` under FSDP2 (``version=2``) or FSDP1. memguard plans (from ``example_batch``) or
+    checks and applies ``plan`` on the unsharded model, within what the plugin fixes (its ``reshard_after_forward`` and mixed-precision policy);
+    then ``accelerator.prepare`` shards it (``fsdp2_prepare_model`` in ``accelerate/utils/fsdp_utils.py``,
+    1.15: ``fully_shard`` of each auto-wrapped module, then the root, the optimizer re-pointed at the sharded
+    parameters), and memguard arms FSDP2's agreement protocol on every FSDP2 group
+    (:func:`memguard.guard._fsdp2_frameworks.framework_rank_group`). Under FSDP1 ``accelerator.prepare``
+    wraps the model in ``FullyShardedDataParallel`` (a new module): memguard's guard then runs the
+    micro-batches through that wrapper, whose forward is FSDP1's root, with the agreement of
+    :mod:`memguard.guard._fsdp1` before each FSDP1 collective.
+
+    Raises:
+        ConfigError: neither ``plan`` nor ``example_batch`` (memguard cannot trace a sharded model to plan on
+            the first step), or a model that is already sharded without a ``plan``.
+    """
+    from memguard.guard._fsdp2 import _planning_group
+    from memguard.guard._fsdp2_frameworks import framework_rank_group
+
+    if plan is None and (example_batch is None or already):
+        raise ConfigError(f"under FSDP{version} pass plan= (or example_batch=, with the model and optimizer not yet "
+                          "prepared) to memguard.integrations.accelerate.prepare: memguard plans on the unsharded model, before "
+                          "accelerator.prepare shards it, and cannot trace a sharded one on the first step")
+    raw_optimizer = optimizer.optimizer if already else optimizer
+    world = accelerator.num_processes
+    guard = Guard(model, _constraints(accelerator, model, accumulation=False, fsdp2=True), options,
+                  world_size=world, rank_group=_planning_group(world))
+    guard.input_device = accelerator.device
+    if isinstance(plan, Plan):
+        guard.apply(plan, raw_optimizer)
+    else:  # rank 0 plans on the unsharded model and broadcasts
+        guard.plan_and_apply(example_batch, raw_optimizer, accumulation=accelerator.gradient_accumulation_steps,
+                             announce=False)  # the first step says what runs (see _announce)
+    if not already:
+        model, optimizer = accelerator.prepare(model, optimizer)
+        # fully_shard shards in place (an FSDPModule), and Accelerate returns that module
+        if version == 2 and model is not guard.module:
+            raise ConfigError("accelerator.prepare returned another module than the one memguard planned for; prepare "
+                              "the model with memguard.integrations.accelerate.prepare only")
+    if version == 1:
+        from memguard.guard._fsdp1 import fsdp1_rank_group
+
+        planned = guard
+        # the micro-batches go through FSDP1's root wrapper; the plan was made and applied on the module inside it
+        guard = Guard(model, planned.constraints, options, world_size=world, rank_group=fsdp1_rank_group(model))
+        guard.input_device = accelerator.device
+        assert planned.plan is not None
+        # checkpointing is already applied inside the wrapper (planned._undo undoes it)
+        guard.apply(None, raw_optimizer, micro_batch_size=planned.plan.micro_batch_size,
+                    precision=planned.plan.precision, activation_checkpointing=False)
+        guard.plan, guard.plan_made = planned.plan, planned.plan_made
+        guard._undo = planned._undo + guard._undo
+        planned._undo = []
+        rg = guard.rank_group
+    else:
+        rg = framework_rank_group(model)
+    guard.rank_group = rg
+    if rg is not None:
+        guard.on_undo(rg.uninstall)
+    guard.grad_scaler = getattr(accelerator, "scaler", None)
+    register(model, guard)
+    return model, optimizer
 
 
 def step(accelerator: Any, model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn | None = None) -> float:

@@ -12,18 +12,28 @@ is a ``Callback`` of every installed package (so either Trainer's ``isinstance``
 and it takes the strategy classes and utilities from the package of the Trainer it runs in (the
 first Lightning class in the Trainer's MRO, so a Trainer subclass defined anywhere works).
 
-Strategies. Single device and DDP: the callback plans, applies and guards (below). Under
-``DeepSpeedStrategy``, ``FSDPStrategy`` and ``ModelParallelStrategy`` it plans and applies only,
-constrained to the strategy's sharding: DeepSpeed's ZeRO stage and optimizer offload from its
-config; FSDP's ``FULL_SHARD`` as ZeRO-3 (parameters resharded after forward) and ``SHARD_GRAD_OP``
-as stage 2; ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``) any FSDP2
-level over its data-parallel ranks, which ``configure_model`` applies (``reshard_after_forward`` is
-``plan.zero_stage == 3``); the plan's world size is the strategy's. It plans in ``setup`` there,
-before the strategy wraps the module and before DeepSpeed reads the batch size and accumulation
-into its config, and logs that it does not recover from out-of-memory errors under that strategy
-(a rank that fails inside the sharded collectives would leave the others waiting; see
-:mod:`memguard.integrations.deepspeed` for what was measured under DeepSpeed). :func:`strategy_for`
-returns the Lightning strategy that runs a plan.
+Strategies. Single device, DDP and ``ModelParallelStrategy`` (FSDP2): the callback plans, applies
+and guards (below). Under ``DeepSpeedStrategy`` and ``FSDPStrategy`` (FSDP1) it plans and applies
+only. Under the sharded strategies the plan is constrained to the strategy's sharding: DeepSpeed's
+ZeRO stage and optimizer offload from its config; FSDP's ``FULL_SHARD`` as ZeRO-3 (parameters
+resharded after forward) and ``SHARD_GRAD_OP`` as stage 2; ``ModelParallelStrategy`` (FSDP2,
+``fully_shard`` in ``configure_model``) any FSDP2 level over its data-parallel ranks, which
+``configure_model`` applies (``reshard_after_forward`` is ``plan.zero_stage == 3``); the plan's world
+size is the strategy's. It plans in ``setup`` there, before the strategy wraps the module and before
+DeepSpeed reads the batch size and accumulation into its config. Under ``ModelParallelStrategy``,
+once ``configure_model`` has sharded the module (``on_fit_start``), the callback arms FSDP2's
+agreement protocol on every ``fully_shard``-ed module (:mod:`memguard.guard._sharded`,
+:mod:`memguard.guard._fsdp2_frameworks`: an agreement of the ranks before each FSDP2 all-gather and
+reduce-scatter, so that a rank that runs out of memory in compute makes its peers leave
+forward/backward at their next FSDP2 collective instead of waiting in it) and guards the training
+steps as under DDP; FSDP2 reduce-scatters the gradients itself (Lightning's ``no_sync`` holds them
+back on an accumulation window's earlier batches). Under ``DeepSpeedStrategy`` and ``FSDPStrategy``
+it logs that it does not recover from out-of-memory errors (a rank that fails inside the sharded
+collectives would leave the others waiting; memguard has no agreement protocol for DeepSpeed's
+collectives, and its FSDP1 protocol, :mod:`memguard.guard._fsdp1`, needs each micro-batch to run
+through FSDP1's root forward, while ``FSDPStrategy`` runs ``training_step`` inside that forward
+through Lightning's forward redirection; see :mod:`memguard.integrations.deepspeed` for what was
+measured under DeepSpeed). :func:`strategy_for` returns the Lightning strategy that runs a plan.
 
 What the callback does, in Lightning's hooks:
 
@@ -81,8 +91,10 @@ Known limitations:
     that got no gradient on any rank are left alone, so DDP with ``find_unused_parameters=False``
     fails on them as it would without memguard. Trainer limits counted in batches
     (``limit_train_batches``, ``val_check_interval`` as ints) count the smaller batches. Manual
-    optimization and dataloaders passed directly to ``fit`` are not supported; under DeepSpeed, FSDP
-    and ModelParallel strategies the plan is applied but OOMs are not recovered from, FSDP's
+    optimization and dataloaders passed directly to ``fit`` are not supported; under DeepSpeed and
+    FSDP (FSDP1) strategies the plan is applied but OOMs are not recovered from; under
+    ModelParallel (FSDP2) an OOM inside FSDP2's own collectives (their buffers) stops every rank
+    with the same :class:`memguard.OOMRecoveryError`, and HSDP (a 2-D mesh) is refused; FSDP's
     ``HYBRID_SHARD``, ``cpu_offload`` and DeepSpeed's ``offload_param`` are refused, tensor
     parallelism is not modelled, and the module's layers must exist before ``configure_model``
     (the plan is made from them). FSDP1 (``FSDPStrategy``) is planned with memguard's FSDP2
@@ -133,9 +145,14 @@ class _Sharding:
             resharded after forward, 2 = kept unsharded between forward and backward).
         offload_optimizer: the strategy keeps optimizer states in host memory.
         world_size: the data-parallel ranks (the batch is split over them).
-        guarded: the callback runs its out-of-memory guard (single device and DDP); under the sharded
-            strategies it plans and applies the plan only.
+        guarded: the callback plans in ``on_fit_start`` and runs its out-of-memory guard from there
+            (single device and DDP); under the sharded strategies it plans and applies the plan in
+            ``setup``, before the strategy shards the module.
+        arms_fsdp2: under ``ModelParallelStrategy``: once ``configure_model`` has sharded the module
+            (``on_fit_start``), the callback arms FSDP2's agreement protocol on it and runs its guard.
         name: the strategy's class name, for messages.
+        unguarded_why: the key of :data:`_UNGUARDED_WHY` that says why the callback does not recover
+            from out-of-memory errors under the strategy ("": it does).
     """
 
     strategy: str = "ddp"
@@ -143,7 +160,9 @@ class _Sharding:
     offload_optimizer: bool = False
     world_size: int | None = None
     guarded: bool = True
+    arms_fsdp2: bool = False
     name: str = ""
+    unguarded_why: str = ""
 
 
 # Before a Trainer is known: every sharding any supported strategy runs (checked again in setup()).
@@ -235,8 +254,14 @@ _UNGUARDED_WHY = {
     "deepspeed": "the DeepSpeed engine runs the backward and the optimizer step itself and reduces gradients "
                  "inside the backward (ZeRO-2) where one rank's failure would leave the others waiting; memguard "
                  "planned and applied the micro-batch, accumulation and checkpointing only",
-    "fsdp2": "a rank that fails inside FSDP's all-gathers or reduce-scatters leaves the others waiting; memguard "
-             "planned and applied the micro-batch, accumulation and checkpointing only",
+    "fsdp1": "FSDP1 (FullyShardedDataParallel) all-gathers and reduce-scatters inside forward and backward, where "
+             "a rank that fails leaves the others waiting; memguard's agreement protocol for FSDP1 needs every "
+             "micro-batch to run through the FSDP root's forward, while FSDPStrategy runs training_step inside it "
+             "(Lightning's forward redirection), so the callback does not split there (use ModelParallelStrategy with "
+             "fully_shard in configure_model, which memguard guards); memguard planned and applied the micro-batch, "
+             "accumulation and checkpointing only",
+    "fsdp2": "configure_model sharded nothing with fully_shard, so memguard has no FSDP2 collectives to guard; "
+             "memguard planned and applied the micro-batch, accumulation and checkpointing only",
 }
 
 
@@ -261,7 +286,7 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
             problems.append(f"the DeepSpeed config's zero_optimization.stage {stage!r} is not a ZeRO stage 0-3")
             stage = 0
         return _Sharding(strategy="deepspeed", zero_stages=(int(stage),), offload_optimizer=offload, guarded=False,
-                         name=name)
+                         name=name, unguarded_why="deepspeed")
     if isinstance(strategy, strategies.FSDPStrategy):
         # FSDP1's sharding strategies (torch.distributed.fsdp.ShardingStrategy): FULL_SHARD frees each
         # unit's parameters after its forward (ZeRO-3), SHARD_GRAD_OP keeps them until the backward (ZeRO-2).
@@ -275,7 +300,8 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
             problems.append("FSDPStrategy(cpu_offload=True) keeps parameters and gradients in host memory, which "
                             "memguard does not plan for; drop cpu_offload or plan without the callback")
         stage = stages.get(kind, (3,))
-        return _Sharding(strategy="ddp" if stage == (0,) else "fsdp2", zero_stages=stage, guarded=False, name=name)
+        return _Sharding(strategy="ddp" if stage == (0,) else "fsdp2", zero_stages=stage, guarded=False, name=name,
+                         unguarded_why="fsdp1")
     if isinstance(strategy, strategies.ModelParallelStrategy):
         mesh = getattr(strategy, "_device_mesh", None)
         if mesh is not None and mesh.mesh_dim_names:
@@ -286,7 +312,8 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
             problems.append(f"ModelParallelStrategy with tensor_parallel_size={tp}: memguard does not model tensor "
                             "parallelism; use tensor_parallel_size=1 (FSDP2 over data_parallel_size ranks)")
         # The user's configure_model() applies fully_shard; any FSDP2 sharding level can run there.
-        return _Sharding(strategy="fsdp2", zero_stages=(3, 2, 1), world_size=dp, guarded=False, name=name)
+        return _Sharding(strategy="fsdp2", zero_stages=(3, 2, 1), world_size=dp, guarded=False, arms_fsdp2=True,
+                         name=name)
     if isinstance(strategy, (strategies.SingleDeviceStrategy, strategies.DDPStrategy)) and not getattr(
             strategy, "handles_gradient_accumulation", False):
         return _Sharding(name=name)
@@ -568,9 +595,36 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 on bad input (as :func:`memguard.plan`).
             InfeasiblePlanError: nothing fits the budget.
         """
-        if self._sharding is not None and not self._sharding.guarded:
+        sharding = self._sharding
+        if sharding is not None and sharding.arms_fsdp2:
+            self._arm_fsdp2(trainer, pl_module, sharding)
+        if sharding is not None and not sharding.guarded:
             return
         self._plan_and_apply(trainer, pl_module, _package_of(trainer))
+
+    def _arm_fsdp2(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> None:
+        """Under ``ModelParallelStrategy``, after ``configure_model`` sharded the module (the strategy's
+        ``setup`` runs it before ``on_fit_start``: ``trainer/trainer.py`` ``_run``, Lightning 2.6): arm
+        FSDP2's agreement protocol on every ``fully_shard``-ed module
+        (:func:`memguard.guard._fsdp2_frameworks.framework_rank_group`) and stand in for
+        ``training_step``, so that an OOM on any rank is recovered on every rank."""
+        from memguard.guard._fsdp2_frameworks import framework_rank_group
+
+        guard = self._guard
+        assert guard is not None  # planned in setup()
+        rg = framework_rank_group(pl_module)
+        if rg is None:
+            if trainer.is_global_zero:
+                logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
+                            _UNGUARDED_WHY["fsdp2"])
+            return
+        guard.rank_group = rg
+        guard.on_undo(rg.uninstall)
+        self._patch_module(trainer, pl_module)
+        if trainer.is_global_zero:
+            logger.info("memguard recovers from out-of-memory errors under %s: an agreement of the %d ranks runs "
+                        "before each FSDP2 all-gather and reduce-scatter, so all ranks halve the micro-batch and "
+                        "redo the same samples together", sharding.name, rg.world_size)
 
     def _plan_and_apply(self, trainer: Any, pl_module: Any, pkg: ModuleType) -> None:
         """Plan (rank 0 plans and broadcasts) or check the given plan, then apply it to the Trainer and module."""
@@ -626,9 +680,9 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 changed.append(f"accumulate_grad_batches {user_accum} -> {plan.grad_accum_steps}")
             guard.announce(plan, made=self._given_plan is None, overrides=changed)
             logger.debug("the plan memguard applies to the Trainer:\n%s", plan.explain())
-            if not guarded:
+            if sharding.unguarded_why:
                 logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
-                            _UNGUARDED_WHY[sharding.strategy])
+                            _UNGUARDED_WHY[sharding.unguarded_why])
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """The window's batches have all run: let them go (Lightning steps the optimizer itself)."""

@@ -21,6 +21,7 @@ Two entry points:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -37,6 +38,7 @@ from memguard.guard._core import Guard, GuardStatus
 from memguard.guard._options import Constraints, GuardOptions, option_problems
 from memguard.guard._window import DEFAULT_MAX_RETRIES
 from memguard.guard._distributed import rank_group_of
+from memguard.guard._sharded import ShardedRankGroup
 from memguard.guard._evaluate import eval_status, split_eval
 from memguard.integrations import require
 from memguard.integrations.deepspeed import AUTO, fill_auto, to_config
@@ -231,9 +233,13 @@ def _zero_of(ds: Mapping[str, Any]) -> tuple[int | None, bool]:
 def _fsdp_stage(args: Any) -> int | None:
     """The sharding level of the Trainer's FSDP options (None without FSDP): ``full_shard`` reshards after the
     forward (memguard's stage 3), ``shard_grad_op`` does not (stage 2); transformers' FSDPOption names."""
-    options = [str(getattr(o, "value", o)) for o in (args.fsdp or [])]
-    if not options:
+    if not args.fsdp:
         return None
+    if args.fsdp is True:  # transformers 5: options moved to fsdp_plugin_args (training_args.py, _process_fsdp_args)
+        raf = (getattr(args, "fsdp_plugin_args", None) or {}).get("reshard_after_forward", True)
+        # FSDP2: a bool; FSDP1: the sharding strategy's name
+        return 3 if raf is True or str(raf).lower() in ("full_shard", "true", "1") else 2
+    options = [str(getattr(o, "value", o)) for o in args.fsdp]
     return 2 if "shard_grad_op" in options and "full_shard" not in options else 3
 
 
@@ -256,6 +262,13 @@ def _constraints(args: Any = None, model: Any = None) -> Constraints:
             extra["strategies"] = ("fsdp2",)
     return Constraints(**common, **extra, zero_stages=zero_stages, offload_optimizer=offload,
                        precisions=(_precision_of(args, model),), world_size=int(args.world_size))
+
+
+# Why the callback does not recover from out-of-memory errors in training under a strategy (logged when it runs).
+_UNGUARDED_WHY = {
+    "deepspeed": "the DeepSpeed engine reduces gradients inside the backward, where a rank that ran out of memory "
+                 "would leave its peers waiting",
+}
 
 
 def _find_trainer(callback: Any) -> Any:
@@ -343,7 +356,8 @@ class MemguardCallback(_tf.TrainerCallback):
       ``activation_checkpointing`` option says otherwise); under DeepSpeed
       the config's ``"auto"`` batch values are filled again (transformers' ``propagate_args_to_deepspeed``).
       The plan is logged at INFO on the ``memguard`` logger.
-    * ``on_train_begin``: on a single device or under DDP, the callback stands in for the Trainer's
+    * ``on_train_begin``: on a single device, under DDP and under FSDP (``fsdp_config`` version 2, the
+      default of transformers 5, or version 1), the callback stands in for the Trainer's
       ``training_step`` (an attribute on the Trainer instance, removed at ``on_train_end``). Each
       dataloader batch goes through the guard core (:class:`memguard.guard._core.Guard`, whose OOM engine
       is :class:`memguard.guard._window.MicroBatchWindow`): the batch is split into micro-batches of the
@@ -358,8 +372,15 @@ class MemguardCallback(_tf.TrainerCallback):
       its first sample, on every rank together. Under DDP the micro-batches run under ``no_sync`` and
       the gradients are averaged after the step's last batch by memguard
       (:mod:`memguard.guard._distributed`, SUM then divide by the world size, as DDP does), so no rank
-      can wait in a collective that a rank that ran out of memory never joins. The Trainer then clips
-      the gradients, steps the optimizer and the scheduler and logs, unchanged.
+      can wait in a collective that a rank that ran out of memory never joins. Under FSDP (the model is
+      sharded by the time ``on_train_begin`` runs) an agreement of the ranks runs before each FSDP
+      all-gather and reduce-scatter (:mod:`memguard.guard._sharded`,
+      :mod:`memguard.guard._fsdp2_frameworks`, :mod:`memguard.guard._fsdp1`): a rank that runs out of
+      memory in compute reports at once, its peers leave forward/backward at their next FSDP
+      collective, every rank resets FSDP's per-step state and replays the step's samples at half the
+      micro-batch; FSDP reduces the gradients itself, under the Trainer's own ``no_sync`` for the
+      accumulation's earlier batches. The
+      Trainer then clips the gradients, steps the optimizer and the scheduler and logs, unchanged.
     * ``on_train_end``: ``training_step`` is restored and the guard's state released.
 
     * ``evaluate``/``predict`` (and the evaluations during ``train()``): from ``on_init_end`` the callback
@@ -407,11 +428,14 @@ class MemguardCallback(_tf.TrainerCallback):
         per-device batch, which the Trainer reads before ``on_train_begin``. Callbacks are not given the
         Trainer, so the callback finds it on the call stack of ``on_init_end``. The Trainer's activation
         checkpointing covers every layer, while a plan may checkpoint only its first ``checkpoint_blocks``
-        blocks: the run then uses less memory than planned and is somewhat slower. Under DeepSpeed and FSDP the
-        plan is applied but out-of-memory errors are not recovered from (DeepSpeed and FSDP reduce gradients
-        inside the backward, where a rank that ran out of memory would leave its peers waiting); a warning says
-        so. ``training_step`` runs once per micro-batch (and again on a replay), so a subclass's
-        ``training_step`` that logs, logs per micro-batch. Without ``num_items_in_batch`` the split weights
+        blocks: the run then uses less memory than planned and is somewhat slower. Under DeepSpeed the plan
+        is applied but out-of-memory errors are not recovered from (the engine reduces gradients inside the
+        backward, where a rank that ran out of memory would leave its peers waiting, and memguard has an
+        agreement protocol for FSDP's collectives only); a warning says so. Under FSDP an out-of-memory
+        error inside FSDP's own collectives stops every rank with the same :class:`memguard.OOMRecoveryError`
+        (see :mod:`memguard.guard._sharded`), FSDP1's ``HYBRID_SHARD`` and ``cpu_offload`` are refused at
+        ``on_train_begin``, and evaluation is not guarded. ``training_step`` runs once per micro-batch (and
+        again on a replay), so a subclass's ``training_step`` that logs, logs per micro-batch. Without ``num_items_in_batch`` the split weights
         micro-batches by samples, which equals the Trainer's per-batch mean only when every sample has the same
         number of loss tokens. Gradient communication no longer overlaps the backward under DDP, and DDP
         communication hooks are not used. ``Trainer.add_callback`` after construction is refused at
@@ -498,7 +522,7 @@ class MemguardCallback(_tf.TrainerCallback):
             self._patch_prediction_step(trainer)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Stand in for the Trainer's ``training_step`` (single device or DDP).
+        """Stand in for the Trainer's ``training_step`` (single device, DDP or FSDP).
 
         Raises:
             ConfigError: the callback was added after the Trainer was built.
@@ -509,12 +533,28 @@ class MemguardCallback(_tf.TrainerCallback):
                               "batch; pass it to the constructor: Trainer(..., callbacks=[MemguardCallback(...)])")
         if not self.guard_oom:
             return
-        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-            logger.warning("memguard: under %s the plan is applied but out-of-memory errors during training are not "
-                           "recovered from", "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP")
+        if trainer.is_deepspeed_enabled:
+            logger.warning("memguard: under DeepSpeed the plan is applied but out-of-memory errors during training are "
+                           "not recovered from: %s", _UNGUARDED_WHY["deepspeed"])
             return
         wrapped = trainer.model_wrapped
-        guard.rank_group = rank_group_of(wrapped)
+        if trainer.is_fsdp_enabled:
+            # The model is sharded by now: Trainer._prepare_for_training runs accelerator.prepare (fsdp2_prepare_model,
+            # or the FullyShardedDataParallel wrapper of FSDP1) before the loop's on_train_begin (trainer.py,
+            # _inner_training_loop, transformers 5.24). Arm the agreement before each FSDP collective; FSDP reduces
+            # the gradients (the Trainer's no_sync holds them back on the accumulation's earlier batches), so memguard
+            # does not average them. Trainer.training_step runs compute_loss on model_wrapped: FSDP1's root forward.
+            from memguard.guard._fsdp1 import fsdp1_rank_group
+            from memguard.guard._fsdp2_frameworks import framework_rank_group
+
+            fsdp2 = bool(getattr(trainer.accelerator, "is_fsdp2", False))
+            rg = framework_rank_group(wrapped) if fsdp2 else fsdp1_rank_group(wrapped)
+            guard.rank_group = rg
+            guard.options = dataclasses.replace(guard.options, sync_gradients=False)
+            if rg is not None:
+                guard.on_undo(rg.uninstall)
+        else:
+            guard.rank_group = rank_group_of(wrapped)
         guard.world_size = guard.rank_group.world_size if guard.rank_group is not None else 1
         micro = guard.micro_batch_size if guard.window is not None else plan.micro_batch_size
         guard.apply(None, trainer.optimizer, micro_batch_size=micro, precision=plan.precision,
@@ -759,6 +799,7 @@ class MemguardCallback(_tf.TrainerCallback):
             guard.open_window(model, [trainer.optimizer] if trainer.optimizer is not None else [])
         n = batch_size(inputs)
         accumulation = trainer.current_gradient_accumulation_steps
+        sharded = isinstance(guard.rank_group, ShardedRankGroup)
 
         def loss_of(micro: Any) -> torch.Tensor:
             k = batch_size(micro)
@@ -766,8 +807,11 @@ class MemguardCallback(_tf.TrainerCallback):
             # training_step); accumulation * n / k also weights the micro-batch by its share k / n of the batch.
             # A loss normalised by num_items_in_batch is not divided and already adds up over micro-batches.
             trainer.current_gradient_accumulation_steps = accumulation * n / k
+            # DDP: memguard averages the gradients after the last batch. FSDP2: FSDP2 reduce-scatters them in each
+            # micro-batch's backward as the Trainer's own sync context says (trainer.py, _run_epoch).
+            sync = contextlib.nullcontext() if sharded else trainer.accelerator.no_sync(model)
             try:
-                with trainer.accelerator.no_sync(model):  # memguard averages the gradients after the last batch
+                with sync:
                     step_loss = original(model, micro, num_items_in_batch)
             finally:
                 trainer.current_gradient_accumulation_steps = accumulation

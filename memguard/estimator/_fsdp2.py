@@ -157,8 +157,34 @@ def fake_world(world_size: int) -> Iterator[Any]:
         try:
             yield init_device_mesh("cpu", (world_size,))
         finally:
+            _forget_fake_meshes()
             if not running:
                 dist.destroy_process_group()
+
+
+def _forget_fake_meshes() -> None:
+    """Drop DTensor's sharding-propagation caches, which hold the fake mesh after a trace.
+
+    A ``DeviceMesh`` compares equal to any mesh of the same ranks and layout, so a sharding cached while
+    tracing (``ShardingPropagator.propagate_op_sharding``, an LRU cache keyed by the op's schema, torch
+    2.13 ``torch/distributed/tensor/_sharding_prop.py``, and the C++ fast path's cache that
+    ``torch._C._clear_DTensor_sharding_propagator_cache`` clears) is found again for the job's real mesh; an
+    in-place op (the optimizer's update) then gives the job's parameters the cached spec and with it the
+    fake mesh, whose process group no longer exists (``full_tensor`` fails: "Could not resolve the
+    process group registered under the name ...")."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor traced nothing with it
+        return
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ dispatch fast path's cache
+    if native is not None:
+        native()
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cache = getattr(prop, name, None)
+        clear = getattr(cache, "cache_clear", None)
+        if clear is not None:
+            clear()
 
 
 @contextlib.contextmanager
@@ -170,10 +196,16 @@ def _job_groups_aside() -> Iterator[None]:
     saved = {name: dict(getattr(c10d, name)) for name in maps}
     tags = {tag: list(groups) for tag, groups in c10d._tags_to_pg.items()}
     default = c10d._world.default_pg
+    # Group names come from a counter (distributed_c10d._process_group_name: str(_world.group_count)); the fake
+    # group takes one on the planning rank only, and a group the job creates later (a DeviceMesh) would then be
+    # named differently on that rank than on its peers, which functional collectives (DTensor.full_tensor)
+    # resolve by name: put the counter back too.
+    count = c10d._world.group_count
     c10d._world.default_pg = None
     try:
         yield
     finally:
+        c10d._world.group_count = count
         for pg, name in list(c10d._pg_names.items()):
             if pg not in saved["_pg_names"]:
                 torch._C._distributed_c10d._unregister_process_group(name)

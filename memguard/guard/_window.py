@@ -497,7 +497,13 @@ class MicroBatchWindow:
     # ----------------------------------------------------------------------------------------------
 
     def anchor(self, value: torch.Tensor) -> torch.Tensor:
-        """:func:`gradient_anchor` over the window's parameters that have a gradient on some rank."""
+        """:func:`gradient_anchor` over the window's parameters that have a gradient on some rank.
+
+        Under FSDP2 the micro-batches' own backward passes reduce-scattered the gradients already: the
+        anchor then touches no parameter (a framework's backward of it runs no FSDP2 hook and adds nothing).
+        """
+        if isinstance(self.rank_group, ShardedRankGroup):
+            return gradient_anchor(value, [])
         return gradient_anchor(value, [p for p, h in zip(self._params, self._had) if h])
 
     def sync_gradients(self, buffers: Sequence[torch.Tensor] = ()) -> None:

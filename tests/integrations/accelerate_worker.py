@@ -16,6 +16,13 @@ first step with a 1 GiB budget; the Accelerator accumulates ``accumulate`` batch
 Started by ``torchrun`` on several processes, the Accelerator runs DDP (``MULTI_CPU``) and each
 rank gets every ``world``-th batch of the dataloader (Accelerate's default batch sharding), so one
 optimizer step covers ``batch x accumulation x world`` consecutive samples.
+``batch_s`` in the result is each batch's wall time; ``skip_agreements`` (only without a cap) runs FSDP's
+collectives without memguard's agreements before them, to measure what those cost.
+With ``fsdp1``, the same with FSDP1 (``fsdp_version=1``, ``FULL_SHARD``, each ``Linear`` wrapped).
+With ``fsdp2``, the Accelerator shards the model with FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``,
+``fully_shard`` of each ``Linear`` and of the root, parameters resharded after forward): the planner path
+builds the plugin itself, a hand-made plan is an FSDP2 plan of sharding level 3 whose
+``accelerator_kwargs`` builds it.
 With ``eval_factor``, after training (the cap still in force on the capped ranks) each rank evaluates
 one validation batch of ``eval_factor x batch`` samples of its own with
 :func:`memguard.integrations.accelerate.evaluate` and gathers the predictions with
@@ -33,6 +40,7 @@ import logging
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +48,30 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from worker_common import LR, MOMENTUM, Net, Samples, traced, vm_size  # noqa: E402 - this folder is on sys.path
+
+
+def force_fsdp_on_cpu(accelerator, plugin) -> None:
+    """Make a CPU Accelerator run its FSDP plugin. Accelerate 1.15 turns an ``fsdp_plugin`` into
+    ``DistributedType.FSDP`` only for the accelerator types of GPUs and other devices, not MULTI_CPU
+    (``AcceleratorState.__init__``, accelerate/state.py), so a CPU Accelerator ignores it; set what that
+    branch sets (the distributed type and the plugin) so that ``accelerator.prepare`` shards the model with
+    ``fsdp2_prepare_model`` and ``no_sync``/``backward`` take their FSDP2 paths, as on GPUs."""
+    from accelerate.utils import DistributedType
+
+    from accelerate.state import PartialState
+
+    state = accelerator.state
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    # AcceleratorState() copies PartialState's fields into itself whenever it is built again (state.py,
+    # AcceleratorState.__init__), as Accelerate's utilities do: set it there too
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if plugin.fsdp_version == 1:
+        # FSDP1 checks its device_id (Accelerate passes accelerator.device, accelerator.py _prepare_fsdp1 path) against
+        # the parameters' device; on CPU PartialState.set_device makes it "cpu:0" (torch.cpu.device_count() is 1) while
+        # the parameters are on "cpu", which FSDP1's _get_compute_device refuses as inconsistent
+        for shared in (state._shared_state, PartialState._shared_state):
+            shared["device"] = torch.device("cpu")
 
 
 def main() -> None:
@@ -92,20 +124,56 @@ def main() -> None:
 
     model = initial
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    fsdp1 = bool(cfg.get("fsdp1"))
+    fsdp2 = bool(cfg.get("fsdp2")) or fsdp1  # (fsdp2: "sharded" below)
+
+    def fsdp1_plugin():
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        return FullyShardedDataParallelPlugin(fsdp_version=1, sharding_strategy="FULL_SHARD", use_orig_params=True,
+                                              auto_wrap_policy="transformer_based_wrap",
+                                              transformer_cls_names_to_wrap=["Linear"])
+
+    plan = None
     if cfg["plan"] == "planner":
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
-        model, optimizer = prepare(accelerator, model, optimizer, loss_fn=loss_fn, budget_bytes=1 << 30)
+        kwargs: dict = {"cpu": True, "gradient_accumulation_steps": accumulate}
+        if fsdp1:
+            kwargs["fsdp_plugin"] = fsdp1_plugin()
+        elif fsdp2:
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+                fsdp_version=2, reshard_after_forward=True, auto_wrap_policy="transformer_based_wrap",
+                transformer_cls_names_to_wrap=["Linear"])
     else:
         micro, accum = cfg["plan"]
+        stage = 3 if fsdp2 else 0
         est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                        peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
-                       zero_stage=0, world_size=world, gpu=None, micro_batch_size=micro)
+                       zero_stage=stage, world_size=world, gpu=None, micro_batch_size=micro)
         plan = Plan(micro_batch_size=micro, grad_accum_steps=accum, world_size=world,
                     global_batch_size=micro * accum * world,
-                    precision="32-true", activation_checkpointing=False, zero_stage=0,
+                    precision="32-true", activation_checkpointing=False, zero_stage=stage,
+                    strategy="fsdp2" if fsdp2 else "ddp", block_class="Linear" if fsdp2 else None,
                     budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu")
-        accelerator = Accelerator(**accelerator_kwargs(plan))
+        kwargs = accelerator_kwargs(plan)
+        if fsdp1:  # the same plan run by FSDP1 (FULL_SHARD: its sharding level 3)
+            kwargs["fsdp_plugin"] = fsdp1_plugin()
+    accelerator = Accelerator(**kwargs)
+    if fsdp2:
+        force_fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
+    if plan is None:
+        # under FSDP2 memguard plans before accelerator.prepare shards the model: from an example batch
+        example = {k: v[: cfg["batch"]] for k, v in {"x": data.x, "y": data.y, "idx": torch.arange(len(data))}.items()}
+        model, optimizer = prepare(accelerator, model, optimizer, loss_fn=loss_fn, budget_bytes=1 << 30,
+                                   example_batch=example if fsdp2 else None)
+    else:
         model, optimizer = prepare(accelerator, model, optimizer, plan=plan, loss_fn=loss_fn)
+    if cfg.get("skip_agreements"):
+        # For measuring what the agreements cost (no cap: nothing can fail): FSDP's collectives then run without them
+        from memguard.guard._sharded import ShardedRankGroup
+
+        ShardedRankGroup._boundary = lambda self: None
     loader = accelerator.prepare(DataLoader(data, batch_size=cfg["batch"], shuffle=False))
 
     b = cfg["batch"]
@@ -119,7 +187,9 @@ def main() -> None:
             if i == cfg["cap_batch"] and rank in cfg.get("cap_ranks", [0]):
                 resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (cfg["budget_mib"] << 20), hard))
                 result["capped"] = True
+            started = time.perf_counter()
             result["losses"].append(step(accelerator, model, optimizer, batch))
+            result.setdefault("batch_s", []).append(time.perf_counter() - started)
             if accelerator.sync_gradients:
                 events.append("STEP")
         if cfg.get("eval_factor"):
@@ -156,7 +226,21 @@ def main() -> None:
     st = status(model)
     result.update(events=events, messages=messages, micro_batch_size=st.micro_batch_size, oom_retries=st.oom_retries,
                   planned=st.planned_micro_batch_size, steps=st.steps)
-    torch.save(accelerator.unwrap_model(model).state_dict(), out / f"accelerate{rank}.pt")
+    from memguard.guard._core import guard_of
+
+    result["agreements"] = getattr(guard_of(model, "").rank_group, "agreements", None)  # FSDP2's, for their cost
+    (out / f"result{rank}.json").write_text(json.dumps(result))  # in case gathering the weights below fails
+    # FSDP2 holds DTensor shards: gather the full weights (a collective every rank joins here)
+    if fsdp1:  # FSDP1's full state dict, on every rank (a collective every rank joins)
+        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                                      FullStateDictConfig(rank0_only=False)):
+            state = dict(model.state_dict())
+    else:
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+                 for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    torch.save(state, out / f"accelerate{rank}.pt")
     (out / f"result{rank}.json").write_text(json.dumps(result))
     # Leave without interpreter teardown: with gloo, destroying the process group while a gloo worker
     # thread still releases a finished work's tensors can deadlock at exit (tests/guard/oom_worker.py).

@@ -141,12 +141,15 @@ def main() -> None:
     else:
         micro, accum = cfg["plan"]
         local = micro * accum
+        # under ModelParallelStrategy an FSDP2 plan (sharding level 3: fully_shard's reshard_after_forward default)
+        stage = 3 if cfg.get("strategy") == "model_parallel" else 0
         est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                        peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
-                       zero_stage=0, world_size=cfg["world"], gpu=None, micro_batch_size=micro)
+                       zero_stage=stage, world_size=cfg["world"], gpu=None, micro_batch_size=micro)
         callback = MemguardCallback(plan=Plan(micro_batch_size=micro, grad_accum_steps=accum, world_size=cfg["world"],
                                               global_batch_size=local * cfg["world"], precision="32-true",
-                                              activation_checkpointing=False, zero_stage=0,
+                                              activation_checkpointing=False, zero_stage=stage,
+                                              strategy="fsdp2" if stage else "ddp",
                                               budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu"))
     module = Lit()
     if cfg.get("strategy") == "model_parallel":
@@ -164,6 +167,8 @@ def main() -> None:
     except Exception as exc:  # reported to the test, which decides whether it was expected
         result["error"] = {"type": type(exc).__name__, "message": str(exc)}
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    rg = callback._guard.rank_group if callback._guard is not None else None
+    result["agreements"] = getattr(rg, "agreements", None)  # FSDP2's agreements, for their cost
     result.update(events=events, messages=messages, micro_batch_size=callback.micro_batch_size,
                   oom_retries=callback.oom_retries,
                   plan=[callback.plan.micro_batch_size, callback.plan.grad_accum_steps] if callback.plan else None,

@@ -392,3 +392,67 @@ def test_ddp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path) ->
     for e in (e0, e1):
         assert e["pred_max_diff"] <= 1e-5 and e["loss"] == pytest.approx(e["ref_loss"], rel=1e-6)
         assert e["train_micro"] == [16, 16]  # the training micro-batch is not the evaluation's
+
+
+@pytestmark_linux
+@pytest.mark.parametrize("cfg, retries", [
+    # memguard plans from an example batch before accelerator.prepare shards the model: micro-batch 64 for each
+    # rank's 64-sample batch (1 GiB budget); rank 1 capped (20 MiB) from batch 1: 64 and 32 fail, 16 fits
+    ({"batch": 64, "plan": "planner", "accumulate": 1, "cap_batch": 1, "fsdp2": True}, 2),
+    # a hand-made FSDP2 plan of 32 x 2 (accelerator_kwargs builds the plugin: sync_each_batch, reshard after
+    # forward, each Linear wrapped); rank 1 capped at its batch 3, the second of step 2: 32 fails, 16 fits, and
+    # both ranks replay batch 2 before batch 3
+    ({"batch": 32, "plan": [32, 2], "cap_batch": 3, "fsdp2": True}, 1),
+    # the same two runs under FSDP1 (FullyShardedDataParallel, FULL_SHARD, each Linear wrapped, use_orig_params)
+    ({"batch": 64, "plan": "planner", "accumulate": 1, "cap_batch": 1, "fsdp1": True}, 2),
+    ({"batch": 32, "plan": [32, 2], "cap_batch": 3, "fsdp1": True}, 1),
+])
+def test_fsdp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path, cfg: dict, retries: int) -> None:
+    # torchrun, 2 CPU processes; the Accelerator shards the model with FSDP2 (fully_shard of each Linear and the
+    # root, through Accelerate's own fsdp2_prepare_model) or wraps it in FSDP1. memguard arms an agreement before
+    # each FSDP all-gather and reduce-scatter, so rank 0 leaves its forward/backward when rank 1 fails in compute.
+    r0, r1 = _run_worker(tmp_path, world=2, cap_ranks=[1], **cfg)
+    assert r0["error"] is None and r1["error"] is None and r1.get("capped") and not r0.get("capped")
+    m0 = [m for m in r0["messages"] if m.startswith("WARNING:out of memory")]
+    m1 = [m for m in r1["messages"] if m.startswith("WARNING:out of memory")]
+    assert len(m0) == len(m1) == retries
+    assert all("on rank 1;" in m for m in m0) and all("DefaultCPUAllocator" in m for m in m1)
+    assert r0["micro_batch_size"] == r1["micro_batch_size"] == 16 and r0["steps"] == r1["steps"] == 3
+    assert r0["agreements"] == r1["agreements"] > 0  # the same agreements on both ranks: none left unmatched
+    for r in (r0, r1):
+        check_samples(r, steps=3, per_step=64)
+    w0, w1 = torch.load(tmp_path / "accelerate0.pt"), torch.load(tmp_path / "accelerate1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    # the reference is one process on the step's 128 samples; ~3e-7 observed, 1e-5 allowed
+    assert _rel_sd(tmp_path) <= 1e-5
+
+
+def _fsdp_accelerator(version: int):
+    """A CPU Accelerator that runs an FSDP plugin. Accelerate 1.15 enables an FSDP plugin only for GPU-like
+    accelerator types (accelerate/state.py, AcceleratorState.__init__), so the test sets the distributed type
+    and the plugin that branch sets (as accelerate_worker.force_fsdp_on_cpu does)."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=version)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return accelerator
+
+
+def test_fsdp2_needs_a_plan_or_an_example_batch_before_the_model_is_sharded() -> None:
+    accelerator = _fsdp_accelerator(2)
+    assert accelerator.is_fsdp2
+    model = _net()
+    with pytest.raises(ConfigError, match="under FSDP2 pass plan= .*or example_batch="):
+        prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)
+
+
+def test_fsdp1_without_use_orig_params_is_refused() -> None:
+    # the plugin's default use_orig_params=False would leave the optimizer built on the unwrapped model stale
+    accelerator = _fsdp_accelerator(1)
+    model = _net()
+    with pytest.raises(ConfigError, match="use_orig_params=True"):
+        prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), plan=_plan(8, 1), loss_fn=loss_fn)

@@ -406,9 +406,10 @@ def test_zero_stage_option_under_ddp_is_refused_at_setup() -> None:
     assert "training_step" not in model.__dict__
 
 
-def test_model_parallel_strategy_plans_and_applies_without_the_guard(caplog) -> None:
+def test_model_parallel_strategy_plans_applies_and_arms_the_guard(caplog) -> None:
     """FSDP2 (fully_shard in configure_model) on one CPU process: the plan is made before the module is
-    sharded, batch size and accumulation are applied, and the weights equal plain PyTorch's."""
+    sharded, batch size and accumulation are applied, the guard stands in for training_step once the
+    module is sharded, and the weights equal plain PyTorch's."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -443,8 +444,11 @@ def test_model_parallel_strategy_plans_and_applies_without_the_guard(caplog) -> 
     assert plan.zero_stage in (1, 2, 3)
     assert {s[:3] for s in probe.seen} == {(plan.micro_batch_size, plan.micro_batch_size, plan.grad_accum_steps)}
     assert cb.status() is not None and cb.oom_retries == 0
-    assert any("does not recover from out-of-memory errors under ModelParallelStrategy" in r.getMessage()
+    assert any("memguard recovers from out-of-memory errors under ModelParallelStrategy" in r.getMessage()
                for r in caplog.records)
+    assert not any("does not recover" in r.getMessage() for r in caplog.records)
+    assert cb.status().steps == trainer.global_step  # every optimizer step went through the guard
+    assert "training_step" not in model.__dict__  # the stand-in is gone after fit
     assert model.batch_size == 64 and trainer.accumulate_grad_batches == 1  # restored after fit
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
     ref = _reference(initial, 64).state_dict()
@@ -571,9 +575,42 @@ def test_model_parallel_two_ranks_plan_once_and_train_the_reference_weights(tmp_
                          cap_ranks=[], cap_batch=-1, package=PACKAGES[0])
     assert r0["error"] is None and r1["error"] is None
     assert r0["plan"] == r1["plan"] and r0["plan"][0] * r0["plan"][1] == 64 and r0["plan"][1] > 1
-    assert any("does not recover from out-of-memory errors under ModelParallelStrategy" in m for m in r0["messages"])
-    assert r0["restored_batch_size"] == 64 and r0["restored_accumulate"] == 1
+    assert any("memguard recovers from out-of-memory errors under ModelParallelStrategy" in m for m in r0["messages"])
+    assert r0["oom_retries"] == r1["oom_retries"] == 0
+    assert r0["restored_batch_size"] == 64 and r0["restored_accumulate"] == 1 and r0["patched_left"] == []
     w0, w1 = _weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "lightning1.pt")
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     # the reference is one process on both ranks' 128 samples per step; ~4e-7 observed, 1e-5 allowed
+    assert _rel_sd(w0, _weights(tmp_path, "reference.pt")) <= 1e-5
+
+
+@pytestmark_linux
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+@pytest.mark.parametrize("plan, cap_batch, retries, package", [
+    # memguard plans 64 x 1 per rank (1 GiB budget); rank 1 capped (20 MiB) from batch 1: 64 and 32 fail, 16 fits
+    ("planner", 1, 2, PACKAGES[0]),
+    # a hand-made 32 x 2 FSDP2 plan; rank 1 capped at batch 3, the second batch of step 2: 32 fails, 16 fits, and
+    # both ranks replay batch 2 (run under Lightning's no-sync: set_requires_gradient_sync(False)) before batch 3
+    ([32, 2], 3, 1, PACKAGES[-1]),
+])
+def test_model_parallel_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: Path, plan, cap_batch: int,
+                                                                          retries: int, package: str) -> None:
+    # ModelParallelStrategy (FSDP2: fully_shard of each linear layer and of the LightningModule in configure_model)
+    # over 2 gloo ranks; only rank 1 is capped. The agreement before each FSDP2 collective lets rank 0 leave its
+    # forward/backward when rank 1 fails in compute, instead of waiting in an all-gather rank 1 never joins.
+    r0, r1 = _run_worker(tmp_path, world=2, plan=plan, cap_batch=cap_batch, cap_ranks=[1], strategy="model_parallel",
+                         package=package)
+    assert r0["error"] is None and r1["error"] is None
+    assert r1.get("capped") and not r0.get("capped")
+    assert all("DefaultCPUAllocator" in m for m in _retries(r1))
+    assert all("on rank 1;" in m for m in _retries(r0))  # rank 0 retried because rank 1 ran out
+    assert len(_retries(r0)) == len(_retries(r1)) == retries
+    assert r0["micro_batch_size"] == r1["micro_batch_size"] == 16
+    assert r0["agreements"] == r1["agreements"] > 0  # the same agreements on both ranks: no collective unmatched
+    for r in (r0, r1):
+        check_samples(r, steps=3, per_step=64, skip_until_first_batch=True)
+        assert r["restored_batch_size"] == 64 and r["patched_left"] == []
+    w0, w1 = _weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "lightning1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    # the reference is one process on both ranks' 128 samples per step; ~3.6e-7 observed, 1e-5 allowed
     assert _rel_sd(w0, _weights(tmp_path, "reference.pt")) <= 1e-5

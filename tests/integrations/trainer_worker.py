@@ -16,7 +16,10 @@ Config keys: ``out`` (folder), ``batch`` (per-device batch), ``accum`` (gradient
 ``steps``, ``seq``, ``vocab``, ``budget_mib``, ``cap_step``, ``cap_ranks``, ``plan``
 (``"planner"``: memguard plans; otherwise a plan that keeps the arguments' batch), ``eval_oom``
 (also run an evaluation whose forward always raises an out-of-memory error, to show that the
-evaluation guard gives up with memguard's error and does not touch the training micro-batch).
+evaluation guard gives up with memguard's error and does not touch the training micro-batch), ``fsdp2``
+(both Trainers shard the model with FSDP2 through Accelerate: ``fsdp="full_shard"``, each ``GPT2Block``
+and the root ``fully_shard``-ed, see :func:`force_fsdp_on_cpu`), ``fsdp_version`` (1: FSDP1's
+``FullyShardedDataParallel`` instead, each ``GPT2Block`` and the root wrapped).
 
 Each rank writes ``result<rank>.json`` and its two sets of final weights.
 """
@@ -33,6 +36,45 @@ from pathlib import Path
 import torch
 
 from worker_common import vm_size  # noqa: E402 - this folder is on sys.path
+
+
+def force_fsdp_on_cpu(trainer) -> None:
+    """Make a CPU Trainer run its FSDP arguments. Accelerate 1.15 turns an ``fsdp_plugin`` into
+    ``DistributedType.FSDP`` only for the accelerator types of GPUs and other devices, not MULTI_CPU
+    (``AcceleratorState.__init__``, accelerate/state.py), so the Trainer's Accelerator drops the plugin its
+    ``fsdp`` arguments built (trainer.py, ``create_accelerator_and_postprocess``); set what that branch sets,
+    and the Trainer's flag read from it, so that ``train()`` shards the model with ``fsdp2_prepare_model``
+    and takes its FSDP paths, as on GPUs. The state is process-wide: later Trainers see it too."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from accelerate.state import PartialState
+
+    state = trainer.accelerator.state
+    if state.distributed_type != DistributedType.FSDP:
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+        # AcceleratorState() copies PartialState's fields into itself whenever it is built again (state.py,
+        # AcceleratorState.__init__), as Accelerate's utilities do during training: set it there too
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if state.fsdp_plugin.fsdp_version == 1:
+            # FSDP1 checks its device_id (Accelerate passes accelerator.device) against the parameters' device; on CPU
+            # PartialState.set_device makes it "cpu:0" (torch.cpu.device_count() is 1) while the parameters are on
+            # "cpu", which FSDP1's _get_compute_device refuses as inconsistent
+            for shared in (state._shared_state, PartialState._shared_state):
+                shared["device"] = torch.device("cpu")
+    trainer.is_fsdp_enabled = True
+
+
+def full_state(model) -> dict:
+    """The model's weights; FSDP2's DTensor shards or FSDP1's flat parameters gathered (a collective every rank
+    joins here)."""
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                                      FullStateDictConfig(rank0_only=False)):
+            return dict(model.state_dict())
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
 
 
 def main() -> None:
@@ -81,6 +123,13 @@ def main() -> None:
             gradient_accumulation_steps=cfg["accum"], max_steps=cfg["steps"], learning_rate=1e-3, max_grad_norm=0.5,
             lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="no", disable_tqdm=True,
             dataloader_num_workers=0, seed=0, ddp_backend="gloo" if world > 1 else None,
+            # FSDP1 without sync_module_states (its plugin looks for a GPU to broadcast on; every rank starts from
+            # the same weights here anyway)
+            **({"fsdp": "full_shard", "fsdp_config": {"version": cfg.get("fsdp_version", 2),
+                                                      "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                                                      **({"sync_module_states": "false"}
+                                                         if cfg.get("fsdp_version") == 1 else {})}}
+               if cfg.get("fsdp2") else {}),
         )
 
     def model() -> transformers.GPT2LMHeadModel:
@@ -92,17 +141,20 @@ def main() -> None:
 
     # the reference: the plain Trainer, no memguard, no cap
     plain = transformers.Trainer(model=model(), args=args("plain"), train_dataset=data)
+    if cfg.get("fsdp2"):
+        force_fsdp_on_cpu(plain)
     plain.train()
     result["plain_logs"] = [h for h in plain.state.log_history if "loss" in h]
-    torch.save(plain.model.state_dict(), out / f"plain{rank}.pt")
+    torch.save(full_state(plain.model), out / f"plain{rank}.pt")
 
+    stage = 3 if cfg.get("fsdp2") else 0  # fsdp="full_shard": FSDP2's sharding level 3
     est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                    peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
-                   zero_stage=0, world_size=world, gpu=None, micro_batch_size=cfg["batch"])
+                   zero_stage=stage, world_size=world, gpu=None, micro_batch_size=cfg["batch"])
     plan = Plan(micro_batch_size=cfg["batch"], grad_accum_steps=cfg["accum"], world_size=world,
                 global_batch_size=cfg["batch"] * cfg["accum"] * world, precision="32-true",
-                activation_checkpointing=False, zero_stage=0, budget_bytes=cfg["budget_mib"] << 20, estimate=est,
-                device="cpu")
+                activation_checkpointing=False, zero_stage=stage, strategy="fsdp2" if stage else "ddp",
+                budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu")
     # "planner": memguard plans (rank 0, broadcast) with room to spare and no checkpointing, which takes the
     # whole local batch of batch x accum samples as one micro-batch (the fastest split): the Trainer's
     # per-device batch and accumulation change, its global batch does not
@@ -118,6 +170,8 @@ def main() -> None:
 
     guarded = transformers.Trainer(model=model(), args=args("guarded"), train_dataset=data, eval_dataset=data,
                                    callbacks=[callback, Cap()])
+    if cfg.get("fsdp2"):
+        force_fsdp_on_cpu(guarded)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     try:
         guarded.train()
@@ -129,7 +183,9 @@ def main() -> None:
                   trainer_batch=[guarded.args.per_device_train_batch_size, guarded.args.gradient_accumulation_steps],
                   patched_left="training_step" in guarded.__dict__,
                   guarded_logs=[h for h in guarded.state.log_history if "loss" in h])
-    torch.save(guarded.model.state_dict(), out / f"guarded{rank}.pt")
+    result["agreements"] = getattr(callback._guard.rank_group, "agreements", None)  # FSDP2's, for their cost
+    (out / f"result{rank}.json").write_text(json.dumps(result))  # in case gathering the weights below fails
+    torch.save(full_state(guarded.model), out / f"guarded{rank}.pt")
 
     if cfg.get("eval_oom"):
         # an evaluation that runs out of memory even at one sample: memguard's error, the training micro-batch alone
