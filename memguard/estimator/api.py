@@ -52,6 +52,7 @@ def estimate(
     train: bool = True,
     strategy: str | None = None,
     cpu: str | None = None,
+    deepspeed_config: Any = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state training step (or, with ``train=False``, evaluation step).
 
@@ -105,6 +106,9 @@ def estimate(
             ``"avx512_core_fp16"``, ``"avx512_core_amx"`` (see :mod:`memguard.estimator._cpu_kernels`:
             16-bit matmuls and convolutions take oneDNN, with its reorders and scratchpads, only
             where the CPU supports the type).
+        deepspeed_config: a DeepSpeed config (dict or JSON path) the run uses: its ZeRO stage, precision,
+            batch triple, offload and buckets set the estimate ("auto" filled as the HF integration fills
+            it; a keyword that contradicts it is a ConfigError; :mod:`memguard.estimator._deepspeed_config`).
 
     Returns:
         An :class:`~memguard.Estimate`.
@@ -124,6 +128,15 @@ def estimate(
         reads ``PYTORCH_CUDA_ALLOC_CONF`` and ``CUBLAS_WORKSPACE_CONFIG`` from the environment
         (see ``Estimate.notes``).
     """
+    zero_config = None
+    if deepspeed_config is not None:
+        from memguard.estimator._deepspeed_config import read_deepspeed_config
+
+        ds = read_deepspeed_config(deepspeed_config, model=model, batch_size=first_dim(batch), zero_stage=zero_stage,
+                                   precision=precision, world_size=world_size, grad_accum_steps=grad_accum_steps,
+                                   offload_optimizer=offload_optimizer, strategy=strategy)
+        zero_stage, precision, world_size, grad_accum_steps, offload_optimizer, zero_config = (
+            ds.zero_stage, ds.precision, ds.world_size, ds.grad_accum_steps, ds.offload_optimizer, ds.config)
     if train is False:
         if strategy not in (None, "ddp"):
             raise ConfigError(f"strategy={strategy!r} is not modelled for an evaluation step (train=False): "
@@ -177,5 +190,6 @@ def estimate(
     checkpointed = min(int(blocks or 0), len(find_blocks(model)))
     target = Target(device=device, precision=precision, zero_stage=zero_stage, world_size=world_size, gpu=spec,
                     strategy=strategy, offload_optimizer=offload_optimizer)
-    est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0), checkpointed=checkpointed)
+    est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0), checkpointed=checkpointed,
+                                 zero_config=zero_config)
     return est
