@@ -203,3 +203,32 @@ def test_estimate_takes_the_config_stage_precision_and_buckets():
     assert est.peak_bytes - same.peak_bytes == 4 * 1_000_000
     with pytest.raises(memguard.ConfigError, match="drop zero_stage="):
         memguard.estimate(model, batch, loss_fn=loss, device="cpu", zero_stage=3, deepspeed_config=cfg)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4},
+    {"train_batch_size": 32, "gradient_accumulation_steps": 8},
+    {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3,
+     "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7, "stage3_prefetch_bucket_size": 1000,
+                           "stage3_param_persistence_threshold": 77, "stage3_max_live_parameters": 1e8,
+                           "stage3_max_reuse_distance": 0, "overlap_comm": False}},
+    {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+])
+def test_read_as_deepspeed_reads_it(cfg):
+    """DeepSpeed's own parser (one rank outside torch.distributed) gets the same batch triple,
+    stage, precision and bucket sizes."""
+    DeepSpeedConfig = pytest.importorskip("deepspeed.runtime.config").DeepSpeedConfig
+    from memguard.estimator._sharding import ZeroBuckets
+
+    cfg = {"zero_optimization": {"stage": 2}, **cfg}
+    ours = read(cfg, batch_size=cfg.get("train_micro_batch_size_per_gpu", 4))
+    theirs = DeepSpeedConfig(json.loads(json.dumps(cfg)))
+    assert (ours.micro_batch_size, ours.grad_accum_steps) == (theirs.train_micro_batch_size_per_gpu,
+                                                                theirs.gradient_accumulation_steps)
+    assert ours.zero_stage == theirs.zero_optimization_stage
+    assert (ours.precision == "bf16-mixed") == theirs.bfloat16_config.enabled
+    b, z = ZeroBuckets.from_config(ours.config), theirs.zero_config
+    assert (b.reduce_bucket_size, b.allgather_bucket_size, b.prefetch_bucket_size, b.max_live_parameters,
+            b.param_persistence_threshold, b.max_reuse_distance, b.contiguous_gradients) == (
+        z.reduce_bucket_size, z.allgather_bucket_size, z.prefetch_bucket_size, z.max_live_parameters,
+        z.param_persistence_threshold, z.max_reuse_distance, z.contiguous_gradients)
