@@ -106,6 +106,12 @@ class ShardFactors:
     extra_params: int = 0
     optimizer_temporaries: float = 1.0
     activations: float = 1.0  # ZeRO-3: > 1 when gathered parameters follow the activations
+    # ZeRO-1/2: the module's gradients are freed when the optimizer step begins (see model_state_factors)
+    release_grads_at_step: bool = False
+    # ZeRO-1: bytes of gradients allocated when backward ends (the partition's copy, grads_in_partition)
+    grads_at_end_of_backward: int = 0
+    # ZeRO-1/2: bytes of the reduce bucket(s), allocated when backward begins and gone by the step
+    bucket_in_backward: int = 0
 
     def as_dict(self) -> dict[str, float]:
         out = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -201,7 +207,6 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
     # the accelerator's device-name string (``get_accelerator().current_device_name()``, "cpu" or
     # "cuda:0"), which is False: the ``else`` branch, ``converted.clone().detach()``, runs.
     master = 4
-    grad32 = 4 if sixteen_bit else 0  # fp32 grad partition ("4_grads_32bit"; stage 1/2 step(): .to(fp32))
     # Adam: 8 ("8_optimizer_states_32bit")
     states = state_scale * traced_optimizer / num_trainable if num_trainable else 0.0
     psi, psi_t = num_params, num_trainable
@@ -209,6 +214,8 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
 
     extra_params = 0
     extra_grads = 0
+    grads_at_end = 0
+    bucket = 0
     activations = 1.0
     if zero_stage < 3:
         params_b = p_bytes * psi
@@ -216,23 +223,48 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
             # full gradients on every rank, plus the partition's own copy: stage_1_and_2.py,
             # reduce_ipg_grads ("zero stage 1 - partition only optimizer state"): with
             # contiguous_gradients, copy_grads_in_partition copies into ``self.grads_in_partition =
-            # torch.empty(total_size, dtype=self.dtype)`` (the parameters of this partition)
-            grads_b = p_bytes * psi_t + (p_bytes * part if _contiguous(buckets) else 0.0)
+            # torch.empty(total_size, dtype=self.dtype)`` (the parameters of this partition). Without
+            # overlap_comm the gradient hooks reduce nothing at stage 1 (process_gradients:
+            # ``if self.partition_gradients or self.overlap_comm``); reduce_gradients runs when backward
+            # has ended (engine.py allreduce_gradients, at the accumulation boundary), so the copy
+            # appears then, after backward's own temporaries are gone
+            grads_b = p_bytes * psi_t
+            if _contiguous(buckets):
+                if buckets is not None and buckets.overlap_comm:
+                    grads_b += p_bytes * part  # reduced in the hooks, during backward
+                elif buckets is None or psi_t > buckets.reduce_bucket_size:
+                    grads_at_end = int(p_bytes * part)
+                # else every gradient fits the bucket: reduce_independent_p_g_buckets_and_remove_grads
+                # copies each into it and frees its own storage (``grad_reduc.data =
+                # new_grad_tensor.data.view_as(grad_reduc)``) before reduce_ipg_grads makes the copy,
+                # so the copy (P) takes the place of gradients (Ψ) and is never the peak
         else:
             grads_b = p_bytes * part  # stage 2: only grads_in_partition survives the reduction
-        host_part = (grad32 + master + states) * part
+        host_part = (master + states) * part
         if buckets is not None and _contiguous(buckets):
             # stage_1_and_2.py, setup_buckets (every backward): ``torch.empty(int(self.reduce_bucket_size),
             # dtype=self._gradient_reduction_buffer_dtype())``, a second one when overlap_comm; the
-            # dtype is gradient_accumulation_dtype (fp32) for stage 1 with 16-bit weights
-            # (use_grad_accum_attribute, __init__), else the weights' dtype
-            item = 4 if zero_stage == 1 else p_bytes
+            # dtype is the weights' (use_grad_accum_attribute is False when gradient_accumulation_dtype,
+            # the engine's data_types.grad_accum_dtype, defaults to the weights' dtype: engine.py
+            # get_data_types; a different one is refused by _deepspeed_config)
+            # Allocated at the first gradient hook of each backward (process_gradients -> setup_buckets)
+            # and let go when the reduction ends (_release_ipg_buffers: ``bucket.buffer.clear()``; at
+            # stage 1 the gradients of other ranks' parameters stay views into it until step()'s
+            # free_grad_in_param_list): from the start of backward to the optimizer step
             copies = 2 if buckets.overlap_comm else 1  # DeepSpeedZeroConfig: overlap_comm defaults False below stage 3
-            extra_grads += int(buckets.reduce_bucket_size) * item * copies
-        # step(): ``flat_grad_partition = self.flatten(self.averaged_gradients[i])`` (a copy of the
-        # partition's grads; the per-parameter grads are freed by free_grad_in_param_list)
-        step_copy = p_bytes * part
-        grads_in_step = grads_b
+            bucket = int(buckets.reduce_bucket_size) * p_bytes * copies
+        # step() (stage_1_and_2.py), per group: free_grad_in_param_list(params_not_in_partition);
+        # ``flat_grad_partition = self.flatten(self.averaged_gradients[i])`` (p_bytes * P, the partition's
+        # grads copied); ``single_grad_partition = flat_grad_partition.to(fp32)`` (a second 4P copy in
+        # 16-bit, the same tensor in fp32); ``del flat_grad_partition``;
+        # free_grad_in_param_list(params_in_partition); then the optimizer steps the fp32 partition
+        # with single_grad_partition as its grad. So the module's gradients are gone when the torch
+        # optimizer runs (release_grads_at_step), and its step holds the fp32 gradient 4P beside its
+        # own temporaries; the moment before, the partition's grads, the flat copy and (16-bit) the
+        # fp32 copy coexist.
+        before_step = p_bytes * part + p_bytes * part + (4 * part if sixteen_bit else 0)
+        step_copy = 4 * part
+        grads_in_step = 0.0
     else:
         # the parameter partition: stage3.py, _create_fp16_partitions_with_defragmentation
         # (``self.lp_param_buffer``, the ds_tensor of every parameter, Ψ/N in the weights' dtype)
@@ -297,6 +329,8 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         if per_byte > _MAX_TEMPORARIES_PER_BYTE and trainable_param_bytes:
             per_byte = traced_temporaries / trainable_param_bytes
         need = per_byte * 4 * part + step_copy
+        if zero_stage < 3:
+            need = max(need, before_step)
         temporaries = max(0.0, need - grads_in_step) / traced_temporaries
     else:
         temporaries = 1.0 / n
@@ -309,6 +343,9 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         extra_params=extra_params,
         extra_grads=max(0, extra_grads) + (0 if traced_optimizer or host_part == 0 else int(host_part)),
         activations=activations,
+        release_grads_at_step=zero_stage in (1, 2) and not offload_optimizer,
+        grads_at_end_of_backward=grads_at_end if not offload_optimizer else 0,
+        bucket_in_backward=bucket,
     )
 
 
