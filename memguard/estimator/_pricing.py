@@ -57,6 +57,9 @@ def estimate_from_trace(trace, target: Target, *, micro_batch_size=0, checkpoint
         factors = _zero_factors(trace, target, zero_config)
         if factors.bucket_in_backward:
             trace = _allocate_at_phase(trace, ZERO_BUFFERS, "backward", factors.bucket_in_backward)
+        if factors.gathered_in_passes:
+            trace = _allocate_at_phase(trace, ZERO_GATHERED, "forward", factors.gathered_in_passes)
+            trace = _release_at_phase(trace, (ZERO_GATHERED,), "optimizer")
         if factors.release_grads_at_step:
             trace = _release_at_phase(trace, ("grads", ZERO_BUFFERS), "optimizer",
                                       allocate=factors.grads_at_end_of_backward)
@@ -97,6 +100,8 @@ def _zero_factors(trace, target: Target, zero_config=None):
 
 #: The category of the blocks put into a trace for DeepSpeed's own buffers (unscaled; reported as grads).
 ZERO_BUFFERS = "zero_buffers"
+#: ZeRO-3's gathered parameters put into a trace (unscaled; reported as params).
+ZERO_GATHERED = "zero_gathered"
 
 
 def _allocate_at_phase(trace, category: str, phase: str, nbytes: int, *, end_of_previous: bool = False):
@@ -239,6 +244,8 @@ def _fold_optimizer_temporaries(tl):
         bd = fold_categories(bd)
         if ZERO_BUFFERS in bd:
             bd["grads"] = bd.get("grads", 0) + bd.pop(ZERO_BUFFERS)
+        if ZERO_GATHERED in bd:
+            bd["params"] = bd.get("params", 0) + bd.pop(ZERO_GATHERED)
         extra = bd.pop(OPTIMIZER_TEMPORARIES, 0)
         if extra or "temporaries" in bd:
             bd["temporaries"] = bd.get("temporaries", 0) + extra

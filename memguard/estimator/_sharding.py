@@ -112,6 +112,8 @@ class ShardFactors:
     grads_at_end_of_backward: int = 0
     # ZeRO-1/2: bytes of the reduce bucket(s), allocated when backward begins and gone by the step
     bucket_in_backward: int = 0
+    # ZeRO-3: bytes of gathered parameters held from forward's start until the step (two largest layers)
+    gathered_in_passes: int = 0
 
     def as_dict(self) -> dict[str, float]:
         out = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -216,6 +218,7 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
     extra_grads = 0
     grads_at_end = 0
     bucket = 0
+    gathered_in_passes = 0
     activations = 1.0
     if zero_stage < 3:
         params_b = p_bytes * psi
@@ -270,14 +273,17 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         # (``self.lp_param_buffer``, the ds_tensor of every parameter, Ψ/N in the weights' dtype)
         params_b = p_bytes * psi / n
         # the gradient partition: stage3.py, _setup_for_real_optimizer: ``self.grad_partitions_flat_buffer =
-        # torch.zeros(sum(p.partition_numel() ...), dtype=self.gradient_accumulation_dtype)`` (fp32 by
-        # default), allocated once and kept; the per-module grads are reduced into it
+        # torch.zeros(sum(p.partition_numel() ...), dtype=self.gradient_accumulation_dtype)``, allocated
+        # once and kept; the per-module grads are reduced into it. The engine passes the weights' dtype
+        # (engine.py get_data_types: grad_accum_dtype defaults to the model dtype), so bP
         grads_b = 0.0
-        extra_grads += int(4 * part)
+        extra_grads += int(p_bytes * part)
         host_part = (master + states) * part  # the flat fp32 grad buffer above is DeepSpeed's "4_grads_32bit"
         # DeepSpeed's estimator (estimate_zero3_model_states_mem_needs): largest_layer_memory =
-        # 4 * largest_layer_params (two 16-bit layers: the one in use and the one prefetched)
-        extra_params = int(2 * p_bytes * largest_layer)
+        # 4 * largest_layer_params (two 16-bit layers: the one in use and the one prefetched); in forward
+        # and backward only: the step finds every parameter released (the measured bf16 rank's step
+        # holds no gathered parameter)
+        gathered_in_passes = int(2 * p_bytes * largest_layer)
         persistent = 0
         if buckets is not None:
             persistent = sum(k for k in param_numels if k <= buckets.param_persistence_threshold)
@@ -297,7 +303,7 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         # (On one rank the partition is the whole parameter: nothing is gathered beyond it.)
         reuse = (buckets or ZeroBuckets()).max_reuse_distance
         if n > 1 and reuse >= 2 * psi and traced_activations > 0:
-            gathered = p_bytes * (psi - persistent) - extra_params
+            gathered = p_bytes * (psi - persistent) - gathered_in_passes
             if gathered > 0:
                 activations = 1.0 + gathered / traced_activations
         # _prepare_fp32_grad_for_sub_group: ``self.flatten(self.averaged_gradients[i]).to(fp32)``
@@ -309,7 +315,7 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
             grads_b = 0.0  # stage_1_and_2.py: gpu_mem = 2 * total_params with cpu_offload
         if zero_stage == 3:
             grads_b = 0.0
-            extra_grads -= int(4 * part)  # the flat gradient partition is pinned host memory
+            extra_grads -= int(p_bytes * part)  # the flat gradient partition is pinned host memory
             params_b = p_bytes * psi / n  # stage3.py: largest_layer_memory + 2 * total_params / total_gpus
 
     def ratio(target: float, traced: int) -> float:
@@ -346,6 +352,7 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         release_grads_at_step=zero_stage in (1, 2) and not offload_optimizer,
         grads_at_end_of_backward=grads_at_end if not offload_optimizer else 0,
         bucket_in_backward=bucket,
+        gathered_in_passes=gathered_in_passes,
     )
 
 

@@ -57,10 +57,16 @@ def ds():
 
 def deepspeed_resident(f: ShardFactors, stage: int, psi_t: int, n: int, *, sixteen_bit: bool = True,
                        offload: bool = False) -> float:
-    """What DeepSpeed's estimator counts resident but the engine makes later (see the module
-    docstring): ZeRO-1's partition copy at the end of backward, and at stages 1-2 the fp32 gradient
-    partition of the step (16-bit only: in fp32 the partition's flat copy is that gradient)."""
-    step_fp32_grads = 4 * psi_t / n if stage < 3 and sixteen_bit and not offload else 0.0
+    """What DeepSpeed's estimator counts resident but the engine holds otherwise (see the module
+    docstring): ZeRO-1's partition copy at the end of backward; at stages 1-2 the fp32 gradient
+    partition of the step (16-bit only: in fp32 the partition's flat copy is that gradient); at
+    stage 3 the two gathered largest layers (forward and backward only: ``gathered_in_passes``) and
+    the gradient partition, which the estimator counts in fp32 and the engine keeps in the weights'
+    dtype (stage3.py ``grad_partitions_flat_buffer``, ``gradient_accumulation_dtype``)."""
+    if stage == 3:
+        narrower = (4 - (2 if sixteen_bit else 4)) * psi_t / n if not offload else 0.0
+        return f.gathered_in_passes + narrower
+    step_fp32_grads = 4 * psi_t / n if sixteen_bit and not offload else 0.0
     return f.grads_at_end_of_backward + step_fp32_grads
 
 
@@ -209,13 +215,19 @@ def test_estimate_model_state_bytes_matches_deepspeed(ds, stage):
             # the engine's step() has freed the 16-bit gradient partition (2Ψ/N) by the time the torch
             # optimizer runs, and its fp32 copy (4Ψ/N) is counted with the step's temporaries
             expected -= 6 * psi // n
+        else:
+            # the step finds ZeRO-3's gathered layers (4 x largest layer, 16-bit) released, and its
+            # gradient partition is in bf16 (2Ψ/N), not the fp32 DeepSpeed's estimator counts (4Ψ/N)
+            expected -= 4 * largest + 2 * psi // n
         if n == 1:
             assert est.peak_phase == "optimizer"
         if est.peak_phase == "optimizer":
             assert 0 <= est.model_state_bytes - expected <= step_slack(model, n), (n, est.model_state_bytes, expected)
         else:
-            assert est.breakdown.get("grads", 0) == 0  # forward: gradients were freed by zero_grad
-            assert est.model_state_bytes < expected
+            # forward: the module's gradients were freed; ZeRO-3 keeps its flat bf16 gradient partition
+            assert est.breakdown.get("grads", 0) == (0 if stage == 2 else 2 * psi // n)
+            if stage == 2:  # (ZeRO-3's forward ends with the whole model gathered: more, not less)
+                assert est.model_state_bytes < expected
 
 
 class TinyGPT(nn.Module):
@@ -418,14 +430,15 @@ def test_zero_1_keeps_full_grads_and_the_partition_copy():
 def test_zero_3_gathers_the_whole_model_with_the_default_reuse_distance():
     # __params_to_release keeps a module's parameters while they recur within max_reuse_distance
     # elements: with 1e9 nothing is released in forward. The gathered bytes ride on the activations
-    # (gathered and released with them); 2·largest_layer of them are the constant extra_params.
+    # (gathered and released with them); 2·largest_layer of them are gathered_in_passes (forward and
+    # backward).
     acts = 3 * PSI
     f = fp32_factors(3, activations=acts, buckets=ZeroBuckets(param_persistence_threshold=0))
-    assert acts * (f.activations - 1) + f.extra_params == pytest.approx(4 * PSI)
+    assert acts * (f.activations - 1) + f.gathered_in_passes == pytest.approx(4 * PSI)
     assert f.gathered_share == pytest.approx(1 - 1 / f.activations)
     short = fp32_factors(3, activations=acts,
                          buckets=ZeroBuckets(param_persistence_threshold=0, max_reuse_distance=PSI))
-    assert short.activations == 1.0 and short.extra_params == 2 * 4 * (PSI // 10)  # DeepSpeed's 4·largest_layer
+    assert short.activations == 1.0 and short.gathered_in_passes == 2 * 4 * (PSI // 10)  # DeepSpeed's 4·largest_layer
     # no config: DeepSpeed's default reuse distance (to_config never sets it)
     assert fp32_factors(3, activations=acts).activations == f.activations
 
