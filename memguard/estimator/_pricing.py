@@ -94,6 +94,7 @@ def _zero_factors(trace, target: Target, zero_config=None):
         offload_optimizer=target.offload_optimizer,
         state_scale=2.0 if traced_precision(precision, zero_stage) != precision else 1.0,
         buckets=None if zero_config is None else ZeroBuckets.from_config(zero_config),
+        gloo=target.device == "cpu",  # torch.distributed's CPU backend
     )
     return model_state_factors(traced, setup)
 

@@ -175,6 +175,8 @@ class ZeroSetup:
         buckets: the engine's ``zero_optimization`` settings (:class:`ZeroBuckets`). None: unknown;
             the bucket buffers and ZeRO-3's persistent parameters are then left out, and ZeRO-3's
             parameter retention takes DeepSpeed's default ``stage3_max_reuse_distance``.
+        gloo: the ranks talk through gloo (the CPU target), whose all-gather into one tensor stages
+            the whole output in a buffer of its own (see ``model_state_factors``).
     """
 
     zero_stage: int
@@ -183,6 +185,7 @@ class ZeroSetup:
     offload_optimizer: bool = False
     state_scale: float = 1.0
     buckets: ZeroBuckets | None = None
+    gloo: bool = False
 
 
 def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
@@ -266,6 +269,14 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         # own temporaries; the moment before, the partition's grads, the flat copy and (16-bit) the
         # fp32 copy coexist.
         before_step = p_bytes * part + p_bytes * part + (4 * part if sixteen_bit else 0)
+        if setup.gloo and n > 1:
+            # after the torch optimizer (fp32 gradient and its temporaries gone), step() ends with
+            # all_gather_dp_groups -> all_gather_into_tensor of the whole flat 16-bit buffer; gloo's
+            # allgather (torch ProcessGroupGloo.cpp, AsyncAllgatherWork: ``flatOutputTensor =
+            # newLikeFlat(outputs[0])``) gathers into a buffer of that size and copies it out: a
+            # measured 15.07 MiB ``c10d::_allgather_base_ > aten::empty`` on a 4-rank fp32 Llama of
+            # 3.95M parameters, its step's peak there
+            before_step = max(before_step, p_bytes * psi_t)
         step_copy = 4 * part
         grads_in_step = 0.0
     else:

@@ -535,3 +535,20 @@ def test_foreach_step_temporaries_cover_every_parameter():
     # two Adam temporaries of the partition plus its flat fp32 gradient (step())
     assert 2 * largest * single.optimizer_temporaries == pytest.approx(3 * 4 * PSI / n)
     assert 2 * all_bytes * foreach.optimizer_temporaries == pytest.approx(3 * 4 * PSI / n)
+
+
+def test_gloo_all_gather_stages_the_whole_flat_buffer():
+    # step() ends with all_gather_into_tensor of the flat weights; gloo (the CPU target's backend,
+    # ProcessGroupGloo AsyncAllgatherWork: newLikeFlat) gathers into a buffer of the whole output:
+    # 4Ψ bytes in fp32, more than the torch step's 3 x 4Ψ/N at N = 4 (the measured 4-rank Llama's
+    # step peak, benchmarks/results/deepspeed_cpu.md); NCCL gathers in place
+    largest = 4 * (PSI // 10)
+    states = TracedStates(params=4 * PSI, grads=4 * PSI, optimizer=8 * PSI, num_params=PSI, num_trainable=PSI,
+                          largest_layer=PSI // 10, temporaries=2 * largest, largest_param_bytes=largest)
+    for stage in (1, 2):
+        gloo = model_state_factors(states, ZeroSetup(zero_stage=stage, world_size=4, sixteen_bit=False, gloo=True))
+        nccl = model_state_factors(states, ZeroSetup(zero_stage=stage, world_size=4, sixteen_bit=False))
+        assert 2 * largest * gloo.optimizer_temporaries == pytest.approx(4 * PSI)
+        assert 2 * largest * nccl.optimizer_temporaries == pytest.approx(3 * 4 * PSI / 4)
+        two = model_state_factors(states, ZeroSetup(zero_stage=stage, world_size=2, sixteen_bit=False, gloo=True))
+        assert 2 * largest * two.optimizer_temporaries == pytest.approx(3 * 4 * PSI / 2)  # the step's own is larger
