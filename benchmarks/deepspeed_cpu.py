@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO on CPU: memguard's per-rank estimate against real 2-rank engines.
+"""DeepSpeed ZeRO on CPU: memguard's per-rank estimate against real 2- and 4-rank engines.
 
 Each case builds a small HF model (Llama- or GPT-2-shaped, ``AutoConfig.for_model``, nothing
 downloaded), hands it with a ``torch.optim.AdamW`` to ``deepspeed.initialize`` on ``world_size``
@@ -6,7 +6,9 @@ gloo ranks of this machine (``DS_ACCELERATOR=cpu``, ``MALLOC_ARENA_MAX=1``, one 
 with the ZeRO stage and bucket sizes that ``memguard.integrations.deepspeed.to_config`` writes for
 the model's hidden size (``buckets="plan"``) or with DeepSpeed's defaults (``buckets="default"``:
 no bucket keys, what a user's own config gets), ``gradient_clipping: 0`` (DeepSpeed 0.19.8 clips
-at 1.0 otherwise, which the plain step does not do) and fp32.
+at 1.0 otherwise, which the plain step does not do), fp32 or ``bf16: {enabled: true}``, with or
+without the engine's own ``gradient_accumulation_steps`` (2) and optimizer offload to the CPU
+(``zero_force_ds_cpu_optimizer: false`` for the torch AdamW).
 
 Measurement: the profiler (``profile_memory=True``) runs from before the model is built, so every
 tensor of the rank is seen being allocated; the rank's live bytes are replayed from the
@@ -19,9 +21,10 @@ steady-state step starts at the same level (``steady_starts_equal``). The peak o
 worst rank's peak over the steady-state steps (after ``--warmup`` steps) of ``--runs`` runs;
 ``peak_sites`` lists each rank's live bytes at its last step's peak by allocation site.
 
-The estimate is ``memguard.estimate``'s pipeline (``run_trace`` + ``evaluate``) on the same model
-built on the meta device, ``device="cpu"``, ``zero_stage`` 1-3, ``world_size`` 2, given the
-``zero_optimization`` block the engine ran with (``zero_config=``) so that its buckets are modelled.
+The estimate is ``memguard.estimate(model, batch, device="cpu", deepspeed_config=<the engine's
+config>, world_size=...)`` on the same model built on the meta device (its stage, precision,
+accumulation, offload and buckets read from the config); ``estimate_without_buckets`` passes the
+same settings as keywords instead (no config: buckets left out).
 
 Usage::
 
@@ -417,15 +420,19 @@ def measure(case: Case, *, runs: int, steps: int, warmup: int, timeout: float) -
 
 #: What the per-rank peaks show (the ``peak_sites`` of the ranks: live bytes at the peak by
 #: allocation site) for cases the estimate misses by more than 3%; printed under the table then.
+_ZERO2_LAST_RANK = ("the last rank (whose partition holds the last blocks, whose gradients backward produces "
+                    "first) peaks in backward with {held} of gradients still held as AccumulateGrad outputs and "
+                    "grads_in_partition not yet allocated; the other ranks peak {others}. Not modelled, not "
+                    "explained.")
 _KNOWN_GAPS = {
-    "gpt2-z1-plan": "the rank peaks at the end of backward with the full gradients, the partition copy and "
-                    "the 65536-element bucket, as modelled; the surplus is the single-device trace's own "
-                    "end-of-backward temporaries (4 MiB for GPT-2's tied embedding gradient, 2 MiB on the real rank).",
-    "gpt2-z2-plan": "rank 1 (whose partition holds the last blocks, whose gradients backward produces first) "
-                    "peaks early in backward with 8.3 MiB of its partition's gradients still held as "
-                    "AccumulateGrad outputs, not yet copied into grads_in_partition (rank 0 peaks at 56.64 MiB, "
-                    "1.4% under the estimate); with DeepSpeed's default 5e8-element bucket both ranks peak alike. "
-                    "Not modelled.",
+    "gpt2-z2-plan": _ZERO2_LAST_RANK.format(held="8.3 MiB", others="at 56.64-57.21 MiB, within 1.4% of the estimate"),
+    "llama-z2-plan-gas2": _ZERO2_LAST_RANK.format(held="15.3 MiB (the second micro-batch)",
+                                                  others="at 60.29 MiB, the estimate"),
+    "llama-z2-plan-w4": _ZERO2_LAST_RANK.format(held="4.3 MiB", others="at 41.45 MiB, the estimate"),
+    "llama-z2-plan-offload": "on the CPU accelerator the offloaded optimizer state, fp32 master and gradient "
+                             "partitions are in the same memory as everything else; the estimate leaves "
+                             "offloaded state out (the device memory of a GPU target). Not modelled for the "
+                             "CPU target.",
 }
 
 
@@ -433,7 +440,7 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     ok = [r for r in rows if "error_pct" in r]
     m = meta["machine"]
     lines = [
-        "# DeepSpeed ZeRO on CPU: estimate vs. real 2-rank engines", "",
+        "# DeepSpeed ZeRO on CPU: estimate vs. real 2- and 4-rank engines", "",
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date']}" + (f" (estimates re-run {meta['rescored']} with `--rescore`)" if meta.get("rescored")
                                     else "") + "  ",
@@ -446,10 +453,11 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "built; see `_replay`). `plan` buckets: what `to_config` writes for hidden size 256 "
         "(`reduce_bucket_size` 65536, stage 3 `stage3_prefetch_bucket_size` 58982 and "
         "`stage3_param_persistence_threshold` 2560); `default`: no bucket keys (DeepSpeed's defaults). "
-        "Estimate: `estimate_from_trace(..., zero_config=<the engine's zero_optimization>)`; "
-        "`without config`: the same estimate without `zero_config` (what `memguard.estimate` gives). "
-        "`before`: the estimate of the ZeRO model before it was fitted to these engines (commit "
-        f"{meta.get('before_commit', '?')}, attached with `--before`).", "",
+        "Estimate: `memguard.estimate(..., deepspeed_config=<the engine's config>)`; "
+        "`without config`: the same stage, precision, accumulation and offload as keywords, without the "
+        "config (its buckets then left out). "
+        "`before`: the estimate with the engine's config at commit "
+        f"{meta.get('before_commit', '?')} (attached with `--before`).", "",
         "| case | real worst (MiB) | distinct rank-step peaks | estimate (MiB) | error | "
         "estimate without config (MiB) | error | before (MiB) | error |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
