@@ -4,29 +4,37 @@ The trace counts the whole model on one rank. Sharding is applied by scaling the
 ``grads``, ``optimizer`` and optimizer-step temporaries categories of the timeline (see
 ``analysis.scan``) and adding constant bytes, so that a rank holds what a real DeepSpeed 0.19.8
 engine holds (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py, partitioned_param_coordinator.py;
-each term cites its line below; checked against real 2-rank CPU engines in
+each term cites its line below; checked against real 2- and 4-rank CPU engines in
 benchmarks/deepspeed_cpu.py). Per rank, with Ψ parameters, P = Ψ_t/N the rank's partition of the
 trainable ones, b the weights' bytes (2 in fp16/bf16, 4 in fp32) and s the optimizer's state bytes
 per parameter (read from the trace: 8 for Adam):
 
-* ZeRO-1: weights bΨ and gradients bΨ_t on every rank, plus the partition's gradient copy bP
-  (``grads_in_partition``); fp32 master partition 4P (even in fp32: the partition is cloned), the
-  optimizer state sP, and in 16-bit the fp32 gradient partition 4P. With mixed precision and Adam
-  that is ``4Ψ + 18Ψ/N`` (the ZeRO paper's P_os, arXiv 1910.02054 §5.1, plus the copy).
-* ZeRO-2: as ZeRO-1 but the gradients are bP only: ``2Ψ + 18Ψ/N``, DeepSpeed's
-  ``estimate_zero2_model_states_mem_needs``; in fp32 ``4Ψ + 16Ψ/N``. With CPU offload: ``bΨ``.
-* ZeRO-3: the parameter partition bΨ/N, the flat fp32 gradient partition 4P (kept allocated), the
-  fp32 master 4P and sP: ``18Ψ/N`` mixed (DeepSpeed's ``estimate_zero3_model_states_mem_needs``)
-  and ``20Ψ/N`` in fp32; plus ``2b·largest_layer`` gathered parameters (DeepSpeed's estimator).
-  Under the default ``stage3_max_reuse_distance`` (1e9) the whole model is gathered by the end of
+* ZeRO-1: weights bΨ and gradients bΨ_t on every rank through backward; when backward ends
+  (reduce_gradients, without ``overlap_comm``) the partition's gradient copy bP
+  (``grads_in_partition``); the fp32 master partition 4P (even in fp32: the partition is cloned) and
+  the optimizer state sP at rest.
+* ZeRO-2: as ZeRO-1 but the gradients are reduced in backward's hooks and only bP survive. With
+  CPU offload: ``bΨ``.
+* The ZeRO-1/2 step (``step()``): the module's gradients are freed, the partition's fp32 gradient
+  4P is made (a second copy in 16-bit training, the flat copy itself in fp32) and the torch
+  optimizer steps the flat partition with its temporaries; then the updated partitions are
+  all-gathered (on gloo, the CPU target, through a staging buffer of the whole flat bΨ). DeepSpeed's
+  ``estimate_zero2_model_states_mem_needs`` (``2Ψ + 18Ψ/N``) counts the fp32 gradient resident: it
+  is the step's (tests/estimator/test_sharding.py adds it back to compare).
+* ZeRO-3: the parameter partition bΨ/N, the flat gradient partition bP in the weights' dtype (kept
+  allocated), the fp32 master 4P and sP at rest; in forward and backward ``2b·largest_layer``
+  gathered parameters (DeepSpeed's estimator), released by the step, which makes the fp32 gradient
+  4P. Under the default ``stage3_max_reuse_distance`` (1e9) the whole model is gathered by the end of
   forward and released module by module in backward; those bytes follow the activations' shape
-  (the ``activations`` factor; ``pricing.estimate_from_trace`` reports them as params). With the engine's config,
-  parameters under ``stage3_param_persistence_threshold`` stay gathered all the time.
+  (the ``activations`` factor; ``pricing.estimate_from_trace`` reports them as params). With the
+  engine's config, parameters under ``stage3_param_persistence_threshold`` stay gathered all the time.
 * Buckets (only with the engine's config, :class:`ZeroBuckets`): the reduce bucket,
-  ``reduce_bucket_size`` elements allocated whole whatever the model's size (DeepSpeed's default
-  5e8 is a 2 GB fp32 buffer), twice with ``overlap_comm`` at stages 1-2.
-* The optimizer step: DeepSpeed steps one flat partition, so the torch optimizer's temporaries are
-  those of P elements (per parameter byte as in the trace), plus the flattened gradient partition.
+  ``reduce_bucket_size`` elements of the weights' dtype allocated whole whatever the model's size
+  (DeepSpeed's default 5e8 is a 2 GB fp32 buffer), twice with ``overlap_comm``; at stages 1-2 from
+  backward's first gradient hook to the step, at stage 3 for the engine's life.
+* The blocks whose lifetimes are not the traced ones' (the stage 1-2 buckets and partition copy,
+  ZeRO-3's gathered layers) are put into the trace as blocks of their own and the module's
+  gradients freed where the step begins (``_pricing``), so the peak falls where the engine's does.
 * DDP without ZeRO (``world_size > 1``): every rank holds everything, plus gradient buckets as
   large as all gradients (torch.nn.parallel.DistributedDataParallel docs,
   ``gradient_as_bucket_view``: "the saved memory size will be equal to the total gradients size").
