@@ -188,11 +188,9 @@ def _bucket_sizes(hidden: int) -> dict[Path, int]:
     huggingface/transformers src/transformers/integrations/deepspeed.py,
     HfTrainerDeepSpeedConfig.trainer_config_finalize.
     """
-    return {
-        ("zero_optimization", "reduce_bucket_size"): hidden * hidden,  # HF: hidden_size * hidden_size
-        ("zero_optimization", "stage3_prefetch_bucket_size"): int(0.9 * hidden * hidden),  # HF: 0.9 * hidden^2
-        ("zero_optimization", "stage3_param_persistence_threshold"): 10 * hidden,  # HF: 10 * hidden_size
-    }
+    from memguard.estimator._deepspeed_config import hf_bucket_sizes  # the rule, cited there
+
+    return {("zero_optimization", key): value for key, value in hf_bucket_sizes(hidden).items()}
 
 
 def _tuning(plan: Plan) -> dict[Path, Any]:

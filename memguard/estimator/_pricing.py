@@ -53,6 +53,14 @@ def estimate_from_trace(trace, target: Target, *, micro_batch_size=0, checkpoint
         factors = fsdp2_factors(target.offload_optimizer)
     else:
         factors = _zero_factors(trace, target, zero_config)
+        if factors.bucket_in_backward:
+            trace = _allocate_at_phase(trace, ZERO_BUFFERS, "backward", factors.bucket_in_backward)
+        if factors.gathered_in_passes:
+            trace = _allocate_at_phase(trace, ZERO_GATHERED, "forward", factors.gathered_in_passes)
+            trace = _release_at_phase(trace, (ZERO_GATHERED,), "optimizer")
+        if factors.release_grads_at_step:
+            trace = _release_at_phase(trace, ("grads", ZERO_BUFFERS), "optimizer",
+                                      allocate=factors.grads_at_end_of_backward)
     return _estimate_from_factors(trace, factors, target, micro_batch_size=micro_batch_size,
                                   checkpointed=checkpointed, limit_bytes=limit_bytes)
 
@@ -84,8 +92,67 @@ def _zero_factors(trace, target: Target, zero_config=None):
         offload_optimizer=target.offload_optimizer,
         state_scale=2.0 if traced_precision(precision, zero_stage) != precision else 1.0,
         buckets=None if zero_config is None else ZeroBuckets.from_config(zero_config),
+        gloo=target.device == "cpu",  # torch.distributed's CPU backend
     )
     return model_state_factors(traced, setup)
+
+
+#: The category of the blocks put into a trace for DeepSpeed's own buffers (unscaled; reported as grads).
+ZERO_BUFFERS = "zero_buffers"
+#: ZeRO-3's gathered parameters put into a trace (unscaled; reported as params).
+ZERO_GATHERED = "zero_gathered"
+
+
+def _allocate_at_phase(trace, category: str, phase: str, nbytes: int, *, end_of_previous: bool = False):
+    """A copy of ``trace`` with one more ``category`` block of ``nbytes`` allocated where ``phase``
+    begins (``end_of_previous``: as the last event of the phase before it); never freed unless a
+    later :func:`_release_at_phase` frees it."""
+    import dataclasses
+
+    at = trace.phase_starts.get(phase)
+    if at is None or nbytes <= 0:
+        return trace
+    handle = len(trace.sizes)
+    return dataclasses.replace(
+        trace, events=trace.events[:at] + [(handle, nbytes)] + trace.events[at:],
+        sizes=trace.sizes + [nbytes], category=trace.category + [category],
+        phase_starts={k: v + (1 if v > at or (end_of_previous and v == at) else 0)
+                      for k, v in trace.phase_starts.items()})
+
+
+def _release_at_phase(trace, categories: tuple[str, ...], phase: str, allocate: int = 0):
+    """A copy of ``trace`` whose blocks of ``categories`` live when ``phase`` begins are freed right
+    there (their later frees dropped): DeepSpeed ZeRO-1/2 frees the module's gradients and its
+    buckets before its optimizer step runs (see ``model_state_factors``). ``allocate``: bytes of one
+    more :data:`ZERO_BUFFERS` block allocated just before (ZeRO-1's partition copy, made when backward
+    ends), freed with the others."""
+    import dataclasses
+
+    at = trace.phase_starts.get(phase)
+    if at is None:
+        return trace
+    if allocate > 0:
+        trace = _allocate_at_phase(trace, ZERO_BUFFERS, phase, allocate, end_of_previous=True)
+        at += 1
+    live: dict[int, int] = {}
+    for handle, nbytes in trace.events[:at]:
+        if trace.category[handle] in categories:
+            if nbytes > 0:
+                live[handle] = nbytes
+            else:
+                live.pop(handle, None)
+    if not live:
+        return trace
+    frees = [(h, -n) for h, n in live.items()]
+    later = [(h, n) for h, n in trace.events[at:] if not (h in live and n < 0)]
+    starts = {}
+    for name, start in trace.phase_starts.items():
+        if start <= at:
+            starts[name] = start
+        else:  # later phases: shifted by the frees put in and the ones dropped before them
+            before = sum(1 for h, n in trace.events[at:start] if h in live and n < 0)
+            starts[name] = start + len(frees) - before
+    return dataclasses.replace(trace, events=trace.events[:at] + frees + later, phase_starts=starts)
 
 
 def _estimate_from_factors(trace, factors, target: Target, *, micro_batch_size, checkpointed, limit_bytes):
@@ -184,6 +251,10 @@ def _fold_optimizer_temporaries(tl):
 
     def fold(bd):
         bd = fold_categories(bd)
+        if ZERO_BUFFERS in bd:
+            bd["grads"] = bd.get("grads", 0) + bd.pop(ZERO_BUFFERS)
+        if ZERO_GATHERED in bd:
+            bd["params"] = bd.get("params", 0) + bd.pop(ZERO_GATHERED)
         extra = bd.pop(OPTIMIZER_TEMPORARIES, 0)
         if extra or "temporaries" in bd:
             bd["temporaries"] = bd.get("temporaries", 0) + extra

@@ -4,29 +4,37 @@ The trace counts the whole model on one rank. Sharding is applied by scaling the
 ``grads``, ``optimizer`` and optimizer-step temporaries categories of the timeline (see
 ``analysis.scan``) and adding constant bytes, so that a rank holds what a real DeepSpeed 0.19.8
 engine holds (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py, partitioned_param_coordinator.py;
-each term cites its line below; checked against real 2-rank CPU engines in
+each term cites its line below; checked against real 2- and 4-rank CPU engines in
 benchmarks/deepspeed_cpu.py). Per rank, with Ψ parameters, P = Ψ_t/N the rank's partition of the
 trainable ones, b the weights' bytes (2 in fp16/bf16, 4 in fp32) and s the optimizer's state bytes
 per parameter (read from the trace: 8 for Adam):
 
-* ZeRO-1: weights bΨ and gradients bΨ_t on every rank, plus the partition's gradient copy bP
-  (``grads_in_partition``); fp32 master partition 4P (even in fp32: the partition is cloned), the
-  optimizer state sP, and in 16-bit the fp32 gradient partition 4P. With mixed precision and Adam
-  that is ``4Ψ + 18Ψ/N`` (the ZeRO paper's P_os, arXiv 1910.02054 §5.1, plus the copy).
-* ZeRO-2: as ZeRO-1 but the gradients are bP only: ``2Ψ + 18Ψ/N``, DeepSpeed's
-  ``estimate_zero2_model_states_mem_needs``; in fp32 ``4Ψ + 16Ψ/N``. With CPU offload: ``bΨ``.
-* ZeRO-3: the parameter partition bΨ/N, the flat fp32 gradient partition 4P (kept allocated), the
-  fp32 master 4P and sP: ``18Ψ/N`` mixed (DeepSpeed's ``estimate_zero3_model_states_mem_needs``)
-  and ``20Ψ/N`` in fp32; plus ``2b·largest_layer`` gathered parameters (DeepSpeed's estimator).
-  Under the default ``stage3_max_reuse_distance`` (1e9) the whole model is gathered by the end of
+* ZeRO-1: weights bΨ and gradients bΨ_t on every rank through backward; when backward ends
+  (reduce_gradients, without ``overlap_comm``) the partition's gradient copy bP
+  (``grads_in_partition``); the fp32 master partition 4P (even in fp32: the partition is cloned) and
+  the optimizer state sP at rest.
+* ZeRO-2: as ZeRO-1 but the gradients are reduced in backward's hooks and only bP survive. With
+  CPU offload: ``bΨ``.
+* The ZeRO-1/2 step (``step()``): the module's gradients are freed, the partition's fp32 gradient
+  4P is made (a second copy in 16-bit training, the flat copy itself in fp32) and the torch
+  optimizer steps the flat partition with its temporaries; then the updated partitions are
+  all-gathered (on gloo, the CPU target, through a staging buffer of the whole flat bΨ). DeepSpeed's
+  ``estimate_zero2_model_states_mem_needs`` (``2Ψ + 18Ψ/N``) counts the fp32 gradient resident: it
+  is the step's (tests/estimator/test_sharding.py adds it back to compare).
+* ZeRO-3: the parameter partition bΨ/N, the flat gradient partition bP in the weights' dtype (kept
+  allocated), the fp32 master 4P and sP at rest; in forward and backward ``2b·largest_layer``
+  gathered parameters (DeepSpeed's estimator), released by the step, which makes the fp32 gradient
+  4P. Under the default ``stage3_max_reuse_distance`` (1e9) the whole model is gathered by the end of
   forward and released module by module in backward; those bytes follow the activations' shape
-  (the ``activations`` factor; ``pricing.estimate_from_trace`` reports them as params). With the engine's config,
-  parameters under ``stage3_param_persistence_threshold`` stay gathered all the time.
+  (the ``activations`` factor; ``pricing.estimate_from_trace`` reports them as params). With the
+  engine's config, parameters under ``stage3_param_persistence_threshold`` stay gathered all the time.
 * Buckets (only with the engine's config, :class:`ZeroBuckets`): the reduce bucket,
-  ``reduce_bucket_size`` elements allocated whole whatever the model's size (DeepSpeed's default
-  5e8 is a 2 GB fp32 buffer), twice with ``overlap_comm`` at stages 1-2.
-* The optimizer step: DeepSpeed steps one flat partition, so the torch optimizer's temporaries are
-  those of P elements (per parameter byte as in the trace), plus the flattened gradient partition.
+  ``reduce_bucket_size`` elements of the weights' dtype allocated whole whatever the model's size
+  (DeepSpeed's default 5e8 is a 2 GB fp32 buffer), twice with ``overlap_comm``; at stages 1-2 from
+  backward's first gradient hook to the step, at stage 3 for the engine's life.
+* The blocks whose lifetimes are not the traced ones' (the stage 1-2 buckets and partition copy,
+  ZeRO-3's gathered layers) are put into the trace as blocks of their own and the module's
+  gradients freed where the step begins (``_pricing``), so the peak falls where the engine's does.
 * DDP without ZeRO (``world_size > 1``): every rank holds everything, plus gradient buckets as
   large as all gradients (torch.nn.parallel.DistributedDataParallel docs,
   ``gradient_as_bucket_view``: "the saved memory size will be equal to the total gradients size").
@@ -106,6 +114,14 @@ class ShardFactors:
     extra_params: int = 0
     optimizer_temporaries: float = 1.0
     activations: float = 1.0  # ZeRO-3: > 1 when gathered parameters follow the activations
+    # ZeRO-1/2: the module's gradients are freed when the optimizer step begins (see model_state_factors)
+    release_grads_at_step: bool = False
+    # ZeRO-1: bytes of gradients allocated when backward ends (the partition's copy, grads_in_partition)
+    grads_at_end_of_backward: int = 0
+    # ZeRO-1/2: bytes of the reduce bucket(s), allocated when backward begins and gone by the step
+    bucket_in_backward: int = 0
+    # ZeRO-3: bytes of gathered parameters held from forward's start until the step (two largest layers)
+    gathered_in_passes: int = 0
 
     def as_dict(self) -> dict[str, float]:
         out = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -167,6 +183,8 @@ class ZeroSetup:
         buckets: the engine's ``zero_optimization`` settings (:class:`ZeroBuckets`). None: unknown;
             the bucket buffers and ZeRO-3's persistent parameters are then left out, and ZeRO-3's
             parameter retention takes DeepSpeed's default ``stage3_max_reuse_distance``.
+        gloo: the ranks talk through gloo (the CPU target), whose all-gather into one tensor stages
+            the whole output in a buffer of its own (see ``model_state_factors``).
     """
 
     zero_stage: int
@@ -175,6 +193,7 @@ class ZeroSetup:
     offload_optimizer: bool = False
     state_scale: float = 1.0
     buckets: ZeroBuckets | None = None
+    gloo: bool = False
 
 
 def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
@@ -201,7 +220,6 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
     # the accelerator's device-name string (``get_accelerator().current_device_name()``, "cpu" or
     # "cuda:0"), which is False: the ``else`` branch, ``converted.clone().detach()``, runs.
     master = 4
-    grad32 = 4 if sixteen_bit else 0  # fp32 grad partition ("4_grads_32bit"; stage 1/2 step(): .to(fp32))
     # Adam: 8 ("8_optimizer_states_32bit")
     states = state_scale * traced_optimizer / num_trainable if num_trainable else 0.0
     psi, psi_t = num_params, num_trainable
@@ -209,6 +227,9 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
 
     extra_params = 0
     extra_grads = 0
+    grads_at_end = 0
+    bucket = 0
+    gathered_in_passes = 0
     activations = 1.0
     if zero_stage < 3:
         params_b = p_bytes * psi
@@ -216,36 +237,72 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
             # full gradients on every rank, plus the partition's own copy: stage_1_and_2.py,
             # reduce_ipg_grads ("zero stage 1 - partition only optimizer state"): with
             # contiguous_gradients, copy_grads_in_partition copies into ``self.grads_in_partition =
-            # torch.empty(total_size, dtype=self.dtype)`` (the parameters of this partition)
-            grads_b = p_bytes * psi_t + (p_bytes * part if _contiguous(buckets) else 0.0)
+            # torch.empty(total_size, dtype=self.dtype)`` (the parameters of this partition). Without
+            # overlap_comm the gradient hooks reduce nothing at stage 1 (process_gradients:
+            # ``if self.partition_gradients or self.overlap_comm``); reduce_gradients runs when backward
+            # has ended (engine.py allreduce_gradients, at the accumulation boundary), so the copy
+            # appears then, after backward's own temporaries are gone
+            grads_b = p_bytes * psi_t
+            if _contiguous(buckets):
+                if buckets is not None and buckets.overlap_comm:
+                    grads_b += p_bytes * part  # reduced in the hooks, during backward
+                elif buckets is None or psi_t > buckets.reduce_bucket_size:
+                    grads_at_end = int(p_bytes * part)
+                # else every gradient fits the bucket: reduce_independent_p_g_buckets_and_remove_grads
+                # copies each into it and frees its own storage (``grad_reduc.data =
+                # new_grad_tensor.data.view_as(grad_reduc)``) before reduce_ipg_grads makes the copy,
+                # so the copy (P) takes the place of gradients (Ψ) and is never the peak
         else:
             grads_b = p_bytes * part  # stage 2: only grads_in_partition survives the reduction
-        host_part = (grad32 + master + states) * part
+        host_part = (master + states) * part
         if buckets is not None and _contiguous(buckets):
             # stage_1_and_2.py, setup_buckets (every backward): ``torch.empty(int(self.reduce_bucket_size),
             # dtype=self._gradient_reduction_buffer_dtype())``, a second one when overlap_comm; the
-            # dtype is gradient_accumulation_dtype (fp32) for stage 1 with 16-bit weights
-            # (use_grad_accum_attribute, __init__), else the weights' dtype
-            item = 4 if zero_stage == 1 else p_bytes
+            # dtype is the weights' (use_grad_accum_attribute is False when gradient_accumulation_dtype,
+            # the engine's data_types.grad_accum_dtype, defaults to the weights' dtype: engine.py
+            # get_data_types; a different one is refused by _deepspeed_config)
+            # Allocated at the first gradient hook of each backward (process_gradients -> setup_buckets)
+            # and let go when the reduction ends (_release_ipg_buffers: ``bucket.buffer.clear()``; at
+            # stage 1 the gradients of other ranks' parameters stay views into it until step()'s
+            # free_grad_in_param_list): from the start of backward to the optimizer step
             copies = 2 if buckets.overlap_comm else 1  # DeepSpeedZeroConfig: overlap_comm defaults False below stage 3
-            extra_grads += int(buckets.reduce_bucket_size) * item * copies
-        # step(): ``flat_grad_partition = self.flatten(self.averaged_gradients[i])`` (a copy of the
-        # partition's grads; the per-parameter grads are freed by free_grad_in_param_list)
-        step_copy = p_bytes * part
-        grads_in_step = grads_b
+            bucket = int(buckets.reduce_bucket_size) * p_bytes * copies
+        # step() (stage_1_and_2.py), per group: free_grad_in_param_list(params_not_in_partition);
+        # ``flat_grad_partition = self.flatten(self.averaged_gradients[i])`` (p_bytes * P, the partition's
+        # grads copied); ``single_grad_partition = flat_grad_partition.to(fp32)`` (a second 4P copy in
+        # 16-bit, the same tensor in fp32); ``del flat_grad_partition``;
+        # free_grad_in_param_list(params_in_partition); then the optimizer steps the fp32 partition
+        # with single_grad_partition as its grad. So the module's gradients are gone when the torch
+        # optimizer runs (release_grads_at_step), and its step holds the fp32 gradient 4P beside its
+        # own temporaries; the moment before, the partition's grads, the flat copy and (16-bit) the
+        # fp32 copy coexist.
+        before_step = p_bytes * part + p_bytes * part + (4 * part if sixteen_bit else 0)
+        if setup.gloo and n > 1:
+            # after the torch optimizer (fp32 gradient and its temporaries gone), step() ends with
+            # all_gather_dp_groups -> all_gather_into_tensor of the whole flat 16-bit buffer; gloo's
+            # allgather (torch ProcessGroupGloo.cpp, AsyncAllgatherWork: ``flatOutputTensor =
+            # newLikeFlat(outputs[0])``) gathers into a buffer of that size and copies it out: a
+            # measured 15.07 MiB ``c10d::_allgather_base_ > aten::empty`` on a 4-rank fp32 Llama of
+            # 3.95M parameters, its step's peak there
+            before_step = max(before_step, p_bytes * psi_t)
+        step_copy = 4 * part
+        grads_in_step = 0.0
     else:
         # the parameter partition: stage3.py, _create_fp16_partitions_with_defragmentation
         # (``self.lp_param_buffer``, the ds_tensor of every parameter, Ψ/N in the weights' dtype)
         params_b = p_bytes * psi / n
         # the gradient partition: stage3.py, _setup_for_real_optimizer: ``self.grad_partitions_flat_buffer =
-        # torch.zeros(sum(p.partition_numel() ...), dtype=self.gradient_accumulation_dtype)`` (fp32 by
-        # default), allocated once and kept; the per-module grads are reduced into it
+        # torch.zeros(sum(p.partition_numel() ...), dtype=self.gradient_accumulation_dtype)``, allocated
+        # once and kept; the per-module grads are reduced into it. The engine passes the weights' dtype
+        # (engine.py get_data_types: grad_accum_dtype defaults to the model dtype), so bP
         grads_b = 0.0
-        extra_grads += int(4 * part)
+        extra_grads += int(p_bytes * part)
         host_part = (master + states) * part  # the flat fp32 grad buffer above is DeepSpeed's "4_grads_32bit"
         # DeepSpeed's estimator (estimate_zero3_model_states_mem_needs): largest_layer_memory =
-        # 4 * largest_layer_params (two 16-bit layers: the one in use and the one prefetched)
-        extra_params = int(2 * p_bytes * largest_layer)
+        # 4 * largest_layer_params (two 16-bit layers: the one in use and the one prefetched); in forward
+        # and backward only: the step finds every parameter released (the measured bf16 rank's step
+        # holds no gathered parameter)
+        gathered_in_passes = int(2 * p_bytes * largest_layer)
         persistent = 0
         if buckets is not None:
             persistent = sum(k for k in param_numels if k <= buckets.param_persistence_threshold)
@@ -265,7 +322,7 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         # (On one rank the partition is the whole parameter: nothing is gathered beyond it.)
         reuse = (buckets or ZeroBuckets()).max_reuse_distance
         if n > 1 and reuse >= 2 * psi and traced_activations > 0:
-            gathered = p_bytes * (psi - persistent) - extra_params
+            gathered = p_bytes * (psi - persistent) - gathered_in_passes
             if gathered > 0:
                 activations = 1.0 + gathered / traced_activations
         # _prepare_fp32_grad_for_sub_group: ``self.flatten(self.averaged_gradients[i]).to(fp32)``
@@ -277,7 +334,7 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
             grads_b = 0.0  # stage_1_and_2.py: gpu_mem = 2 * total_params with cpu_offload
         if zero_stage == 3:
             grads_b = 0.0
-            extra_grads -= int(4 * part)  # the flat gradient partition is pinned host memory
+            extra_grads -= int(p_bytes * part)  # the flat gradient partition is pinned host memory
             params_b = p_bytes * psi / n  # stage3.py: largest_layer_memory + 2 * total_params / total_gpus
 
     def ratio(target: float, traced: int) -> float:
@@ -297,6 +354,8 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         if per_byte > _MAX_TEMPORARIES_PER_BYTE and trainable_param_bytes:
             per_byte = traced_temporaries / trainable_param_bytes
         need = per_byte * 4 * part + step_copy
+        if zero_stage < 3:
+            need = max(need, before_step)
         temporaries = max(0.0, need - grads_in_step) / traced_temporaries
     else:
         temporaries = 1.0 / n
@@ -309,6 +368,10 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         extra_params=extra_params,
         extra_grads=max(0, extra_grads) + (0 if traced_optimizer or host_part == 0 else int(host_part)),
         activations=activations,
+        release_grads_at_step=zero_stage in (1, 2) and not offload_optimizer,
+        grads_at_end_of_backward=grads_at_end if not offload_optimizer else 0,
+        bucket_in_backward=bucket,
+        gathered_in_passes=gathered_in_passes,
     )
 
 

@@ -56,6 +56,7 @@ def estimate(
     cuda_version: str | None = None,
     cudnn_version: str | int | None = None,
     layout: Any = None,
+    deepspeed_config: Any = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state training step (or, with ``train=False``, evaluation step).
 
@@ -122,6 +123,9 @@ def estimate(
             default), ``dp_replicate`` DDP, ``tp`` a real ``parallelize_module`` step traced over a
             fake process group (see :mod:`memguard.estimator._layout`); ``rank_peak_bytes`` holds
             each rank's peak.
+        deepspeed_config: a DeepSpeed config (dict or JSON path) the run uses: its ZeRO stage, precision,
+            batch triple, offload and buckets set the estimate ("auto" filled as the HF integration fills
+            it; a keyword that contradicts it is a ConfigError; :mod:`memguard.estimator._deepspeed_config`).
 
     Returns:
         An :class:`~memguard.Estimate`.
@@ -142,6 +146,9 @@ def estimate(
         reads ``PYTORCH_CUDA_ALLOC_CONF`` and ``CUBLAS_WORKSPACE_CONFIG`` from the environment
         (see ``Estimate.notes``).
     """
+    if layout is not None and deepspeed_config is not None:
+        raise ConfigError("layout= and deepspeed_config= cannot be combined: a layout is estimated with FSDP2 and "
+                          "tensor/pipeline parallelism, a DeepSpeed config with ZeRO; drop one of them")
     if layout is not None:
         from memguard.estimator._layout import estimate_layout
 
@@ -151,6 +158,15 @@ def estimate(
             grad_accum_steps=grad_accum_steps, offload_optimizer=offload_optimizer, keep_outputs=keep_outputs,
             train=train, strategy=strategy, cpu=cpu, torch_version=torch_version, cuda_version=cuda_version,
             cudnn_version=cudnn_version))
+    zero_config = None
+    if deepspeed_config is not None:
+        from memguard.estimator._deepspeed_config import read_deepspeed_config
+
+        ds = read_deepspeed_config(deepspeed_config, model=model, batch_size=first_dim(batch), zero_stage=zero_stage,
+                                   precision=precision, world_size=world_size, grad_accum_steps=grad_accum_steps,
+                                   offload_optimizer=offload_optimizer, strategy=strategy)
+        zero_stage, precision, world_size, grad_accum_steps, offload_optimizer, zero_config = (
+            ds.zero_stage, ds.precision, ds.world_size, ds.grad_accum_steps, ds.offload_optimizer, ds.config)
     if train is False:
         if strategy not in (None, "ddp"):
             raise ConfigError(f"strategy={strategy!r} is not modelled for an evaluation step (train=False): "
@@ -206,5 +222,6 @@ def estimate(
     checkpointed = min(int(blocks or 0), len(find_blocks(model)))
     target = Target(device=device, precision=precision, zero_stage=zero_stage, world_size=world_size, gpu=spec,
                     strategy=strategy, offload_optimizer=offload_optimizer)
-    est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0), checkpointed=checkpointed)
+    est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0), checkpointed=checkpointed,
+                                 zero_config=zero_config)
     return est
