@@ -138,6 +138,8 @@ class Trace:
         num_blocks: repeated blocks in the traced model (after any truncation).
         num_ops: non-view ATen ops run by forward and backward (the cost model's host-side term).
         flops: FLOPs of forward and backward, when counted (``count_flops=True``).
+        streams: handle -> stream id (1, 2, ...) of the storages allocated while a stream other
+            than the default one was current (FSDP2's collective streams); absent: the default.
     """
 
     events: list[tuple[int, int]] = field(default_factory=list)
@@ -151,6 +153,7 @@ class Trace:
     num_blocks: int = 0
     num_ops: int = 0
     flops: int = 0
+    streams: dict[int, int] = field(default_factory=dict)
 
     def phase_of(self, index: int) -> str:
         """The phase that event ``index`` belongs to."""
