@@ -498,7 +498,9 @@ class _FlashAttention(torch.autograd.Function):
         outs = run_as_aten_op(_aten_op("_scaled_dot_product_flash_attention"),
                               (q, k, v, dropout_p, is_causal, False), {"scale": scale}, kernel)
         attention, lse, seed, offset = outs[0], outs[1], outs[6], outs[7]
-        ctx.save_for_backward(q, k, v, _bshd(attention), lse, seed, offset)
+        # the [B, S, H, D] storage, detached: a view of the output itself would hold the node that
+        # saves it (a reference cycle that only the garbage collector frees)
+        ctx.save_for_backward(q, k, v, _bshd(attention).detach(), lse, seed, offset)
         ctx.meta = (b, h, h_k, s_q, s_k, d)
         return attention
 
@@ -557,7 +559,7 @@ class _EfficientAttention(torch.autograd.Function):
         outs = run_as_aten_op(_aten_op("_scaled_dot_product_efficient_attention"),
                               (q, k, v, bias, compute_lse, dropout_p, is_causal), {"scale": scale}, kernel)
         output, lse = outs[0], outs[1]
-        ctx.save_for_backward(q, k, v, bias, output.transpose(1, 2), lse)
+        ctx.save_for_backward(q, k, v, bias, output.transpose(1, 2).detach(), lse)  # detached: as for flash
         ctx.cap = cap
         return output
 

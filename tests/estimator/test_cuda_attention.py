@@ -501,12 +501,14 @@ def test_rocm_flash_bytes_match_mha_all_aot():
 # selective activation checkpointing sees the fused ATen op (memguard/estimator/_cuda_sac.py)
 
 
-def _sac_attention(save_ops, target=CudaTarget(A100), dtype=torch.bfloat16, b=2, h=4, s=100, d=64):
+def _sac_attention(save_ops, target=CudaTarget(A100), dtype=torch.bfloat16, b=2, h=4, s=100, d=64, end=False):
     """A checkpointed attention block (qkv projection, causal SDPA, output projection) under a
-    selective checkpointing policy that saves the ops in ``save_ops`` and recomputes the rest.
+    selective checkpointing policy that saves the ops in ``save_ops`` and recomputes the rest
+    (``save_ops=None``: plain checkpointing, no policy).
 
     Returns the ops the policy saw with their outputs, the storage sizes live after forward (the
-    block's output and what the region saved) and those allocated in backward.
+    block's output and what the region saved) and those allocated in backward (with ``end``: those
+    live after backward instead).
     """
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -536,8 +538,9 @@ def _sac_attention(save_ops, target=CudaTarget(A100), dtype=torch.bfloat16, b=2,
                     rec.register(t, "inputs")
                 start = len(trace.events)
                 with CudaKernelModel(target):
-                    y = checkpoint(block, x, w_qkv, w_o, use_reentrant=False, preserve_rng_state=False,
-                                   context_fn=lambda: create_selective_checkpoint_contexts(policy))
+                    extra = {} if save_ops is None else {
+                        "context_fn": lambda: create_selective_checkpoint_contexts(policy)}
+                    y = checkpoint(block, x, w_qkv, w_o, use_reentrant=False, preserve_rng_state=False, **extra)
                     mid = len(trace.events)
                     grad = torch.empty_like(y)
                     rec.register(grad, "inputs")
@@ -553,6 +556,10 @@ def _sac_attention(save_ops, target=CudaTarget(A100), dtype=torch.bfloat16, b=2,
         for _, n in trace.events[start:mid]:
             live[abs(n)] += 1 if n > 0 else -1
         bwd = Counter(n for _, n in trace.events[bstart:] if n > 0)
+        if end:
+            for _, n in trace.events[bstart:]:
+                live[abs(n)] += 1 if n > 0 else -1
+            return seen, +live, None
         return seen, +live, bwd
     finally:
         gc.enable()
@@ -608,3 +615,15 @@ def test_sac_policy_sees_the_other_fused_ops(target, dtype, op, saved):
     seen, live, _ = _sac_attention({op}, target=target, dtype=dtype)
     assert [f for f, _ in seen].count(op) == 1
     assert live == Counter(saved)
+
+
+@pytest.mark.parametrize("save_ops", [None, {torch.ops.aten._scaled_dot_product_flash_attention.default}])
+def test_checkpointed_flash_attention_frees_what_it_saved(save_ops):
+    # after backward only the block's output and the gradients of x, w_qkv and w_o are left (the
+    # gradient fed in is registered before the backward): the kernel's saved output and logsumexp,
+    # recomputed or cached, are gone. Saving a view of the Function's own output would tie the saved
+    # tensor to its node in a reference cycle that only the garbage collector (off in a trace) frees.
+    b, h, s, d = 2, 4, 100, 64
+    _, live, _ = _sac_attention(save_ops, b=b, h=h, s=s, d=d, end=True)
+    bhsd = b * h * s * d * 2
+    assert live == Counter({bhsd: 2, (h * d) * (3 * h * d) * 2: 1, (h * d) * (h * d) * 2: 1})
