@@ -932,10 +932,6 @@ def _titan_rope(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> 
     return (torch.view_as_real(xq_ * f).flatten(3).type_as(xq), torch.view_as_real(xk_ * f).flatten(3).type_as(xk))
 
 
-#: > 0 while torchtitan's attention call runs (read by the selective-AC policy of TitanSACBlock)
-_IN_ATTENTION = [0]
-
-
 class _TitanAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
         super().__init__()
@@ -955,11 +951,7 @@ class _TitanAttention(nn.Module):
         keys = xk.unsqueeze(3).expand(bs, t, self.n_kv_heads, rep, self.head_dim).reshape(bs, t, -1, self.head_dim)
         values = xv.unsqueeze(3).expand(bs, t, self.n_kv_heads, rep, self.head_dim).reshape(bs, t, -1, self.head_dim)
         q, k, v = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-        _IN_ATTENTION[0] += 1  # see TitanSACBlock: what the attention call allocates is one saved op's output
-        try:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        finally:
-            _IN_ATTENTION[0] -= 1
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).contiguous().view(bs, t, -1))
 
 
@@ -1002,11 +994,12 @@ class TitanSACBlock(nn.Module):
 
     On CUDA, ``F.scaled_dot_product_attention`` with bf16 inputs and a causal mask dispatches to one
     ATen op, ``_scaled_dot_product_flash_attention``, which is in ``_save_list``: all its outputs
-    (attention output, logsumexp, RNG state) are saved. memguard's trace runs that call as its
-    model of CUDA's flash kernel, whose allocations reach the policy as plain ``empty``/``empty_like``
-    calls; so the policy here saves the output of every op issued during the attention call that
-    allocates (not the views, such as the transposed query, that would keep its inputs alive), which
-    is what the real policy saves on CUDA.
+    (attention output, logsumexp, RNG state) are saved. memguard's model of CUDA's flash kernel
+    shows the policy that op with those outputs (``memguard/estimator/_cuda_sac.py``), so the
+    policy here is torchtitan's own. On a stack whose SDPA puts cuDNN first on sm90 (torch 2.13's
+    ``check_prefer_cudnn_attention`` with cuDNN > 9.15) the call is
+    ``_scaled_dot_product_cudnn_attention``, which this ``_save_list`` (9dec370) does not hold: its
+    outputs are recomputed, as they would be in such a run.
     """
 
     def __init__(self, block: nn.Module) -> None:
@@ -1029,8 +1022,6 @@ class TitanSACBlock(nn.Module):
                 if func == mm:
                     meta[key] += 1
                 to_save = func in save and not (func == mm and meta[key] % 2 == 0)
-                # during the attention call: what it allocates (not the views it takes of its inputs)
-                to_save = to_save or (_IN_ATTENTION[0] > 0 and not getattr(func, "is_view", False))
                 return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
 
             return create_selective_checkpoint_contexts(policy)

@@ -3,7 +3,7 @@
 The estimator traces a training step on fake CPU tensors and records storage allocations and
 frees in time order. :func:`simulate` replays those events through :class:`CachingAllocatorModel`,
 a re-implementation of the default behaviour of ``c10/cuda/CUDACachingAllocator.cpp``
-(``expandable_segments`` off, one stream), and reports what ``torch.cuda.max_memory_reserved()``
+(``expandable_segments`` off), and reports what ``torch.cuda.max_memory_reserved()``
 and ``torch.cuda.max_memory_allocated()`` would say.
 
 The rules reproduced (constants from ``CUDACachingAllocator.cpp``):
@@ -21,6 +21,13 @@ The rules reproduced (constants from ``CUDACachingAllocator.cpp``):
   and counts as allocated (so ``max_memory_allocated`` can exceed the rounded request);
 * a freed block merges with free neighbours of its own segment; segments are never returned to
   the driver, so reserved bytes only grow;
+* a block belongs to the stream it was allocated on and only serves requests of that stream
+  (``BlockComparatorSize`` orders free blocks by stream first and ``get_free_block`` takes a block of
+  the request's stream only); freeing it, from whichever stream, returns it to its own stream's free
+  blocks (``free_block``, no ``record_stream`` events modelled). A trace with allocations on side
+  streams (FSDP2's all-gather copy-in and reduce-scatter streams) is replayed for a steady-state
+  step: the step after one identical step, whose side-stream segments are still cached
+  (:func:`simulate`);
 * with a memory cap (``limit_bytes``, what ``torch.cuda.set_per_process_memory_fraction``
   sets), a ``cudaMalloc`` that would exceed the cap first releases every cached segment that
   is entirely free (``release_cached_blocks``) and retries once; if it still does not fit,
@@ -328,16 +335,17 @@ class AllocatorResult:
 
 
 # Fields of a block record (a list, mutated in place; one dict lookup per block access).
-_SIZE, _PREV, _NEXT, _SMALL, _ALLOC = 0, 1, 2, 3, 4
+_SIZE, _PREV, _NEXT, _SMALL, _ALLOC, _STREAM = 0, 1, 2, 3, 4, 5
 
 
 class CachingAllocatorModel:
     """Replays allocations and frees the way PyTorch's CUDA caching allocator serves them.
 
-    Each block is a record ``[size, prev_address, next_address, is_small, allocated]`` keyed by
-    a virtual address; segments get increasing addresses, so "lowest address" ties break
-    towards older segments. Free blocks of each pool are kept in a sorted list of
-    ``(size, address)`` pairs, which is the order of the allocator's ``BlockComparatorSize``.
+    Each block is a record ``[size, prev_address, next_address, is_small, allocated, stream]`` keyed
+    by a virtual address; segments get increasing addresses, so "lowest address" ties break
+    towards older segments. Free blocks of each pool and stream are kept in a sorted list of
+    ``(size, address)`` pairs, which is the order of the allocator's ``BlockComparatorSize`` (stream,
+    then size, then address).
 
     Args:
         limit_bytes: cap on reserved bytes, like ``torch.cuda.set_per_process_memory_fraction``;
@@ -349,7 +357,8 @@ class CachingAllocatorModel:
         ConfigError: ``limit_bytes`` is not a positive int.
 
     Known limitations:
-        One stream, no ``record_stream``, no CUDA graph pools; ``expandable_segments`` and
+        No ``record_stream`` (a block freed while another stream still uses it is reusable at
+        once), no CUDA graph pools; ``expandable_segments`` and
         ``garbage_collection_threshold`` are not modelled. Under a cap with ``max_split_size_mb``
         the real allocator first frees just enough oversize cached blocks
         (``release_available_cached_blocks``); the model releases every free segment at once.
@@ -369,6 +378,10 @@ class CachingAllocatorModel:
         self._blocks: dict[int, list] = {}
         self._free_small: list[tuple[int, int]] = []
         self._free_large: list[tuple[int, int]] = []
+        # free blocks per stream: (small pool, large pool); stream 0, the default, is the two above
+        self._pools: dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {
+            0: (self._free_small, self._free_large)}
+        self._segments: list[tuple[int, int, bool]] = []  # (stream, bytes, small) of each cudaMalloc
         self._live: dict[int, tuple[int, int]] = {}  # handle -> (address, requested bytes)
         self._empty: set[int] = set()  # handles of zero-byte requests (nullptr, nothing to free)
         self._next_addr = 0
@@ -430,12 +443,14 @@ class CachingAllocatorModel:
         )
 
     # ----------------------------------------------------------------------------- malloc
-    def malloc(self, handle: int, nbytes: int) -> bool:
-        """Allocate ``nbytes`` under ``handle``.
+    def malloc(self, handle: int, nbytes: int, stream: int = 0) -> bool:
+        """Allocate ``nbytes`` under ``handle`` on ``stream``.
 
         Args:
             handle: an id for the allocation, unique among live allocations.
             nbytes: requested bytes; 0 is a no-op, as the allocator returns a null pointer.
+            stream: the stream the request is made on (0: the default stream); only free blocks
+                of that stream serve it.
 
         Returns:
             True when served; False on an out-of-memory error (only with ``limit_bytes``), in
@@ -465,7 +480,10 @@ class CachingAllocatorModel:
         else:
             size = round_size(nbytes, self._config)
         small = size <= SMALL_SIZE  # CUDACachingAllocator.cpp get_pool: size <= kSmallSize
-        free_list = self._free_small if small else self._free_large
+        pools = self._pools.get(stream)
+        if pools is None:
+            pools = self._pools[stream] = ([], [])
+        free_list = pools[0] if small else pools[1]
         blocks = self._blocks
         max_split = self._max_split
 
@@ -499,10 +517,11 @@ class CachingAllocatorModel:
                     return False
             addr = self._next_addr
             self._next_addr = addr + seg
-            blk = [seg, None, None, small, False]
+            blk = [seg, None, None, small, False, stream]
             blocks[addr] = blk
             bsize = seg
             self._num_segments += 1
+            self._segments.append((stream, seg, small))
             reserved = self._reserved + seg
             self._reserved = reserved
             if reserved > self._peak_reserved:
@@ -519,7 +538,7 @@ class CachingAllocatorModel:
         ):
             rest = addr + size
             nxt = blk[_NEXT]
-            blocks[rest] = [remaining, addr, nxt, small, False]
+            blocks[rest] = [remaining, addr, nxt, small, False, stream]
             if nxt is not None:
                 blocks[nxt][_PREV] = rest
             blk[_NEXT] = rest
@@ -577,7 +596,7 @@ class CachingAllocatorModel:
         self._allocated -= blk[_SIZE]
         self._requested -= requested
         blk[_ALLOC] = False
-        free_list = self._free_small if blk[_SMALL] else self._free_large
+        free_list = self._pools[blk[_STREAM]][0 if blk[_SMALL] else 1]
 
         # free_block -> try_merge_blocks(block, prev) then (block, next).
         prev = blk[_PREV]
@@ -617,10 +636,10 @@ class CachingAllocatorModel:
     def _release_cached_blocks(self) -> int:
         # CUDACachingAllocator.cpp release_blocks: free every block with no prev and no next,
         # i.e. a whole segment that is not split.
+        # (every stream's: release_blocks walks the whole pool)
         released = 0
         blocks = self._blocks
-        for attr in ("_free_small", "_free_large"):
-            free_list = getattr(self, attr)
+        for free_list in (fl for pools in self._pools.values() for fl in pools):
             kept = []
             for size, addr in free_list:
                 blk = blocks[addr]
@@ -630,9 +649,30 @@ class CachingAllocatorModel:
                 else:
                     kept.append((size, addr))
             if len(kept) != len(free_list):
-                setattr(self, attr, kept)
+                free_list[:] = kept
         self._reserved -= released
         return released
+
+    def cache_segment(self, nbytes: int, small: bool, stream: int) -> None:
+        """Add a free segment of ``nbytes`` to ``stream``'s cache, as an earlier step that obtained
+        it with ``cudaMalloc`` and freed its blocks leaves it (it counts as reserved)."""
+        addr = self._next_addr
+        self._next_addr = addr + nbytes
+        self._blocks[addr] = [nbytes, None, None, small, False, stream]
+        pools = self._pools.get(stream)
+        if pools is None:
+            pools = self._pools[stream] = ([], [])
+        insort(pools[0] if small else pools[1], (nbytes, addr))
+        self._num_segments += 1
+        self._segments.append((stream, nbytes, small))
+        self._reserved += nbytes
+        if self._reserved > self._peak_reserved:
+            self._peak_reserved = self._reserved
+            self._alloc_at_peak_reserved = self._allocated
+
+    def side_stream_segments(self) -> list[tuple[int, int, bool]]:
+        """``(stream, bytes, small)`` of every segment obtained for a stream other than the default."""
+        return [seg for seg in self._segments if seg[0] != 0]
 
 
 def _remove(free_list: list[tuple[int, int]], size: int, addr: int) -> None:
@@ -641,9 +681,19 @@ def _remove(free_list: list[tuple[int, int]], size: int, addr: int) -> None:
 
 
 def simulate(
-    events: Iterable[tuple[int, int]], *, limit_bytes: int | None = None, config: AllocatorConfig | None = None
+    events: Iterable[tuple[int, int]], *, limit_bytes: int | None = None, config: AllocatorConfig | None = None,
+    streams: "dict[int, int] | None" = None,
 ) -> AllocatorResult:
     """Replay allocation events through :class:`CachingAllocatorModel`.
+
+    With ``streams`` naming allocations made on side streams, the events are one step of a loop
+    whose earlier steps made the same requests: the side streams' segments obtained in one replay
+    are cached (reserved, free) when the step is replayed again, and the second replay is the
+    result. Those segments can serve only their own stream's requests, so what the step frees on a
+    side stream (FSDP2's sharded gradients, freed by ``zero_grad`` before the next forward on the
+    reduce-scatter stream that allocated them, ``_fsdp_collectives.py`` ``foreach_reduce``) stays
+    reserved while the default stream's peak is reached. The default stream's own state at the
+    step's start is what the events themselves allocate (as without side streams).
 
     Args:
         events: ``(handle, nbytes)`` pairs in time order; ``nbytes > 0`` allocates that many
@@ -652,6 +702,8 @@ def simulate(
         limit_bytes: cap on reserved bytes; the replay stops at the first request that cannot
             be served, and the result has ``oom=True``.
         config: ``PYTORCH_CUDA_ALLOC_CONF`` options (:func:`allocator_config`); None = defaults.
+        streams: handle -> stream (a positive id) for the allocations not made on the default
+            stream; None or empty: every allocation is on the default stream.
 
     Returns:
         The allocator statistics, see :class:`AllocatorResult`.
@@ -661,15 +713,36 @@ def simulate(
             minus its allocated size, or allocates a handle that is already live; or
             ``limit_bytes`` is not a positive int.
     """
+    if not streams:
+        model = CachingAllocatorModel(limit_bytes=limit_bytes, config=config)
+        malloc = model.malloc
+        free = model.free
+        for handle, nbytes in events:
+            if nbytes < 0:
+                free(handle, -nbytes)
+            elif not malloc(handle, nbytes):
+                break
+        return model.result()
+    events = list(events)
+    first = _replay(events, limit_bytes, config, streams, ())
+    if first.result().oom:
+        return first.result()
+    return _replay(events, limit_bytes, config, streams, first.side_stream_segments()).result()
+
+
+def _replay(events, limit_bytes, config, streams, cached) -> CachingAllocatorModel:
     model = CachingAllocatorModel(limit_bytes=limit_bytes, config=config)
+    for stream, nbytes, small in cached:
+        model.cache_segment(nbytes, small, stream)
     malloc = model.malloc
     free = model.free
+    side = streams.get
     for handle, nbytes in events:
         if nbytes < 0:
             free(handle, -nbytes)
-        elif not malloc(handle, nbytes):
+        elif not malloc(handle, nbytes, side(handle, 0)):
             break
-    return model.result()
+    return model
 
 
 # ================================================================================ workspaces

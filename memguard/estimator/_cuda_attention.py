@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from memguard.estimator._cuda_kernels import RULES, CudaTarget, cuda_rule
+from memguard.estimator._cuda_sac import run_as_aten_op
 
 Backend = Literal["flash", "efficient", "cudnn", "math"]
 
@@ -434,6 +435,11 @@ def efficient_saved_shapes(b: int, h: int, s_q: int, compute_logsumexp: bool = T
     return {"logsumexp": ((b, h, _round_up(s_q, 32) if compute_logsumexp else 0), torch.float32)}
 
 
+def _aten_op(name: str) -> Any:
+    """``torch.ops.aten.<name>.default``: the fused op CUDA's SDPA composite calls (attention.cpp)."""
+    return getattr(torch.ops.aten, name).default
+
+
 def _empty(shape, dtype, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=like.device)
 
@@ -472,18 +478,31 @@ class _FlashAttention(torch.autograd.Function):
         b, h, s_q, d = q.shape
         h_k, s_k = k.size(1), k.size(2)
         ctx.rocm = rocm
-        if rocm and is_causal:  # mha_fwd_aot: atomic_counter = at::zeros({1}, kInt) for causal calls
-            counter = _empty((1,), torch.int32, q)
-            del counter
-        # the output is allocated as [B, S, H, D] (empty_like of the transposed query) and handed
-        # back transposed: a view, so a later .transpose(1, 2).contiguous() costs no copy
-        out = torch.empty_like(_bshd(q))
-        lse = _empty((b, h, s_q), torch.float32, q)  # softmax_lse
-        seed = _empty((2,), torch.uint64, q)  # rng_state
-        offset = _empty((), torch.uint64, q)  # _unused (the "offset" output)
-        ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+
+        def kernel() -> tuple:
+            if rocm and is_causal:  # mha_fwd_aot: atomic_counter = at::zeros({1}, kInt) for causal calls
+                counter = _empty((1,), torch.int32, q)
+                del counter
+            # the output is allocated as [B, S, H, D] (empty_like of the transposed query) and handed
+            # back transposed: a view, so a later .transpose(1, 2).contiguous() costs no copy
+            out = torch.empty_like(_bshd(q))
+            lse = _empty((b, h, s_q), torch.float32, q)  # softmax_lse
+            seed = _empty((2,), torch.uint64, q)  # rng_state
+            offset = _empty((), torch.uint64, q)  # _unused (the "offset" output)
+            # _scaled_dot_product_flash_attention_cuda (cuda/attention.cu) returns (attention,
+            # logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset,
+            # debug_attn_mask): cum_seq_* are undefined and the debug mask has 0 elements unless
+            # asked for (mha_fwd): no memory, None here
+            return (_bshd(out), lse, None, None, s_q, s_k, seed, offset, None)
+
+        outs = run_as_aten_op(_aten_op("_scaled_dot_product_flash_attention"),
+                              (q, k, v, dropout_p, is_causal, False), {"scale": scale}, kernel)
+        attention, lse, seed, offset = outs[0], outs[1], outs[6], outs[7]
+        # the [B, S, H, D] storage, detached: a view of the output itself would hold the node that
+        # saves it (a reference cycle that only the garbage collector frees)
+        ctx.save_for_backward(q, k, v, _bshd(attention).detach(), lse, seed, offset)
         ctx.meta = (b, h, h_k, s_q, s_k, d)
-        return _bshd(out)
+        return attention
 
     @staticmethod
     @_kernel_body
@@ -523,17 +542,26 @@ class _EfficientAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, dropout_p: float, is_causal: bool, scale, compute_lse: bool, cap):
         b, h, s_q, _ = q.shape
         d_v = v.size(-1)
-        out = _empty((b, s_q, h, d_v), q.dtype, q)  # res: [B, M, num_heads, Kv]
-        lse = _empty(efficient_saved_shapes(b, h, s_q, compute_lse)["logsumexp"][0], torch.float32, q)
-        if q.dtype in _HALF and d_v > 128:
-            # kNeedsOutputAccumulatorBuffer (kernel_forward.h): 16-bit outputs need an fp32
-            # accumulator when no single-value-iteration kernel fits (the largest has kMaxK = 128)
-            accum = _empty((b, s_q, h, d_v), torch.float32, q)
-            del accum
-        # philox seed and offset: CPU scalar tensors outside CUDA graph capture (no device memory)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+
+        def kernel() -> tuple:
+            out = _empty((b, s_q, h, d_v), q.dtype, q)  # res: [B, M, num_heads, Kv]
+            lse = _empty(efficient_saved_shapes(b, h, s_q, compute_lse)["logsumexp"][0], torch.float32, q)
+            if q.dtype in _HALF and d_v > 128:
+                # kNeedsOutputAccumulatorBuffer (kernel_forward.h): 16-bit outputs need an fp32
+                # accumulator when no single-value-iteration kernel fits (the largest has kMaxK = 128)
+                accum = _empty((b, s_q, h, d_v), torch.float32, q)
+                del accum
+            # _scaled_dot_product_efficient_attention_cuda returns (output, log_sumexp, philox_seed,
+            # philox_offset); seed and offset are CPU scalar tensors outside CUDA graph capture (no
+            # device memory): None here
+            return (out.transpose(1, 2), lse, None, None)
+
+        outs = run_as_aten_op(_aten_op("_scaled_dot_product_efficient_attention"),
+                              (q, k, v, bias, compute_lse, dropout_p, is_causal), {"scale": scale}, kernel)
+        output, lse = outs[0], outs[1]
+        ctx.save_for_backward(q, k, v, bias, output.transpose(1, 2).detach(), lse)  # detached: as for flash
         ctx.cap = cap
-        return out.transpose(1, 2)
+        return output
 
     @staticmethod
     @_kernel_body
@@ -575,17 +603,27 @@ class _CudnnAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, dropout_p: float, is_causal: bool, scale, compute_stats: bool):
         b, h, s_q, _ = q.shape
         d_v = v.size(-1)
-        # alloc_with_matching_layout (cudnn/MHA.cpp): the output's dims are laid out in the order
-        # of the query's strides (a packed [B, S, 3*H*D] projection gives [B, S, H, D] memory)
-        order = sorted(range(4), key=lambda i: -q.stride(i))
-        shape = (b, h, s_q, d_v)
-        out = _empty([shape[i] for i in order], q.dtype, q).permute([order.index(i) for i in range(4)])
-        # softmax stats fp32 [B, H, S_q] when training (attention_backward.cu hands cuDNN
-        # logsumexp.unsqueeze(-1)); seed and offset: 1-element int64 device tensors (cudnn/MHA.cpp,
-        # not re-read for 2.13: Known limitations)
-        stats = _empty((b, h, s_q) if compute_stats else (0,), torch.float32, q)
-        seed = _empty((1,), torch.int64, q)
-        offset = _empty((1,), torch.int64, q)
+
+        def kernel() -> tuple:
+            # alloc_with_matching_layout (cudnn/MHA.cpp): the output's dims are laid out in the order
+            # of the query's strides (a packed [B, S, 3*H*D] projection gives [B, S, H, D] memory)
+            order = sorted(range(4), key=lambda i: -q.stride(i))
+            shape = (b, h, s_q, d_v)
+            out = _empty([shape[i] for i in order], q.dtype, q).permute([order.index(i) for i in range(4)])
+            # softmax stats fp32 [B, H, S_q] when training (attention_backward.cu hands cuDNN
+            # logsumexp.unsqueeze(-1)); seed and offset: 1-element int64 device tensors (cudnn/MHA.cpp,
+            # not re-read for 2.13: Known limitations)
+            stats = _empty((b, h, s_q) if compute_stats else (0,), torch.float32, q)
+            seed = _empty((1,), torch.int64, q)
+            offset = _empty((1,), torch.int64, q)
+            # _scaled_dot_product_cudnn_attention_cuda returns (output, logsumexp, cum_seq_q,
+            # cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_attn_mask): cum_seq_*
+            # undefined, no debug mask unless asked for: None here
+            return (out, stats, None, None, s_q, k.size(2), seed, offset, None)
+
+        outs = run_as_aten_op(_aten_op("_scaled_dot_product_cudnn_attention"),
+                              (q, k, v, bias, compute_stats, dropout_p, is_causal, False), {"scale": scale}, kernel)
+        out, stats, seed, offset = outs[0], outs[1], outs[6], outs[7]
         ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
         return out
 

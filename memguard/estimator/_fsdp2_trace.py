@@ -12,7 +12,13 @@ subclasses ``MemTracker``, the variant is two plain subclasses over the trace's 
   gradients FSDP2 leaves (sharded, or unsharded and unsynchronised at level 1);
 * :class:`ShardedRecorder` unwraps DTensors to their local shards, names FSDP2's buffers and
   records storage resizes: FSDP2's ``alloc_storage``/``free_storage`` are not ATen ops, so while
-  tracing ``torch.UntypedStorage.resize_`` is wrapped to report them as frees and allocations.
+  tracing ``torch.UntypedStorage.resize_`` is wrapped to report them as frees and allocations. It
+  also notes the stream each storage is allocated on (``Trace.streams``): FSDP2 runs the same code
+  on a CPU mesh, whose ``torch.cpu.stream`` contexts select its streams as CUDA's would
+  (``FSDPCommContext.lazy_init``: all-gather copy-in, all-gather, reduce-scatter and all-reduce
+  streams), so what it allocates on them (the all-gather buffer in ``foreach_all_gather``, the
+  reduce-scatter output that becomes the sharded gradients in ``foreach_reduce``, torch 2.13) is
+  priced from those streams' own blocks by the CUDA allocator model.
 """
 
 from __future__ import annotations
@@ -178,8 +184,29 @@ class ShardedRecorder(Recorder):
         super().__init__(trace, cpu_target, cuda_target)
         self.gloo = gloo  # the collectives run on gloo (the CPU target): see GLOO_TEMPORARIES
         self._dead: set[int] = set()  # handles freed (by a resize) whose storage may live on
+        self._default_stream = torch.cpu.current_stream()
+        self._stream_ids: dict[Any, int] = {}
+
+    def _tag_streams(self, first: int) -> None:
+        """Note the current stream of the handles from ``first`` on, when it is not the default."""
+        trace = self.trace
+        if len(trace.sizes) <= first:
+            return
+        stream = torch.cpu.current_stream()
+        if stream is self._default_stream:
+            return
+        sid = self._stream_ids.setdefault(stream, len(self._stream_ids) + 1)
+        for handle in range(first, len(trace.sizes)):
+            trace.streams[handle] = sid
 
     def register(self, tensor, category):
+        first = len(self.trace.sizes)
+        try:
+            return self._register(tensor, category)
+        finally:
+            self._tag_streams(first)
+
+    def _register(self, tensor, category):
         tensor = _local(tensor)
         if not isinstance(tensor, torch.Tensor):
             return None
@@ -216,6 +243,7 @@ class ShardedRecorder(Recorder):
             self.alloc_phase.append(self.phase)
             trace.events.append((new, nbytes))
             self._by_key[key] = new
+            self._tag_streams(new)
 
     def _free(self, handle: int, key: int) -> None:
         # the storage died: free whichever handle holds it now (resizes move it to new handles)
@@ -238,7 +266,9 @@ class ShardedRecorder(Recorder):
         trace.events.append((handle, -nbytes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = len(self.trace.sizes)
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        self._tag_streams(first)  # the op's outputs and its kernel's own buffers
         ns = getattr(func, "namespace", "")
         if ns in ("fsdp", "c10d"):
             name = getattr(func, "_opname", None) or str(func)

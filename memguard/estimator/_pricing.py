@@ -305,7 +305,8 @@ def _cuda_reserved(trace, factors, spec, limit_bytes=None) -> tuple[int, int, in
     events = [(h, n) for h, n in scaled if n]
     first = len(trace.sizes)
     events[at:at] = [(first + i, n) for i, n in enumerate(sizes)]
-    sim = simulate(events, limit_bytes=limit_bytes, config=config)
+    # allocations on side streams (FSDP2's) come from their streams' own free blocks (_cuda.simulate)
+    sim = simulate(events, limit_bytes=limit_bytes, config=config, streams=getattr(trace, "streams", None))
     reserved = sim.peak_reserved
     if sim.oom:
         reserved = max(reserved, limit_bytes + sim.oom_request)

@@ -140,6 +140,8 @@ class Trace:
         flops: FLOPs of forward and backward, when counted (``count_flops=True``).
         unmodelled: for the CUDA target, what CUDA kernels of the step allocate that the trace does not
             replay (:class:`memguard.estimator._unmodelled.Unmodelled` entries, in call order).
+        streams: handle -> stream id (1, 2, ...) of the storages allocated while a stream other
+            than the default one was current (FSDP2's collective streams); absent: the default.
     """
 
     events: list[tuple[int, int]] = field(default_factory=list)
@@ -154,6 +156,7 @@ class Trace:
     num_ops: int = 0
     flops: int = 0
     unmodelled: list = field(default_factory=list)
+    streams: dict[int, int] = field(default_factory=dict)
 
     def phase_of(self, index: int) -> str:
         """The phase that event ``index`` belongs to."""

@@ -495,3 +495,135 @@ def test_rocm_flash_bytes_match_mha_all_aot():
     # 128 rows, no dq_accum of CUDA's mha_bwd); autograd's stack and layout copy as on CUDA
     assert bwd == Counter([bhsd, bhsd, bhsd, b * h * s * 4, b * h * s * 4]) + Counter({3 * bhsd: 2})
 
+
+
+# ---------------------------------------------------------------------------------------------
+# selective activation checkpointing sees the fused ATen op (memguard/estimator/_cuda_sac.py)
+
+
+def _sac_attention(save_ops, target=CudaTarget(A100), dtype=torch.bfloat16, b=2, h=4, s=100, d=64, end=False):
+    """A checkpointed attention block (qkv projection, causal SDPA, output projection) under a
+    selective checkpointing policy that saves the ops in ``save_ops`` and recomputes the rest
+    (``save_ops=None``: plain checkpointing, no policy).
+
+    Returns the ops the policy saw with their outputs, the storage sizes live after forward (the
+    block's output and what the region saved) and those allocated in backward (with ``end``: those
+    live after backward instead).
+    """
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    seen = []
+
+    def policy(ctx, func, *args, **kwargs):
+        outs = ctx.op_output if isinstance(ctx.op_output, tuple) else (ctx.op_output,)
+        # shapes and dtypes only: holding the outputs would keep them alive
+        seen.append((func, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in outs]))
+        return CheckpointPolicy.MUST_SAVE if func in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def block(x, w_qkv, w_o):
+        qkv = (x @ w_qkv).view(b, s, 3, h, d).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        return out.transpose(1, 2).reshape(b, s, h * d) @ w_o
+
+    gc.disable()
+    try:
+        with FakeTensorMode():
+            x = torch.empty(b, s, h * d, dtype=dtype, requires_grad=True)
+            w_qkv = torch.empty(h * d, 3 * h * d, dtype=dtype, requires_grad=True)
+            w_o = torch.empty(h * d, h * d, dtype=dtype, requires_grad=True)
+            trace = Trace()
+            rec = Recorder(trace)
+            with rec:
+                for t in (x, w_qkv, w_o):
+                    rec.register(t, "inputs")
+                start = len(trace.events)
+                with CudaKernelModel(target):
+                    extra = {} if save_ops is None else {
+                        "context_fn": lambda: create_selective_checkpoint_contexts(policy)}
+                    y = checkpoint(block, x, w_qkv, w_o, use_reentrant=False, preserve_rng_state=False, **extra)
+                    mid = len(trace.events)
+                    grad = torch.empty_like(y)
+                    rec.register(grad, "inputs")
+                    bstart = len(trace.events)
+                    from torch.autograd.variable import Variable
+
+                    # the engine itself (as the trace does): Tensor.backward would switch the kernel
+                    # model off while it handles the call, and the recomputation would run CPU kernels
+                    Variable._execution_engine.run_backward((y,), (grad,), False, False, (), allow_unreachable=True,
+                                                            accumulate_grad=True)
+            assert x.grad is not None and w_qkv.grad is not None
+        live = Counter()
+        for _, n in trace.events[start:mid]:
+            live[abs(n)] += 1 if n > 0 else -1
+        bwd = Counter(n for _, n in trace.events[bstart:] if n > 0)
+        if end:
+            for _, n in trace.events[bstart:]:
+                live[abs(n)] += 1 if n > 0 else -1
+            return seen, +live, None
+        return seen, +live, bwd
+    finally:
+        gc.enable()
+
+
+def test_sac_policy_sees_and_saves_the_flash_attention_op():
+    b, h, s, d = 2, 4, 100, 64
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    seen, live, bwd = _sac_attention({flash}, b=b, h=h, s=s, d=d)
+    # on CUDA the policy sees one _scaled_dot_product_flash_attention call (attention.cpp, bf16 causal
+    # on sm80), with its outputs (_scaled_dot_product_flash_attention_cuda): the attention output
+    # [B, H, S, D] bf16 and the fp32 logsumexp [B, H, S]; not the kernel's own empty/empty_like calls
+    funcs = [f for f, _ in seen]
+    assert funcs.count(flash) == 1
+    assert torch.ops.aten.empty_like.default not in funcs and torch.ops.aten.empty.memory_format not in funcs
+    out = dict(seen)[flash]
+    assert out[0] == ((b, h, s, d), torch.bfloat16) and out[1] == ((b, h, s), torch.float32)
+    assert out[6] == ((2,), torch.uint64) and out[7] == ((), torch.uint64)  # philox seed, offset
+    bhsd, lse = b * h * s * d * 2, b * h * s * 4
+    # saved: the attention output, logsumexp, rng_state (uint64[2]) and the offset (uint64 scalar)
+    # stay live after forward next to the block's output y ([B, S, H*D] bf16, the size of bhsd)
+    assert live == Counter({bhsd: 2, lse: 1, 16: 1, 8: 1})
+    # recomputation reruns the qkv projection but takes the attention outputs from the cache:
+    # no logsumexp-sized buffer in backward (softmax_d is [B, H, 128] fp32: seqlen rounded to 128)
+    assert bwd[lse] == 0 and bwd[b * h * 128 * 4] == 1
+
+
+def test_sac_policy_that_saves_nothing_recomputes_flash_attention():
+    b, h, s, d = 2, 4, 100, 64
+    seen, live, bwd = _sac_attention(set(), b=b, h=h, s=s, d=d)
+    assert [f for f, _ in seen].count(torch.ops.aten._scaled_dot_product_flash_attention.default) == 1
+    bhsd, lse = b * h * s * d * 2, b * h * s * 4
+    # only the block's output survives forward; backward recomputes the kernel: logsumexp again
+    assert live == Counter({bhsd: 1})
+    assert bwd[lse] == 1
+
+
+@pytest.mark.parametrize(
+    "target, dtype, op, saved",
+    [
+        # fp32 on sm80: flash takes fp16/bf16 only, the memory-efficient kernel takes the call; saved:
+        # the output [B, S, H, D] fp32 (the size of the block's output y) and logsumexp [B, H, S
+        # rounded to 32] (kAlignLSE); its philox seed and offset are CPU scalars (no device memory)
+        (CudaTarget(A100), torch.float32, torch.ops.aten._scaled_dot_product_efficient_attention.default,
+         {2 * 4 * 100 * 64 * 4: 2, 2 * 4 * 128 * 4: 1}),
+        # H100 with cuDNN 9.16 puts cuDNN first (test_cudnn_bytes); saved: the output, fp32 stats
+        # [B, H, S], int64 seed and offset
+        (CudaTarget(H100, cuda_version=(12, 8), cudnn_version=91600), torch.bfloat16,
+         torch.ops.aten._scaled_dot_product_cudnn_attention.default, {2 * 4 * 100 * 64 * 2: 2, 2 * 4 * 100 * 4: 1, 8: 2}),
+    ],
+)
+def test_sac_policy_sees_the_other_fused_ops(target, dtype, op, saved):
+    seen, live, _ = _sac_attention({op}, target=target, dtype=dtype)
+    assert [f for f, _ in seen].count(op) == 1
+    assert live == Counter(saved)
+
+
+@pytest.mark.parametrize("save_ops", [None, {torch.ops.aten._scaled_dot_product_flash_attention.default}])
+def test_checkpointed_flash_attention_frees_what_it_saved(save_ops):
+    # after backward only the block's output and the gradients of x, w_qkv and w_o are left (the
+    # gradient fed in is registered before the backward): the kernel's saved output and logsumexp,
+    # recomputed or cached, are gone. Saving a view of the Function's own output would tie the saved
+    # tensor to its node in a reference cycle that only the garbage collector (off in a trace) frees.
+    b, h, s, d = 2, 4, 100, 64
+    _, live, _ = _sac_attention(save_ops, b=b, h=h, s=s, d=d, end=True)
+    bhsd = b * h * s * d * 2
+    assert live == Counter({bhsd: 2, (h * d) * (3 * h * d) * 2: 1, (h * d) * (h * d) * 2: 1})

@@ -210,3 +210,77 @@ def test_estimating_inside_a_running_job_leaves_its_process_group_as_it_was() ->
         assert t.tolist() == [1.0, 1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# the streams FSDP2 allocates on (CUDA target)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a = nn.Linear(d, 4 * d, bias=False)
+        self.b = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, d=256, n=3, vocab=1000):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(n))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def test_fsdp2_buffers_carry_the_streams_fsdp2_allocates_them_on(monkeypatch):
+    # torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: foreach_all_gather makes the
+    # all-gather output (all_gather_copy_in: every rank's padded shards in param_dtype) on the copy-in
+    # stream (get_all_gather_streams: forward and pre-backward unshards use the separate streams);
+    # foreach_reduce makes the reduce-scatter input on the current stream and its output, which the
+    # sharded gradients view, on the reduce-scatter stream, in reduce_dtype (fp32)
+    from memguard.estimator import _fsdp2_trace
+    from memguard.estimator._cuda import simulate
+
+    traces = []
+    real = _fsdp2_trace.trace_fsdp2_step
+
+    def keep(*args, **kwargs):
+        traces.append(real(*args, **kwargs))
+        return traces[-1]
+
+    monkeypatch.setattr(_fsdp2_trace, "trace_fsdp2_step", keep)
+    d, n, vocab, world = 256, 3, 1000, 4
+    with torch.device("meta"):
+        model = _Stack(d, n, vocab)
+    batch = torch.zeros(2, 128, dtype=torch.long)
+    est = memguard.estimate(model, (batch,), loss_fn=lambda m, b: m(b[0]).float().mean(), precision="bf16-mixed",
+                            strategy="fsdp2", world_size=world, zero_stage=3, gpu="H100-80GB")
+    trace = traces[-1]
+    block_numel = 2 * d * 4 * d  # each dim 0 (1024 and 256) divides by 4: no padding
+    root_numel = 2 * vocab * d  # the root group: embedding and head
+    by_stream: dict = {}
+    for h, sid in trace.streams.items():
+        by_stream.setdefault(sid, []).append(trace.sizes[h])
+    assert len(by_stream) == 2
+    gathers, reduces = sorted(by_stream.values(), key=len, reverse=True)
+    # reduce-scatter stream: one output per group and backward, numel / world fp32
+    assert sorted(reduces) == sorted([root_numel // world * 4] + [block_numel // world * 4] * n)
+    # copy-in stream: each block's all-gather output (bf16, all ranks) in forward and again in backward
+    # (reshard_after_forward=True), the root's at least in forward
+    assert gathers.count(block_numel * 2) == 2 * n and gathers.count(root_numel * 2) >= 1
+    # the reduce-scatter input (fp32, world x the shard) stays on the default stream
+    untagged = [trace.sizes[h] for h in range(len(trace.sizes)) if h not in trace.streams]
+    assert untagged.count(block_numel * 4) >= n
+    # the estimate prices the side streams from their own blocks: more reserved than one shared pool
+    events = [(h, b) for h, b in trace.events if b]
+    assert simulate(events, streams=trace.streams).peak_reserved > simulate(events).peak_reserved
+    assert est.peak_bytes > 0
