@@ -81,12 +81,17 @@ class EvalStatus:
             halving): the next eval batch of that shape starts from it instead of OOMing again, and
             a new, smaller shape starts from a larger one's size, scaled (see :meth:`remembered`).
         oom_retries: OOMs recovered from during evaluation, in total.
-        forwards: forwards run by the last :func:`evaluate` call (1 when the batch fitted whole).
+        forwards: forwards run by the last :func:`evaluate` call (1 when the batch fitted whole),
+            on this rank's samples.
+        padding_forwards: forwards of the last call on a sharded model whose results were discarded:
+            this rank had fewer samples than a peer and ran them so that every rank runs the same
+            forwards (see :mod:`memguard.guard._evaluate_sharded`).
     """
 
     micro_batch_size: "OrderedDict[tuple, int]" = dataclasses.field(default_factory=OrderedDict)
     oom_retries: int = 0
     forwards: int = 0
+    padding_forwards: int = 0
 
     def remembered(self, signature: tuple) -> int | None:
         """The micro-batch to start from for ``signature``: its own if known; else, from a known
@@ -134,6 +139,7 @@ def split_eval(
     combine: Callable[[Sequence[Any], Sequence[float]], Any] | None = None,
     max_retries: int | None = None,
     loss_only_hint: str | None = None,
+    ranks: Any = None,
 ) -> Any:
     """Run ``run(micro_batch)`` over ``batch`` in micro-batches, halving on an OOM; merge the results.
 
@@ -153,6 +159,11 @@ def split_eval(
         max_retries: give up after this many OOMs in this call (None: until one sample fails).
         loss_only_hint: what an error about outputs too large to join tells the user to do instead,
             in the front-end's terms (default: :func:`evaluate`'s loss-only ``fn``).
+        ranks: for a model sharded with FSDP2, its
+            :class:`~memguard.guard._sharded.ShardedRankGroup`
+            (:func:`~memguard.guard._evaluate_sharded.eval_rank_group`): every rank of it must call
+            this at once, and the ranks split, pad and halve together
+            (:func:`~memguard.guard._evaluate_sharded.split_eval_sharded`). None: this rank alone.
 
     Returns:
         The merged result; exactly ``run(batch)``'s result when the batch runs whole.
@@ -164,9 +175,17 @@ def split_eval(
             the last OOM); or the merged result does not fit in memory (the joined tensors, or
             ``combine``'s own allocations): the message names the loss-only alternative.
         Exception: any other error of ``run``, unchanged.
+        PeerFailedError: with ``ranks``, a peer failed with an error that is not an OOM.
     """
     if micro_batch_size is not None and not (isinstance(micro_batch_size, int) and micro_batch_size >= 1):
         raise ConfigError(f"micro_batch_size={micro_batch_size!r} must be a positive int or None")
+    if ranks is not None:
+        from memguard.guard._evaluate_sharded import split_eval_sharded
+
+        return split_eval_sharded(batch, run, ranks=ranks, state=state, micro_batch_size=micro_batch_size,
+                                  weight_fn=weight_fn, combine=combine, max_retries=max_retries,
+                                  loss_only_hint=loss_only_hint)
+    state.padding_forwards = 0
     n = batch_size(batch)
     sig = shape_signature(batch)
     cap = micro_batch_size or state.remembered(sig)
@@ -396,10 +415,13 @@ def evaluate(
     def run(micro: Any) -> Any:
         return fn(model, micro) if fn is not None else call_model(model, micro)
 
+    from memguard.guard._evaluate_sharded import eval_rank_group
+
+    ranks = eval_rank_group(model)  # an FSDP2 model on several ranks: they split together
     grad = torch.inference_mode() if inference_mode else torch.no_grad()
     with _eval_mode(model, eval_mode), grad:
         return split_eval(batch, run, state=eval_status(model), micro_batch_size=micro_batch_size,
-                          weight_fn=weight_fn, combine=combine, max_retries=max_retries)
+                          weight_fn=weight_fn, combine=combine, max_retries=max_retries, ranks=ranks)
 
 
 def _weighted_mean(values: Sequence[Any], weights: Sequence[Any]) -> Any:
@@ -557,6 +579,24 @@ class _Joiner:
                 out = _zip_map([out], lambda path, vs: None if _is_kv_cache(vs[0]) else vs[0], "result")
             _zip_map([self.structure, out], lambda path, vs: self._next(path, vs[1], start, m, weight), "result",
                      rebuild=False)
+
+    def snapshot(self) -> tuple:
+        """What :meth:`restore` needs to undo the next :meth:`add` (a sharded evaluation adds a result
+        before the ranks agree that the micro-batch succeeded everywhere)."""
+        return (self.structure is None, {p: list(v) for p, v in self.sums.items()},
+                {p: len(v) for p, v in self.pieces.items()}, self.micro)
+
+    def restore(self, snap: tuple) -> None:
+        """Undo the :meth:`add` after :meth:`snapshot` (the joined rows it wrote are written again by the
+        retry of the same samples)."""
+        empty, sums, pieces, micro = snap
+        if empty:
+            self.__init__(self.n, self.hint)  # type: ignore[misc]
+            return
+        self.sums = sums
+        for p, count in pieces.items():
+            del self.pieces[p][count:]
+        self.micro = micro
 
     def _first(self, path: str, value: Any, m: int, weight: Any) -> Any:
         if _is_kv_cache(value):

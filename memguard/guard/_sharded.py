@@ -295,6 +295,23 @@ class ShardedRankGroup(RankGroup):
         if self.model is not None and self.sync_last_only:
             self.model.set_requires_gradient_sync(True)
 
+    def reset_forward_state(self) -> None:
+        """Reset FSDP2's per-iteration state after a failed forward-only attempt (an evaluation micro-batch).
+
+        The first half of :meth:`reset`: the root state's ``_reset_iter_state`` (torch 2.13,
+        ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``, ``FSDPState._reset_iter_state``: waits
+        for issued all-gathers, drops their pending results, clears the post-forward order, sets every
+        group to IDLE and reshards it). Gradients, gradient synchronisation and the accumulated
+        unsharded gradients are left as they are: an evaluation does not make any, and must not drop
+        those of a training step in progress.
+        """
+        self._armed = False
+        if self.root is not None and self.root._is_root:
+            self.root._reset_iter_state()
+        else:  # forward never reached the root's lazy init: nothing ran yet
+            for pg in _param_groups(self.states):
+                pg._reset_iter_state()
+
     # ---------------------------------------------------------------------------------- stopping
 
     def _store_key(self) -> str:
