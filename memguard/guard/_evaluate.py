@@ -15,10 +15,22 @@ changes the training micro-batch of :func:`memguard.step`, the Lightning callbac
 Accelerate hooks (the guard core is not touched). :func:`split_eval` is the framework-free core
 that the Lightning callback's validation and test hooks call with the user's own step.
 
+Sharded models: for a model sharded with FSDP2 (``fully_shard``; prepared by
+``memguard.prepare(..., strategy="fsdp2")`` or not) on more than one rank, :func:`evaluate` must be
+called on every rank of its group at once, and the ranks split together
+(:mod:`memguard.guard._evaluate_sharded`): they agree on the micro-batch and on the number of
+forwards (a rank with fewer samples runs padding forwards, whose results are discarded), run each
+forward with FSDP2's all-gathers behind memguard's agreements, and on an OOM on any rank halve
+together and continue from the micro-batch that failed (logged on every rank). An OOM inside an
+all-gather stops every rank with the same :class:`OOMRecoveryError`.
+
 Known limitations:
-    Ranks split independently: a model whose forward runs collectives (FSDP, ZeRO-3) would need
-    every rank to run the same number of forwards, which is not arranged; evaluate such models with
-    a planned ``micro_batch_size`` (the same on every rank).
+    Under FSDP2, an OOM on a rank while its joined outputs are on the device moves them to the host
+    and halves (a single process retries the same micro-batch first). Other sharded models — FSDP1,
+    DeepSpeed ZeRO-3, tensor or pipeline parallel ones, HSDP (a 2-D mesh) — still split on each rank
+    independently, which is only safe while no rank splits: evaluate them with a planned
+    ``micro_batch_size``, the same on every rank. A collective that ``fn`` runs itself (a metric
+    all-reduced per micro-batch) is not behind an agreement and can hang when a peer fails before it.
 
 Joining the outputs (:class:`_Joiner`): the pieces and the whole are never held at once. When the
 first micro-batch's result arrives, each per-sample tensor of the whole batch is allocated once,
@@ -372,6 +384,7 @@ def evaluate(
         inference_mode: run under ``torch.inference_mode()`` instead of ``torch.no_grad()``.
         eval_mode: put the model in ``eval()`` mode for the call (default True).
         max_retries: give up after this many OOMs in one call (None: until one sample fails).
+            Under FSDP2 the ranks use the smallest ``max_retries`` and ``micro_batch_size`` of any rank.
 
     Returns:
         The merged result (see :func:`combine_outputs`).
@@ -381,6 +394,11 @@ def evaluate(
             (pass ``combine=``).
         OOMRecoveryError: a single sample does not fit, ``max_retries`` was exceeded, or the joined
             outputs do not fit in device or host memory (the message names the loss-only ``fn``).
+            Under FSDP2, on every rank when it happens on one, or on an OOM inside an all-gather.
+        PeerFailedError: under FSDP2, a peer failed with an error that is not an OOM.
+
+    Under FSDP2 on several ranks every rank must call this at once (each with its own share of
+    the batch, of any size); see the module docstring.
 
     Known limitations:
         See the module docstring (sharded models, joining the outputs). Values that depend on

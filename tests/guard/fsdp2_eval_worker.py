@@ -18,6 +18,10 @@ the root, memguard never told), and, in ``"recover"`` mode:
    write the outcome, the forwards' sample ids and the log to ``result{rank}.json`` and the
    outputs to ``tensors{rank}.pt``.
 
+In ``"bug"`` mode nothing is capped and rank 1 fails on its own in the first evaluate call:
+``bug="forward"`` raises a KeyError in the second block's forward (while rank 0 goes on to that
+block's all-gather); ``bug="batch"`` gives rank 1 a batch without a batch dimension.
+
 In ``"collective"`` mode the blocks are large (8 MiB each unsharded) and the activations tiny; the
 capped rank gets VmSize + ``budget_mib``, less than one block's all-gather output, so the OOM
 happens inside FSDP2's all-gather during evaluation (the unrecoverable case).
@@ -151,8 +155,19 @@ def main() -> None:
         fully_shard(model)
     model.register_forward_pre_hook(lambda m, a, kw: events.append(kw["idx"].tolist()), with_kwargs=True)
 
+    from memguard.guard._evaluate_sharded import eval_rank_group
+
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if collective:
+    budget = None
+    if cfg["mode"] == "bug":
+        if rank == 1 and cfg["bug"] == "forward":
+            def user_bug(*args: object) -> None:
+                raise KeyError("a bug in user code on rank 1")
+
+            model.blocks[1].register_forward_pre_hook(user_bug)
+        elif rank == 1:
+            batch = {"x": torch.zeros(())}
+    elif collective:
         budget = cfg["budget_mib"] << 20
     else:
         n = max(cfg["batches"])
@@ -163,8 +178,10 @@ def main() -> None:
         result["calibration"] = {"d_small": d_small, "d_big": d_big}
     events.clear()
     dist.barrier()
-    if rank in cfg["cap_ranks"]:
+    if rank in cfg["cap_ranks"] and budget is not None:
         resource.setrlimit(resource.RLIMIT_AS, (vm_size() + budget, hard))
+    rg = eval_rank_group(model)
+    agreements = rg.agreements
     t0 = time.perf_counter()
     outputs: dict = {}
     try:
@@ -182,6 +199,7 @@ def main() -> None:
     except Exception as exc:  # reported to the test
         result["error"] = {"type": type(exc).__name__, "message": str(exc), "rank": getattr(exc, "rank", None)}
     result["eval_s"] = time.perf_counter() - t0
+    result["agreements"] = rg.agreements - agreements
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     result.update(messages=messages, events=events, oom_retries=eval_status(model).oom_retries,
                   eval_micro_batch_sizes=list(eval_status(model).micro_batch_size.values()))

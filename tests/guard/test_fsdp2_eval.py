@@ -79,6 +79,8 @@ def _check_recovered(tmp_path: Path, results: list[dict], batches: list[int]) ->
     assert len(_retries(r1)) == 2 and all("DefaultCPUAllocator" in m for m in _retries(r1))
     assert len(_retries(r0)) == 2 and all("on rank 1;" in m and "halves to" in m for m in _retries(r0))
     assert r0["oom_retries"] == r1["oom_retries"] == 2
+    # the agreements both ranks ran (the same count: they are all-reduces), see _evaluate_sharded's docstring
+    assert r0["agreements"] == r1["agreements"] > 0
     assert r0["eval_micro_batch_sizes"] == r1["eval_micro_batch_sizes"] == [max(batches) // 2]
     for r, n in zip(results, batches):
         first = 1000 * r["rank"]
@@ -127,3 +129,15 @@ def test_an_eval_oom_inside_an_fsdp_all_gather_stops_every_rank_with_the_same_er
     assert "inside FSDP2's all-gather of blocks.0 on rank 1" in r0["error"]["message"]
     assert "DefaultCPUAllocator" in r0["error"]["message"]
     assert r0["eval_s"] < 30  # bounded: rank 0 leaves its all-gather as soon as rank 1 tears the group down
+
+
+@pytest.mark.parametrize("bug", ["forward", "batch"])
+def test_an_error_on_one_rank_stops_its_peer_instead_of_hanging(tmp_path: Path, bug: str) -> None:
+    # "forward": a KeyError (not an OOM) in rank 1's second block; rank 0, which went on to that block's all-gather,
+    # leaves its forward at the agreement before it. "batch": rank 1's batch has no batch dimension; rank 0 learns
+    # it at the first agreement, before any forward.
+    r0, r1 = _run(tmp_path, mode="bug", how="prepare", batches=[8, 8], seq=4, bug=bug)
+    assert r1["error"]["type"] == ("KeyError" if bug == "forward" else "ConfigError")
+    assert r0["error"]["type"] == "PeerFailedError" and r0["error"]["rank"] == 1
+    assert "rank 1 failed in evaluation" in r0["error"]["message"]
+    assert r0["oom_retries"] == r1["oom_retries"] == 0
