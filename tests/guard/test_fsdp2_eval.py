@@ -141,3 +141,49 @@ def test_an_error_on_one_rank_stops_its_peer_instead_of_hanging(tmp_path: Path, 
     assert r0["error"]["type"] == "PeerFailedError" and r0["error"]["rank"] == 1
     assert "rank 1 failed in evaluation" in r0["error"]["message"]
     assert r0["oom_retries"] == r1["oom_retries"] == 0
+
+
+_ONE_RANK = """
+import os, socket, sys, json
+import torch, torch.distributed as dist
+sys.path.insert(0, {here!r})
+from fsdp2_eval_worker import Net
+from torch.distributed.fsdp import fully_shard
+import memguard
+from memguard.guard._evaluate import eval_status
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.manual_seed(0)
+model = Net(16, 2)
+batch = {{"x": torch.randn(6, 4, 16), "y": torch.randn(6), "idx": torch.arange(6)}}
+with torch.no_grad():
+    ref = model(**batch).loss.item()
+for b in model.blocks:
+    fully_shard(b)
+out = {{}}
+try:
+    memguard.evaluate(model, batch)
+except memguard.ConfigError as exc:
+    out["not_root"] = str(exc)
+fully_shard(model)
+out["loss"] = memguard.evaluate(model, batch, micro_batch_size=4).loss.item()
+out["ref"], out["forwards"] = ref, eval_status(model).forwards
+print(json.dumps(out))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_module_whose_blocks_only_are_sharded_is_refused_and_one_rank_splits_alone(tmp_path: Path) -> None:
+    code = _ONE_RANK.format(here=str(WORKER.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "not itself the FSDP2 root" in out["not_root"] and "pass the root module" in out["not_root"]
+    # one rank in the group: no peer to keep in step, so the single-process split runs (4 + 2 samples); the mean
+    # loss is the sample-weighted mean of the two micro-batches' means, summed in float64
+    assert out["forwards"] == 2
+    assert out["loss"] == pytest.approx(out["ref"], rel=1e-6)
