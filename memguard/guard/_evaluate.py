@@ -284,6 +284,7 @@ def step_in_micro_batches(
     micro_batch_size: int | None = None,
     max_retries: int | None = None,
     loss_only_hint: str | None = None,
+    ranks: Any = None,
 ) -> Any:
     """A framework's evaluation step (``validation_step(batch, batch_idx)``) run on micro-batches.
 
@@ -298,7 +299,9 @@ def step_in_micro_batches(
         state: the model's :class:`EvalStatus` (:func:`eval_status`).
         before_micro: called with each micro-batch before the step, e.g. to make the framework's
             logging weight a logged mean by the micro-batch's size.
-        micro_batch_size, max_retries, loss_only_hint: as for :func:`split_eval`.
+        micro_batch_size, max_retries, loss_only_hint, ranks: as for :func:`split_eval` (an adapter
+            evaluating an FSDP2 module passes ``ranks=eval_rank_group(module)``, from
+            :mod:`memguard.guard._evaluate_sharded`, on every rank).
 
     Returns:
         The merged return value of the step.
@@ -314,7 +317,7 @@ def step_in_micro_batches(
         return user_step(micro, *args, **kwargs)
 
     return split_eval(batch, run, state=state, micro_batch_size=micro_batch_size, max_retries=max_retries,
-                      loss_only_hint=loss_only_hint)
+                      loss_only_hint=loss_only_hint, ranks=ranks)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,8 @@ the root, memguard never told), and, in ``"recover"`` mode:
 
 In ``"bug"`` mode nothing is capped and rank 1 fails on its own in the first evaluate call:
 ``bug="forward"`` raises a KeyError in the second block's forward (while rank 0 goes on to that
-block's all-gather); ``bug="batch"`` gives rank 1 a batch without a batch dimension.
+block's all-gather); ``bug="batch"`` gives rank 1 a batch without a batch dimension. ``time_calls`` (uncapped runs):
+that many loss-only ``memguard.evaluate`` calls and plain ``no_grad`` forwards, interleaved, timed.
 
 In ``"collective"`` mode the blocks are large (8 MiB each unsharded) and the activations tiny; the
 capped rank gets VmSize + ``budget_mib``, less than one block's all-gather output, so the OOM
@@ -181,6 +182,19 @@ def main() -> None:
     if rank in cfg["cap_ranks"] and budget is not None:
         resource.setrlimit(resource.RLIMIT_AS, (vm_size() + budget, hard))
     rg = eval_rank_group(model)
+    if cfg.get("time_calls"):  # memguard.evaluate against the plain no_grad forward, uncapped, interleaved
+        guarded_s, plain_s = [], []
+        for _ in range(cfg["time_calls"]):
+            t0 = time.perf_counter()
+            memguard.evaluate(model, batch, fn=lambda m, b: m(**b).loss)
+            guarded_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model.eval()
+                model(**batch)
+            plain_s.append(time.perf_counter() - t0)
+        result["evaluate_s"] = sorted(guarded_s)[len(guarded_s) // 2]  # medians: the machine is shared
+        result["plain_s"] = sorted(plain_s)[len(plain_s) // 2]
     agreements = rg.agreements
     t0 = time.perf_counter()
     outputs: dict = {}
