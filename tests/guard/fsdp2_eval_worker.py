@@ -23,6 +23,9 @@ In ``"bug"`` mode nothing is capped and rank 1 fails on its own in the first eva
 block's all-gather); ``bug="batch"`` gives rank 1 a batch without a batch dimension. ``time_calls`` (uncapped runs):
 that many loss-only ``memguard.evaluate`` calls and plain ``no_grad`` forwards, interleaved, timed.
 
+In ``"remember"`` mode nothing is capped; rank 0 alone remembers an eval micro-batch of
+``remembered`` samples for its batch's shape before the calls (rank 1 remembers none).
+
 In ``"collective"`` mode the blocks are large (8 MiB each unsharded) and the activations tiny; the
 capped rank gets VmSize + ``budget_mib``, less than one block's all-gather output, so the OOM
 happens inside FSDP2's all-gather during evaluation (the unrecoverable case).
@@ -168,6 +171,11 @@ def main() -> None:
             model.blocks[1].register_forward_pre_hook(user_bug)
         elif rank == 1:
             batch = {"x": torch.zeros(())}
+    elif cfg["mode"] == "remember":
+        from memguard.guard._evaluate import shape_signature
+
+        if rank == 0:
+            eval_status(model).remember(shape_signature(batch), cfg["remembered"])
     elif collective:
         budget = cfg["budget_mib"] << 20
     else:
@@ -204,7 +212,8 @@ def main() -> None:
         result["joined_forwards"] = eval_status(model).forwards
         result["joined_padding"] = eval_status(model).padding_forwards
         outputs["pred"], outputs["loss"] = joined.pred, joined.loss
-        eval_status(model).micro_batch_size.clear()  # forget the eval micro-batch: the next call OOMs again
+        if cfg["mode"] != "remember":  # forget the eval micro-batch: the next call OOMs again
+            eval_status(model).micro_batch_size.clear()
         events.append("CALL")
         loss = memguard.evaluate(model, batch, fn=lambda m, b: m(**b).loss)
         result["loss_forwards"] = eval_status(model).forwards

@@ -143,6 +143,21 @@ def test_an_error_on_one_rank_stops_its_peer_instead_of_hanging(tmp_path: Path, 
     assert r0["oom_retries"] == r1["oom_retries"] == 0
 
 
+def test_the_ranks_start_from_the_smallest_remembered_eval_micro_batch_and_remember_the_same(tmp_path: Path) -> None:
+    # Only rank 0 remembers 16 samples for this shape (an OOM it had alone, say); rank 1 would run its 64 whole. They
+    # agree on 16: four forwards each, in both calls, and both remember 16.
+    r0, r1 = _run(tmp_path, mode="remember", how="prepare", batches=[64, 64], seq=8, remembered=16)
+    assert r0["error"] is None and r1["error"] is None
+    for r in (r0, r1):
+        assert r["joined_forwards"] == r["loss_forwards"] == 4 and r["joined_padding"] == 0
+        assert r["eval_micro_batch_sizes"] == [16] and r["oom_retries"] == 0
+        for call in _calls(r):
+            assert [len(f) for f in call] == [16, 16, 16, 16]
+        t = torch.load(tmp_path / f"tensors{r['rank']}.pt")
+        torch.testing.assert_close(t["pred"], t["ref_pred"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(t["loss_only"], t["ref_loss"], rtol=1e-6, atol=1e-7)
+
+
 _ONE_RANK = """
 import os, socket, sys, json
 import torch, torch.distributed as dist
