@@ -15,10 +15,22 @@ changes the training micro-batch of :func:`memguard.step`, the Lightning callbac
 Accelerate hooks (the guard core is not touched). :func:`split_eval` is the framework-free core
 that the Lightning callback's validation and test hooks call with the user's own step.
 
+Sharded models: for a model sharded with FSDP2 (``fully_shard``; prepared by
+``memguard.prepare(..., strategy="fsdp2")`` or not) on more than one rank, :func:`evaluate` must be
+called on every rank of its group at once, and the ranks split together
+(:mod:`memguard.guard._evaluate_sharded`): they agree on the micro-batch and on the number of
+forwards (a rank with fewer samples runs padding forwards, whose results are discarded), run each
+forward with FSDP2's all-gathers behind memguard's agreements, and on an OOM on any rank halve
+together and continue from the micro-batch that failed (logged on every rank). An OOM inside an
+all-gather stops every rank with the same :class:`OOMRecoveryError`.
+
 Known limitations:
-    Ranks split independently: a model whose forward runs collectives (FSDP, ZeRO-3) would need
-    every rank to run the same number of forwards, which is not arranged; evaluate such models with
-    a planned ``micro_batch_size`` (the same on every rank).
+    Under FSDP2, an OOM on a rank while its joined outputs are on the device moves them to the host
+    and halves (a single process retries the same micro-batch first). Other sharded models — FSDP1,
+    DeepSpeed ZeRO-3, tensor or pipeline parallel ones, HSDP (a 2-D mesh) — still split on each rank
+    independently, which is only safe while no rank splits: evaluate them with a planned
+    ``micro_batch_size``, the same on every rank. A collective that ``fn`` runs itself (a metric
+    all-reduced per micro-batch) is not behind an agreement and can hang when a peer fails before it.
 
 Joining the outputs (:class:`_Joiner`): the pieces and the whole are never held at once. When the
 first micro-batch's result arrives, each per-sample tensor of the whole batch is allocated once,
@@ -81,12 +93,17 @@ class EvalStatus:
             halving): the next eval batch of that shape starts from it instead of OOMing again, and
             a new, smaller shape starts from a larger one's size, scaled (see :meth:`remembered`).
         oom_retries: OOMs recovered from during evaluation, in total.
-        forwards: forwards run by the last :func:`evaluate` call (1 when the batch fitted whole).
+        forwards: forwards run by the last :func:`evaluate` call (1 when the batch fitted whole),
+            on this rank's samples.
+        padding_forwards: forwards of the last call on a sharded model whose results were discarded:
+            this rank had fewer samples than a peer and ran them so that every rank runs the same
+            forwards (see :mod:`memguard.guard._evaluate_sharded`).
     """
 
     micro_batch_size: "OrderedDict[tuple, int]" = dataclasses.field(default_factory=OrderedDict)
     oom_retries: int = 0
     forwards: int = 0
+    padding_forwards: int = 0
 
     def remembered(self, signature: tuple) -> int | None:
         """The micro-batch to start from for ``signature``: its own if known; else, from a known
@@ -134,6 +151,7 @@ def split_eval(
     combine: Callable[[Sequence[Any], Sequence[float]], Any] | None = None,
     max_retries: int | None = None,
     loss_only_hint: str | None = None,
+    ranks: Any = None,
 ) -> Any:
     """Run ``run(micro_batch)`` over ``batch`` in micro-batches, halving on an OOM; merge the results.
 
@@ -153,6 +171,11 @@ def split_eval(
         max_retries: give up after this many OOMs in this call (None: until one sample fails).
         loss_only_hint: what an error about outputs too large to join tells the user to do instead,
             in the front-end's terms (default: :func:`evaluate`'s loss-only ``fn``).
+        ranks: for a model sharded with FSDP2, its
+            :class:`~memguard.guard._sharded.ShardedRankGroup`
+            (:func:`~memguard.guard._evaluate_sharded.eval_rank_group`): every rank of it must call
+            this at once, and the ranks split, pad and halve together
+            (:func:`~memguard.guard._evaluate_sharded.split_eval_sharded`). None: this rank alone.
 
     Returns:
         The merged result; exactly ``run(batch)``'s result when the batch runs whole.
@@ -164,9 +187,17 @@ def split_eval(
             the last OOM); or the merged result does not fit in memory (the joined tensors, or
             ``combine``'s own allocations): the message names the loss-only alternative.
         Exception: any other error of ``run``, unchanged.
+        PeerFailedError: with ``ranks``, a peer failed with an error that is not an OOM.
     """
     if micro_batch_size is not None and not (isinstance(micro_batch_size, int) and micro_batch_size >= 1):
         raise ConfigError(f"micro_batch_size={micro_batch_size!r} must be a positive int or None")
+    if ranks is not None:
+        from memguard.guard._evaluate_sharded import split_eval_sharded
+
+        return split_eval_sharded(batch, run, ranks=ranks, state=state, micro_batch_size=micro_batch_size,
+                                  weight_fn=weight_fn, combine=combine, max_retries=max_retries,
+                                  loss_only_hint=loss_only_hint)
+    state.padding_forwards = 0
     n = batch_size(batch)
     sig = shape_signature(batch)
     cap = micro_batch_size or state.remembered(sig)
@@ -253,6 +284,7 @@ def step_in_micro_batches(
     micro_batch_size: int | None = None,
     max_retries: int | None = None,
     loss_only_hint: str | None = None,
+    ranks: Any = None,
 ) -> Any:
     """A framework's evaluation step (``validation_step(batch, batch_idx)``) run on micro-batches.
 
@@ -267,7 +299,9 @@ def step_in_micro_batches(
         state: the model's :class:`EvalStatus` (:func:`eval_status`).
         before_micro: called with each micro-batch before the step, e.g. to make the framework's
             logging weight a logged mean by the micro-batch's size.
-        micro_batch_size, max_retries, loss_only_hint: as for :func:`split_eval`.
+        micro_batch_size, max_retries, loss_only_hint, ranks: as for :func:`split_eval` (an adapter
+            evaluating an FSDP2 module passes ``ranks=eval_rank_group(module)``, from
+            :mod:`memguard.guard._evaluate_sharded`, on every rank).
 
     Returns:
         The merged return value of the step.
@@ -283,7 +317,7 @@ def step_in_micro_batches(
         return user_step(micro, *args, **kwargs)
 
     return split_eval(batch, run, state=state, micro_batch_size=micro_batch_size, max_retries=max_retries,
-                      loss_only_hint=loss_only_hint)
+                      loss_only_hint=loss_only_hint, ranks=ranks)
 
 
 @contextlib.contextmanager
@@ -353,6 +387,7 @@ def evaluate(
         inference_mode: run under ``torch.inference_mode()`` instead of ``torch.no_grad()``.
         eval_mode: put the model in ``eval()`` mode for the call (default True).
         max_retries: give up after this many OOMs in one call (None: until one sample fails).
+            Under FSDP2 the ranks use the smallest ``max_retries`` and ``micro_batch_size`` of any rank.
 
     Returns:
         The merged result (see :func:`combine_outputs`).
@@ -362,6 +397,11 @@ def evaluate(
             (pass ``combine=``).
         OOMRecoveryError: a single sample does not fit, ``max_retries`` was exceeded, or the joined
             outputs do not fit in device or host memory (the message names the loss-only ``fn``).
+            Under FSDP2, on every rank when it happens on one, or on an OOM inside an all-gather.
+        PeerFailedError: under FSDP2, a peer failed with an error that is not an OOM.
+
+    Under FSDP2 on several ranks every rank must call this at once (each with its own share of
+    the batch, of any size); see the module docstring.
 
     Known limitations:
         See the module docstring (sharded models, joining the outputs). Values that depend on
@@ -396,10 +436,13 @@ def evaluate(
     def run(micro: Any) -> Any:
         return fn(model, micro) if fn is not None else call_model(model, micro)
 
+    from memguard.guard._evaluate_sharded import eval_rank_group
+
+    ranks = eval_rank_group(model)  # an FSDP2 model on several ranks: they split together
     grad = torch.inference_mode() if inference_mode else torch.no_grad()
     with _eval_mode(model, eval_mode), grad:
         return split_eval(batch, run, state=eval_status(model), micro_batch_size=micro_batch_size,
-                          weight_fn=weight_fn, combine=combine, max_retries=max_retries)
+                          weight_fn=weight_fn, combine=combine, max_retries=max_retries, ranks=ranks)
 
 
 def _weighted_mean(values: Sequence[Any], weights: Sequence[Any]) -> Any:
@@ -557,6 +600,24 @@ class _Joiner:
                 out = _zip_map([out], lambda path, vs: None if _is_kv_cache(vs[0]) else vs[0], "result")
             _zip_map([self.structure, out], lambda path, vs: self._next(path, vs[1], start, m, weight), "result",
                      rebuild=False)
+
+    def snapshot(self) -> tuple:
+        """What :meth:`restore` needs to undo the next :meth:`add` (a sharded evaluation adds a result
+        before the ranks agree that the micro-batch succeeded everywhere)."""
+        return (self.structure is None, {p: list(v) for p, v in self.sums.items()},
+                {p: len(v) for p, v in self.pieces.items()}, self.micro)
+
+    def restore(self, snap: tuple) -> None:
+        """Undo the :meth:`add` after :meth:`snapshot` (the joined rows it wrote are written again by the
+        retry of the same samples)."""
+        empty, sums, pieces, micro = snap
+        if empty:
+            self.__init__(self.n, self.hint)  # type: ignore[misc]
+            return
+        self.sums = sums
+        for p, count in pieces.items():
+            del self.pieces[p][count:]
+        self.micro = micro
 
     def _first(self, path: str, value: Any, m: int, weight: Any) -> Any:
         if _is_kv_cache(value):

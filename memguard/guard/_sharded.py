@@ -68,7 +68,8 @@ Known limitations:
     :func:`memguard.step`, and inside the micro-batches that the Lightning, Trainer and Accelerate
     adapters run through the guard (:mod:`memguard.guard._fsdp2_frameworks`,
     :mod:`memguard.guard._fsdp1`, :mod:`memguard.guard._deepspeed` subclass this group). FSDP
-    collectives outside an attempt (an evaluation loop, a ``state_dict`` call) run as FSDP runs them. Explicit forward prefetching
+    collectives outside an attempt (an evaluation loop, a ``state_dict`` call) run as FSDP runs them;
+    ``memguard.evaluate`` arms them for each of its forwards (:mod:`memguard.guard._evaluate_sharded`). Explicit forward prefetching
     (``set_modules_to_forward_prefetch``) and custom all-gather/reduce-scatter hooks are covered
     (they go through ``unshard``/``post_backward``). HSDP (a 2-D mesh: FSDP2 all-reduces over the
     replicas inside ``post_backward``) is refused: the agreement covers one mesh dimension. The
@@ -294,6 +295,23 @@ class ShardedRankGroup(RankGroup):
             p.grad = None
         if self.model is not None and self.sync_last_only:
             self.model.set_requires_gradient_sync(True)
+
+    def reset_forward_state(self) -> None:
+        """Reset FSDP2's per-iteration state after a failed forward-only attempt (an evaluation micro-batch).
+
+        The first half of :meth:`reset`: the root state's ``_reset_iter_state`` (torch 2.13,
+        ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``, ``FSDPState._reset_iter_state``: waits
+        for issued all-gathers, drops their pending results, clears the post-forward order, sets every
+        group to IDLE and reshards it). Gradients, gradient synchronisation and the accumulated
+        unsharded gradients are left as they are: an evaluation does not make any, and must not drop
+        those of a training step in progress.
+        """
+        self._armed = False
+        if self.root is not None and self.root._is_root:
+            self.root._reset_iter_state()
+        else:  # forward never reached the root's lazy init: nothing ran yet
+            for pg in _param_groups(self.states):
+                pg._reset_iter_state()
 
     # ---------------------------------------------------------------------------------- stopping
 
