@@ -55,6 +55,8 @@ def estimate(
     torch_version: str | None = None,
     cuda_version: str | None = None,
     cudnn_version: str | int | None = None,
+    gradient_compression: str | None = None,
+    powersgd: Any = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state training step (or, with ``train=False``, evaluation step).
 
@@ -115,6 +117,13 @@ def estimate(
             11.7 to 13.2). None = the one of that release's default PyPI wheel.
         cudnn_version: its cuDNN, ``"9.10.2"`` or ``torch.backends.cudnn.version()``'s ``91002``
             (8.5 to 9.x); decides whether SDPA prefers cuDNN attention. None = the default wheel's.
+        gradient_compression: None, or ``"powersgd"``: DDP with torch's ``powerSGD_hook``
+            (``world_size > 1``, ``zero_stage=0``, no FSDP2). Adds the hook's per-bucket memory: the
+            error-feedback buffers and warm-start P/Q matrices (persistent: ``breakdown["powersgd_state"]``) and the hook's
+            clone, uncompressed all-reduce buffer and new error buffer while it runs (``temporaries``);
+            the steady state after ``start_powerSGD_iter`` (see :mod:`memguard.estimator._powersgd`).
+        powersgd: the hook's options: a :class:`memguard.PowerSGDOptions`, a dict of its fields, or an
+            int (``matrix_approximation_rank``); None = ``PowerSGDState``'s defaults (rank 1).
 
     Returns:
         An :class:`~memguard.Estimate`.
@@ -167,6 +176,15 @@ def estimate(
     if not (isinstance(grad_accum_steps, int) and grad_accum_steps >= 1):
         problems.append(f"grad_accum_steps={grad_accum_steps!r} must be an integer >= 1")
     check_strategy(strategy=strategy, zero_stage=zero_stage, offload_optimizer=offload_optimizer, problems=problems)
+    from memguard.estimator._powersgd import check_ddp, resolve_options
+
+    try:
+        compression = resolve_options(gradient_compression, powersgd)
+    except ConfigError as e:
+        compression = None
+        problems.extend(e.problems)
+    check_ddp(gradient_compression if compression is None else compression, world_size=world_size,
+              zero_stage=zero_stage, strategy=strategy, problems=problems)
     spec = target_gpu(device, gpu, problems, torch_version=torch_version, cuda_version=cuda_version,
                       cudnn_version=cudnn_version)
     cpu_target = target_cpu(device, cpu, problems)
@@ -184,10 +202,19 @@ def estimate(
         fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer, device),
     )
     trace = run_trace(model, batch, request, optimizer=optimizer, loss_fn=loss_fn)
+    if compression is not None:
+        from memguard.estimator._powersgd import add_powersgd, grad_dtype_of, note, powersgd_buckets
+
+        compressed_buckets = powersgd_buckets(model, compression, grad_dtype_of(precision))
+        trace = add_powersgd(trace, compressed_buckets, compression)
     from memguard.estimator._blocks import find_blocks
 
     checkpointed = min(int(blocks or 0), len(find_blocks(model)))
     target = Target(device=device, precision=precision, zero_stage=zero_stage, world_size=world_size, gpu=spec,
                     strategy=strategy, offload_optimizer=offload_optimizer)
     est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0), checkpointed=checkpointed)
+    if compression is not None:
+        import dataclasses
+
+        est = dataclasses.replace(est, notes=(*est.notes, note(compression, compressed_buckets)))
     return est
