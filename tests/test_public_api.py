@@ -23,6 +23,7 @@ EXPECTED = {
     "OOMRecoveryError",
     "PeerFailedError",
     "Plan",
+    "PowerSGDOptions",  # gradient_compression="powersgd"'s options (estimate, plan, prepare)
     "__version__",
     "estimate",
     "evaluate",

@@ -58,8 +58,6 @@ import torch
 
 from memguard.errors import ConfigError
 
-__all__ = ["PowerSGDOptions", "BucketMemory", "bucket_memory", "ddp_buckets", "powersgd_buckets", "add_powersgd", "grad_dtype_of",
-           "resolve_options", "check_ddp", "note"]
 
 #: The breakdown key of PowerSGD's persistent state (error feedback, warm-start P and Q), per rank.
 STATE = "powersgd_state"
