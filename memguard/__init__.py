@@ -18,7 +18,6 @@ from memguard.errors import (
 )
 from memguard.estimator.api import estimate
 from memguard.estimator._result import Estimate
-from memguard.estimator._powersgd import PowerSGDOptions
 from memguard.guard import prepare, step
 from memguard.guard._evaluate import evaluate
 from memguard.planner.api import Plan, plan
@@ -34,7 +33,6 @@ __all__ = [
     "OOMRecoveryError",
     "PeerFailedError",
     "Plan",
-    "PowerSGDOptions",
     "__version__",
     "estimate",
     "evaluate",

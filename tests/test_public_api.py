@@ -23,7 +23,6 @@ EXPECTED = {
     "OOMRecoveryError",
     "PeerFailedError",
     "Plan",
-    "PowerSGDOptions",  # gradient_compression="powersgd"'s options (estimate, plan, prepare)
     "__version__",
     "estimate",
     "evaluate",

@@ -33,7 +33,8 @@ the sums of ``n * r`` and ``m * r`` over the compressed ones, ``U`` the elements
   a CPU tensor in place), so the hook's peak above the persistent state is ``2L + U`` with error
   feedback and warm start, ``2L + U + P + Q`` with error feedback alone, ``U (+ P + Q)`` without it.
   Gram-Schmidt's temporaries (``torch.norm`` of one column, ``col * rest`` for ranks 2) are smaller
-  than the final ``L`` and come before it.
+  than the final ``L`` and come before it; without error feedback they sit on top of ``U`` and are
+  not counted (12 bytes per rank-1 column, measured).
 
 The DDP buckets themselves (as large as all gradients) are added by
 :func:`memguard.estimator._sharding.model_state_factors`; PowerSGD changes nothing there.
@@ -160,7 +161,7 @@ def resolve_options(gradient_compression: Any, powersgd: Any) -> PowerSGDOptions
                                for k in unknown])
         opts = PowerSGDOptions(**powersgd)
     else:
-        raise ConfigError(f"powersgd={powersgd!r} must be a memguard.PowerSGDOptions, a dict of its fields, "
+        raise ConfigError(f"powersgd={powersgd!r} must be a dict of PowerSGD options (PowerSGDState keywords, bucket_cap_mb), "
                           "or an int (the matrix_approximation_rank)")
     problems = opts.problems()
     if problems:

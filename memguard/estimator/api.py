@@ -122,7 +122,8 @@ def estimate(
             error-feedback buffers and warm-start P/Q matrices (persistent: ``breakdown["powersgd_state"]``) and the hook's
             clone, uncompressed all-reduce buffer and new error buffer while it runs (``temporaries``);
             the steady state after ``start_powerSGD_iter`` (see :mod:`memguard.estimator._powersgd`).
-        powersgd: the hook's options: a :class:`memguard.PowerSGDOptions`, a dict of its fields, or an
+        powersgd: the hook's options: a dict of ``PowerSGDState``'s keywords (see
+            :class:`memguard.estimator._powersgd.PowerSGDOptions`; ``bucket_cap_mb`` too), or an
             int (``matrix_approximation_rank``); None = ``PowerSGDState``'s defaults (rank 1).
 
     Returns:

@@ -142,7 +142,8 @@ def prepare(
         gradient_compression: None, or ``"powersgd"``: under DDP (a wrapper over more than one rank),
             memguard's gradient sync runs torch's ``powerSGD_hook`` on DDP's buckets
             (:mod:`memguard.guard._comm_hooks`). When memguard plans, it plans with PowerSGD's memory.
-        powersgd: the hook's options (a :class:`memguard.PowerSGDOptions`, a dict of its fields, or an
+        powersgd: the hook's options (a dict of ``PowerSGDState``'s keywords and ``bucket_cap_mb``, see
+            :class:`memguard.estimator._powersgd.PowerSGDOptions`, or an
             int: the rank); None = ``PowerSGDState``'s defaults.
         **plan_options: options for ``memguard.plan`` (see above).
 
