@@ -145,6 +145,9 @@ def estimate(
         (see ``Estimate.notes``).
     """
     if train is False:
+        if gradient_compression is not None or powersgd is not None:
+            raise ConfigError("gradient_compression= is not modelled for an evaluation step (train=False): an "
+                              "evaluation has no gradient all-reduce; drop gradient_compression= and powersgd=")
         if strategy not in (None, "ddp"):
             raise ConfigError(f"strategy={strategy!r} is not modelled for an evaluation step (train=False): "
                               "evaluation is estimated unsharded; drop strategy=")

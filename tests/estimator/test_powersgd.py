@@ -174,6 +174,7 @@ def test_estimate_adds_state_and_transient():
     (dict(world_size=2, gradient_compression="powersgd", powersgd=0), "integer >= 1"),
     (dict(world_size=2, gradient_compression="powersgd", powersgd={"batch_tensors_with_same_shape": True}),
      "is not known"),
+    (dict(world_size=2, gradient_compression="powersgd", train=False), "evaluation step"),
 ])
 def test_estimate_refuses_bad_compression(kwargs, says):
     with pytest.raises(memguard.ConfigError, match=says):
