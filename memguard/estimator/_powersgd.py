@@ -36,6 +36,13 @@ the sums of ``n * r`` and ``m * r`` over the compressed ones, ``U`` the elements
   than the final ``L`` and come before it; without error feedback they sit on top of ``U`` and are
   not counted (12 bytes per rank-1 column, measured).
 
+**The planner** (``memguard.plan(gradient_compression="powersgd")``) adds the same memory to every
+whole-model trace it verifies a candidate with (``TraceSession.with_compression``) and restricts
+the search to plain DDP (``zero_stage=0``); its probe model, which ranks candidates before they are
+verified, leaves PowerSGD out, so on a tight budget more candidates may be verified. It never picks
+compression itself: the compression is lossy, and its cost model (``memguard/planner/_cost.py``)
+charges a DDP all-reduce 2Ψ whatever the hook.
+
 The DDP buckets themselves (as large as all gradients) are added by
 :func:`memguard.estimator._sharding.model_state_factors`; PowerSGD changes nothing there.
 

@@ -141,7 +141,9 @@ def prepare(
         mesh: with ``strategy="fsdp2"``, the 1-D ``DeviceMesh`` to shard over (default: every rank).
         gradient_compression: None, or ``"powersgd"``: under DDP (a wrapper over more than one rank),
             memguard's gradient sync runs torch's ``powerSGD_hook`` on DDP's buckets
-            (:mod:`memguard.guard._comm_hooks`). When memguard plans, it plans with PowerSGD's memory.
+            (:mod:`memguard.guard._comm_hooks`). When memguard plans, it plans with PowerSGD's memory;
+            a ``plan=`` made with ``memguard.plan(gradient_compression="powersgd")`` needs it here again
+            (a Plan does not record it).
         powersgd: the hook's options (a dict of ``PowerSGDState``'s keywords and ``bucket_cap_mb``, see
             :class:`memguard.estimator._powersgd.PowerSGDOptions`, or an
             int: the rank); None = ``PowerSGDState``'s defaults.
