@@ -57,6 +57,8 @@ def estimate(
     cudnn_version: str | int | None = None,
     layout: Any = None,
     deepspeed_config: Any = None,
+    gradient_compression: str | None = None,
+    powersgd: Any = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state training step (or, with ``train=False``, evaluation step).
 
@@ -126,6 +128,14 @@ def estimate(
         deepspeed_config: a DeepSpeed config (dict or JSON path) the run uses: its ZeRO stage, precision,
             batch triple, offload and buckets set the estimate ("auto" filled as the HF integration fills
             it; a keyword that contradicts it is a ConfigError; :mod:`memguard.estimator._deepspeed_config`).
+        gradient_compression: None, or ``"powersgd"``: DDP with torch's ``powerSGD_hook``
+            (``world_size > 1``, ``zero_stage=0``, no FSDP2). Adds the hook's per-bucket memory: the
+            error-feedback buffers and warm-start P/Q matrices (persistent: ``breakdown["powersgd_state"]``) and the hook's
+            clone, uncompressed all-reduce buffer and new error buffer while it runs (``temporaries``);
+            the steady state after ``start_powerSGD_iter`` (see :mod:`memguard.estimator._powersgd`).
+        powersgd: the hook's options: a dict of ``PowerSGDState``'s keywords (see
+            :class:`memguard.estimator._powersgd.PowerSGDOptions`; ``bucket_cap_mb`` too), or an
+            int (``matrix_approximation_rank``); None = ``PowerSGDState``'s defaults (rank 1).
 
     Returns:
         An :class:`~memguard.Estimate`.
@@ -149,6 +159,9 @@ def estimate(
     if layout is not None and deepspeed_config is not None:
         raise ConfigError("layout= and deepspeed_config= cannot be combined: a layout is estimated with FSDP2 and "
                           "tensor/pipeline parallelism, a DeepSpeed config with ZeRO; drop one of them")
+    if layout is not None and (gradient_compression is not None or powersgd is not None):
+        raise ConfigError("gradient_compression= is not modelled under a layout=: PowerSGD is estimated for plain "
+                          "DDP (world_size=N, zero_stage=0); drop layout= or gradient_compression=")
     if layout is not None:
         from memguard.estimator._layout import estimate_layout
 
@@ -168,6 +181,9 @@ def estimate(
         zero_stage, precision, world_size, grad_accum_steps, offload_optimizer, zero_config = (
             ds.zero_stage, ds.precision, ds.world_size, ds.grad_accum_steps, ds.offload_optimizer, ds.config)
     if train is False:
+        if gradient_compression is not None or powersgd is not None:
+            raise ConfigError("gradient_compression= is not modelled for an evaluation step (train=False): an "
+                              "evaluation has no gradient all-reduce; drop gradient_compression= and powersgd=")
         if strategy not in (None, "ddp"):
             raise ConfigError(f"strategy={strategy!r} is not modelled for an evaluation step (train=False): "
                               "evaluation is estimated unsharded; drop strategy=")
@@ -200,6 +216,15 @@ def estimate(
     if not (isinstance(grad_accum_steps, int) and grad_accum_steps >= 1):
         problems.append(f"grad_accum_steps={grad_accum_steps!r} must be an integer >= 1")
     check_strategy(strategy=strategy, zero_stage=zero_stage, offload_optimizer=offload_optimizer, problems=problems)
+    from memguard.estimator._powersgd import check_ddp, resolve_options
+
+    try:
+        compression = resolve_options(gradient_compression, powersgd)
+    except ConfigError as e:
+        compression = None
+        problems.extend(e.problems)
+    check_ddp(gradient_compression if compression is None else compression, world_size=world_size,
+              zero_stage=zero_stage, strategy=strategy, problems=problems)
     spec = target_gpu(device, gpu, problems, torch_version=torch_version, cuda_version=cuda_version,
                       cudnn_version=cudnn_version)
     cpu_target = target_cpu(device, cpu, problems)
@@ -217,6 +242,11 @@ def estimate(
         fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer, device),
     )
     trace = run_trace(model, batch, request, optimizer=optimizer, loss_fn=loss_fn)
+    if compression is not None:
+        from memguard.estimator._powersgd import add_powersgd, grad_dtype_of, note, powersgd_buckets
+
+        compressed_buckets = powersgd_buckets(model, compression, grad_dtype_of(precision))
+        trace = add_powersgd(trace, compressed_buckets, compression)
     from memguard.estimator._blocks import find_blocks
 
     checkpointed = min(int(blocks or 0), len(find_blocks(model)))
@@ -224,4 +254,8 @@ def estimate(
                     strategy=strategy, offload_optimizer=offload_optimizer)
     est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0), checkpointed=checkpointed,
                                  zero_config=zero_config)
+    if compression is not None:
+        import dataclasses
+
+        est = dataclasses.replace(est, notes=(*est.notes, note(compression, compressed_buckets)))
     return est

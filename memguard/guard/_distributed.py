@@ -47,6 +47,8 @@ class RankGroup:
         src: the global rank of the group's rank 0 (the source of buffer and plan broadcasts).
         device: where the agreement and bucket tensors live (CUDA for NCCL, else CPU).
         broadcast_buffers: the wrapper's ``broadcast_buffers`` flag.
+        comm_hook: averages the gradients in place of :func:`all_reduce_gradients` when set
+            (:class:`memguard.guard._comm_hooks.PowerSGDSync`: ``gradient_compression="powersgd"``).
     """
 
     group: Any
@@ -55,6 +57,7 @@ class RankGroup:
     src: int
     device: torch.device
     broadcast_buffers: bool = True
+    comm_hook: Any = None
     _buckets: dict = field(default_factory=dict)
 
 

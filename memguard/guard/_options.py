@@ -172,8 +172,10 @@ def plan_options_problems(options: Mapping[str, Any]) -> list[str]:
     Checked before a batch is seen, so the values the guard fills in later stand in: one sample per
     step, and ``device="cpu"`` unless given (the CUDA checks run when the planner gets the request).
     """
+    # with gradient compression the front-end has checked already that DDP runs over several ranks
+    ranks = {"world_size": 2, "global_batch_size": 2} if options.get("gradient_compression") else {}
     try:
-        request = _request(options, global_batch_size=1, device=options.get("device", "cpu"))
+        request = _request(options, **{"global_batch_size": 1, "device": options.get("device", "cpu"), **ranks})
     except ConfigError as exc:
         return list(exc.problems)
     return request.problems()

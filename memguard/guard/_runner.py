@@ -86,6 +86,8 @@ def prepare(
     grad_scaler: torch.amp.GradScaler | None = None,
     strategy: str | None = None,
     mesh: Any = None,
+    gradient_compression: str | None = None,
+    powersgd: Any = None,
     **plan_options: Any,
 ) -> tuple[Any, Any]:
     """Apply a memory plan to a model and its optimizer, for :func:`step`.
@@ -137,6 +139,14 @@ def prepare(
             FSDP2's sharding levels (``zero_stage`` 3/2/1) and run with the OOM recovery of
             :mod:`memguard.guard._sharded` (see :mod:`memguard.guard._fsdp2`).
         mesh: with ``strategy="fsdp2"``, the 1-D ``DeviceMesh`` to shard over (default: every rank).
+        gradient_compression: None, or ``"powersgd"``: under DDP (a wrapper over more than one rank),
+            memguard's gradient sync runs torch's ``powerSGD_hook`` on DDP's buckets
+            (:mod:`memguard.guard._comm_hooks`). When memguard plans, it plans with PowerSGD's memory;
+            a ``plan=`` made with ``memguard.plan(gradient_compression="powersgd")`` needs it here again
+            (a Plan does not record it).
+        powersgd: the hook's options (a dict of ``PowerSGDState``'s keywords and ``bucket_cap_mb``, see
+            :class:`memguard.estimator._powersgd.PowerSGDOptions`, or an
+            int: the rank); None = ``PowerSGDState``'s defaults.
         **plan_options: options for ``memguard.plan`` (see above).
 
     Returns:
@@ -155,6 +165,15 @@ def prepare(
     Known limitations:
         ``*-true`` precisions cast the model in place; they cannot be undone by preparing again.
     """
+    from memguard.guard._comm_hooks import compression_problems
+
+    wrapper = first if isinstance(first, nn.Module) else second
+    compression, compression_trouble = compression_problems(wrapper, gradient_compression, powersgd, strategy=strategy)
+    if compression_trouble and strategy == "fsdp2":
+        raise ConfigError(compression_trouble)
+    if compression is not None and plan is None and micro_batch_size is None:
+        # memguard plans: with PowerSGD's memory (memguard.plan's gradient_compression=)
+        plan_options = {**plan_options, "gradient_compression": "powersgd", "powersgd": compression}
     options = GuardOptions(loss_fn=loss_fn, max_retries=max_retries, probe_up_after=probe_up_after,
                            max_grad_norm=max_grad_norm, clip_grad_value=clip_grad_value, batch_dim=batch_dim,
                            verbose=verbose, global_batch_size=global_batch_size, plan_options=plan_options)
@@ -173,6 +192,7 @@ def prepare(
     model, optimizer = model_and_optimizer(first, second, problems)
     if model is not None:
         problems += wrapper_problems(model)
+    problems += compression_trouble
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         problems.append(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
     problems += option_problems(CONSTRAINTS, plan=plan, micro_batch_size=micro_batch_size, example_batch=example_batch,
@@ -185,6 +205,11 @@ def prepare(
 
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     rg = rank_group_of(model)
+    if rg is not None and compression is not None:
+        from memguard.guard._comm_hooks import PowerSGDSync
+
+        trainable = list(dict.fromkeys(p for p in inner.parameters() if p.requires_grad))
+        rg.comm_hook = PowerSGDSync(rg.group, trainable, compression)
     world = rg.world_size if rg is not None else _world_size()
     forget(model)  # preparing again undoes the previous call's checkpointing
     guard = Guard(inner, CONSTRAINTS, options, world_size=world, rank_group=rg,

@@ -524,6 +524,9 @@ class MicroBatchWindow:
                 grads.append(p.grad)
             else:
                 p.grad = None
-        ddp_sync.all_reduce_gradients(rg, grads)
+        if rg.comm_hook is not None:  # gradient compression (memguard.guard._comm_hooks)
+            rg.comm_hook.sync(self._params, self._had)
+        else:
+            ddp_sync.all_reduce_gradients(rg, grads)
         if rg.broadcast_buffers and buffers:
             ddp_sync.broadcast_buffers(rg, buffers)

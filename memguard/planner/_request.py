@@ -113,6 +113,8 @@ class PlanRequest:
     torch_version: str | None = None
     cuda_version: str | None = None
     cudnn_version: str | int | None = None
+    gradient_compression: str | None = None
+    powersgd: Any = None
 
     @classmethod
     def from_options(cls, **options: Any) -> "PlanRequest":
@@ -242,8 +244,11 @@ class PlanRequest:
                             versions=self._versions(),
                             problems=problems)
         knobs = self._knob_choices(say, spec, problems)
+        compression = self.compression(problems)
         if problems:
             return problems, None
+        if compression is not None:  # a DDP comm hook: plain DDP only (zero_stage=0, no offload)
+            knobs = dataclasses.replace(knobs, zero_stages=(0,), offloads=(False,), shardings=(("ddp", 0),))
         budget = _budget(self.device, spec, self.budget_bytes, problems)
         if problems:
             return problems, None
@@ -254,6 +259,25 @@ class PlanRequest:
             explicit_precision=self.precision is not None, global_batch_size=self.global_batch_size,
             world_size=self.world_size, device=self.device, headroom=float(self.headroom),
         )
+
+    def compression(self, problems: list[str]) -> Any:
+        """The :class:`~memguard.estimator._powersgd.PowerSGDOptions` of ``gradient_compression=``/``powersgd=``
+        (None: none), with its problems appended to ``problems`` (it needs DDP: ``world_size > 1``, and
+        ``zero_stage`` 0 or None, ``strategy`` None or ``"ddp"``)."""
+        from memguard.estimator._powersgd import check_ddp, resolve_options
+
+        if self.gradient_compression is None and self.powersgd is None:
+            return None
+        try:
+            options = resolve_options(self.gradient_compression, self.powersgd)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            return None
+        stages = self.zero_stage if isinstance(self.zero_stage, (list, tuple)) else (self.zero_stage,)
+        strategies = self.strategy if isinstance(self.strategy, (list, tuple)) else (self.strategy,)
+        check_ddp(options, world_size=self.world_size, zero_stage=0 if 0 in stages or None in stages else stages[0],
+                  strategy=None if (None in strategies or "ddp" in strategies) else strategies[0], problems=problems)
+        return options
 
     def _value_problems(self, say: "_Say") -> list[str]:
         """The problems of each option's own value (types, ranges, the batch's split over the ranks)."""

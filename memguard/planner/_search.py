@@ -187,6 +187,7 @@ def verify(session: TraceSession, space: SearchSpace, cand: Candidate, *, limit_
     tr = session.trace(traced_precision(cand.precision, cand.zero_stage, cand.strategy), ckpt=cand.checkpoint_blocks,
                        m=cand.micro_batch_size, grads_present=cand.grad_accum_steps > 1, spec=spec,
                        fsdp2=session._layout(cand.strategy, cand.precision, cand.zero_stage, world_size))
+    tr = session.with_compression(tr, cand.precision)  # gradient_compression="powersgd": its memory
     target = Target(device=session.device, precision=cand.precision, zero_stage=cand.zero_stage,
                     world_size=world_size, gpu=spec, strategy=cand.strategy,
                     offload_optimizer=cand.offload_optimizer)

@@ -65,6 +65,8 @@ class TraceSession:
     on_trace: Callable[[dict, float], None] | None = None
     #: The CPU target's CPU (``cpu=`` of :func:`memguard.plan`): None = this host.
     cpu: Any = None
+    #: ``gradient_compression="powersgd"``'s options (:class:`memguard.estimator._powersgd.PowerSGDOptions`), or None.
+    powersgd: Any = None
     _traces: dict = field(default_factory=dict)
     _extended: dict = field(default_factory=dict)
     _peaks: dict = field(default_factory=dict)
@@ -77,7 +79,7 @@ class TraceSession:
         """A session for ``model`` and ``batch`` with the request's tracing options."""
         return cls(model, batch, optimizer=request.optimizer, loss_fn=request.loss_fn, device=request.device,
                    make_batch=request.make_batch, keep_outputs=request.keep_outputs, max_shape=request.max_shape,
-                   cpu=request.cpu)
+                   cpu=request.cpu, powersgd=request.compression([]))
 
     def mismatches(self, model: nn.Module, batch: Any, request: PlanRequest) -> list[str]:
         """Why this session's traces cannot answer ``request`` for ``model`` and ``batch`` (empty if they can)."""
@@ -89,7 +91,20 @@ class TraceSession:
             if getattr(request, name) is not getattr(self, name) and getattr(request, name) != getattr(self, name):
                 out.append(f"session= traces with {name}={getattr(self, name)!r} but the request has "
                            f"{name}={getattr(request, name)!r}; make the session with TraceSession.for_request")
+        if request.compression([]) != self.powersgd:
+            out.append(f"session= was made for gradient compression {self.powersgd!r}, the request asks for "
+                       f"{request.compression([])!r}; make the session with TraceSession.for_request")
         return out
+
+    def with_compression(self, trace: Any, precision: str) -> Any:
+        """``trace`` (of the whole model) with PowerSGD's memory added when the session plans with it
+        (:func:`memguard.estimator._powersgd.add_powersgd`, as :func:`memguard.estimate` adds it)."""
+        if self.powersgd is None:
+            return trace
+        from memguard.estimator._powersgd import add_powersgd, grad_dtype_of, powersgd_buckets
+
+        buckets = powersgd_buckets(self.model, self.powersgd, grad_dtype_of(precision))
+        return add_powersgd(trace, buckets, self.powersgd)
 
     def __post_init__(self) -> None:
         self.model = unwrap_model(self.model)
@@ -296,6 +311,7 @@ class TraceSession:
                                                traced_accum)
                     if accumulating and not traced_accum:
                         whole = with_gradients_present(whole)
+                    whole = self.with_compression(whole, precision)
                     target = Target(device=self.device, precision=precision, zero_stage=zero_stage,
                                     world_size=world_size, gpu=spec, strategy=strategy, offload_optimizer=offload)
                     est, _ = estimate_from_trace(whole, target, micro_batch_size=m,

@@ -92,6 +92,8 @@ def plan(
     torch_version: str | None = None,
     cuda_version: str | None = None,
     cudnn_version: str | int | None = None,
+    gradient_compression: str | None = None,
+    powersgd: Any = None,
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing and sharding for a budget.
 
@@ -137,6 +139,11 @@ def plan(
             one) or an instruction-set level such as ``"avx2"`` (see :func:`memguard.estimate`).
         torch_version, cuda_version, cudnn_version: the CUDA target's torch, CUDA and cuDNN versions
             (see :func:`memguard.estimate`); None = the installed torch and its default wheel's.
+        gradient_compression, powersgd: ``"powersgd"`` plans for DDP with torch's ``powerSGD_hook``
+            (its error-feedback, P/Q state and the hook's transients in every estimate; only
+            ``zero_stage=0``, ``world_size > 1``; see :func:`memguard.estimate`). memguard never chooses
+            compression itself: it is lossy (it changes what the model learns), so it is the user's choice;
+            the cost model does not credit its smaller all-reduce either.
 
     Returns:
         The :class:`~memguard.Plan`, verified with one full trace.
@@ -153,6 +160,7 @@ def plan(
         offload_optimizer=offload_optimizer, headroom=headroom, make_batch=make_batch, cache=cache,
         keep_outputs=keep_outputs, max_shape=max_shape, train=train, finetune=finetune, strategy=strategy,
         cpu=cpu, torch_version=torch_version, cuda_version=cuda_version, cudnn_version=cudnn_version,
+        gradient_compression=gradient_compression, powersgd=powersgd,
     )
     return plan_request(model, batch, request)
 
@@ -236,6 +244,7 @@ def _cache_key(session: TraceSession, request: PlanRequest, space: SearchSpace) 
         headroom=request.headroom, keep_outputs=request.keep_outputs, finetune=request.finetune,
         **({"strategy": space.shardings} if request.strategy is not None else {}),
         **({"cpu": request.cpu} if request.cpu is not None else {}),
+        **({"powersgd": repr(session.powersgd)} if session.powersgd is not None else {}),
         **({"stack": repr(space.spec.stack)} if space.spec is not None and space.spec.stack is not None else {})))
 
 
