@@ -793,14 +793,20 @@ class StepTracer:
         inputs before the kernel runs, so the innermost mode, which sees a call first, must be the
         autocast emulation, and its inner call must reach the kernel model."""
         stack = contextlib.ExitStack()
-        if self.kernel_model is not None:
-            stack.enter_context(self.kernel_model)
-        elif self.finder is not None:
-            stack.enter_context(self.finder)
-        if self.emulation is not None:
-            stack.enter_context(self.emulation)
-        elif self.spec.autocast_dtype:
-            stack.enter_context(torch.autocast(self.device.type, dtype=self.spec.autocast_dtype))
+        try:
+            if self.kernel_model is not None:
+                stack.enter_context(self.kernel_model)
+            elif self.finder is not None:
+                stack.enter_context(self.finder)
+            if self.emulation is not None:
+                stack.enter_context(self.emulation)
+            elif self.spec.autocast_dtype:
+                stack.enter_context(torch.autocast(self.device.type, dtype=self.spec.autocast_dtype))
+        except BaseException:
+            # enter_context enters at once: a mode that cannot start (CUDA autocast on a CPU-only
+            # torch) must not leave the ones entered before it on the caller's mode stack
+            stack.close()
+            raise
         return stack
 
     def _keep_output(self, module: nn.Module, args: Any, output: Any) -> None:

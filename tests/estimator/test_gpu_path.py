@@ -54,3 +54,15 @@ def test_cuda_target_traces_on_the_gpu_without_allocating(caplog, monkeypatch):
     emulated = memguard.estimate(model, batch, loss_fn=_loss, precision="bf16-mixed")
     assert est.peak_bytes == emulated.peak_bytes
     assert est.context_bytes == emulated.context_bytes > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback path is what a CPU-only machine can check")
+def test_a_failed_cuda_trace_leaves_no_mode_on_the_callers_stack(monkeypatch):
+    # the fake-CUDA attempt enters the unmodelled-kernel finder (a TorchFunctionMode) before CUDA
+    # autocast fails to start on a CPU-only torch; the finder must not stay active after the fallback
+    from torch.overrides import _get_current_function_mode_stack
+
+    model, batch = _model_and_batch()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    memguard.estimate(model, batch, loss_fn=_loss, gpu="A100-80GB", precision="bf16-mixed")
+    assert _get_current_function_mode_stack() == []
