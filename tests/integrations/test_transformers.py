@@ -712,5 +712,19 @@ def test_real_oom_on_one_deepspeed_rank_retries_on_both(tmp_path, stage):
     assert len(retries0) == len(retries1) == 1
     assert "DefaultCPUAllocator" in retries0[0] and "on rank 0;" in retries1[0]
     assert r0["capped"] and not r1["capped"]
+    # every sample ran exactly once in its optimizer step's final attempt (after the step's last retry), on one rank
+    final: list[int] = []
+    for r in results:
+        windows: list[list] = [[]]
+        for e in r["events"]:
+            if e == "STEP":
+                windows.append([])
+            else:
+                windows[-1].append(e)
+        assert len([w for w in windows if w]) == 2
+        for w in windows:
+            last_retry = max((k for k, e in enumerate(w) if e == "RETRY"), default=-1)
+            final += [i for e in w[last_retry + 1:] for i in e]
+    assert sorted(final) == list(range(2 * 8 * 2 * 2))  # steps x batch x accum x world
     for rank in range(2):
         assert_weights_equal(tmp_path, rank)  # the plain DeepSpeed Trainer's, uncapped: 2.3e-8 max difference observed

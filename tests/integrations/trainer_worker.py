@@ -121,9 +121,15 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     messages: list[str] = []
 
+    # what the guarded Trainer ran, in order: each forward's sample indices, "RETRY" (memguard's halving, logged on
+    # every rank) and "STEP" (the end of an optimizer step)
+    events: list = []
+
     class Recorder(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(f"{record.levelname}:{record.getMessage()}")
+            if record.levelno >= logging.WARNING and record.getMessage().startswith("out of memory"):
+                events.append("RETRY")
 
     logging.getLogger("memguard").addHandler(Recorder())
     logging.getLogger("memguard").setLevel(logging.INFO)
@@ -214,17 +220,26 @@ def main() -> None:
                 resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
                 result["capped"] = True
 
+        def on_step_end(self, args, state, control, **kwargs):
+            events.append("STEP")
+
     guarded = transformers.Trainer(model=model(), args=args("guarded"), train_dataset=data, eval_dataset=data,
                                    callbacks=[callback, Cap()])
     if cfg.get("fsdp2"):
         force_fsdp_on_cpu(guarded)
+    # a sample is known by its first 16 tokens (random ids out of 4096: distinct)
+    index = {tuple(data.ids[i, :16].tolist()): i for i in range(len(data))}
+    assert len(index) == len(data)
+    guarded.model.register_forward_pre_hook(
+        lambda module, a, kw: events.append([index[tuple(r[:16].tolist())] for r in kw["input_ids"]]),
+        with_kwargs=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     try:
         guarded.train()
     except Exception as exc:  # reported to the test, which decides whether it was expected
         result["error"] = {"type": type(exc).__name__, "message": str(exc)}
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    result.update(messages=messages, micro_batch_size=callback.micro_batch_size, oom_retries=callback.oom_retries,
+    result.update(messages=messages, events=events, micro_batch_size=callback.micro_batch_size, oom_retries=callback.oom_retries,
                   plan=[callback.plan.micro_batch_size, callback.plan.grad_accum_steps],
                   trainer_batch=[guarded.args.per_device_train_batch_size, guarded.args.gradient_accumulation_steps],
                   patched_left="training_step" in guarded.__dict__,
