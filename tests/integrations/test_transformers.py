@@ -686,7 +686,7 @@ def _no_shm_op() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
 @pytest.mark.skipif(_no_shm_op(), reason=_SHM_SKIP)
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_real_oom_on_one_deepspeed_rank_retries_on_both(tmp_path, stage):
     # Both Trainers (the plain reference and the guarded one) run TrainingArguments(deepspeed=...) at ZeRO-<stage>,
     # the batch values "auto"; a given DeepSpeed plan keeps the arguments' 8 x 2. Only rank 0 is capped (22 MiB,
