@@ -117,6 +117,10 @@ def test_accelerator_kwargs_of_a_deepspeed_plan_builds_its_plugin() -> None:
     assert ds.deepspeed_config["train_micro_batch_size_per_gpu"] == 8
     with pytest.raises(ConfigError, match="16-true"):  # no DeepSpeed equivalent
         accelerator_kwargs(_plan(8, 4, "16-true", zero_stage=1))
+    # a CPU DeepSpeed plan gets no cpu=True either: Accelerate 1.15 would ignore the DeepSpeed plugin with it
+    # (AcceleratorState.__init__ takes its DeepSpeed branch only when not cpu)
+    cpu_kw = accelerator_kwargs(_plan(8, 4, zero_stage=2))
+    assert "cpu" not in cpu_kw and cpu_kw["deepspeed_plugin"].zero_stage == 2
 
 
 def _fsdp2_plan(micro: int, accum: int, precision: str, **kw) -> Plan:
