@@ -39,7 +39,7 @@ FSDP1 (``fsdp_version=1``, with ``use_orig_params=True``) the same protocol runs
 all-gathers and reduce-scatters (:mod:`memguard.guard._fsdp1`), the micro-batches going through the
 ``FullyShardedDataParallel`` wrapper ``accelerator.prepare`` returns. Under FSDP memguard plans
 before the model is sharded: give :func:`prepare` ``plan=`` or ``example_batch=`` (it then calls
-``accelerator.prepare`` itself). Under Accelerate's DeepSpeed plugin (ZeRO-0 to 3, as
+``accelerator.prepare`` itself). Under Accelerate's DeepSpeed plugin (ZeRO-1 to 3, as
 :func:`accelerator_kwargs` builds it from a DeepSpeed plan) :func:`prepare` lets ``accelerator.prepare``
 build the engine and arms an agreement before every DeepSpeed collective
 (:mod:`memguard.guard._deepspeed`); :func:`step` then does what ``accelerator.backward`` does there

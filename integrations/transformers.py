@@ -372,7 +372,7 @@ class MemguardCallback(_tf.TrainerCallback):
       memory in compute reports at once, its peers leave forward/backward at their next FSDP
       collective, every rank resets FSDP's per-step state and replays the step's samples at half the
       micro-batch; FSDP reduces the gradients itself, under the Trainer's own ``no_sync`` for the
-      accumulation's earlier batches. Under DeepSpeed (``TrainingArguments(deepspeed=...)``, ZeRO-0 to 3;
+      accumulation's earlier batches. Under DeepSpeed (``TrainingArguments(deepspeed=...)``, ZeRO-1 to 3;
       ``model_wrapped`` is the engine) the same agreement runs before every DeepSpeed collective
       (:mod:`memguard.guard._deepspeed`); each micro-batch's ``accelerator.backward`` runs only
       ``engine.backward`` (Accelerate's ``DeepSpeedEngineWrapper.backward`` would set the accumulation
