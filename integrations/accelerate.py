@@ -39,7 +39,16 @@ FSDP1 (``fsdp_version=1``, with ``use_orig_params=True``) the same protocol runs
 all-gathers and reduce-scatters (:mod:`memguard.guard._fsdp1`), the micro-batches going through the
 ``FullyShardedDataParallel`` wrapper ``accelerator.prepare`` returns. Under FSDP memguard plans
 before the model is sharded: give :func:`prepare` ``plan=`` or ``example_batch=`` (it then calls
-``accelerator.prepare`` itself).
+``accelerator.prepare`` itself). Under Accelerate's DeepSpeed plugin (ZeRO-1 to 3, as
+:func:`accelerator_kwargs` builds it from a DeepSpeed plan) :func:`prepare` lets ``accelerator.prepare``
+build the engine and arms an agreement before every DeepSpeed collective
+(:mod:`memguard.guard._deepspeed`); :func:`step` then does what ``accelerator.backward`` does there
+(``DeepSpeedEngineWrapper.backward``, ``accelerate/utils/deepspeed.py``: ``engine.backward``, and
+``engine.step()`` when ``sync_gradients``) one micro-batch at a time, each weighted by its share of the
+step's samples (``scale_wrt_gas=False``), the window's last micro-batch the engine's accumulation
+boundary and ``engine.step()`` once per optimizer step; on an OOM on any rank every rank leaves
+forward/backward at its next DeepSpeed collective, resets the engine's step state, halves the
+micro-batch and replays the same samples.
 
 Without ``plan=`` or ``example_batch=``, :func:`prepare` plans on the first :func:`step`, from its
 batch: the plan is constrained to the Accelerator's precision (``"no"`` -> the model's dtype,
@@ -52,11 +61,16 @@ The plan summary, on the first :func:`step`, says what runs: the plan's micro-ba
 dataloader batch, and the Accelerator's own accumulation.
 
 Known limitations:
-    :func:`prepare` and :func:`step` guard single-process, DDP, FSDP2 and FSDP1 Accelerators
-    (FSDP1 with ``use_orig_params=True``, without ``cpu_offload``); DeepSpeed Accelerators are
-    refused (for DeepSpeed,
-    :func:`accelerator_kwargs` builds the plugin, and Accelerate's own loop runs it without OOM
-    recovery). Under FSDP, :func:`evaluate` is refused (its forward gathers parameters from every
+    :func:`prepare` and :func:`step` guard single-process, DDP, FSDP2, FSDP1 and DeepSpeed Accelerators
+    (FSDP1 with ``use_orig_params=True``, without ``cpu_offload``; DeepSpeed without ZeRO offload,
+    ZenFlow or pipeline parallelism, and fp16/bf16 only under ZeRO-2/3: the engines
+    :func:`memguard.guard._deepspeed.engine_problems` can reset after an OOM; the others are refused with
+    the reason). Under DeepSpeed the plan is the DeepSpeed config's (:func:`prepare` does not plan, and
+    clipping is the config's ``gradient_clipping``), an OOM in ``engine.step()`` stops every rank with the
+    same :class:`memguard.OOMRecoveryError` (the optimizer update does not shrink with the micro-batch), and
+    Accelerate 1.15 on a host without GPUs counts one process under DeepSpeed (``PartialState._prepare_backend``
+    picks no backend; with ``cpu=True`` it ignores the plugin), so its dataloader is not sharded by rank
+    there. Under FSDP and DeepSpeed, :func:`evaluate` is refused (its forward gathers parameters from every
     rank), an out-of-memory error inside FSDP's own collectives stops every rank with the same
     :class:`memguard.OOMRecoveryError` (see :mod:`memguard.guard._sharded`), and HSDP (a 2-D mesh)
     (and FSDP1's HYBRID_SHARD) is refused. Accelerate 1.15 runs an FSDP plugin only on GPUs and
@@ -71,6 +85,8 @@ Known limitations:
 from __future__ import annotations
 
 import logging
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -162,9 +178,10 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
       (:func:`memguard.integrations.deepspeed.to_config`), ``gradient_accumulation_steps`` and the
       ``mixed_precision`` that names the config's precision.
 
-    Under FSDP2, :func:`prepare` (with the plan) and :func:`step` run it and recover from
-    out-of-memory errors. Under DeepSpeed they do not run: use ``accelerator.prepare`` and
-    Accelerate's own loop; memguard's plan is applied but an out-of-memory error is not recovered from.
+    Under FSDP2 and DeepSpeed, :func:`prepare` (with the plan) and :func:`step` run it and recover from
+    out-of-memory errors. A DeepSpeed plan gets no ``cpu=True``: Accelerate 1.15 ignores the DeepSpeed plugin
+    then (``AcceleratorState.__init__``, accelerate/state.py); DeepSpeed picks its own accelerator
+    (``DS_ACCELERATOR=cpu`` on a host without GPUs).
 
     Raises:
         ConfigError: ``plan`` is not a Plan, or it has no Accelerate equivalent (``"16-true"`` under
@@ -242,8 +259,9 @@ def _deepspeed_kwargs(plan: Plan) -> dict[str, Any]:
         "gradient_accumulation_steps": plan.grad_accum_steps,
         "deepspeed_plugin": utils.DeepSpeedPlugin(hf_ds_config=config),
     }
-    if plan.device == "cpu":
-        kwargs["cpu"] = True
+    # No cpu=True for a CPU plan: Accelerate 1.15 then ignores the DeepSpeed plugin (AcceleratorState.__init__ in
+    # accelerate/state.py takes the DeepSpeed branch only when not cpu); DeepSpeed picks its own accelerator
+    # (DS_ACCELERATOR=cpu on a host without GPUs).
     return kwargs
 
 
@@ -289,7 +307,8 @@ def prepare(
     applied to the model's repeated blocks.
 
     Args:
-        accelerator: an ``accelerate.Accelerator`` (single process, DDP over processes, FSDP2 or FSDP1).
+        accelerator: an ``accelerate.Accelerator`` (single process, DDP over processes, FSDP2, FSDP1 or
+            DeepSpeed; under DeepSpeed give ``plan=`` or nothing: the config's micro-batch is the start).
         first, second: the model and its optimizer, in either order; returned prepared, in the same order.
         plan: a :class:`memguard.Plan` to apply; the Accelerator must match it (:func:`accelerator_kwargs`).
         example_batch: a batch like this rank's dataloader batches, to plan now (under FSDP2 this or
@@ -315,7 +334,10 @@ def prepare(
         MissingDependencyError: accelerate is not installed.
         ConfigError: bad arguments (all listed), an Accelerator that is not single-process, DDP or
             FSDP, one whose precision or accumulation differs from the plan's, FSDP without
-            ``plan`` or ``example_batch``, FSDP1 without ``use_orig_params`` or with ``cpu_offload``.
+            ``plan`` or ``example_batch``, FSDP1 without ``use_orig_params`` or with ``cpu_offload``;
+            under DeepSpeed planning or clipping options, a plan that is not the config's, or an engine
+            memguard cannot reset after an OOM (ZeRO offload, ZenFlow, pipeline parallelism, fp16/bf16 below
+            ZeRO-2).
         InfeasiblePlanError: planning now found nothing that fits.
         PeerFailedError: under DDP, planning now failed on rank 0 with an error that is not memguard's.
     """
@@ -333,6 +355,11 @@ def prepare(
         raise ConfigError(problems)
     model, optimizer = models[0], optimizers[0]
     dtype = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if dtype == "DEEPSPEED":
+        return _prepare_deepspeed(accelerator, first, second, model, optimizer, plan=plan, example_batch=example_batch,
+                                  global_batch_size=global_batch_size, loss_fn=loss_fn, max_retries=max_retries,
+                                  max_grad_norm=max_grad_norm, clip_grad_value=clip_grad_value,
+                                  plan_options=plan_options)
     fsdp2 = dtype == "FSDP" and bool(getattr(accelerator, "is_fsdp2", False))
     fsdp1 = dtype == "FSDP" and not fsdp2
     if fsdp1:
@@ -346,8 +373,7 @@ def prepare(
                             "after an OOM does not wait for; drop cpu_offload from the FSDP plugin")
     if dtype not in ("NO", "FSDP") and not dtype.startswith("MULTI_"):
         problems.append(f"Accelerator with distributed_type {dtype} is not supported: memguard's Accelerate hooks "
-                        "run one process, DDP or FSDP2 (for DeepSpeed, write the plan into its config with "
-                        "memguard.integrations.deepspeed.to_config)")
+                        "run one process, DDP, FSDP2, FSDP1 or DeepSpeed")
     if fsdp1 and is_fsdp1_model(model):
         problems.append("under FSDP1 pass the model before accelerator.prepare wraps it: memguard plans on the "
                         "unwrapped model and prepares it itself")
@@ -459,6 +485,132 @@ def _prepare_sharded(accelerator: Any, model: nn.Module, optimizer: Any, already
     return model, optimizer
 
 
+@dataclass
+class _DeepSpeedRun:
+    """What :func:`step` needs for a DeepSpeed engine ``accelerator.prepare`` built: its micro-batch window (whose
+    attempts run under :mod:`memguard.guard._deepspeed`'s agreements), the default loss and the plan."""
+
+    engine: Any
+    window: Any
+    loss_fn: LossFn | None
+    plan: Plan | None
+    planned_micro_batch_size: int
+    world_size: int
+    steps: int = 0
+
+
+# One run per DeepSpeed engine prepared by prepare(), kept as long as the engine lives.
+_DEEPSPEED: "weakref.WeakKeyDictionary[Any, _DeepSpeedRun]" = weakref.WeakKeyDictionary()
+
+
+def _prepare_deepspeed(accelerator: Any, first: Any, second: Any, model: nn.Module, optimizer: Any, *,
+                       plan: Plan | None, example_batch: Any, global_batch_size: int | None, loss_fn: LossFn | None,
+                       max_retries: int, max_grad_norm: float | None, clip_grad_value: float | None,
+                       plan_options: dict[str, Any]) -> tuple[Any, Any]:
+    """:func:`prepare` under Accelerate's DeepSpeed plugin: ``accelerator.prepare`` builds the engine
+    (``Accelerator._prepare_deepspeed`` in ``accelerate/accelerator.py``, 1.15: ``deepspeed.initialize`` with the
+    plugin's config, the model returned as the ``DeepSpeedEngine``, the optimizer as a
+    ``DeepSpeedOptimizerWrapper`` whose ``step``/``zero_grad`` do nothing), and memguard arms its agreement before
+    every DeepSpeed collective on it (:func:`memguard.guard._deepspeed.engine_rank_group`). The plan is the
+    DeepSpeed config's (``accelerator_kwargs(plan)`` wrote it there): memguard does not plan again.
+
+    Raises:
+        ConfigError: planning options (``example_batch``, ``global_batch_size``, plan options), clipping options
+            (DeepSpeed clips with its config's ``gradient_clipping``), a plan that is not the config's, or an
+            engine memguard cannot reset after an OOM (:func:`memguard.guard._deepspeed.engine_problems`); every
+            problem listed.
+    """
+    from memguard.guard._deepspeed import engine_problems, engine_rank_group, engine_window
+
+    acc = _accelerate()
+    problems: list[str] = []
+    asked = [name for name, value in (("example_batch", example_batch), ("global_batch_size", global_batch_size))
+             if value is not None] + sorted(plan_options)
+    if asked:
+        problems.append(f"under DeepSpeed memguard does not plan in prepare (got {', '.join(asked)}): the plan is the "
+                        "DeepSpeed config's; plan with memguard.plan(..., zero_stage=...) and build the Accelerator "
+                        "with Accelerator(**accelerator_kwargs(plan)), then pass plan=plan")
+    if max_grad_norm is not None or clip_grad_value is not None:
+        problems.append("under DeepSpeed the engine clips gradients in engine.step(): set gradient_clipping in the "
+                        "DeepSpeed config (to_config(plan, gradient_clipping=...)) instead of max_grad_norm/"
+                        "clip_grad_value")
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        problems.append(f"max_retries must be an int >= 0, got {max_retries!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        problems.append("loss_fn must be callable as loss_fn(model, batch) -> mean loss")
+    if plan is not None and not isinstance(plan, Plan):
+        problems.append(f"plan must be a memguard.Plan, got {type(plan).__name__}")
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config_micro = ds_config.get("train_micro_batch_size_per_gpu")
+    if isinstance(plan, Plan):
+        if plan.strategy != "deepspeed":
+            problems.append(f"the plan's strategy is {plan.strategy!r}, but the Accelerator runs DeepSpeed; "
+                            f"{_FIX_PLAN}")
+        if isinstance(config_micro, int) and config_micro != plan.micro_batch_size:
+            problems.append(f"the DeepSpeed config's train_micro_batch_size_per_gpu is {config_micro}, the plan's "
+                            f"micro-batch {plan.micro_batch_size}; {_FIX_PLAN}")
+        if plan.grad_accum_steps != accelerator.gradient_accumulation_steps:
+            problems.append(f"the Accelerator accumulates {accelerator.gradient_accumulation_steps} batches, the plan "
+                            f"{plan.grad_accum_steps}; {_FIX_PLAN}")
+    if problems:
+        raise ConfigError(problems)
+    if not isinstance(optimizer, acc.optimizer.AcceleratedOptimizer):
+        prepared = accelerator.prepare(first, second)
+        model, optimizer = (prepared if isinstance(first, nn.Module) else prepared[::-1])
+    engine = accelerator.deepspeed_engine_wrapped.engine if accelerator.deepspeed_engine_wrapped else None
+    if engine is None or model is not engine:
+        raise ConfigError("under DeepSpeed pass memguard.integrations.accelerate.prepare the model and optimizer "
+                          "before accelerator.prepare, or the pair accelerator.prepare returned")
+    problems = engine_problems(engine)
+    if problems:
+        raise ConfigError(problems)
+    micro = plan.micro_batch_size if isinstance(plan, Plan) else int(engine.train_micro_batch_size_per_gpu())
+    window = engine_window(engine, micro_batch_size=micro, max_retries=max_retries, plan=plan,
+                           precision=plan.precision if isinstance(plan, Plan) else None)
+    engine_rank_group(engine)  # every rank arms it now, together
+    _DEEPSPEED[engine] = _DeepSpeedRun(engine, window, loss_fn, plan, micro, torch.distributed.get_world_size())
+    return (model, optimizer) if isinstance(first, nn.Module) else (optimizer, model)
+
+
+def _deepspeed_step(run: _DeepSpeedRun, accelerator: Any, batch: Any, loss_fn: LossFn | None) -> float:
+    """:func:`step` of a DeepSpeed engine: what ``accelerator.backward`` does there
+    (``DeepSpeedEngineWrapper.backward`` in ``accelerate/utils/deepspeed.py``, 1.15: set the accumulation
+    boundary from ``sync_gradients``, ``engine.backward(loss)``, and ``engine.step()`` when it is True), with
+    every attempt under memguard's agreements: the batch runs in micro-batches weighted by their share of the
+    optimizer step's samples (``engine.backward(..., scale_wrt_gas=False)``), the window's last micro-batch is
+    the engine's accumulation boundary, and ``engine.step()`` runs once per optimizer step, agreed
+    (:func:`memguard.guard._deepspeed.agreed_engine_step`). On an OOM on any rank every rank resets the engine,
+    halves the micro-batch and replays every batch of the step so far."""
+    from memguard.batch import compute_loss
+    from memguard.guard._deepspeed import agreed_engine_step, engine_backward, engine_rank_group, open_engine_window
+
+    engine, window = run.engine, run.window
+    device = accelerator.device
+    batch = map_tensors(batch, lambda t: t if t.device == device else t.to(device))
+
+    def loss_of(micro: Any) -> torch.Tensor:
+        with accelerator.autocast():
+            return compute_loss(engine, micro, loss_fn)
+
+    with accelerator.accumulate(engine):
+        if not window.is_open:
+            open_engine_window(engine, window)
+        last = bool(accelerator.sync_gradients)
+        try:
+            # the Accelerator's k batches each weigh 1/k, as accelerator.backward's division by k (DeepSpeed's own
+            # gradient-accumulation scaling is what scale_wrt_gas=False leaves out)
+            loss = window.run(batch, loss_of, engine_backward(engine),
+                              weight=1.0 / accelerator.gradient_accumulation_steps, last=last)
+        except BaseException:
+            window.finish()
+            raise
+        if last:
+            window.finish()
+            agreed_engine_step(engine_rank_group(engine), micro_batch_size=window.micro_batch_size)
+            run.steps += 1
+    return float(loss)
+
+
 def step(accelerator: Any, model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn | None = None) -> float:
     """Forward and backward one dataloader batch, and step the optimizer when the accumulation is complete.
 
@@ -469,7 +621,8 @@ def step(accelerator: Any, model: nn.Module, optimizer: Any, batch: Any, loss_fn
         batch: this rank's dataloader batch (a tensor or a dict/tuple/list of tensors, samples in
             dim 0); tensors are moved to ``accelerator.device`` if they are elsewhere.
         loss_fn: ``loss_fn(module, micro_batch) -> mean loss`` (it gets the module inside any DDP
-            wrapper); default: the one given to :func:`prepare`, else the model's ``.loss``.
+            wrapper; under DeepSpeed the engine, whose forward runs ZeRO-3's parameter gathering);
+            default: the one given to :func:`prepare`, else the model's ``.loss``.
 
     Returns:
         This rank's mean loss over ``batch``, as a float.
@@ -477,9 +630,13 @@ def step(accelerator: Any, model: nn.Module, optimizer: Any, batch: Any, loss_fn
     Raises:
         ConfigError: the model was not prepared by :func:`prepare`, the batch cannot be split, or no
             loss can be found.
-        OOMRecoveryError: an OOM at micro-batch 1, after ``max_retries`` halvings, or in the optimizer step.
-        PeerFailedError: under DDP, another rank failed with an error that is not an OOM.
+        OOMRecoveryError: an OOM at micro-batch 1, after ``max_retries`` halvings, or in the optimizer step;
+            under FSDP and DeepSpeed, an OOM inside a collective (every rank raises the same error).
+        PeerFailedError: under DDP, FSDP or DeepSpeed, another rank failed with an error that is not an OOM.
     """
+    run = _DEEPSPEED.get(model)
+    if run is not None:
+        return _deepspeed_step(run, accelerator, batch, loss_fn if loss_fn is not None else run.loss_fn)
     guard = guard_of(model, _HOW_TO_PREPARE)
     loss_fn = loss_fn if loss_fn is not None else guard.options.loss_fn
     raw = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
@@ -609,4 +766,10 @@ def status(model: nn.Module) -> GuardStatus:
     Raises:
         ConfigError: the model was not prepared by :func:`prepare`.
     """
+    run = _DEEPSPEED.get(model)
+    if run is not None:
+        w = run.window
+        return GuardStatus(micro_batch_size=w.micro_batch_size, planned_micro_batch_size=run.planned_micro_batch_size,
+                           precision=run.plan.precision if run.plan is not None else None, plan=run.plan,
+                           grad_scaler=None, world_size=run.world_size, steps=run.steps, oom_retries=w.oom_retries)
     return guard_of(model, _HOW_TO_PREPARE).status()

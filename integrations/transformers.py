@@ -5,9 +5,9 @@ Two entry points:
 * :class:`MemguardCallback`, a ``transformers.TrainerCallback``: plans before training under what
   the ``TrainingArguments`` fix (precision, DeepSpeed config, world size), applies the plan to the
   Trainer (per-device batch, gradient accumulation, activation checkpointing) and, during training,
-  recovers from out-of-memory errors by halving the micro-batch and re-running the optimizer step's
-  samples, on every rank together; an evaluation or prediction batch that runs out of memory is
-  halved and redone, with the unsplit batch's loss and outputs::
+  recovers from out-of-memory errors (one device, DDP, FSDP, DeepSpeed) by halving the micro-batch and
+  re-running the optimizer step's samples, on every rank together; an evaluation or prediction batch
+  that runs out of memory is halved and redone, with the unsplit batch's loss and outputs::
 
       trainer = Trainer(model=model, args=args, train_dataset=ds,
                         callbacks=[MemguardCallback(budget_bytes=20 << 30, gpu="A100-40GB")])
@@ -264,13 +264,6 @@ def _constraints(args: Any = None, model: Any = None) -> Constraints:
                        precisions=(_precision_of(args, model),), world_size=int(args.world_size))
 
 
-# Why the callback does not recover from out-of-memory errors in training under a strategy (logged when it runs).
-_UNGUARDED_WHY = {
-    "deepspeed": "the DeepSpeed engine reduces gradients inside the backward, where a rank that ran out of memory "
-                 "would leave its peers waiting",
-}
-
-
 def _find_trainer(callback: Any) -> Any:
     """The ``Trainer`` whose callback handler is calling ``callback`` now (the ``self`` of a frame up the stack).
 
@@ -356,8 +349,8 @@ class MemguardCallback(_tf.TrainerCallback):
       ``activation_checkpointing`` option says otherwise); under DeepSpeed
       the config's ``"auto"`` batch values are filled again (transformers' ``propagate_args_to_deepspeed``).
       The plan is logged at INFO on the ``memguard`` logger.
-    * ``on_train_begin``: on a single device, under DDP and under FSDP (``fsdp_config`` version 2, the
-      default of transformers 5, or version 1), the callback stands in for the Trainer's
+    * ``on_train_begin``: on a single device, under DDP, under FSDP (``fsdp_config`` version 2, the
+      default of transformers 5, or version 1) and under DeepSpeed, the callback stands in for the Trainer's
       ``training_step`` (an attribute on the Trainer instance, removed at ``on_train_end``). Each
       dataloader batch goes through the guard core (:class:`memguard.guard._core.Guard`, whose OOM engine
       is :class:`memguard.guard._window.MicroBatchWindow`): the batch is split into micro-batches of the
@@ -379,8 +372,16 @@ class MemguardCallback(_tf.TrainerCallback):
       memory in compute reports at once, its peers leave forward/backward at their next FSDP
       collective, every rank resets FSDP's per-step state and replays the step's samples at half the
       micro-batch; FSDP reduces the gradients itself, under the Trainer's own ``no_sync`` for the
-      accumulation's earlier batches. The
-      Trainer then clips the gradients, steps the optimizer and the scheduler and logs, unchanged.
+      accumulation's earlier batches. Under DeepSpeed (``TrainingArguments(deepspeed=...)``, ZeRO-1 to 3;
+      ``model_wrapped`` is the engine) the same agreement runs before every DeepSpeed collective
+      (:mod:`memguard.guard._deepspeed`); each micro-batch's ``accelerator.backward`` runs only
+      ``engine.backward`` (Accelerate's ``DeepSpeedEngineWrapper.backward`` would set the accumulation
+      boundary from ``sync_gradients`` and call ``engine.step()`` after every micro-batch of the last
+      batch: ``accelerate/utils/deepspeed.py``), the window's last micro-batch is the engine's accumulation
+      boundary, and the callback runs ``engine.step()`` once per optimizer step, agreed by every rank; after
+      an OOM every rank resets the engine's step state and replays the step's samples at half the
+      micro-batch. The Trainer then clips the gradients (DeepSpeed clips inside ``engine.step()``), steps the
+      optimizer and the scheduler (no-ops for DeepSpeed's wrappers) and logs, unchanged.
     * ``on_train_end``: ``training_step`` is restored and the guard's state released.
 
     * ``evaluate``/``predict`` (and the evaluations during ``train()``): from ``on_init_end`` the callback
@@ -428,10 +429,12 @@ class MemguardCallback(_tf.TrainerCallback):
         per-device batch, which the Trainer reads before ``on_train_begin``. Callbacks are not given the
         Trainer, so the callback finds it on the call stack of ``on_init_end``. The Trainer's activation
         checkpointing covers every layer, while a plan may checkpoint only its first ``checkpoint_blocks``
-        blocks: the run then uses less memory than planned and is somewhat slower. Under DeepSpeed the plan
-        is applied but out-of-memory errors are not recovered from (the engine reduces gradients inside the
-        backward, where a rank that ran out of memory would leave its peers waiting, and memguard has an
-        agreement protocol for FSDP's collectives only); a warning says so. Under FSDP an out-of-memory
+        blocks: the run then uses less memory than planned and is somewhat slower. Under DeepSpeed with ZeRO
+        offload, ZenFlow, pipeline parallelism, or fp16/bf16 below ZeRO-2 (engines whose state memguard cannot
+        reset after an OOM: :func:`memguard.guard._deepspeed.engine_problems`) the plan is applied but
+        out-of-memory errors in training are not recovered from; a warning gives the reasons. Under DeepSpeed an
+        OOM inside ``engine.step()`` or inside a DeepSpeed collective stops every rank with the same
+        :class:`memguard.OOMRecoveryError`. Under FSDP an out-of-memory
         error inside FSDP's own collectives stops every rank with the same :class:`memguard.OOMRecoveryError`
         (see :mod:`memguard.guard._sharded`), FSDP1's ``HYBRID_SHARD`` and ``cpu_offload`` are refused at
         ``on_train_begin``, and evaluation is not guarded. ``training_step`` runs once per micro-batch (and
@@ -460,6 +463,7 @@ class MemguardCallback(_tf.TrainerCallback):
         self._trainer: Any = None
         self._guard: Guard | None = None
         self._saved: dict[str, Any] | None = None  # the Trainer's own training_step before the stand-in (None: none)
+        self._engine: Any = None  # the DeepSpeed engine whose steps the stand-in runs (None without DeepSpeed)
         self._eval_unguarded: str | None = None  # why evaluation is not guarded (logged once), None: it is
 
     # ----------------------------------------------------------------------------------------------
@@ -522,7 +526,7 @@ class MemguardCallback(_tf.TrainerCallback):
             self._patch_prediction_step(trainer)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Stand in for the Trainer's ``training_step`` (single device, DDP or FSDP).
+        """Stand in for the Trainer's ``training_step`` (single device, DDP, FSDP or DeepSpeed).
 
         Raises:
             ConfigError: the callback was added after the Trainer was built.
@@ -533,12 +537,24 @@ class MemguardCallback(_tf.TrainerCallback):
                               "batch; pass it to the constructor: Trainer(..., callbacks=[MemguardCallback(...)])")
         if not self.guard_oom:
             return
-        if trainer.is_deepspeed_enabled:
-            logger.warning("memguard: under DeepSpeed the plan is applied but out-of-memory errors during training are "
-                           "not recovered from: %s", _UNGUARDED_WHY["deepspeed"])
-            return
         wrapped = trainer.model_wrapped
-        if trainer.is_fsdp_enabled:
+        self._engine = None
+        if trainer.is_deepspeed_enabled:
+            # The engine is built by now: Trainer._prepare_for_training runs accelerator.prepare (deepspeed.initialize,
+            # Accelerator._prepare_deepspeed) before the loop's on_train_begin (trainer.py, _inner_training_loop,
+            # transformers 5.24), and model_wrapped is the DeepSpeedEngine. Arm the agreement before every DeepSpeed
+            # collective (memguard.guard._deepspeed); the engine reduces the gradients, so memguard does not.
+            from memguard.guard._deepspeed import engine_problems, engine_rank_group
+
+            problems = engine_problems(wrapped)
+            if problems:
+                logger.warning("memguard: under this DeepSpeed engine the plan is applied but out-of-memory errors "
+                               "during training are not recovered from: %s", "; ".join(problems))
+                return
+            self._engine = wrapped
+            guard.rank_group = engine_rank_group(wrapped)
+            guard.options = dataclasses.replace(guard.options, sync_gradients=False)
+        elif trainer.is_fsdp_enabled:
             # The model is sharded by now: Trainer._prepare_for_training runs accelerator.prepare (fsdp2_prepare_model,
             # or the FullyShardedDataParallel wrapper of FSDP1) before the loop's on_train_begin (trainer.py,
             # _inner_training_loop, transformers 5.24). Arm the agreement before each FSDP collective; FSDP reduces
@@ -795,8 +811,11 @@ class MemguardCallback(_tf.TrainerCallback):
         # The loop sets sync_gradients before each training_step: True on an optimizer step's last batch
         # (trainer.py, _run_epoch: accelerator.gradient_state._set_sync_gradients(do_sync_step)).
         last = bool(trainer.accelerator.sync_gradients)
+        engine = self._engine
         if guard.window is None or not guard.window.is_open:
             guard.open_window(model, [trainer.optimizer] if trainer.optimizer is not None else [])
+            if engine is not None:
+                guard.rank_group.start_window()  # the engine's counters, for its reset after an OOM
         n = batch_size(inputs)
         accumulation = trainer.current_gradient_accumulation_steps
         sharded = isinstance(guard.rank_group, ShardedRankGroup)
@@ -810,11 +829,21 @@ class MemguardCallback(_tf.TrainerCallback):
             # DDP: memguard averages the gradients after the last batch. FSDP2: FSDP2 reduce-scatters them in each
             # micro-batch's backward as the Trainer's own sync context says (trainer.py, _run_epoch).
             sync = contextlib.nullcontext() if sharded else trainer.accelerator.no_sync(model)
+            accelerator = trainer.accelerator
+            wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
+            if engine is not None:
+                # DeepSpeed: the window sets the engine's accumulation boundary (True on its last micro-batch) and
+                # memguard runs engine.step() once per optimizer step, agreed; Accelerate's wrapper would set the
+                # boundary from sync_gradients and step after every micro-batch of the last batch
+                # (DeepSpeedEngineWrapper.backward, accelerate/utils/deepspeed.py, 1.15): only its engine.backward runs
+                accelerator.deepspeed_engine_wrapped = _EngineBackward(engine)
             try:
                 with sync:
                     step_loss = original(model, micro, num_items_in_batch)
             finally:
                 trainer.current_gradient_accumulation_steps = accumulation
+                if engine is not None:
+                    accelerator.deepspeed_engine_wrapped = wrapper
             # the window adds up loss * k / n over the micro-batches: return the Trainer's loss times n / k so the
             # sum is the Trainer's loss for the whole batch
             return step_loss.detach() * (n / k)
@@ -822,7 +851,27 @@ class MemguardCallback(_tf.TrainerCallback):
         loss = guard.run(inputs, loss_of, _no_backward, model=model, last=last)
         if last:
             guard.end_window()
+            if engine is not None:  # an OOM here stops every rank with the same OOMRecoveryError
+                from memguard.guard._deepspeed import agreed_engine_step
+
+                agreed_engine_step(guard.rank_group, micro_batch_size=guard.window.micro_batch_size)
         return loss
+
+
+class _EngineBackward:
+    """Stands in for Accelerate's ``DeepSpeedEngineWrapper`` during one guarded micro-batch: ``backward`` runs
+    ``engine.backward(loss, **kwargs)`` only (the Trainer passes ``scale_wrt_gas=False``: trainer.py,
+    training_step), leaving the accumulation boundary to memguard's window and ``engine.step()`` to the callback."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def backward(self, loss: torch.Tensor, sync_gradients: bool = True, **kwargs: Any) -> None:
+        self.engine.backward(loss, **kwargs)
+
+    def get_global_grad_norm(self) -> Any:
+        norm = self.engine.get_global_grad_norm()
+        return norm.item() if hasattr(norm, "item") else norm
 
 
 #: What an evaluation whose outputs cannot be joined should do instead, in the Trainer's terms.

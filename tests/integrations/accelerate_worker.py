@@ -23,6 +23,9 @@ With ``fsdp2``, the Accelerator shards the model with FSDP2 (``FullyShardedDataP
 ``fully_shard`` of each ``Linear`` and of the root, parameters resharded after forward): the planner path
 builds the plugin itself, a hand-made plan is an FSDP2 plan of sharding level 3 whose
 ``accelerator_kwargs`` builds it.
+With ``deepspeed`` (a ZeRO stage) and a hand-made plan, the Accelerator runs Accelerate's DeepSpeed plugin
+(``accelerator_kwargs`` of a DeepSpeed plan, its config without clipping and with small buckets); Accelerate
+builds the engine in ``accelerator.prepare`` (run with ``DS_ACCELERATOR=cpu``).
 With ``eval_factor``, after training (the cap still in force on the capped ranks) each rank evaluates
 one validation batch of ``eval_factor x batch`` samples of its own with
 :func:`memguard.integrations.accelerate.evaluate` and gathers the predictions with
@@ -72,6 +75,24 @@ def force_fsdp_on_cpu(accelerator, plugin) -> None:
         # the parameters are on "cpu", which FSDP1's _get_compute_device refuses as inconsistent
         for shared in (state._shared_state, PartialState._shared_state):
             shared["device"] = torch.device("cpu")
+
+
+def force_deepspeed_ranks_on_cpu(accelerator) -> None:
+    """Give a CPU Accelerator under DeepSpeed the ranks DeepSpeed runs on. Accelerate 1.15 on a host without GPUs
+    picks no backend for a launch without ``cpu=True`` (``PartialState._prepare_backend``, accelerate/state.py),
+    so it counts one process of index 0 although its DeepSpeed branch initialised ``torch.distributed`` on every
+    rank (``deepspeed.comm.init_distributed``, which picks gloo under ``DS_ACCELERATOR=cpu``); with ``cpu=True``
+    it ignores the DeepSpeed plugin. Set what ``PartialState.__init__`` sets from ``torch.distributed`` when it
+    has a backend, so that the dataloader is sharded by rank as on GPUs."""
+    import torch.distributed as dist
+
+    from accelerate.state import PartialState
+
+    assert dist.is_initialized(), "DeepSpeed's init_distributed did not run"
+    fields = {"num_processes": dist.get_world_size(), "process_index": dist.get_rank(),
+              "local_process_index": int(os.environ.get("LOCAL_RANK", dist.get_rank())), "backend": "gloo"}
+    for shared in (accelerator.state._shared_state, PartialState._shared_state):
+        shared.update(fields)
 
 
 def main() -> None:
@@ -126,6 +147,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     fsdp1 = bool(cfg.get("fsdp1"))
     fsdp2 = bool(cfg.get("fsdp2")) or fsdp1  # (fsdp2: "sharded" below)
+    ds_stage = cfg.get("deepspeed")  # a ZeRO stage, or None
 
     def fsdp1_plugin():
         from accelerate.utils import FullyShardedDataParallelPlugin
@@ -147,21 +169,38 @@ def main() -> None:
                 transformer_cls_names_to_wrap=["Linear"])
     else:
         micro, accum = cfg["plan"]
-        stage = 3 if fsdp2 else 0
+        stage = 3 if fsdp2 else ds_stage if ds_stage is not None else 0
+        strategy = "fsdp2" if fsdp2 else "deepspeed" if ds_stage is not None else "ddp"
         est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                        peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
                        zero_stage=stage, world_size=world, gpu=None, micro_batch_size=micro)
         plan = Plan(micro_batch_size=micro, grad_accum_steps=accum, world_size=world,
                     global_batch_size=micro * accum * world,
                     precision="32-true", activation_checkpointing=False, zero_stage=stage,
-                    strategy="fsdp2" if fsdp2 else "ddp", block_class="Linear" if fsdp2 else None,
+                    strategy=strategy, block_class="Linear" if fsdp2 else None,
                     budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu")
         kwargs = accelerator_kwargs(plan)
         if fsdp1:  # the same plan run by FSDP1 (FULL_SHARD: its sharding level 3)
             kwargs["fsdp_plugin"] = fsdp1_plugin()
+        if ds_stage is not None:
+            # accelerator_kwargs(plan)'s plugin, its config with what a comparison with plain SGD needs: no clipping
+            # (DeepSpeed clips at 1.0 when the key is absent, runtime/constants.py), the torch optimizer allowed, and
+            # small buckets (DeepSpeed's default 5e8-element bucket would not fit under the cap)
+            from accelerate.utils import DeepSpeedPlugin
+
+            from memguard.integrations.deepspeed import to_config
+
+            zero = {"reduce_bucket_size": 500_000}
+            if ds_stage == 3:  # gather every parameter (DeepSpeed keeps parameters under 1e5 elements whole)
+                zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+            config = to_config(plan, gradient_clipping=0.0, zero_allow_untested_optimizer=True, zero_optimization=zero)
+            assert kwargs["deepspeed_plugin"].zero_stage == ds_stage and "cpu" not in kwargs
+            kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=config)
     accelerator = Accelerator(**kwargs)
     if fsdp2:
         force_fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
+    if ds_stage is not None:
+        force_deepspeed_ranks_on_cpu(accelerator)
     if plan is None:
         # under FSDP2 memguard plans before accelerator.prepare shards the model: from an example batch
         example = {k: v[: cfg["batch"]] for k, v in {"x": data.x, "y": data.y, "idx": torch.arange(len(data))}.items()}
@@ -228,10 +267,21 @@ def main() -> None:
                   planned=st.planned_micro_batch_size, steps=st.steps)
     from memguard.guard._core import guard_of
 
-    result["agreements"] = getattr(guard_of(model, "").rank_group, "agreements", None)  # FSDP2's, for their cost
+    if ds_stage is not None:
+        from memguard.guard._deepspeed import engine_rank_group
+
+        result["agreements"] = engine_rank_group(model).agreements
+    else:
+        result["agreements"] = getattr(guard_of(model, "").rank_group, "agreements", None)  # FSDP2's, for their cost
     (out / f"result{rank}.json").write_text(json.dumps(result))  # in case gathering the weights below fails
     # FSDP2 holds DTensor shards: gather the full weights (a collective every rank joins here)
-    if fsdp1:  # FSDP1's full state dict, on every rank (a collective every rank joins)
+    if ds_stage is not None:  # the engine's module; ZeRO-3 keeps partitions: gather them (every rank joins)
+        import deepspeed
+
+        module = model.module
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=ds_stage == 3):
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    elif fsdp1:  # FSDP1's full state dict, on every rank (a collective every rank joins)
         from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
 
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT,

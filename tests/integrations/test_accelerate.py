@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from memguard import ConfigError, Estimate, MissingDependencyError, Plan
 from memguard.integrations.accelerate import accelerator_kwargs, evaluate, prepare, status, step
+from tests.deepspeed_op import shm_op_prebuilt
 from worker_common import check_samples  # this folder is on sys.path under pytest
 
 accelerate = pytest.importorskip("accelerate")
@@ -116,6 +117,10 @@ def test_accelerator_kwargs_of_a_deepspeed_plan_builds_its_plugin() -> None:
     assert ds.deepspeed_config["train_micro_batch_size_per_gpu"] == 8
     with pytest.raises(ConfigError, match="16-true"):  # no DeepSpeed equivalent
         accelerator_kwargs(_plan(8, 4, "16-true", zero_stage=1))
+    # a CPU DeepSpeed plan gets no cpu=True either: Accelerate 1.15 would ignore the DeepSpeed plugin with it
+    # (AcceleratorState.__init__ takes its DeepSpeed branch only when not cpu)
+    cpu_kw = accelerator_kwargs(_plan(8, 4, zero_stage=2))
+    assert "cpu" not in cpu_kw and cpu_kw["deepspeed_plugin"].zero_stage == 2
 
 
 def _fsdp2_plan(micro: int, accum: int, precision: str, **kw) -> Plan:
@@ -265,6 +270,8 @@ def _free_port() -> int:
 def _run_worker(tmp_path: Path, world: int = 1, **cfg) -> list[dict]:
     cfg = {"out": str(tmp_path), "steps": 3, "seq": 64, "budget_mib": 20, **cfg}
     env = dict(os.environ)
+    if cfg.get("deepspeed") is not None:
+        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator and its shm comm op (tests/deepspeed_op.py)
     # One malloc arena and a fixed mmap threshold: large tensors are mmapped and unmapped when freed, so
     # the address space tracks live memory and the cap bites where the test expects (tests/guard).
     env.update(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
@@ -425,6 +432,67 @@ def test_fsdp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path, c
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     # the reference is one process on the step's 128 samples; ~3e-7 observed, 1e-5 allowed
     assert _rel_sd(tmp_path) <= 1e-5
+
+
+_SHM_SKIP = "DeepSpeed's shm comm op is not built for the ninja on PATH (bash scripts/dev.sh setup builds it)"
+# CI builds the op in its set-up, so there these tests never skip: a missing build fails them
+_NO_SHM_OP = not shm_op_prebuilt() and not os.environ.get("CI")
+
+
+@pytestmark_linux
+@pytest.mark.skipif(_NO_SHM_OP, reason=_SHM_SKIP)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path, stage: int) -> None:
+    # torchrun, 2 CPU processes; a hand-made DeepSpeed plan of 32 x 2 (accelerator_kwargs builds Accelerate's
+    # DeepSpeedPlugin from to_config(plan)), so accelerator.prepare builds a ZeRO-<stage> engine. memguard runs
+    # each batch through the engine with an agreement before every DeepSpeed collective. Rank 1 is capped (20 MiB)
+    # at its batch 3, the second of step 2: micro-batch 32 fails there (about 1 MiB per sample), 16 fits; both
+    # ranks reset the engine and replay batch 2 before batch 3, at 16.
+    r0, r1 = _run_worker(tmp_path, world=2, batch=32, plan=[32, 2], cap_batch=3, cap_ranks=[1], deepspeed=stage)
+    assert r0["error"] is None and r1["error"] is None and r1.get("capped") and not r0.get("capped")
+    m0 = [m for m in r0["messages"] if m.startswith("WARNING:out of memory")]
+    m1 = [m for m in r1["messages"] if m.startswith("WARNING:out of memory")]
+    # one halving, logged on both ranks; the capped rank names the allocator's real error
+    assert len(m0) == len(m1) == 1 and "on rank 1;" in m0[0] and "DefaultCPUAllocator" in m1[0]
+    assert "the 2 batches of this optimizer step so far (64 samples)" in m0[0]
+    assert r0["micro_batch_size"] == r1["micro_batch_size"] == 16 and r0["steps"] == r1["steps"] == 3
+    assert r0["oom_retries"] == r1["oom_retries"] == 1
+    assert r0["agreements"] == r1["agreements"] > 0  # the same agreements on both ranks: none left unmatched
+    for r in (r0, r1):
+        check_samples(r, steps=3, per_step=64)
+    w0, w1 = torch.load(tmp_path / "accelerate0.pt"), torch.load(tmp_path / "accelerate1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    # the reference is one process on the step's 128 samples; ~3e-7 observed at every stage, 1e-5 allowed
+    assert _rel_sd(tmp_path) <= 1e-5
+
+
+def _deepspeed_accelerator():
+    """A CPU Accelerator in the state Accelerate's DeepSpeed branch sets (``AcceleratorState.__init__``,
+    accelerate/state.py): the distributed type and the plugin, without building an engine."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
+
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    plugin = DeepSpeedPlugin(hf_ds_config={"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+                                           "zero_optimization": {"stage": 2}})
+    accelerator.state.distributed_type = DistributedType.DEEPSPEED
+    accelerator.state.deepspeed_plugins = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
+    return accelerator
+
+
+def test_deepspeed_prepare_lists_what_it_does_not_do() -> None:
+    # under DeepSpeed the plan is the config's and the engine clips: planning and clipping options are refused,
+    # and so is a plan that is not the config's, all at once and before any engine is built
+    accelerator = _deepspeed_accelerator()
+    model = _net()
+    with pytest.raises(ConfigError) as info:
+        prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), plan=_plan(4, 2), loss_fn=loss_fn,
+                example_batch=(X[:8], Y[:8]), max_grad_norm=1.0, budget_bytes=1 << 30)
+    text = str(info.value)
+    assert "example_batch, budget_bytes" in text and "accelerator_kwargs(plan)" in text
+    assert "gradient_clipping" in text
+    assert "strategy is 'ddp'" in text and "train_micro_batch_size_per_gpu is 8, the plan's micro-batch 4" in text
 
 
 def _fsdp_accelerator(version: int):

@@ -19,7 +19,9 @@ Config keys: ``out`` (folder), ``batch`` (per-device batch), ``accum`` (gradient
 evaluation guard gives up with memguard's error and does not touch the training micro-batch), ``fsdp2``
 (both Trainers shard the model with FSDP2 through Accelerate: ``fsdp="full_shard"``, each ``GPT2Block``
 and the root ``fully_shard``-ed, see :func:`force_fsdp_on_cpu`), ``fsdp_version`` (1: FSDP1's
-``FullyShardedDataParallel`` instead, each ``GPT2Block`` and the root wrapped).
+``FullyShardedDataParallel`` instead, each ``GPT2Block`` and the root wrapped), ``deepspeed`` (a ZeRO stage:
+both Trainers run ``TrainingArguments(deepspeed=...)`` with that stage and the batch values ``"auto"``, on CPU
+processes through :func:`deepspeed_backend_on_cpu`; run with ``DS_ACCELERATOR=cpu``).
 
 Each rank writes ``result<rank>.json`` and its two sets of final weights.
 """
@@ -65,11 +67,39 @@ def force_fsdp_on_cpu(trainer) -> None:
     trainer.is_fsdp_enabled = True
 
 
+def deepspeed_backend_on_cpu() -> None:
+    """Let Accelerate start DeepSpeed on CPU processes. Accelerate 1.15 picks a backend (and so DeepSpeed's
+    branch and the processes' number) only for GPUs and other accelerators unless ``cpu=True``
+    (``PartialState._prepare_backend``, accelerate/state.py), and with ``cpu=True`` (``use_cpu``) it skips the
+    DeepSpeed branch (``PartialState.__init__``: ``if not cpu``); without either a CPU process counts itself as
+    the only one although DeepSpeed's ``init_distributed`` joins every rank. Return gloo over MULTI_CPU there,
+    what the branch for a GPU returns with NCCL, so that ``PartialState.__init__`` initialises DeepSpeed's
+    distributed backend, reads the ranks from ``torch.distributed`` and switches to ``DistributedType.DEEPSPEED``,
+    as on GPUs."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    original = PartialState._prepare_backend
+
+    def prepare_backend(self, cpu: bool = False, sagemaker_dp: bool = False, backend=None):
+        found, kind = original(self, cpu, sagemaker_dp, backend)
+        if found is None and not cpu and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", DistributedType.MULTI_CPU
+        return found, kind
+
+    PartialState._prepare_backend = prepare_backend
+
+
 def full_state(model) -> dict:
     """The model's weights; FSDP2's DTensor shards or FSDP1's flat parameters gathered (a collective every rank
     joins here)."""
     from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
 
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 partitions: gather them
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
     if isinstance(model, FullyShardedDataParallel):
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT,
                                                       FullStateDictConfig(rank0_only=False)):
@@ -91,9 +121,15 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     messages: list[str] = []
 
+    # what the guarded Trainer ran, in order: each forward's sample indices, "RETRY" (memguard's halving, logged on
+    # every rank) and "STEP" (the end of an optimizer step)
+    events: list = []
+
     class Recorder(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(f"{record.levelname}:{record.getMessage()}")
+            if record.levelno >= logging.WARNING and record.getMessage().startswith("out of memory"):
+                events.append("RETRY")
 
     logging.getLogger("memguard").addHandler(Recorder())
     logging.getLogger("memguard").setLevel(logging.INFO)
@@ -117,9 +153,24 @@ def main() -> None:
     initial = transformers.GPT2LMHeadModel(config).state_dict()
     data = Tokens(cfg["steps"] * cfg["batch"] * cfg["accum"] * world)
 
+    ds_stage = cfg.get("deepspeed")  # a ZeRO stage, or None
+    ds_config = None
+    if ds_stage is not None:
+        deepspeed_backend_on_cpu()
+        # the batch values "auto": the Trainer fills them from its arguments; small buckets (DeepSpeed's default
+        # 5e8-element bucket would not fit under the cap); ZeRO-3 gathers every parameter (DeepSpeed keeps those
+        # under 1e5 elements whole)
+        zero: dict = {"stage": ds_stage, "reduce_bucket_size": 500_000}
+        if ds_stage == 3:
+            zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+        ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                     "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
+                     "zero_allow_untested_optimizer": True}
+
     def args(name: str) -> transformers.TrainingArguments:
         return transformers.TrainingArguments(
-            output_dir=str(out / name), use_cpu=True, report_to=[], per_device_train_batch_size=cfg["batch"],
+            output_dir=str(out / name), use_cpu=ds_stage is None, report_to=[],
+            **({"deepspeed": ds_config} if ds_config is not None else {}), per_device_train_batch_size=cfg["batch"],
             gradient_accumulation_steps=cfg["accum"], max_steps=cfg["steps"], learning_rate=1e-3, max_grad_norm=0.5,
             lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="no", disable_tqdm=True,
             dataloader_num_workers=0, seed=0, ddp_backend="gloo" if world > 1 else None,
@@ -147,13 +198,14 @@ def main() -> None:
     result["plain_logs"] = [h for h in plain.state.log_history if "loss" in h]
     torch.save(full_state(plain.model), out / f"plain{rank}.pt")
 
-    stage = 3 if cfg.get("fsdp2") else 0  # fsdp="full_shard": FSDP2's sharding level 3
+    stage = 3 if cfg.get("fsdp2") else ds_stage or 0  # fsdp="full_shard": FSDP2's sharding level 3
     est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                    peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
                    zero_stage=stage, world_size=world, gpu=None, micro_batch_size=cfg["batch"])
     plan = Plan(micro_batch_size=cfg["batch"], grad_accum_steps=cfg["accum"], world_size=world,
                 global_batch_size=cfg["batch"] * cfg["accum"] * world, precision="32-true",
-                activation_checkpointing=False, zero_stage=stage, strategy="fsdp2" if stage else "ddp",
+                activation_checkpointing=False, zero_stage=stage,
+                strategy="deepspeed" if ds_stage else "fsdp2" if stage else "ddp",
                 budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu")
     # "planner": memguard plans (rank 0, broadcast) with room to spare and no checkpointing, which takes the
     # whole local batch of batch x accum samples as one micro-batch (the fastest split): the Trainer's
@@ -168,22 +220,31 @@ def main() -> None:
                 resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
                 result["capped"] = True
 
+        def on_step_end(self, args, state, control, **kwargs):
+            events.append("STEP")
+
     guarded = transformers.Trainer(model=model(), args=args("guarded"), train_dataset=data, eval_dataset=data,
                                    callbacks=[callback, Cap()])
     if cfg.get("fsdp2"):
         force_fsdp_on_cpu(guarded)
+    # a sample is known by its first 16 tokens (random ids out of 4096: distinct)
+    index = {tuple(data.ids[i, :16].tolist()): i for i in range(len(data))}
+    assert len(index) == len(data)
+    guarded.model.register_forward_pre_hook(
+        lambda module, a, kw: events.append([index[tuple(r[:16].tolist())] for r in kw["input_ids"]]),
+        with_kwargs=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     try:
         guarded.train()
     except Exception as exc:  # reported to the test, which decides whether it was expected
         result["error"] = {"type": type(exc).__name__, "message": str(exc)}
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    result.update(messages=messages, micro_batch_size=callback.micro_batch_size, oom_retries=callback.oom_retries,
+    result.update(messages=messages, events=events, micro_batch_size=callback.micro_batch_size, oom_retries=callback.oom_retries,
                   plan=[callback.plan.micro_batch_size, callback.plan.grad_accum_steps],
                   trainer_batch=[guarded.args.per_device_train_batch_size, guarded.args.gradient_accumulation_steps],
                   patched_left="training_step" in guarded.__dict__,
                   guarded_logs=[h for h in guarded.state.log_history if "loss" in h])
-    result["agreements"] = getattr(callback._guard.rank_group, "agreements", None)  # FSDP2's, for their cost
+    result["agreements"] = getattr(callback._guard.rank_group, "agreements", None)  # FSDP's/DeepSpeed's
     (out / f"result{rank}.json").write_text(json.dumps(result))  # in case gathering the weights below fails
     torch.save(full_state(guarded.model), out / f"guarded{rank}.pt")
 
