@@ -161,7 +161,15 @@ def main() -> None:
                 result["capped"] = True
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            events.append("STEP")
+            if not deepspeed_run:
+                events.append("STEP")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            # Under DeepSpeedStrategy Lightning calls on_before_optimizer_step after every batch (the engine
+            # accumulates): record a step when the engine's own optimizer-step counter advanced.
+            if deepspeed_run and trainer.strategy.model.global_steps != result.get("engine_global_steps", 0):
+                result["engine_global_steps"] = trainer.strategy.model.global_steps
+                events.append("STEP")
 
     if cfg["plan"] == "planner":
         callback = MemguardCallback(budget_bytes=cfg.get("plan_budget_mib", 1024) << 20)

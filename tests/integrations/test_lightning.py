@@ -662,6 +662,7 @@ def test_deepspeed_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: P
         check_samples(r, steps=3, per_step=64, skip_until_first_batch=True)
         assert r["restored_batch_size"] == 64 and r["restored_accumulate"] == 1
         assert r["patched_left"] == [] and r["strategy_patched_left"] == []
+        assert r["engine_global_steps"] == 3  # one engine step per window, however many micro-batches ran
     w0, w1 = _weights(tmp_path, "lightning0.pt"), _weights(tmp_path, "lightning1.pt")
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     # the reference is one process on both ranks' 128 samples per step (plain SGD, no cap)
