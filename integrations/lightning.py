@@ -12,12 +12,12 @@ is a ``Callback`` of every installed package (so either Trainer's ``isinstance``
 and it takes the strategy classes and utilities from the package of the Trainer it runs in (the
 first Lightning class in the Trainer's MRO, so a Trainer subclass defined anywhere works).
 
-Strategies. Single device, DDP and ``ModelParallelStrategy`` (FSDP2): the callback plans, applies
-and guards (below). Under ``DeepSpeedStrategy`` and ``FSDPStrategy`` (FSDP1) it plans and applies
-only. Under the sharded strategies the plan is constrained to the strategy's sharding: DeepSpeed's
-ZeRO stage and optimizer offload from its config; FSDP's ``FULL_SHARD`` as ZeRO-3 (parameters
-resharded after forward) and ``SHARD_GRAD_OP`` as stage 2; ``ModelParallelStrategy`` (FSDP2,
-``fully_shard`` in ``configure_model``) any FSDP2 level over its data-parallel ranks, which
+Strategies. Single device, DDP, ``ModelParallelStrategy`` (FSDP2) and ``DeepSpeedStrategy`` (ZeRO
+stages 0-3): the callback plans, applies and guards (below). Under ``FSDPStrategy`` (FSDP1) it plans
+and applies only. Under the sharded strategies the plan is constrained to the strategy's sharding:
+DeepSpeed's ZeRO stage and optimizer offload from its config; FSDP's ``FULL_SHARD`` as ZeRO-3
+(parameters resharded after forward) and ``SHARD_GRAD_OP`` as stage 2; ``ModelParallelStrategy``
+(FSDP2, ``fully_shard`` in ``configure_model``) any FSDP2 level over its data-parallel ranks, which
 ``configure_model`` applies (``reshard_after_forward`` is ``plan.zero_stage == 3``); the plan's world
 size is the strategy's. It plans in ``setup`` there, before the strategy wraps the module and before
 DeepSpeed reads the batch size and accumulation into its config. Under ``ModelParallelStrategy``,
@@ -27,13 +27,25 @@ agreement protocol on every ``fully_shard``-ed module (:mod:`memguard.guard._sha
 reduce-scatter, so that a rank that runs out of memory in compute makes its peers leave
 forward/backward at their next FSDP2 collective instead of waiting in it) and guards the training
 steps as under DDP; FSDP2 reduce-scatters the gradients itself (Lightning's ``no_sync`` holds them
-back on an accumulation window's earlier batches). Under ``DeepSpeedStrategy`` and ``FSDPStrategy``
-it logs that it does not recover from out-of-memory errors (a rank that fails inside the sharded
-collectives would leave the others waiting; memguard has no agreement protocol for DeepSpeed's
-collectives, and its FSDP1 protocol, :mod:`memguard.guard._fsdp1`, needs each micro-batch to run
-through FSDP1's root forward, while ``FSDPStrategy`` runs ``training_step`` inside that forward
-through Lightning's forward redirection; see :mod:`memguard.integrations.deepspeed` for what was
-measured under DeepSpeed). :func:`strategy_for` returns the Lightning strategy that runs a plan.
+back on an accumulation window's earlier batches). Under ``DeepSpeedStrategy``, once the strategy has
+built the engine (``on_fit_start``), the callback arms memguard's DeepSpeed protocol on it
+(:mod:`memguard.guard._deepspeed`: an agreement of the ranks before every ``deepspeed.comm``
+collective, ZeRO-1/2's gradient reduction, ZeRO-3's parameter all-gathers and reduce-scatters, the
+step's all-reduces; after an OOM on any rank every rank resets the engine's step state) and stands
+in for the strategy's ``training_step`` and the DeepSpeed precision plugin's ``backward`` and
+``optimizer_step`` (:meth:`MemguardCallback._patch_deepspeed`): each micro-batch runs Lightning's
+own training step through the engine's forward and ``engine.backward`` inside one agreed attempt,
+the last micro-batch of an optimizer step's window is the engine's accumulation boundary (Lightning's
+``accumulate_grad_batches``, which Lightning writes into the config as
+``gradient_accumulation_steps``), and the engine steps once per window through
+:func:`memguard.guard._deepspeed.agreed_engine_step`. Engines the protocol cannot reset (ZeRO
+offload, ZenFlow, DeepSpeed's ``FP16_Optimizer``/``BF16_Optimizer`` wrappers: fp16/bf16 without
+ZeRO, or bf16 ZeRO-1; :func:`memguard.guard._deepspeed.engine_problems`) are planned and applied only,
+and the reason is logged. Under ``FSDPStrategy`` it logs that it does not recover from
+out-of-memory errors (a rank that fails inside the sharded collectives would leave the others
+waiting; its FSDP1 protocol, :mod:`memguard.guard._fsdp1`, needs each micro-batch to run through
+FSDP1's root forward, while ``FSDPStrategy`` runs ``training_step`` inside that forward through
+Lightning's forward redirection). :func:`strategy_for` returns the Lightning strategy that runs a plan.
 
 What the callback does, in Lightning's hooks:
 
@@ -72,7 +84,9 @@ What the callback does, in Lightning's hooks:
 * ``status()`` reports what the guard does (:class:`memguard.guard._core.GuardStatus`), as
   :func:`memguard.guard.guard_status` does for ``prepare``/``step``.
 * ``teardown`` and ``on_exception`` restore ``training_step``, ``optimizer_zero_grad``, the
-  ``batch_size`` attribute, ``accumulate_grad_batches`` and the checkpointed blocks.
+  ``batch_size`` attribute, ``accumulate_grad_batches`` and the checkpointed blocks (under
+  ``DeepSpeedStrategy`` also the strategy's ``training_step`` and the precision plugin's ``backward``
+  and ``optimizer_step``, and the wrappers on DeepSpeed's communication backend).
 
 Why this design rather than manual optimization: switching the user's module to manual
 optimization would change what their ``training_step`` must do, and would drop Lightning's
@@ -91,8 +105,14 @@ Known limitations:
     that got no gradient on any rank are left alone, so DDP with ``find_unused_parameters=False``
     fails on them as it would without memguard. Trainer limits counted in batches
     (``limit_train_batches``, ``val_check_interval`` as ints) count the smaller batches. Manual
-    optimization and dataloaders passed directly to ``fit`` are not supported; under DeepSpeed and
-    FSDP (FSDP1) strategies the plan is applied but OOMs are not recovered from; under
+    optimization and dataloaders passed directly to ``fit`` are not supported; under the FSDP
+    (FSDP1) strategy the plan is applied but OOMs are not recovered from; under DeepSpeed an OOM
+    inside a DeepSpeed collective or in ``engine.step()`` stops every rank with the same
+    :class:`memguard.OOMRecoveryError` (restart from a checkpoint), ``training_step`` must not start
+    a collective of its own, Lightning's ``on_before_optimizer_step`` still runs after every batch (as
+    Lightning runs it under DeepSpeed) while the engine steps once per window, an epoch whose batch
+    count is not a multiple of ``accumulate_grad_batches`` ends its last window with an engine step,
+    and recovery is verified on CPU with gloo (fp32 ZeRO-1/2/3) only; under
     ModelParallel (FSDP2) an OOM inside FSDP2's own collectives (their buffers) stops every rank
     with the same :class:`memguard.OOMRecoveryError`, and HSDP (a 2-D mesh) is refused; FSDP's
     ``HYBRID_SHARD``, ``cpu_offload`` and DeepSpeed's ``offload_param`` are refused, tensor
@@ -932,6 +952,12 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         * ``precision_plugin.optimizer_step``: runs the closure and ``_after_closure`` as Lightning does, then
           :func:`memguard.guard._deepspeed.agreed_engine_step` once per window (after its last batch)
           instead of ``engine.step()`` after every batch.
+
+        The accumulated gradient is that of the window's mean loss, as under DDP. (Lightning's own path
+        divides the loss by ``accumulate_grad_batches``, ``ClosureResult.from_training_step_output`` in
+        ``loops/optimization/automatic.py``, and ``engine.backward`` divides it again by
+        ``gradient_accumulation_steps``, its ``scale_wrt_gas``: with accumulation the callback's gradients
+        are ``accumulate_grad_batches`` times those of Lightning's own DeepSpeed path.)
 
         Lightning's ``optimizer_zero_grad`` (which runs after a window's first ``training_step``) is skipped:
         the engine's step drops the gradients, and the window drops any left when it opens.

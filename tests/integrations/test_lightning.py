@@ -340,7 +340,10 @@ def test_each_strategy_constrains_the_plan_to_its_sharding(make, expected) -> No
     sharding = _sharding_of(make(pl.strategies), pl, problems)
     assert problems == []
     assert (sharding.strategy, sharding.zero_stages, sharding.offload_optimizer, sharding.world_size) == expected
-    assert sharding.guarded is (expected[0] == "ddp")  # the OOM guard runs under DDP only
+    # planned in on_fit_start only under DDP; the sharded strategies plan in setup, before the strategy shards
+    assert sharding.guarded is (expected[0] == "ddp")
+    # DeepSpeed's engine gets memguard's DeepSpeed protocol, ModelParallel's fully_shard-ed modules FSDP2's
+    assert sharding.arms_deepspeed is (expected[0] == "deepspeed")
 
 
 def test_what_a_strategy_cannot_be_planned_for_is_listed() -> None:
