@@ -17,8 +17,8 @@ for a hand-made plan,
 ``package``: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (default), whose Trainer runs,
 ``strategy``: ``"ddp"`` (default), ``"model_parallel"`` (``ModelParallelStrategy`` over ``world``
 data-parallel ranks, ``fully_shard`` of each linear layer and the root in ``configure_model``) or
-``"deepspeed"`` (``DeepSpeedStrategy`` with ZeRO stage ``zero_stage``, on CPU: see :class:`CPUDeepSpeed`;
-run with ``DS_ACCELERATOR=cpu``).
+``"deepspeed"`` (``DeepSpeedStrategy`` with ZeRO stage ``zero_stage``, optimizer offload to the host if
+``offload``, on CPU: see :class:`CPUDeepSpeed`; run with ``DS_ACCELERATOR=cpu``).
 
 Each rank writes ``result<rank>.json`` (events, messages, callback state, error) and its final
 weights ``lightning<rank>.pt``; rank 0 also writes ``reference.pt``.
@@ -186,7 +186,7 @@ def main() -> None:
         callback = MemguardCallback(plan=Plan(micro_batch_size=micro, grad_accum_steps=accum, world_size=cfg["world"],
                                               global_batch_size=local * cfg["world"], precision="32-true",
                                               activation_checkpointing=False, zero_stage=stage,
-                                              strategy=planned_strategy,
+                                              strategy=planned_strategy, offload_optimizer=bool(cfg.get("offload")),
                                               budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu"))
     module = Lit()
     if cfg.get("strategy") == "model_parallel":
@@ -195,10 +195,15 @@ def main() -> None:
         # small gradient buckets, so that ZeRO-2 reduces from its hooks inside the backward; under ZeRO-3 every
         # parameter is gathered (DeepSpeed keeps parameters under 1e5 elements whole by default)
         zero = {"stage": cfg["zero_stage"], "reduce_bucket_size": 500_000}
+        if cfg.get("offload"):  # ZeRO-Offload of the optimizer: planned, but not something memguard can reset
+            zero["offload_optimizer"] = {"device": "cpu"}
+        ds_config = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
+        if cfg.get("offload"):  # the module's torch SGD instead of DeepSpeedCPUAdam (a compiled op)
+            ds_config["zero_force_ds_cpu_optimizer"] = False
         if cfg["zero_stage"] == 3:
             zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
         # a short process-group timeout: a rank left waiting in a collective fails instead of hanging
-        strategy = CPUDeepSpeed(config={"zero_optimization": zero, "zero_allow_untested_optimizer": True},
+        strategy = CPUDeepSpeed(config=ds_config,
                                 process_group_backend="gloo", timeout=datetime.timedelta(seconds=90))
     else:
         strategy = "ddp" if cfg["world"] > 1 else "auto"
