@@ -644,6 +644,9 @@ def _deepspeed_ready() -> str:
     # 32 fails, 16 fits, and both ranks replay batch 2 before batch 3, whose last micro-batch is the boundary
     (2, [32, 2], 3, 1),
     (3, [32, 2], 3, 1),
+    # memguard plans (in setup, before DeepSpeed reads the batch into its config; 1 GiB budget: 64 x 1), then
+    # recovers as in the hand-made rows
+    (3, "planner", 1, 2),
 ])
 def test_deepspeed_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: Path, stage: int, plan, cap_batch: int,
                                                                       retries: int) -> None:
@@ -654,6 +657,8 @@ def test_deepspeed_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: P
                          zero_stage=stage, package=PACKAGES[0])
     assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
     assert r1.get("capped") and not r0.get("capped")
+    # the given plan, or the planner's: 64 samples of ~1 MiB fit a 1 GiB budget whole
+    assert r0["plan"] == r1["plan"] == (plan if plan != "planner" else [64, 1])
     assert any(f"memguard recovers from out-of-memory errors under CPUDeepSpeed (ZeRO stage {stage})" in m
                for m in r0["messages"])
     assert all("DefaultCPUAllocator" in m for m in _retries(r1))
