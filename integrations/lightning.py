@@ -12,12 +12,12 @@ is a ``Callback`` of every installed package (so either Trainer's ``isinstance``
 and it takes the strategy classes and utilities from the package of the Trainer it runs in (the
 first Lightning class in the Trainer's MRO, so a Trainer subclass defined anywhere works).
 
-Strategies. Single device, DDP and ``ModelParallelStrategy`` (FSDP2): the callback plans, applies
-and guards (below). Under ``DeepSpeedStrategy`` and ``FSDPStrategy`` (FSDP1) it plans and applies
-only. Under the sharded strategies the plan is constrained to the strategy's sharding: DeepSpeed's
-ZeRO stage and optimizer offload from its config; FSDP's ``FULL_SHARD`` as ZeRO-3 (parameters
-resharded after forward) and ``SHARD_GRAD_OP`` as stage 2; ``ModelParallelStrategy`` (FSDP2,
-``fully_shard`` in ``configure_model``) any FSDP2 level over its data-parallel ranks, which
+Strategies. Single device, DDP, ``ModelParallelStrategy`` (FSDP2) and ``DeepSpeedStrategy`` (ZeRO
+stages 0-3): the callback plans, applies and guards (below). Under ``FSDPStrategy`` (FSDP1) it plans
+and applies only. Under the sharded strategies the plan is constrained to the strategy's sharding:
+DeepSpeed's ZeRO stage and optimizer offload from its config; FSDP's ``FULL_SHARD`` as ZeRO-3
+(parameters resharded after forward) and ``SHARD_GRAD_OP`` as stage 2; ``ModelParallelStrategy``
+(FSDP2, ``fully_shard`` in ``configure_model``) any FSDP2 level over its data-parallel ranks, which
 ``configure_model`` applies (``reshard_after_forward`` is ``plan.zero_stage == 3``); the plan's world
 size is the strategy's. It plans in ``setup`` there, before the strategy wraps the module and before
 DeepSpeed reads the batch size and accumulation into its config. Under ``ModelParallelStrategy``,
@@ -27,13 +27,25 @@ agreement protocol on every ``fully_shard``-ed module (:mod:`memguard.guard._sha
 reduce-scatter, so that a rank that runs out of memory in compute makes its peers leave
 forward/backward at their next FSDP2 collective instead of waiting in it) and guards the training
 steps as under DDP; FSDP2 reduce-scatters the gradients itself (Lightning's ``no_sync`` holds them
-back on an accumulation window's earlier batches). Under ``DeepSpeedStrategy`` and ``FSDPStrategy``
-it logs that it does not recover from out-of-memory errors (a rank that fails inside the sharded
-collectives would leave the others waiting; memguard has no agreement protocol for DeepSpeed's
-collectives, and its FSDP1 protocol, :mod:`memguard.guard._fsdp1`, needs each micro-batch to run
-through FSDP1's root forward, while ``FSDPStrategy`` runs ``training_step`` inside that forward
-through Lightning's forward redirection; see :mod:`memguard.integrations.deepspeed` for what was
-measured under DeepSpeed). :func:`strategy_for` returns the Lightning strategy that runs a plan.
+back on an accumulation window's earlier batches). Under ``DeepSpeedStrategy``, once the strategy has
+built the engine (``on_fit_start``), the callback arms memguard's DeepSpeed protocol on it
+(:mod:`memguard.guard._deepspeed`: an agreement of the ranks before every ``deepspeed.comm``
+collective, ZeRO-1/2's gradient reduction, ZeRO-3's parameter all-gathers and reduce-scatters, the
+step's all-reduces; after an OOM on any rank every rank resets the engine's step state) and stands
+in for the strategy's ``training_step`` and the DeepSpeed precision plugin's ``backward`` and
+``optimizer_step`` (:meth:`MemguardCallback._patch_deepspeed`): each micro-batch runs Lightning's
+own training step through the engine's forward and ``engine.backward`` inside one agreed attempt,
+the last micro-batch of an optimizer step's window is the engine's accumulation boundary (Lightning's
+``accumulate_grad_batches``, which Lightning writes into the config as
+``gradient_accumulation_steps``), and the engine steps once per window through
+:func:`memguard.guard._deepspeed.agreed_engine_step`. Engines the protocol cannot reset (ZeRO
+offload, ZenFlow, DeepSpeed's ``FP16_Optimizer``/``BF16_Optimizer`` wrappers: fp16/bf16 without
+ZeRO, or bf16 ZeRO-1; :func:`memguard.guard._deepspeed.engine_problems`) are planned and applied only,
+and the reason is logged. Under ``FSDPStrategy`` it logs that it does not recover from
+out-of-memory errors (a rank that fails inside the sharded collectives would leave the others
+waiting; its FSDP1 protocol, :mod:`memguard.guard._fsdp1`, needs each micro-batch to run through
+FSDP1's root forward, while ``FSDPStrategy`` runs ``training_step`` inside that forward through
+Lightning's forward redirection). :func:`strategy_for` returns the Lightning strategy that runs a plan.
 
 What the callback does, in Lightning's hooks:
 
@@ -72,7 +84,9 @@ What the callback does, in Lightning's hooks:
 * ``status()`` reports what the guard does (:class:`memguard.guard._core.GuardStatus`), as
   :func:`memguard.guard.guard_status` does for ``prepare``/``step``.
 * ``teardown`` and ``on_exception`` restore ``training_step``, ``optimizer_zero_grad``, the
-  ``batch_size`` attribute, ``accumulate_grad_batches`` and the checkpointed blocks.
+  ``batch_size`` attribute, ``accumulate_grad_batches`` and the checkpointed blocks (under
+  ``DeepSpeedStrategy`` also the strategy's ``training_step`` and the precision plugin's ``backward``
+  and ``optimizer_step``, and the wrappers on DeepSpeed's communication backend).
 
 Why this design rather than manual optimization: switching the user's module to manual
 optimization would change what their ``training_step`` must do, and would drop Lightning's
@@ -91,8 +105,14 @@ Known limitations:
     that got no gradient on any rank are left alone, so DDP with ``find_unused_parameters=False``
     fails on them as it would without memguard. Trainer limits counted in batches
     (``limit_train_batches``, ``val_check_interval`` as ints) count the smaller batches. Manual
-    optimization and dataloaders passed directly to ``fit`` are not supported; under DeepSpeed and
-    FSDP (FSDP1) strategies the plan is applied but OOMs are not recovered from; under
+    optimization and dataloaders passed directly to ``fit`` are not supported; under the FSDP
+    (FSDP1) strategy the plan is applied but OOMs are not recovered from; under DeepSpeed an OOM
+    inside a DeepSpeed collective or in ``engine.step()`` stops every rank with the same
+    :class:`memguard.OOMRecoveryError` (restart from a checkpoint), ``training_step`` must not start
+    a collective of its own, Lightning's ``on_before_optimizer_step`` still runs after every batch (as
+    Lightning runs it under DeepSpeed) while the engine steps once per window, an epoch whose batch
+    count is not a multiple of ``accumulate_grad_batches`` ends its last window with an engine step,
+    and recovery is verified on CPU with gloo (fp32 ZeRO-1/2/3) only; under
     ModelParallel (FSDP2) an OOM inside FSDP2's own collectives (their buffers) stops every rank
     with the same :class:`memguard.OOMRecoveryError`, and HSDP (a 2-D mesh) is refused; FSDP's
     ``HYBRID_SHARD``, ``cpu_offload`` and DeepSpeed's ``offload_param`` are refused, tensor
@@ -150,6 +170,9 @@ class _Sharding:
             ``setup``, before the strategy shards the module.
         arms_fsdp2: under ``ModelParallelStrategy``: once ``configure_model`` has sharded the module
             (``on_fit_start``), the callback arms FSDP2's agreement protocol on it and runs its guard.
+        arms_deepspeed: under ``DeepSpeedStrategy``: once the strategy has built the DeepSpeed engine
+            (``on_fit_start``), the callback arms memguard's DeepSpeed agreement protocol on it and runs
+            each training step's micro-batches and the engine's step itself.
         name: the strategy's class name, for messages.
         unguarded_why: the key of :data:`_UNGUARDED_WHY` that says why the callback does not recover
             from out-of-memory errors under the strategy ("": it does).
@@ -161,6 +184,7 @@ class _Sharding:
     world_size: int | None = None
     guarded: bool = True
     arms_fsdp2: bool = False
+    arms_deepspeed: bool = False
     name: str = ""
     unguarded_why: str = ""
 
@@ -251,9 +275,8 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 
 # What the callback does not do under the sharded strategies, and why (logged when it plans there).
 _UNGUARDED_WHY = {
-    "deepspeed": "the DeepSpeed engine runs the backward and the optimizer step itself and reduces gradients "
-                 "inside the backward (ZeRO-2) where one rank's failure would leave the others waiting; memguard "
-                 "planned and applied the micro-batch, accumulation and checkpointing only",
+    "deepspeed": "memguard's agreement protocol for DeepSpeed cannot reset this engine after an OOM ({problems}); "
+                 "memguard planned and applied the micro-batch, accumulation and checkpointing only",
     "fsdp1": "FSDP1 (FullyShardedDataParallel) all-gathers and reduce-scatters inside forward and backward, where "
              "a rank that fails leaves the others waiting; memguard's agreement protocol for FSDP1 needs every "
              "micro-batch to run through the FSDP root's forward, while FSDPStrategy runs training_step inside it "
@@ -286,7 +309,7 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
             problems.append(f"the DeepSpeed config's zero_optimization.stage {stage!r} is not a ZeRO stage 0-3")
             stage = 0
         return _Sharding(strategy="deepspeed", zero_stages=(int(stage),), offload_optimizer=offload, guarded=False,
-                         name=name, unguarded_why="deepspeed")
+                         arms_deepspeed=True, name=name)
     if isinstance(strategy, strategies.FSDPStrategy):
         # FSDP1's sharding strategies (torch.distributed.fsdp.ShardingStrategy): FULL_SHARD frees each
         # unit's parameters after its forward (ZeRO-3), SHARD_GRAD_OP keeps them until the backward (ZeRO-2).
@@ -375,12 +398,15 @@ class _Saved:
         deepspeed: the batch keys of a user's DeepSpeed config that the plan replaced.
         attributes: the module's own (instance) ``training_step``, ``optimizer_zero_grad``,
             ``validation_step`` and ``test_step`` the callback stands in for (None: it had none).
+        objects: under ``DeepSpeedStrategy``, ``(object, name, own value or None)`` of each attribute the
+            callback stands in for on the strategy and its precision plugin, in the order set.
     """
 
     batch: Any = None
     accumulate: int | None = None
     deepspeed: dict[str, Any] = field(default_factory=dict)
     attributes: dict[str, Any] = field(default_factory=dict)
+    objects: list[tuple[Any, str, Any]] = field(default_factory=list)
 
 
 def strategy_for(plan: Plan, *, package: str | ModuleType | None = None, fsdp_version: int = 2) -> Any:
@@ -511,6 +537,9 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._guard: Guard | None = None
         self._sharding: _Sharding | None = None
         self._checked_first_batch = False
+        self._deepspeed_armed = False
+        self._window_ends = False  # under DeepSpeed: the last training_step closed the optimizer step's window
+        self._backward_done = False  # under DeepSpeed: the last training_step ran its backward passes
         self._saved = _Saved()
 
     # ----------------------------------------------------------------------------------------------
@@ -598,6 +627,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         sharding = self._sharding
         if sharding is not None and sharding.arms_fsdp2:
             self._arm_fsdp2(trainer, pl_module, sharding)
+        if sharding is not None and sharding.arms_deepspeed:
+            self._arm_deepspeed(trainer, pl_module, sharding)
         if sharding is not None and not sharding.guarded:
             return
         self._plan_and_apply(trainer, pl_module, _package_of(trainer))
@@ -625,6 +656,37 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             logger.info("memguard recovers from out-of-memory errors under %s: an agreement of the %d ranks runs "
                         "before each FSDP2 all-gather and reduce-scatter, so all ranks halve the micro-batch and "
                         "redo the same samples together", sharding.name, rg.world_size)
+
+
+    def _arm_deepspeed(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> None:
+        """Under ``DeepSpeedStrategy``, once the strategy built the engine (``DeepSpeedStrategy.setup`` ->
+        ``init_deepspeed`` -> ``deepspeed.initialize``, which ``trainer/trainer.py`` ``_run`` runs before
+        ``on_fit_start``, Lightning 2.6): arm memguard's DeepSpeed agreement protocol on the engine
+        (:func:`memguard.guard._deepspeed.engine_rank_group`: an agreement of the ranks before every
+        ``deepspeed.comm`` collective) and stand in for the strategy's ``training_step``, the precision
+        plugin's ``backward`` and ``optimizer_step`` (see :meth:`_patch_deepspeed`). An engine the protocol
+        cannot reset (ZeRO offload, DeepSpeed's FP16/BF16 optimizer wrappers, ...) is left alone, and the
+        reason logged."""
+        from memguard.guard._deepspeed import engine_problems, engine_rank_group
+
+        guard = self._guard
+        assert guard is not None  # planned in setup()
+        engine = trainer.strategy.model
+        problems = engine_problems(engine)
+        if problems:
+            if trainer.is_global_zero:
+                logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
+                            _UNGUARDED_WHY["deepspeed"].format(problems="; ".join(problems)))
+            return
+        rg = engine_rank_group(engine)  # every rank: it may create a gloo group
+        guard.rank_group = rg
+        guard.on_undo(rg.uninstall)
+        self._patch_deepspeed(trainer, pl_module, engine, rg)
+        if trainer.is_global_zero:
+            logger.info("memguard recovers from out-of-memory errors under %s (ZeRO stage %d): an agreement of the %d "
+                        "ranks runs before each DeepSpeed collective, so all ranks reset the engine, halve the "
+                        "micro-batch and redo the same samples together", sharding.name,
+                        engine.zero_optimization_stage(), rg.world_size)
 
     def _plan_and_apply(self, trainer: Any, pl_module: Any, pkg: ModuleType) -> None:
         """Plan (rank 0 plans and broadcasts) or check the given plan, then apply it to the Trainer and module."""
@@ -685,8 +747,11 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                             _UNGUARDED_WHY[sharding.unguarded_why])
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        """The window's batches have all run: let them go (Lightning steps the optimizer itself)."""
-        if self._guard is not None:
+        """The window's batches have all run: let them go (Lightning steps the optimizer itself).
+
+        Under ``DeepSpeedStrategy`` Lightning calls this hook after every batch (the strategy
+        ``handles_gradient_accumulation``); the callback's ``optimizer_step`` stand-in ends the window there."""
+        if self._guard is not None and not self._deepspeed_armed:
             self._guard.end_window()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -780,6 +845,13 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         saved = self._saved
         try:
             self._restore_attributes(pl_module, "training_step", "optimizer_zero_grad")
+            while saved.objects:
+                obj, name, previous = saved.objects.pop()
+                if previous is None:
+                    obj.__dict__.pop(name, None)
+                else:
+                    obj.__dict__[name] = previous
+            self._deepspeed_armed = False
             if saved.deepspeed:
                 trainer.strategy.config.update(saved.deepspeed)
             if saved.accumulate is not None:
@@ -836,6 +908,124 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
         return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
+    def _check_first_batch(self, batch: Any) -> None:
+        """The first training batch must follow the batch-size attribute memguard set."""
+        assert self.plan is not None
+        if self._checked_first_batch:
+            return
+        n = batch_size(batch)
+        if n > self.plan.micro_batch_size:
+            raise ConfigError(f"the train dataloader still yields batches of {n} samples after memguard set "
+                              f"{self.batch_arg_name}={self.plan.micro_batch_size}; build the train DataLoader "
+                              f"with batch_size=self.{self.batch_arg_name}")
+        self._checked_first_batch = True
+
+    def _stand_in_on(self, obj: Any, name: str, value: Any) -> None:
+        """Make ``value`` the instance attribute ``name`` of ``obj`` (a strategy or precision plugin); its own
+        instance attribute before (if any) is dumped for :meth:`_restore`."""
+        self._saved.objects.append((obj, name, obj.__dict__.get(name)))
+        obj.__dict__[name] = value
+
+    def _patch_deepspeed(self, trainer: Any, pl_module: Any, engine: Any, rg: Any) -> None:
+        """Under ``DeepSpeedStrategy``: run each training step's micro-batches, their backward passes and the
+        engine's step through memguard's DeepSpeed protocol.
+
+        Lightning 2.6's automatic optimization under DeepSpeed (``loops/optimization/automatic.py``,
+        ``_AutomaticOptimization.run``: the strategy ``handles_gradient_accumulation``, so every batch takes
+        the optimizer-step path) calls, per batch, ``LightningOptimizer.step`` -> ``Strategy.optimizer_step``
+        -> ``DeepSpeedPrecision.optimizer_step`` (``plugins/precision/deepspeed.py``), which runs the closure
+        (``Strategy.training_step``, which calls the module's ``training_step`` through the engine's forward,
+        ``strategies/strategy.py``; then ``Strategy.backward`` -> ``DeepSpeedPrecision.backward`` ->
+        ``deepspeed_engine.backward(loss)``) and then ``deepspeed_engine.step()``. The callback stands in for
+        three of these, as instance attributes:
+
+        * ``strategy.training_step``: the batch is split into micro-batches of the current size; each runs
+          Lightning's own ``Strategy.training_step`` (the engine's forward, with the ZeRO-3 hooks) and
+          ``engine.backward(loss * share / accumulate_grad_batches, scale_wrt_gas=False)``, inside one
+          agreed attempt (:class:`memguard.guard._window.MicroBatchWindow` over the engine's
+          :class:`memguard.guard._deepspeed.DeepSpeedRankGroup`); the window's last micro-batch is the
+          engine's accumulation boundary. On an OOM on any rank every rank resets the engine
+          (:func:`memguard.guard._deepspeed.reset_engine`), halves the micro-batch and redoes every batch of
+          the optimizer step so far. It returns the batch's mean loss, without a graph.
+        * ``precision_plugin.backward``: Lightning's backward of that loss runs its hooks
+          (``on_before_backward``, ``on_after_backward``) but no ``engine.backward`` (already done).
+        * ``precision_plugin.optimizer_step``: runs the closure and ``_after_closure`` as Lightning does, then
+          :func:`memguard.guard._deepspeed.agreed_engine_step` once per window (after its last batch)
+          instead of ``engine.step()`` after every batch.
+
+        The accumulated gradient is that of the window's mean loss, as under DDP. (Lightning's own path
+        divides the loss by ``accumulate_grad_batches``, ``ClosureResult.from_training_step_output`` in
+        ``loops/optimization/automatic.py``, and ``engine.backward`` divides it again by
+        ``gradient_accumulation_steps``, its ``scale_wrt_gas``: with accumulation the callback's gradients
+        are ``accumulate_grad_batches`` times those of Lightning's own DeepSpeed path.)
+
+        Lightning's ``optimizer_zero_grad`` (which runs after a window's first ``training_step``) is skipped:
+        the engine's step drops the gradients, and the window drops any left when it opens.
+        """
+        from memguard.guard._deepspeed import agreed_engine_step, engine_backward
+
+        strategy = trainer.strategy
+        precision = strategy.precision_plugin
+        lightning_step = strategy.training_step  # Lightning's: the module's training_step through the engine
+        lightning_backward = precision.backward
+        callback = self
+        guard = self._guard
+        assert guard is not None
+        backward = engine_backward(engine)
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            batch, batch_idx, rest = args[0], args[1], args[2:]
+            assert callback.plan is not None
+            accumulate = trainer.accumulate_grad_batches
+            callback._check_first_batch(batch)
+            if batch_idx % accumulate == 0 or guard.window is None or not guard.window.is_open:
+                rg.start_window()  # the engine's counters, which a reset restores
+                guard.open_window(engine.module, ())
+            # The window ends on Lightning's accumulation boundary (training_epoch_loop.py, _should_accumulate:
+            # batch_progress.current.ready % accumulate_grad_batches) or on the epoch's last batch.
+            last = (batch_idx + 1) % accumulate == 0 or trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+            extras: dict[str, Any] = {}
+
+            def loss_of(micro: Any) -> torch.Tensor:
+                loss, extra = _loss_of_output(lightning_step(micro, batch_idx, *rest, **kwargs))
+                extras.clear()
+                extras.update(extra)
+                return loss
+
+            loss = guard.run(batch, loss_of, backward, weight=1.0 / accumulate, last=last)
+            callback._window_ends, callback._backward_done = last, True
+            out = guard.anchor(loss)  # no graph: the backward passes ran already
+            return {"loss": out, **extras} if extras else out
+
+        training_step._memguard_stand_in = True  # type: ignore[attr-defined]
+
+        def precision_backward(tensor: Any, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            if callback._backward_done:
+                callback._backward_done = False
+                return None
+            return lightning_backward(tensor, model, optimizer, *args, **kwargs)
+
+        def optimizer_step(optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+            # DeepSpeedPrecision.optimizer_step's order: the closure, then _after_closure (the
+            # on_before_optimizer_step hooks), then the engine's step; here once per window, agreed.
+            callback._window_ends = False
+            closure()
+            precision._after_closure(model, optimizer)
+            if callback._window_ends:
+                callback._window_ends = False
+                agreed_engine_step(rg, micro_batch_size=guard.micro_batch_size or 0)
+                guard.end_window()
+            return None
+
+        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
+            return None  # the engine's step dropped the gradients; the window drops any left when it opens
+
+        self._stand_in_on(strategy, "training_step", training_step)
+        self._stand_in_on(precision, "backward", precision_backward)
+        self._stand_in_on(precision, "optimizer_step", optimizer_step)
+        self._stand_in(pl_module, "optimizer_zero_grad", optimizer_zero_grad)
+        self._deepspeed_armed = True
+
     def _patch_module(self, trainer: Any, pl_module: Any) -> None:
         """Stand in for ``training_step`` and skip Lightning's ``optimizer_zero_grad`` (instance attributes)."""
         user_step = pl_module.training_step
@@ -857,13 +1047,7 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         guard = self._guard
         assert guard is not None and self.plan is not None  # set in on_fit_start, before any training_step
         accumulate = trainer.accumulate_grad_batches
-        if not self._checked_first_batch:
-            n = batch_size(batch)
-            if n > self.plan.micro_batch_size:
-                raise ConfigError(f"the train dataloader still yields batches of {n} samples after memguard set "
-                                  f"{self.batch_arg_name}={self.plan.micro_batch_size}; build the train DataLoader "
-                                  f"with batch_size=self.{self.batch_arg_name}")
-            self._checked_first_batch = True
+        self._check_first_batch(batch)
         # Lightning zeroes the gradients at the first batch of each accumulation window
         # (loops/optimization/automatic.py, _make_zero_grad_fn: batch_idx % accumulate_grad_batches == 0).
         if batch_idx % accumulate == 0 or guard.window is None or not guard.window.is_open:

@@ -15,8 +15,10 @@ activation memory per sample: about 1 MiB at 64 in fp32, as in tests/guard/oom_w
 ``plan_budget_mib`` budget, default 1 GiB, which picks the whole batch) or ``[micro, accumulation]``
 for a hand-made plan,
 ``package``: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (default), whose Trainer runs,
-``strategy``: ``"ddp"`` (default) or ``"model_parallel"`` (``ModelParallelStrategy`` over ``world``
-data-parallel ranks, ``fully_shard`` of each linear layer and the root in ``configure_model``).
+``strategy``: ``"ddp"`` (default), ``"model_parallel"`` (``ModelParallelStrategy`` over ``world``
+data-parallel ranks, ``fully_shard`` of each linear layer and the root in ``configure_model``) or
+``"deepspeed"`` (``DeepSpeedStrategy`` with ZeRO stage ``zero_stage``, optimizer offload to the host if
+``offload``, on CPU: see :class:`CPUDeepSpeed`; run with ``DS_ACCELERATOR=cpu``).
 
 Each rank writes ``result<rank>.json`` (events, messages, callback state, error) and its final
 weights ``lightning<rank>.pt``; rank 0 also writes ``reference.pt``.
@@ -25,11 +27,13 @@ weights ``lightning<rank>.pt``; rank 0 also writes ``reference.pt``.
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import logging
 import os
 import resource
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -122,6 +126,29 @@ def main() -> None:
                 fully_shard(self, mesh=mesh)
 
     result: dict = {"rank": rank, "error": None, "order": rank_order(data, cfg)[rank]}
+    deepspeed_run = cfg.get("strategy") == "deepspeed"
+
+    class CPUDeepSpeed(pl.strategies.DeepSpeedStrategy):
+        """``DeepSpeedStrategy`` on CPU ranks: Lightning 2.6's ``DeepSpeedStrategy.setup_environment``
+        (``strategies/deepspeed.py``) refuses any accelerator but CUDA, while DeepSpeed itself runs on CPU
+        with ``DS_ACCELERATOR=cpu`` and gloo; and ``DeepSpeedStrategy.setup_distributed`` checks CUDA device
+        indices (``_validate_device_index_selection``), which CPU devices lack, and passes
+        ``root_device.index`` to ``deepspeed.initialize`` as ``device_rank``, which DeepSpeed compares with 0
+        (``DeepSpeedEngine._set_distributed_vars``). Only those checks are met: the rest is Lightning's
+        (``DDPStrategy.setup_environment``; ``setup_distributed`` without the check and without
+        ``reset_seed``, a no-op when no ``PL_GLOBAL_SEED`` is set, as here; the root device ``cpu:<local
+        rank>``, which torch treats as ``cpu``)."""
+
+        @property
+        def root_device(self) -> torch.device:
+            return torch.device("cpu", self.local_rank)
+
+        def setup_environment(self) -> None:
+            pl.strategies.DDPStrategy.setup_environment(self)
+
+        def setup_distributed(self) -> None:
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
 
     class Cap(pl.Callback):
         """Cap this rank's address space at the start of batch ``cap_batch``; record what the loop delivers."""
@@ -134,26 +161,50 @@ def main() -> None:
                 result["capped"] = True
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            events.append("STEP")
+            if not deepspeed_run:
+                events.append("STEP")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            # Under DeepSpeedStrategy Lightning calls on_before_optimizer_step after every batch (the engine
+            # accumulates): record a step when the engine's own optimizer-step counter advanced.
+            if deepspeed_run and trainer.strategy.model.global_steps != result.get("engine_global_steps", 0):
+                result["engine_global_steps"] = trainer.strategy.model.global_steps
+                events.append("STEP")
 
     if cfg["plan"] == "planner":
         callback = MemguardCallback(budget_bytes=cfg.get("plan_budget_mib", 1024) << 20)
     else:
         micro, accum = cfg["plan"]
         local = micro * accum
-        # under ModelParallelStrategy an FSDP2 plan (sharding level 3: fully_shard's reshard_after_forward default)
-        stage = 3 if cfg.get("strategy") == "model_parallel" else 0
+        # under ModelParallelStrategy an FSDP2 plan (sharding level 3: fully_shard's reshard_after_forward default),
+        # under DeepSpeedStrategy a plan of the config's ZeRO stage
+        stage = 3 if cfg.get("strategy") == "model_parallel" else cfg["zero_stage"] if deepspeed_run else 0
+        planned_strategy = "deepspeed" if deepspeed_run else "fsdp2" if stage else "ddp"
         est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                        peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
                        zero_stage=stage, world_size=cfg["world"], gpu=None, micro_batch_size=micro)
         callback = MemguardCallback(plan=Plan(micro_batch_size=micro, grad_accum_steps=accum, world_size=cfg["world"],
                                               global_batch_size=local * cfg["world"], precision="32-true",
                                               activation_checkpointing=False, zero_stage=stage,
-                                              strategy="fsdp2" if stage else "ddp",
+                                              strategy=planned_strategy, offload_optimizer=bool(cfg.get("offload")),
                                               budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu"))
     module = Lit()
     if cfg.get("strategy") == "model_parallel":
         strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=cfg["world"], tensor_parallel_size=1)
+    elif deepspeed_run:
+        # small gradient buckets, so that ZeRO-2 reduces from its hooks inside the backward; under ZeRO-3 every
+        # parameter is gathered (DeepSpeed keeps parameters under 1e5 elements whole by default)
+        zero = {"stage": cfg["zero_stage"], "reduce_bucket_size": 500_000}
+        if cfg.get("offload"):  # ZeRO-Offload of the optimizer: planned, but not something memguard can reset
+            zero["offload_optimizer"] = {"device": "cpu"}
+        ds_config = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
+        if cfg.get("offload"):  # the module's torch SGD instead of DeepSpeedCPUAdam (a compiled op)
+            ds_config["zero_force_ds_cpu_optimizer"] = False
+        if cfg["zero_stage"] == 3:
+            zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+        # a short process-group timeout: a rank left waiting in a collective fails instead of hanging
+        strategy = CPUDeepSpeed(config=ds_config,
+                                process_group_backend="gloo", timeout=datetime.timedelta(seconds=90))
     else:
         strategy = "ddp" if cfg["world"] > 1 else "auto"
     trainer = pl.Trainer(
@@ -165,7 +216,8 @@ def main() -> None:
     try:
         trainer.fit(module)
     except Exception as exc:  # reported to the test, which decides whether it was expected
-        result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        result["error"] = {"type": type(exc).__name__, "message": str(exc),
+                           "traceback": traceback.format_exc()[-4000:]}
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     rg = callback._guard.rank_group if callback._guard is not None else None
     result["agreements"] = getattr(rg, "agreements", None)  # FSDP2's agreements, for their cost
@@ -174,8 +226,17 @@ def main() -> None:
                   plan=[callback.plan.micro_batch_size, callback.plan.grad_accum_steps] if callback.plan else None,
                   restored_batch_size=module.batch_size, restored_accumulate=trainer.accumulate_grad_batches,
                   patched_left=sorted(k for k in ("training_step", "optimizer_zero_grad") if k in module.__dict__))
-    # FSDP2 holds DTensor shards: gather the full weights (a collective every rank joins here)
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in module.net.state_dict().items()}
+    # the callback's stand-ins on the strategy and its precision plugin (DeepSpeed) are gone too
+    result["strategy_patched_left"] = sorted(
+        [k for k in ("training_step",) if k in trainer.strategy.__dict__]
+        + [k for k in ("backward", "optimizer_step") if k in trainer.strategy.precision_plugin.__dict__])
+    if deepspeed_run and cfg["zero_stage"] == 3:  # ZeRO-3 keeps partitions: gather them (every rank joins)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.net.parameters())):
+            state = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+    else:  # FSDP2 holds DTensor shards: gather the full weights (a collective every rank joins here)
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in module.net.state_dict().items()}
     torch.save(state, out / f"lightning{rank}.pt")
     (out / f"result{rank}.json").write_text(json.dumps(result))
     launcher = getattr(trainer.strategy, "launcher", None)
