@@ -668,7 +668,10 @@ def evaluate(accelerator: Any, model: nn.Module, batch: Any, fn: Any = None, **o
     ``fn(module, micro_batch)`` (default: call the module with the batch) runs under
     ``accelerator.autocast()`` and ``torch.no_grad()`` with the module in ``eval()`` mode, on the module
     inside any DDP or ``torch.compile`` wrapper (no DDP hooks, no collectives, no recompilation for the
-    split's sizes). A batch that
+    split's sizes). Under FSDP2 it is the ``fully_shard``-ed root ``accelerator.prepare`` returned, whose
+    forwards all-gather parameters: every rank must call this at once, and the ranks split together
+    (:mod:`memguard.guard._evaluate_sharded`; an OOM on one rank halves the micro-batch on all, logged on
+    each). A batch that
     runs out of memory is split in micro-batches, halving from the one that failed (logged at WARNING);
     the results are joined as :func:`memguard.evaluate` joins them (per-sample outputs in one tensor,
     built in host memory when the device has no room; mean losses weighted by samples, or
