@@ -614,6 +614,32 @@ def test_real_oom_in_evaluate_on_one_fsdp2_rank_splits_every_rank(tmp_path):
     assert any("DefaultCPUAllocator" in m for m in r1["messages"] if "OOM in evaluation" in m)
 
 
+@pytest.mark.slow
+@pytest.mark.cpu_truth
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+def test_real_oom_in_an_fsdp2_evaluation_inside_train_splits_every_rank(tmp_path):
+    """As above, with the evaluation run by train() after its step (eval_strategy="steps"): the ranks split
+    under training's agreement group (armed on every FSDP2 group of the model) and the cap stays for the later
+    evaluate() and predict(), which start from the remembered micro-batch."""
+    r0, r1 = run_eval_workers(tmp_path, 2, eval_n=192, cap_ranks=[1], fsdp2=True, eval_in_train=True)
+    for r in (r0, r1):
+        assert r["error"] is None, r["error"]
+        # train()'s one step (8 samples), then its evaluation: the first batch whole before the cap, the second
+        # halved twice on both ranks, the third from the remembered 8
+        assert r["train_eval_forwards"] == [8, 32, 32, 16, 16, 8, 8, 8, 8, 8, 8], r["train_eval_forwards"]
+        [guarded] = r["train_eval"]
+        plain = r["plain_train_eval"][0]  # the plain Trainer's in-train evaluation (its evaluate() comes next)
+        assert guarded["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
+        assert guarded["eval_accuracy"] == pytest.approx(plain["eval_accuracy"], rel=1e-6)
+        for key in ("eval_loss", "eval_accuracy"):
+            assert r["guarded_eval"][key] == pytest.approx(r["plain_eval"][key], rel=1e-6), key
+        assert r["predictions_equal"] and r["label_ids_equal"]
+        assert r["eval_forwards"] == [8] * 12, r["eval_forwards"]  # the 8 remembered from the halvings in train()
+        halvings = [m for m in r["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+        assert len(halvings) == r["eval_oom_retries"] == 2 and all("on rank 1" in m for m in halvings), halvings
+    assert r1["capped"] and not r0["capped"]
+
+
 @pytest.mark.parametrize("deepspeed, fsdp, fsdp2, refused", [
     (False, True, True, None),        # FSDP2: the ranks split together
     (False, True, False, "FSDP1"),    # FSDP1: each rank would split alone while its forward gathers from all

@@ -18,7 +18,8 @@ Config keys: ``out``, ``seq``, ``vocab``, ``batch`` (training per-device batch),
 ``cap_ranks`` (default ``[0]``), ``fsdp2`` (both Trainers shard the model with FSDP2 through Accelerate:
 ``fsdp="full_shard"``, ``fsdp_config`` version 2, each ``GPT2Block`` and the root ``fully_shard``-ed, see
 trainer_worker.force_fsdp_on_cpu; the plan is an FSDP2 plan of sharding level 3). Each rank writes
-``result<rank>.json``.
+``result<rank>.json``. With ``eval_in_train``, both Trainers also evaluate inside ``train()`` after its
+step (``eval_strategy="steps"``), and the cap comes after that evaluation's first batch.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def main() -> None:
             per_device_eval_batch_size=cfg["eval_batch"], eval_accumulation_steps=cfg["eval_accum"], max_steps=1,
             learning_rate=1e-3, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
             ddp_backend="gloo" if world > 1 else None,
+            **({"eval_strategy": "steps", "eval_steps": 1} if cfg.get("eval_in_train") else {}),
             **({"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
                if fsdp2 else {}))
 
@@ -129,7 +131,7 @@ def main() -> None:
 
     class Cap(transformers.TrainerCallback):
         def on_prediction_step(self, args, state, control, **kwargs):
-            if not result["capped"] and not guarded.is_in_train and rank in cfg.get("cap_ranks", [0]):
+            if not result["capped"] and (cfg.get("eval_in_train") or not guarded.is_in_train) and rank in cfg.get("cap_ranks", [0]):
                 limit = vm_size() + (cfg["budget_mib"] << 20)
                 resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
                 result["capped"] = True
@@ -139,6 +141,10 @@ def main() -> None:
                                             with_kwargs=True)
     guarded.train()
     result["train_micro"] = [callback.micro_batch_size, callback.oom_retries]
+    if cfg.get("eval_in_train"):
+        result["train_eval_forwards"] = list(seen)
+        result["train_eval"] = [h for h in guarded.state.log_history if "eval_loss" in h]
+        result["plain_train_eval"] = [h for h in plain.state.log_history if "eval_loss" in h]
     seen.clear()
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     guarded_pred = None
