@@ -230,6 +230,12 @@ def _zero_of(ds: Mapping[str, Any]) -> tuple[int | None, bool]:
     return (stage if stage in (0, 1, 2, 3) and not isinstance(stage, bool) else None), offload in ("cpu", "nvme")
 
 
+def _is_fsdp2(trainer: Any) -> bool:
+    """Whether the Trainer's Accelerator runs FSDP2 (``fsdp_config={"version": 2}``, transformers 5's default;
+    ``Accelerator.is_fsdp2`` reads the plugin's ``fsdp_version``)."""
+    return bool(getattr(trainer.accelerator, "is_fsdp2", False))
+
+
 def _fsdp_stage(args: Any) -> int | None:
     """The sharding level of the Trainer's FSDP options (None without FSDP): ``full_shard`` reshards after the
     forward (memguard's stage 3), ``shard_grad_op`` does not (stage 2); transformers' FSDPOption names."""
@@ -396,7 +402,12 @@ class MemguardCallback(_tf.TrainerCallback):
       it (under DDP with ``average_tokens_across_devices`` it is one collective per batch on every rank,
       whatever the split), and the micro-batches' parts add up; otherwise the micro-batches' means are
       weighted by their labelled tokens. An evaluation OOM never changes the training micro-batch.
-      Under DeepSpeed and FSDP (an evaluation forward may gather parameters from every rank) and with
+      Under FSDP2 (``fsdp_config`` version 2) on several ranks every rank's evaluation forwards gather
+      parameters from the others, so the ranks split together
+      (:mod:`memguard.guard._evaluate_sharded`): they agree on the micro-batch and the number of forwards
+      (a rank with fewer samples runs padding forwards, discarded), FSDP2's all-gathers run behind
+      memguard's agreements, and an OOM on any rank halves the micro-batch on every rank (logged on
+      each). Under DeepSpeed and FSDP1 (an evaluation forward gathers parameters from every rank) and with
       ``predict_with_generate`` (outputs of different lengths) evaluation is not guarded; a warning
       says so.
 
@@ -705,9 +716,10 @@ class MemguardCallback(_tf.TrainerCallback):
 
     def _eval_guard_refusal(self, trainer: Any, inputs: Any) -> str | None:
         """Why this evaluation batch runs unguarded, or None."""
-        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-            return (f"under {'DeepSpeed' if trainer.is_deepspeed_enabled else 'FSDP'} an evaluation forward may "
-                    "gather parameters from every rank, so one rank cannot split alone")
+        if trainer.is_deepspeed_enabled or (trainer.is_fsdp_enabled and not _is_fsdp2(trainer)):
+            return (f"under {'DeepSpeed' if trainer.is_deepspeed_enabled else 'FSDP1'} an evaluation forward may "
+                    "gather parameters from every rank, so one rank cannot split alone (under FSDP2, "
+                    "fsdp_config={'version': 2}, the ranks split together)")
         if getattr(trainer.args, "predict_with_generate", False):
             return "predict_with_generate's outputs differ in length between micro-batches"
         try:
@@ -770,7 +782,32 @@ class MemguardCallback(_tf.TrainerCallback):
             return batch_size(micro) if asked["sum"] else _label_tokens(trainer, micro)
 
         return split_eval(inputs, run, state=eval_status(trainer.model), weight_fn=weight,
-                          loss_only_hint=_TRAINER_LOSS_ONLY)
+                          loss_only_hint=_TRAINER_LOSS_ONLY, ranks=self._eval_ranks(trainer))
+
+    def _eval_ranks(self, trainer: Any) -> Any:
+        """Under FSDP2 on several ranks, the :class:`~memguard.guard._sharded.ShardedRankGroup` the evaluation's
+        forwards run under (every rank splits, pads and halves together: each forward all-gathers parameters, in
+        ``FSDPParamGroup.pre_forward``, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py); None otherwise.
+
+        Inside ``train()`` (evaluations at ``eval_strategy``) it is training's group, armed on every FSDP2 group of
+        the model. Outside it, the group :func:`~memguard.guard._evaluate_sharded.eval_rank_group` keeps with the
+        FSDP2 root (the Trainer shards the model in place: ``fsdp2_prepare_model`` in
+        accelerate/utils/fsdp_utils.py, so ``model_wrapped`` is ``model``); its agreements are installed again
+        first, since the training group's uninstall at the end of a ``train()`` drops every wrapper of FSDP's
+        collectives, its own included."""
+        if not (trainer.is_fsdp_enabled and _is_fsdp2(trainer)):
+            return None
+        from memguard.guard._evaluate_sharded import eval_rank_group
+        from memguard.guard._sharded import ShardedRankGroup
+
+        training = getattr(self._guard, "rank_group", None)
+        if isinstance(training, ShardedRankGroup) and getattr(training, "_installed", False):
+            return training if training.world_size > 1 else None
+        rg = eval_rank_group(trainer.model_wrapped or trainer.model)
+        if rg is not None:
+            rg.uninstall()
+            rg.install()
+        return rg
 
     def _patch(self, trainer: Any) -> None:
         """Stand in for the Trainer's ``training_step``, its own (instance) value dumped first for :meth:`_restore`."""

@@ -30,7 +30,8 @@ With ``eval_factor``, after training (the cap still in force on the capped ranks
 one validation batch of ``eval_factor x batch`` samples of its own with
 :func:`memguard.integrations.accelerate.evaluate` and gathers the predictions with
 ``accelerator.gather_for_metrics``; the unsplit predictions of the same weights are computed after
-the cap is lifted, for the test to compare.
+the cap is lifted, for the test to compare. Under ``fsdp2`` that is the sharded model's forward on every rank
+(each rank evaluates at once, and the ranks split together).
 Each rank writes ``result<rank>.json`` (events, messages, error) and its weights
 ``accelerate<rank>.pt``; rank 0 also writes ``reference.pt``.
 """

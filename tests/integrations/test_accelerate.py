@@ -434,6 +434,33 @@ def test_fsdp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path, c
     assert _rel_sd(tmp_path) <= 1e-5
 
 
+@pytestmark_linux
+def test_fsdp2_evaluate_splits_on_every_rank_when_one_runs_out(tmp_path: Path) -> None:
+    # The FSDP2 planner run above (rank 1 capped at 20 MiB from batch 1), then each rank evaluates a 128-sample
+    # batch of its own (eval_factor=2, about 0.5 MiB per sample under no_grad) under the same cap with
+    # memguard.integrations.accelerate.evaluate: rank 1 fails at 128 and 64; both ranks halve together (each
+    # forward all-gathers the Linear groups, so the ranks must run the same forwards) and run 32 at a time.
+    r0, r1 = _run_worker(tmp_path, world=2, batch=64, plan="planner", accumulate=1, cap_batch=1, cap_ranks=[1],
+                         fsdp2=True, eval_factor=2)
+    assert r0["error"] is None and r1["error"] is None and r1.get("capped") and not r0.get("capped")
+    e0, e1 = r0["eval"], r1["eval"]
+    for r, e in ((r0, e0), (r1, e1)):
+        halvings = [m for m in r["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+        assert len(halvings) == e["oom_retries"] == 2, (halvings, e)  # logged on both ranks
+        assert "at micro-batch 128 on rank 1" in halvings[0] and "at micro-batch 64 on rank 1" in halvings[1]
+        assert e["micro"] == [32], e  # the same eval micro-batch remembered on both ranks
+        assert e["gathered"] == 256
+        # the unsplit forward of the same sharded model after the cap is lifted
+        assert e["pred_max_diff"] <= 1e-5 and e["loss"] == pytest.approx(e["ref_loss"], rel=1e-6)
+        assert e["train_micro"] == [16, 16]  # the training micro-batch is not the evaluation's
+    assert any("DefaultCPUAllocator" in m for m in r1["messages"] if "OOM in evaluation" in m)
+
+
+def test_evaluate_refuses_fsdp1_and_names_fsdp2() -> None:
+    with pytest.raises(ConfigError, match="under FSDP1 .*fsdp_version=2"):
+        evaluate(_fsdp_accelerator(1), _net(), X)
+
+
 _SHM_SKIP = "DeepSpeed's shm comm op is not built for the ninja on PATH (bash scripts/dev.sh setup builds it)"
 # CI builds the op in its set-up, so there these tests never skip: a missing build fails them
 _NO_SHM_OP = not shm_op_prebuilt() and not os.environ.get("CI")

@@ -587,6 +587,82 @@ def test_real_oom_in_evaluate_on_one_ddp_rank(tmp_path):
     assert any("OOM in evaluation at micro-batch 32" in m for m in r1["messages"])
 
 
+@pytest.mark.slow
+@pytest.mark.cpu_truth
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+def test_real_oom_in_evaluate_on_one_fsdp2_rank_splits_every_rank(tmp_path):
+    """The DDP run above with the model sharded by FSDP2 (``fsdp_config`` version 2, each GPT2Block and the root
+    ``fully_shard``-ed): every evaluation forward all-gathers parameters from both ranks, so when rank 1 alone runs
+    out of memory both ranks halve together, run the same forwards and meet in the Trainer's gathers: no hang,
+    the retries logged on both ranks, and the metrics equal a plain FSDP2 Trainer's without the cap."""
+    r0, r1 = run_eval_workers(tmp_path, 2, eval_n=192, cap_ranks=[1], fsdp2=True)
+    for r in (r0, r1):
+        assert r["error"] is None, r["error"]
+        for key in ("eval_loss", "eval_accuracy"):
+            assert r["guarded_eval"][key] == pytest.approx(r["plain_eval"][key], rel=1e-6), key
+        for key in ("test_loss", "test_accuracy"):
+            assert r["guarded_predict"][key] == pytest.approx(r["plain_predict"][key], rel=1e-6), key
+        assert r["predictions_equal"] and r["label_ids_equal"]
+        assert r["train_micro"] == r["train_micro_after"] == [8, 0]
+        # both ranks split rank 1's way: the same forwards, and the halvings logged on each
+        assert r["eval_forwards"] == [32, 32, 16, 16, 8, 8, 8, 8, 8, 8], r["eval_forwards"]
+        assert r["eval_oom_retries"] == 2
+        halvings = [m for m in r["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+        assert len(halvings) == 2 and all("on rank 1" in m for m in halvings), halvings
+        assert not any("evaluation is not guarded" in m for m in r["messages"])
+    assert r1["capped"] and not r0["capped"]
+    assert any("DefaultCPUAllocator" in m for m in r1["messages"] if "OOM in evaluation" in m)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_truth
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+def test_real_oom_in_an_fsdp2_evaluation_inside_train_splits_every_rank(tmp_path):
+    """As above, with the evaluation run by train() after its step (eval_strategy="steps"): the ranks split
+    under training's agreement group (armed on every FSDP2 group of the model) and the cap stays for the later
+    evaluate() and predict(), which start from the remembered micro-batch."""
+    r0, r1 = run_eval_workers(tmp_path, 2, eval_n=192, cap_ranks=[1], fsdp2=True, eval_in_train=True)
+    for r in (r0, r1):
+        assert r["error"] is None, r["error"]
+        # train()'s one step (8 samples), then its evaluation: the first batch whole before the cap, the second
+        # halved twice on both ranks, the third from the remembered 8
+        assert r["train_eval_forwards"] == [8, 32, 32, 16, 16, 8, 8, 8, 8, 8, 8], r["train_eval_forwards"]
+        [guarded] = r["train_eval"]
+        plain = r["plain_train_eval"][0]  # the plain Trainer's in-train evaluation (its evaluate() comes next)
+        assert guarded["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
+        assert guarded["eval_accuracy"] == pytest.approx(plain["eval_accuracy"], rel=1e-6)
+        for key in ("eval_loss", "eval_accuracy"):
+            assert r["guarded_eval"][key] == pytest.approx(r["plain_eval"][key], rel=1e-6), key
+        assert r["predictions_equal"] and r["label_ids_equal"]
+        assert r["eval_forwards"] == [8] * 12, r["eval_forwards"]  # the 8 remembered from the halvings in train()
+        halvings = [m for m in r["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+        assert len(halvings) == r["eval_oom_retries"] == 2 and all("on rank 1" in m for m in halvings), halvings
+    assert r1["capped"] and not r0["capped"]
+
+
+@pytest.mark.parametrize("deepspeed, fsdp, fsdp2, refused", [
+    (False, True, True, None),        # FSDP2: the ranks split together
+    (False, True, False, "FSDP1"),    # FSDP1: each rank would split alone while its forward gathers from all
+    (True, False, False, "DeepSpeed"),
+    (False, False, False, None),      # one process or DDP
+])
+def test_the_evaluation_guard_runs_under_fsdp2_and_is_skipped_under_fsdp1_and_deepspeed(deepspeed, fsdp, fsdp2,
+                                                                                         refused):
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(is_deepspeed_enabled=deepspeed, is_fsdp_enabled=fsdp, args=SimpleNamespace(),
+                              accelerator=SimpleNamespace(is_fsdp2=fsdp2), model=tiny_gpt2(), model_wrapped=None)
+    callback = MemguardCallback()
+    reason = callback._eval_guard_refusal(trainer, {"input_ids": torch.zeros(4, 8, dtype=torch.long)})
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason.startswith(f"under {refused} an evaluation forward may gather parameters"), reason
+        assert "under FSDP2" in reason  # names the way to a guarded evaluation
+    # without torch.distributed (or with a model that is not sharded) there is no rank group to split with
+    assert callback._eval_ranks(trainer) is None
+
+
 class _NoLossKwargs(torch.nn.Module):
     """A causal LM whose forward takes no loss kwargs: the Trainer passes no num_items_in_batch, and the loss is
     the model's own mean over the micro-batch's labelled tokens."""

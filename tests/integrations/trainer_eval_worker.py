@@ -15,7 +15,11 @@ The test sets ``MALLOC_ARENA_MAX=1`` and a fixed ``MALLOC_MMAP_THRESHOLD_`` (see
 
 Config keys: ``out``, ``seq``, ``vocab``, ``batch`` (training per-device batch), ``eval_batch``,
 ``eval_n`` (evaluation samples), ``eval_accum`` (``eval_accumulation_steps``), ``budget_mib``,
-``cap_ranks`` (default ``[0]``). Each rank writes ``result<rank>.json``.
+``cap_ranks`` (default ``[0]``), ``fsdp2`` (both Trainers shard the model with FSDP2 through Accelerate:
+``fsdp="full_shard"``, ``fsdp_config`` version 2, each ``GPT2Block`` and the root ``fully_shard``-ed, see
+trainer_worker.force_fsdp_on_cpu; the plan is an FSDP2 plan of sharding level 3). Each rank writes
+``result<rank>.json``. With ``eval_in_train``, both Trainers also evaluate inside ``train()`` after its
+step (``eval_strategy="steps"``), and the cap comes after that evaluation's first batch.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ def main() -> None:
     from memguard import Estimate, Plan
     from memguard.integrations.transformers import MemguardCallback
 
+    fsdp2 = bool(cfg.get("fsdp2"))
+    if fsdp2:
+        from trainer_worker import force_fsdp_on_cpu
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     messages: list[str] = []
@@ -79,7 +86,10 @@ def main() -> None:
             output_dir=str(out / name), use_cpu=True, report_to=[], per_device_train_batch_size=cfg["batch"],
             per_device_eval_batch_size=cfg["eval_batch"], eval_accumulation_steps=cfg["eval_accum"], max_steps=1,
             learning_rate=1e-3, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
-            ddp_backend="gloo" if world > 1 else None)
+            ddp_backend="gloo" if world > 1 else None,
+            **({"eval_strategy": "steps", "eval_steps": 1} if cfg.get("eval_in_train") else {}),
+            **({"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+               if fsdp2 else {}))
 
     def model() -> transformers.GPT2LMHeadModel:
         m = transformers.GPT2LMHeadModel(config)
@@ -95,9 +105,12 @@ def main() -> None:
         return {"accuracy": float((pred[mask] == labels[mask]).mean())}
 
     def trainer(name: str, callbacks: list) -> transformers.Trainer:
-        return transformers.Trainer(model=model(), args=args(name), train_dataset=train, eval_dataset=evaluation,
+        made = transformers.Trainer(model=model(), args=args(name), train_dataset=train, eval_dataset=evaluation,
                                     compute_metrics=accuracy, preprocess_logits_for_metrics=ids_only,
                                     callbacks=callbacks)
+        if fsdp2:
+            force_fsdp_on_cpu(made)
+        return made
 
     result: dict = {"error": None, "capped": False}
     plain = trainer("plain", [])
@@ -108,17 +121,17 @@ def main() -> None:
 
     est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                    peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
-                   zero_stage=0, world_size=world, gpu=None, micro_batch_size=cfg["batch"])
+                   zero_stage=3 if fsdp2 else 0, world_size=world, gpu=None, micro_batch_size=cfg["batch"])
     plan = Plan(micro_batch_size=cfg["batch"], grad_accum_steps=1, world_size=world,
                 global_batch_size=cfg["batch"] * world,
-                precision="32-true", activation_checkpointing=False, zero_stage=0, budget_bytes=1 << 30, estimate=est,
-                device="cpu")
+                precision="32-true", activation_checkpointing=False, zero_stage=3 if fsdp2 else 0,
+                **({"strategy": "fsdp2"} if fsdp2 else {}), budget_bytes=1 << 30, estimate=est, device="cpu")
     callback = MemguardCallback(plan=plan)
     seen: list[int] = []
 
     class Cap(transformers.TrainerCallback):
         def on_prediction_step(self, args, state, control, **kwargs):
-            if not result["capped"] and not guarded.is_in_train and rank in cfg.get("cap_ranks", [0]):
+            if not result["capped"] and (cfg.get("eval_in_train") or not guarded.is_in_train) and rank in cfg.get("cap_ranks", [0]):
                 limit = vm_size() + (cfg["budget_mib"] << 20)
                 resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
                 result["capped"] = True
@@ -128,6 +141,10 @@ def main() -> None:
                                             with_kwargs=True)
     guarded.train()
     result["train_micro"] = [callback.micro_batch_size, callback.oom_retries]
+    if cfg.get("eval_in_train"):
+        result["train_eval_forwards"] = list(seen)
+        result["train_eval"] = [h for h in guarded.state.log_history if "eval_loss" in h]
+        result["plain_train_eval"] = [h for h in plain.state.log_history if "eval_loss" in h]
     seen.clear()
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     guarded_pred = None
@@ -144,7 +161,15 @@ def main() -> None:
     if guarded_pred is not None:
         result["predictions_equal"] = bool(np.array_equal(plain_pred.predictions, guarded_pred.predictions))
         result["label_ids_equal"] = bool(np.array_equal(plain_pred.label_ids, guarded_pred.label_ids))
-    # the whole evaluation batch really does not fit under this cap (a plain forward with the loss)
+    # the whole evaluation batch really does not fit under this cap (a plain forward with the loss); not under FSDP2,
+    # where a rank that fails in that forward would leave its peers in the next all-gather (the retries' messages
+    # name the allocator's error there)
+    if fsdp2:
+        result["rank"] = rank
+        (out / f"result{rank}.json").write_text(json.dumps(result, default=float))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     batch = {"input_ids": evaluation.ids[: cfg["eval_batch"]], "labels": evaluation.labels[: cfg["eval_batch"]]}
     resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (cfg["budget_mib"] << 20), hard))
     try:
