@@ -42,7 +42,7 @@ before the model is sharded: give :func:`prepare` ``plan=`` or ``example_batch=`
 ``accelerator.prepare`` itself). Under Accelerate's DeepSpeed plugin (ZeRO-1 to 3, as
 :func:`accelerator_kwargs` builds it from a DeepSpeed plan) :func:`prepare` lets ``accelerator.prepare``
 build the engine and arms an agreement before every DeepSpeed collective
-(:mod:`memguard.guard._deepspeed`); :func:`step` then does what ``accelerator.backward`` does there
+(:mod:`memguard.integrations._deepspeed_guard`); :func:`step` then does what ``accelerator.backward`` does there
 (``DeepSpeedEngineWrapper.backward``, ``accelerate/utils/deepspeed.py``: ``engine.backward``, and
 ``engine.step()`` when ``sync_gradients``) one micro-batch at a time, each weighted by its share of the
 step's samples (``scale_wrt_gas=False``), the window's last micro-batch the engine's accumulation
@@ -64,7 +64,7 @@ Known limitations:
     :func:`prepare` and :func:`step` guard single-process, DDP, FSDP2, FSDP1 and DeepSpeed Accelerators
     (FSDP1 with ``use_orig_params=True``, without ``cpu_offload``; DeepSpeed without ZeRO offload,
     ZenFlow or pipeline parallelism, and fp16/bf16 only under ZeRO-2/3: the engines
-    :func:`memguard.guard._deepspeed.engine_problems` can reset after an OOM; the others are refused with
+    :func:`memguard.integrations._deepspeed_guard.engine_problems` can reset after an OOM; the others are refused with
     the reason). Under DeepSpeed the plan is the DeepSpeed config's (:func:`prepare` does not plan, and
     clipping is the config's ``gradient_clipping``), an OOM in ``engine.step()`` stops every rank with the
     same :class:`memguard.OOMRecoveryError` (the optimizer update does not shrink with the micro-batch), and
@@ -488,7 +488,7 @@ def _prepare_sharded(accelerator: Any, model: nn.Module, optimizer: Any, already
 @dataclass
 class _DeepSpeedRun:
     """What :func:`step` needs for a DeepSpeed engine ``accelerator.prepare`` built: its micro-batch window (whose
-    attempts run under :mod:`memguard.guard._deepspeed`'s agreements), the default loss and the plan."""
+    attempts run under :mod:`memguard.integrations._deepspeed_guard`'s agreements), the default loss and the plan."""
 
     engine: Any
     window: Any
@@ -511,16 +511,16 @@ def _prepare_deepspeed(accelerator: Any, first: Any, second: Any, model: nn.Modu
     (``Accelerator._prepare_deepspeed`` in ``accelerate/accelerator.py``, 1.15: ``deepspeed.initialize`` with the
     plugin's config, the model returned as the ``DeepSpeedEngine``, the optimizer as a
     ``DeepSpeedOptimizerWrapper`` whose ``step``/``zero_grad`` do nothing), and memguard arms its agreement before
-    every DeepSpeed collective on it (:func:`memguard.guard._deepspeed.engine_rank_group`). The plan is the
+    every DeepSpeed collective on it (:func:`memguard.integrations._deepspeed_guard.engine_rank_group`). The plan is the
     DeepSpeed config's (``accelerator_kwargs(plan)`` wrote it there): memguard does not plan again.
 
     Raises:
         ConfigError: planning options (``example_batch``, ``global_batch_size``, plan options), clipping options
             (DeepSpeed clips with its config's ``gradient_clipping``), a plan that is not the config's, or an
-            engine memguard cannot reset after an OOM (:func:`memguard.guard._deepspeed.engine_problems`); every
+            engine memguard cannot reset after an OOM (:func:`memguard.integrations._deepspeed_guard.engine_problems`); every
             problem listed.
     """
-    from memguard.guard._deepspeed import engine_problems, engine_rank_group, engine_window
+    from memguard.integrations._deepspeed_guard import engine_problems, engine_rank_group, engine_window
 
     acc = _accelerate()
     problems: list[str] = []
@@ -579,10 +579,10 @@ def _deepspeed_step(run: _DeepSpeedRun, accelerator: Any, batch: Any, loss_fn: L
     every attempt under memguard's agreements: the batch runs in micro-batches weighted by their share of the
     optimizer step's samples (``engine.backward(..., scale_wrt_gas=False)``), the window's last micro-batch is
     the engine's accumulation boundary, and ``engine.step()`` runs once per optimizer step, agreed
-    (:func:`memguard.guard._deepspeed.agreed_engine_step`). On an OOM on any rank every rank resets the engine,
+    (:func:`memguard.integrations._deepspeed_guard.agreed_engine_step`). On an OOM on any rank every rank resets the engine,
     halves the micro-batch and replays every batch of the step so far."""
     from memguard.batch import compute_loss
-    from memguard.guard._deepspeed import agreed_engine_step, engine_backward, engine_rank_group, open_engine_window
+    from memguard.integrations._deepspeed_guard import agreed_engine_step, engine_backward, engine_rank_group, open_engine_window
 
     engine, window = run.engine, run.window
     device = accelerator.device

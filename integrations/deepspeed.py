@@ -52,7 +52,7 @@ control runs): under ZeRO-1 and ZeRO-2 (either accumulation mode) both ranks wai
 group's timeout (90 s there, 30 minutes by default) and then fail; under ZeRO-3 the failed rank's
 agreement meets the peer's parameter all-gather and gloo aborts the process (SIGABRT).
 
-What ``step`` does instead (:mod:`memguard.guard._deepspeed`, the FSDP2 protocol of
+What ``step`` does instead (:mod:`memguard.integrations._deepspeed_guard`, the FSDP2 protocol of
 :mod:`memguard.guard._sharded` applied to DeepSpeed's communication backend): every collective the
 engine starts (through ``deepspeed.comm``) first runs a small all-reduce agreement of all ranks; a
 rank that ran out of memory in forward or backward reports it there, its peers leave forward or
@@ -79,7 +79,7 @@ bf16 is verified; fp16 takes the same path (its loss scaler changes only in ``en
 is not exercised here: DeepSpeed's CPU accelerator refuses fp16 ("Type fp16 is not supported on
 your device").
 
-Cost when nothing fails: see :mod:`memguard.guard._deepspeed` (agreements per step and their time).
+Cost when nothing fails: see :mod:`memguard.integrations._deepspeed_guard` (agreements per step and their time).
 """
 
 from __future__ import annotations
@@ -458,7 +458,7 @@ def fill_auto(user_config: Mapping[str, Any], plan: Plan, *, strict: bool = Fals
 
 
 # --------------------------------------------------------------------------------------------------
-# OOM recovery inside a DeepSpeed engine (memguard.guard._deepspeed: an agreement before every collective)
+# OOM recovery inside a DeepSpeed engine (memguard.integrations._deepspeed_guard: an agreement before every collective)
 
 # One micro-batch window per engine, kept as long as the engine lives.
 _WINDOWS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -473,7 +473,7 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
     ``engine.backward`` of its loss weighted by its share of the samples (``scale_wrt_gas=False``);
     then ``engine.step()`` updates the weights. Every DeepSpeed collective in between (ZeRO-1/2
     gradient reduction, ZeRO-3 parameter all-gathers and gradient reduce-scatters, the step's
-    all-reduces) runs after a small agreement of all ranks (:mod:`memguard.guard._deepspeed`). On an
+    all-reduces) runs after a small agreement of all ranks (:mod:`memguard.integrations._deepspeed_guard`). On an
     OOM on any rank in forward or backward, every rank leaves at its next collective, resets the
     engine's step state, halves the micro-batch and runs the step's samples again from the first; the
     halved micro-batch is kept for later steps. Each retry is logged at WARNING on every rank.
@@ -510,7 +510,7 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
         a smaller micro-batch does not shrink the optimizer's memory.
     """
     from memguard.batch import compute_loss
-    from memguard.guard._deepspeed import (
+    from memguard.integrations._deepspeed_guard import (
         agreed_engine_step,
         engine_backward,
         engine_problems,

@@ -29,7 +29,7 @@ forward/backward at their next FSDP2 collective instead of waiting in it) and gu
 steps as under DDP; FSDP2 reduce-scatters the gradients itself (Lightning's ``no_sync`` holds them
 back on an accumulation window's earlier batches). Under ``DeepSpeedStrategy``, once the strategy has
 built the engine (``on_fit_start``), the callback arms memguard's DeepSpeed protocol on it
-(:mod:`memguard.guard._deepspeed`: an agreement of the ranks before every ``deepspeed.comm``
+(:mod:`memguard.integrations._deepspeed_guard`: an agreement of the ranks before every ``deepspeed.comm``
 collective, ZeRO-1/2's gradient reduction, ZeRO-3's parameter all-gathers and reduce-scatters, the
 step's all-reduces; after an OOM on any rank every rank resets the engine's step state) and stands
 in for the strategy's ``training_step`` and the DeepSpeed precision plugin's ``backward`` and
@@ -38,9 +38,9 @@ own training step through the engine's forward and ``engine.backward`` inside on
 the last micro-batch of an optimizer step's window is the engine's accumulation boundary (Lightning's
 ``accumulate_grad_batches``, which Lightning writes into the config as
 ``gradient_accumulation_steps``), and the engine steps once per window through
-:func:`memguard.guard._deepspeed.agreed_engine_step`. Engines the protocol cannot reset (ZeRO
+:func:`memguard.integrations._deepspeed_guard.agreed_engine_step`. Engines the protocol cannot reset (ZeRO
 offload, ZenFlow, DeepSpeed's ``FP16_Optimizer``/``BF16_Optimizer`` wrappers: fp16/bf16 without
-ZeRO, or bf16 ZeRO-1; :func:`memguard.guard._deepspeed.engine_problems`) are planned and applied only,
+ZeRO, or bf16 ZeRO-1; :func:`memguard.integrations._deepspeed_guard.engine_problems`) are planned and applied only,
 and the reason is logged. Under ``FSDPStrategy`` it logs that it does not recover from
 out-of-memory errors (a rank that fails inside the sharded collectives would leave the others
 waiting; its FSDP1 protocol, :mod:`memguard.guard._fsdp1`, needs each micro-batch to run through
@@ -662,12 +662,12 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         """Under ``DeepSpeedStrategy``, once the strategy built the engine (``DeepSpeedStrategy.setup`` ->
         ``init_deepspeed`` -> ``deepspeed.initialize``, which ``trainer/trainer.py`` ``_run`` runs before
         ``on_fit_start``, Lightning 2.6): arm memguard's DeepSpeed agreement protocol on the engine
-        (:func:`memguard.guard._deepspeed.engine_rank_group`: an agreement of the ranks before every
+        (:func:`memguard.integrations._deepspeed_guard.engine_rank_group`: an agreement of the ranks before every
         ``deepspeed.comm`` collective) and stand in for the strategy's ``training_step``, the precision
         plugin's ``backward`` and ``optimizer_step`` (see :meth:`_patch_deepspeed`). An engine the protocol
         cannot reset (ZeRO offload, DeepSpeed's FP16/BF16 optimizer wrappers, ...) is left alone, and the
         reason logged."""
-        from memguard.guard._deepspeed import engine_problems, engine_rank_group
+        from memguard.integrations._deepspeed_guard import engine_problems, engine_rank_group
 
         guard = self._guard
         assert guard is not None  # planned in setup()
@@ -943,14 +943,14 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
           Lightning's own ``Strategy.training_step`` (the engine's forward, with the ZeRO-3 hooks) and
           ``engine.backward(loss * share / accumulate_grad_batches, scale_wrt_gas=False)``, inside one
           agreed attempt (:class:`memguard.guard._window.MicroBatchWindow` over the engine's
-          :class:`memguard.guard._deepspeed.DeepSpeedRankGroup`); the window's last micro-batch is the
+          :class:`memguard.integrations._deepspeed_guard.DeepSpeedRankGroup`); the window's last micro-batch is the
           engine's accumulation boundary. On an OOM on any rank every rank resets the engine
-          (:func:`memguard.guard._deepspeed.reset_engine`), halves the micro-batch and redoes every batch of
+          (:func:`memguard.integrations._deepspeed_guard.reset_engine`), halves the micro-batch and redoes every batch of
           the optimizer step so far. It returns the batch's mean loss, without a graph.
         * ``precision_plugin.backward``: Lightning's backward of that loss runs its hooks
           (``on_before_backward``, ``on_after_backward``) but no ``engine.backward`` (already done).
         * ``precision_plugin.optimizer_step``: runs the closure and ``_after_closure`` as Lightning does, then
-          :func:`memguard.guard._deepspeed.agreed_engine_step` once per window (after its last batch)
+          :func:`memguard.integrations._deepspeed_guard.agreed_engine_step` once per window (after its last batch)
           instead of ``engine.step()`` after every batch.
 
         The accumulated gradient is that of the window's mean loss, as under DDP. (Lightning's own path
@@ -962,7 +962,7 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         Lightning's ``optimizer_zero_grad`` (which runs after a window's first ``training_step``) is skipped:
         the engine's step drops the gradients, and the window drops any left when it opens.
         """
-        from memguard.guard._deepspeed import agreed_engine_step, engine_backward
+        from memguard.integrations._deepspeed_guard import agreed_engine_step, engine_backward
 
         strategy = trainer.strategy
         precision = strategy.precision_plugin

@@ -380,7 +380,7 @@ class MemguardCallback(_tf.TrainerCallback):
       micro-batch; FSDP reduces the gradients itself, under the Trainer's own ``no_sync`` for the
       accumulation's earlier batches. Under DeepSpeed (``TrainingArguments(deepspeed=...)``, ZeRO-1 to 3;
       ``model_wrapped`` is the engine) the same agreement runs before every DeepSpeed collective
-      (:mod:`memguard.guard._deepspeed`); each micro-batch's ``accelerator.backward`` runs only
+      (:mod:`memguard.integrations._deepspeed_guard`); each micro-batch's ``accelerator.backward`` runs only
       ``engine.backward`` (Accelerate's ``DeepSpeedEngineWrapper.backward`` would set the accumulation
       boundary from ``sync_gradients`` and call ``engine.step()`` after every micro-batch of the last
       batch: ``accelerate/utils/deepspeed.py``), the window's last micro-batch is the engine's accumulation
@@ -442,7 +442,7 @@ class MemguardCallback(_tf.TrainerCallback):
         checkpointing covers every layer, while a plan may checkpoint only its first ``checkpoint_blocks``
         blocks: the run then uses less memory than planned and is somewhat slower. Under DeepSpeed with ZeRO
         offload, ZenFlow, pipeline parallelism, or fp16/bf16 below ZeRO-2 (engines whose state memguard cannot
-        reset after an OOM: :func:`memguard.guard._deepspeed.engine_problems`) the plan is applied but
+        reset after an OOM: :func:`memguard.integrations._deepspeed_guard.engine_problems`) the plan is applied but
         out-of-memory errors in training are not recovered from; a warning gives the reasons. Under DeepSpeed an
         OOM inside ``engine.step()`` or inside a DeepSpeed collective stops every rank with the same
         :class:`memguard.OOMRecoveryError`. Under FSDP an out-of-memory
@@ -554,8 +554,8 @@ class MemguardCallback(_tf.TrainerCallback):
             # The engine is built by now: Trainer._prepare_for_training runs accelerator.prepare (deepspeed.initialize,
             # Accelerator._prepare_deepspeed) before the loop's on_train_begin (trainer.py, _inner_training_loop,
             # transformers 5.24), and model_wrapped is the DeepSpeedEngine. Arm the agreement before every DeepSpeed
-            # collective (memguard.guard._deepspeed); the engine reduces the gradients, so memguard does not.
-            from memguard.guard._deepspeed import engine_problems, engine_rank_group
+            # collective (memguard.integrations._deepspeed_guard); the engine reduces the gradients, so memguard does not.
+            from memguard.integrations._deepspeed_guard import engine_problems, engine_rank_group
 
             problems = engine_problems(wrapped)
             if problems:
@@ -889,7 +889,7 @@ class MemguardCallback(_tf.TrainerCallback):
         if last:
             guard.end_window()
             if engine is not None:  # an OOM here stops every rank with the same OOMRecoveryError
-                from memguard.guard._deepspeed import agreed_engine_step
+                from memguard.integrations._deepspeed_guard import agreed_engine_step
 
                 agreed_engine_step(guard.rank_group, micro_batch_size=guard.window.micro_batch_size)
         return loss

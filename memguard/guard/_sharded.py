@@ -67,7 +67,7 @@ Known limitations:
     The agreements are armed only while a guarded training attempt runs: inside
     :func:`memguard.step`, and inside the micro-batches that the Lightning, Trainer and Accelerate
     adapters run through the guard (:mod:`memguard.guard._fsdp2_frameworks`,
-    :mod:`memguard.guard._fsdp1`, :mod:`memguard.guard._deepspeed` subclass this group). FSDP
+    :mod:`memguard.guard._fsdp1`, :mod:`memguard.integrations._deepspeed_guard` subclass this group). FSDP
     collectives outside an attempt (an evaluation loop, a ``state_dict`` call) run as FSDP runs them;
     ``memguard.evaluate`` arms them for each of its forwards (:mod:`memguard.guard._evaluate_sharded`). Explicit forward prefetching
     (``set_modules_to_forward_prefetch``) and custom all-gather/reduce-scatter hooks are covered

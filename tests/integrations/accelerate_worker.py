@@ -269,7 +269,7 @@ def main() -> None:
     from memguard.guard._core import guard_of
 
     if ds_stage is not None:
-        from memguard.guard._deepspeed import engine_rank_group
+        from memguard.integrations._deepspeed_guard import engine_rank_group
 
         result["agreements"] = engine_rank_group(model).agreements
     else:

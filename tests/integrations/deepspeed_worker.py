@@ -81,7 +81,7 @@ def adapter_step(engine, batch: dict, loss_fn, state: dict) -> None:
     its own loop over micro-batches, each forward/backward in :func:`guarded_attempt`, halving and
     redoing the step's samples on an agreed OOM, then :func:`agreed_engine_step`."""
     from memguard.batch import batch_size, split_batch
-    from memguard.guard._deepspeed import agreed_engine_step, engine_rank_group, guarded_attempt
+    from memguard.integrations._deepspeed_guard import agreed_engine_step, engine_rank_group, guarded_attempt
 
     rg = engine_rank_group(engine)
     n = batch_size(batch)
@@ -209,7 +209,7 @@ def worker(rank: int, world: int, cfg: dict) -> None:
                                "traceback": traceback.format_exc()[-4000:]}
         result["train_s"] = time.perf_counter() - t0
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        from memguard.guard._deepspeed import _GROUPS
+        from memguard.integrations._deepspeed_guard import _GROUPS
 
         rg = _GROUPS.get(engine)
         adapter = run.get("adapter")

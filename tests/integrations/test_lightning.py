@@ -685,7 +685,7 @@ def test_deepspeed_one_rank_runs_out_and_both_ranks_recover_together(tmp_path: P
 @pytest.mark.skipif(bool(_deepspeed_ready()), reason=_deepspeed_ready() or "ready")
 def test_deepspeed_with_optimizer_offload_is_planned_and_says_why_it_is_not_guarded(tmp_path: Path) -> None:
     # ZeRO-2 with offload_optimizer: the plan is applied, but the engine keeps host-side gradient copies that
-    # memguard's reset does not cover (memguard.guard._deepspeed.engine_problems), so the callback leaves
+    # memguard's reset does not cover (memguard.integrations._deepspeed_guard.engine_problems), so the callback leaves
     # Lightning's own DeepSpeed path alone and logs why. No cap: it trains the reference weights.
     r0, r1 = _run_worker(tmp_path, world=2, plan=[64, 1], cap_batch=-1, cap_ranks=[], strategy="deepspeed",
                          zero_stage=2, offload=True, package=PACKAGES[0])
