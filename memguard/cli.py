@@ -72,6 +72,7 @@ CLI_OPTIONS = {
     "keep_outputs": "--keep-outputs",
     "max_shape": "--max-seq-len", "strategy": "--strategy", "finetune": "--finetune", "train": "--eval",
     "torch_version": "--torch-version", "cuda_version": "--cuda-version", "cudnn_version": "--cudnn-version",
+    "gradient_compression": "--gradient-compression", "powersgd": "--powersgd-rank",
 }
 
 #: memguard.plan's options that take Python objects, so the command line has no flag for them.
@@ -314,6 +315,11 @@ def _target_options(parser: argparse.ArgumentParser, *, budget_help: str) -> arg
                         "wheel's)")
     g.add_argument("--cudnn-version", metavar="X.Y.Z", type=_text("9.10.2"),
                    help="its cuDNN, 8.5 to 9.x (default: that release's PyPI wheel's)")
+    g.add_argument("--gradient-compression", choices=("powersgd",), default=None,
+                   help="DDP with torch's PowerSGD hook (needs --world-size > 1, no ZeRO or FSDP2): its error-"
+                        "feedback buffers, P/Q matrices and per-bucket temporaries are counted")
+    g.add_argument("--powersgd-rank", type=_positive_int, default=None, metavar="R",
+                   help="with --gradient-compression powersgd: the matrix approximation rank (default 1)")
     g.add_argument("--budget", type=_bytes_arg, metavar="SIZE", help=budget_help)
     return g
 
@@ -816,6 +822,7 @@ def plan_request(args: argparse.Namespace, loaded: "LoadedModel | None" = None) 
         global_batch_size=args.global_batch_size, gpu=args.gpu, budget_bytes=args.budget,
         world_size=args.world_size, device=args.device, cpu=args.cpu, torch_version=args.torch_version,
         cuda_version=args.cuda_version, cudnn_version=args.cudnn_version,
+        gradient_compression=args.gradient_compression, powersgd=args.powersgd_rank,
         strategy=_restrict(getattr(args, "strategy", None)), finetune=getattr(args, "finetune", None),
         train=not getattr(args, "eval", False),
         optimizer=loaded.optimizer if loaded else None, loss_fn=loaded.loss_fn if loaded else None,
@@ -982,6 +989,7 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
         activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
         offload_optimizer=args.offload_optimizer, keep_outputs=args.keep_outputs, cpu=args.cpu,
         torch_version=args.torch_version, cuda_version=args.cuda_version, cudnn_version=args.cudnn_version,
+        gradient_compression=args.gradient_compression, powersgd=args.powersgd_rank,
     )
     progress.say(f"estimated in {progress.elapsed()}")
     budget = args.budget

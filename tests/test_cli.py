@@ -651,3 +651,17 @@ def test_strategy_finetune_and_eval_flags_plan_what_the_api_plans(capsys):
     with pytest.raises(SystemExit) as bad:
         main([*base, "--strategy", "zero"])
     assert bad.value.code == 2 and "is not a strategy" in capsys.readouterr().err
+
+
+def test_gradient_compression_flags_plan_and_estimate_what_the_api_does(capsys):
+    model, batch = tiny_model()
+    flags = ["--world-size", "2", "--zero-stage", "0", "--gradient-compression", "powersgd", "--powersgd-rank", "2"]
+    assert main(["plan", *TINY, "--gpu", "A100-40GB", "--global-batch-size", "8", *flags, "--json", "-q"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    api = memguard.plan(model, batch, global_batch_size=8, gpu="A100-40GB", world_size=2, zero_stage=0,
+                        gradient_compression="powersgd", powersgd=2)
+    assert cli["micro_batch_size"] == api.micro_batch_size and cli["estimate"]["peak_bytes"] == api.estimate.peak_bytes
+    assert api.estimate.breakdown.get("powersgd_state", 0) > 0
+    # PowerSGD needs DDP over more than one rank: a ConfigError, exit 2, naming what to do
+    assert main(["plan", *TINY, "--gpu", "A100-40GB", "--global-batch-size", "8", "--gradient-compression",
+                 "powersgd", "-q"]) == 2
