@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from two_ranks import ROOT, free_port, run_two_ranks  # this folder is on sys.path under pytest
 import torch
 
 WORKER = Path(__file__).with_name("fsdp2_eval_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150
 
 pytestmark = [
@@ -30,28 +29,9 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, **cfg) -> list[dict]:
-    cfg = {"out": str(tmp_path), "port": _free_port(), "cap_ranks": [1], "seq": 256, **cfg}
-    env = dict(os.environ)
-    # One malloc arena and a fixed mmap threshold: freed tensors leave the address space (see test_fsdp2_recovery).
-    env.update(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps({**cfg, "rank": r})], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"a rank did not finish within {TIMEOUT_S} s: the ranks hung")
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    cfg = {"out": str(tmp_path), "port": free_port(), "cap_ranks": [1], "seq": 256, **cfg}
+    run_two_ranks(WORKER, cfg, timeout=TIMEOUT_S, mmap_threshold=True)
     return [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -10,17 +10,14 @@ collective. Every run is bounded by a timeout: a hang fails the test.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from two_ranks import free_port, run_two_ranks  # this folder is on sys.path under pytest
 import torch
 
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150
 
 pytestmark = [
@@ -30,30 +27,10 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, **cfg) -> dict[int, list[dict]]:
     """Both ranks' results per sharding level."""
-    cfg = {"out": str(tmp_path), "port": _free_port(), "zero_stages": [3], "cap_ranks": [1], **cfg}
-    env = dict(os.environ)
-    # One malloc arena (gloo's threads would each get one and make the cap erratic) and a fixed mmap
-    # threshold, so that freed tensors leave the address space and the cap tracks live memory.
-    env.update(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps({**cfg, "rank": r})], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"a rank did not finish within {TIMEOUT_S} s: the ranks hung")
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    cfg = {"out": str(tmp_path), "port": free_port(), "zero_stages": [3], "cap_ranks": [1], **cfg}
+    run_two_ranks(WORKER, cfg, timeout=TIMEOUT_S, mmap_threshold=True)
     runs = cfg["zero_stages"] + [f"bug-{w}" for w in cfg.get("bug_runs", [])]
     return {s: [json.loads((tmp_path / f"result{r}_{s}.json").read_text()) for r in (0, 1)] for s in runs}
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from two_ranks import ROOT, free_port, run_two_ranks  # this folder is on sys.path under pytest
 import torch
 from torch import nn
 
@@ -219,7 +220,6 @@ def test_a_compiled_model_is_planned_through_its_eager_module() -> None:
 # real out-of-memory errors under RLIMIT_AS
 
 WORKER = Path(__file__).with_name("shapes_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 LENGTHS = [64, 64, 512, 64, 64]  # the batches of issue 13's reproduction
 
@@ -290,32 +290,10 @@ def test_variable_length_batches_under_a_real_memory_cap(tmp_path: Path) -> None
     assert all("DefaultCPUAllocator" in m for m in fixed["messages"] if m.startswith("WARNING"))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 def test_ddp_ranks_with_different_lengths_agree_on_the_longest(tmp_path: Path) -> None:
-    worker = Path(__file__).with_name("shapes_ddp_worker.py")
-    env = dict(os.environ)
-    env.update(MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    port = _free_port()
-    cfgs = [json.dumps({"out": str(tmp_path), "rank": r, "port": port}) for r in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, str(worker), cfgs[r]],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"the ranks did not finish within {TIMEOUT_S} s: they hung")
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    run_two_ranks(Path(__file__).with_name("shapes_ddp_worker.py"), {"out": str(tmp_path), "port": free_port()},
+                  timeout=TIMEOUT_S)
     r0, r1 = (json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1))
     # Step 1: rank 0 has 64 tokens, rank 1 16; both run the longest shape's micro-batch, which starts at
     # 16's 8, fails on rank 0 (512 positions > 256), and is halved on both to 4. Step 2 (the other way
