@@ -49,6 +49,11 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   and ``c2``, ``c3`` (``[N, G]``), all in the accumulate type, for a contiguous input; no rule
   allocates them (:func:`group_norm_backward_bytes`). Its channels-last path allocates more,
   not read here: **unbounded** for channels-last inputs.
+* **CUB scans of ``cumsum``/``cumprod``** over a tensor that is a single scan (1-D, or every other
+  dimension of size 1): ``native/cuda/ScanUtils.cuh`` ``scan_dim`` calls ``cuda::cub::inclusive_scan``
+  (:func:`scan_workspace_bytes`); other shapes run ATen's block scans, which allocate nothing. Under
+  deterministic algorithms newer releases take ``inclusive_deterministic_scan`` for floating sums,
+  not read: **unbounded** there.
 * **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True``, and the backward of ``x[index]``
   with integer index tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear
   indices with CUB and keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
@@ -73,7 +78,6 @@ Not bounded yet (so not listed, and not in the bound): the global staging buffer
 ``element_size * num_outputs * ctas_per_output``, times ``block.x`` without a block-x reduction, where
 ``setReduceConfig`` chooses ``ctas_per_output = max(min(ceil(target_grid / grid), ceil(values_per_thread
 / 16)), ceil(values_per_thread / 256))`` from the block shape and the SM count: read, not replayed),
-CUB scans of ``cumsum``/``cumprod``,
 ``topk``'s radix-select buffers and the sort of its results, and ``scatter``/``index_put_`` under
 ``torch.use_deterministic_algorithms`` (their copies of ``value`` and ``self``, and which calls then sort).
 """
@@ -632,6 +636,60 @@ def group_norm(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled
     return [Unmodelled("group-norm backward scratch", what,
                        group_norm_backward_bytes(int(x.shape[0]), int(x.shape[1]), groups, acc, x.requires_grad),
                        True, source)]
+
+
+# --------------------------------------------------------------------------------------------
+# cumsum / cumprod: CUB's single-pass scan
+# --------------------------------------------------------------------------------------------
+
+
+def scan_workspace_bytes(numel: int, scan_len: int, value_bytes: int, contiguous: bool = True) -> tuple[int, ...]:
+    """What CUDA's ``cumsum``/``cumprod`` allocate beyond their output at their largest moment.
+
+    native/cuda/ScanUtils.cuh ``scan_dim``: ``self.expect_contiguous()`` (a dense copy of a
+    non-contiguous input), then, when the whole tensor is one scan (``self.numel() ==
+    self.size(dim)``), ``cuda::cub::inclusive_scan``, whose CUB temporary storage CUB_WRAPPER
+    (cuda/cub.cuh) takes from the caching allocator (:func:`cub_scan_bytes`); any other shape runs
+    ATen's own block-scan kernels (``scan_innermost_dim``/``scan_outer_dim``), which allocate nothing.
+    """
+    copies = (numel * value_bytes,) if not contiguous else ()
+    if numel == 0 or numel != scan_len:
+        return copies
+    return copies + (cub_scan_bytes(numel, value_bytes),)
+
+
+def _scan_entry(what: str, target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    x = args[0] if args else kwargs.get("input")
+    dim = _arg(args, kwargs, 1, "dim", None)
+    if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or x.dim() == 0 or x.is_sparse:
+        return []
+    dtype = _arg(args, kwargs, 2, "dtype", None) or x.dtype
+    value_bytes = max(x.element_size(), dtype.itemsize)
+    scan_len = int(x.shape[dim % x.dim()])
+    source = "aten/src/ATen/native/cuda/ScanUtils.cuh scan_dim; cub/agent/single_pass_scan_operators.cuh"
+    op = f"{what} of {_shape(x)} along dim {dim % x.dim()}" + (" and its backward" if _backward_runs(x) else "")
+    if x.numel() == scan_len and torch.are_deterministic_algorithms_enabled() and (
+            x.is_floating_point() or x.is_complex()):
+        # newer ScanUtils.cuh: cuda::cub::inclusive_deterministic_scan for floating sums, not read here
+        return [Unmodelled("CUB deterministic scan temporary storage", op, (), False, source)]
+    allocs = scan_workspace_bytes(x.numel(), scan_len, value_bytes, x.is_contiguous())
+    if not allocs:
+        return []
+    # the backward (derivatives.yaml: a cumsum of the flipped gradient, for cumprod inside
+    # cumprod_backward) scans the same number of items: the same bound, at another moment
+    return [Unmodelled("CUB scan temporary storage", op, allocs, True, source)]
+
+
+@unmodelled(torch.cumsum, torch._C.TensorBase.cumsum)
+def cumsum(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``torch.cumsum``/``Tensor.cumsum``: CUB's scan when the tensor is one scan."""
+    return _scan_entry("cumsum", target, args, kwargs)
+
+
+@unmodelled(torch.cumprod, torch._C.TensorBase.cumprod)
+def cumprod(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``torch.cumprod``/``Tensor.cumprod``: CUB's scan when the tensor is one scan."""
+    return _scan_entry("cumprod", target, args, kwargs)
 
 
 class UnmodelledFinder(TorchFunctionMode):

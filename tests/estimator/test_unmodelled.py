@@ -28,6 +28,7 @@ from memguard.estimator._unmodelled import (
     embedding_backward_workspace_bytes,
     group_norm_backward_bytes,
     layer_norm_partial_bytes,
+    scan_workspace_bytes,
     sort_workspace_bytes,
     upper_bound,
 )
@@ -389,3 +390,30 @@ def test_estimate_lists_conv_workspaces_and_bounds_them_only_under_a_cap(monkeyp
     # 64 MiB is a large request (> 10 MiB): rounded to 2 MiB, one segment of its own
     assert capped.peak_upper_bytes == capped.peak_bytes + 64 * MiB
     assert capped.unbounded_workspaces == ()
+
+
+# --------------------------------------------------------------------------------------------
+# cumsum / cumprod
+# --------------------------------------------------------------------------------------------
+
+
+def test_scan_bound_only_for_a_single_scan():
+    # ScanUtils.cuh scan_dim: one scan over the whole tensor -> cuda::cub::inclusive_scan; its tile
+    # status (n + 32) x 16 B, 256-aligned, plus the 8-byte grid word aligned to 256
+    n = 100_000
+    assert scan_workspace_bytes(n, n, 4) == (-(-(n + 32) * 16 // 256) * 256 + 256,)
+    assert scan_workspace_bytes(8 * 1000, 1000, 4) == ()  # rows: ATen's block scan, no temporaries
+    assert scan_workspace_bytes(8 * 1000, 1000, 4, contiguous=False) == (8 * 1000 * 4,)  # expect_contiguous
+
+
+def test_cumsum_reports_the_cub_scan():
+    (entry,) = UNMODELLED[torch.cumsum](CudaTarget(), (_fake(100_000, grad=True), 0), {})
+    assert entry.bounded and entry.allocations == scan_workspace_bytes(100_000, 100_000, 4)
+    assert "and its backward" in entry.op
+    assert UNMODELLED[torch._C.TensorBase.cumsum](CudaTarget(), (_fake(8, 1000), -1), {}) == []
+    torch.use_deterministic_algorithms(True)
+    try:
+        (det,) = UNMODELLED[torch.cumsum](CudaTarget(), (_fake(1000), 0), {})
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not det.bounded and "deterministic" in det.mechanism
