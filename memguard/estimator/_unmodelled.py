@@ -28,8 +28,9 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   a cap is set (``CUDNN_CONV_WSCAP_DBG``, or ``CudaTarget.conv_workspace_bytes``), which then bounds
   each call's workspace (:func:`conv_workspace`). A plan whose workspace the allocator cannot give
   is skipped for the next (``try_configs``/``try_plans`` catch ``OutOfMemoryError``; Conv_v7.cpp's
-  ``AlgoIterator::try_all`` likewise), so the workspace is memory cuDNN takes when it is free: it
-  shows in ``max_memory_reserved`` but does not by itself make a step fail.
+  ``AlgoIterator::try_all`` likewise), so the workspace is memory cuDNN takes when it is free; it
+  shows in ``max_memory_reserved``, and pytorch#49207 (a request for a workspace limit) reports
+  out-of-memory errors caused by large heuristic workspaces nonetheless.
 * **Sort** (``torch.sort``/``argsort``/``msort`` and their methods) along a dimension longer
   than 4096: ``native/cuda/Sort.h`` ``should_use_small_sort`` (``size(dim) <= 4096``) takes the
   in-place bitonic sort (no extra memory); longer ones take ``native/cuda/Sort.cu``
@@ -331,7 +332,8 @@ def conv_workspace(target: CudaTarget, name: str, x: Any, weight: Any) -> list[U
     if cap is not None:
         return [Unmodelled(mechanism, op, (cap,), True, source + "; capped by CUDNN_CONV_WSCAP_DBG")]
     detail = ("cuDNN skips a plan whose workspace the allocator cannot give (try_configs catches OutOfMemoryError), "
-              "so it takes free memory but does not by itself make the step fail"
+              "so it takes what is free, and the freed block stays cached (reserved) after the call; pytorch#49207 "
+              "reports out-of-memory errors traced to large heuristic workspaces all the same"
               + ("; under cudnn.benchmark the first step's search takes up to all free memory" if benchmark else "")
               + "; set CUDNN_CONV_WSCAP_DBG (MiB) to bound it")
     return [Unmodelled(mechanism, op, (), False, source, detail)]
