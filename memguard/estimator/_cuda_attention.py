@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 import types
 from dataclasses import dataclass
@@ -334,7 +335,11 @@ def _can_use_cudnn(target: CudaTarget, s: SdpaSettings, call: SdpaCall, cudnn_ve
 
 def _prefer_cudnn(target: CudaTarget, cudnn_version: int | None, cuda_major: int) -> bool:
     """``check_prefer_cudnn_attention`` (cuda/sdp_utils.cpp, torch 2.13): cuDNN first on sm90/sm10x
-    with cuDNN > 9.15.0 (CUDA 12 builds: only x.0 and x.3 minors)."""
+    with cuDNN > 9.15.0 (CUDA 12 builds: only x.0 and x.3 minors), unless
+    ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1`` (read with ``c10::utils::check_env``, c10/util/env.cpp: only
+    "1" is true)."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":
+        return False
     if cudnn_version is None or cudnn_version <= 91500:
         return False
     major, minor = target.capability

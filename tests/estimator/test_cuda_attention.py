@@ -669,3 +669,15 @@ def test_checkpointed_flash_attention_frees_what_it_saved(save_ops):
     _, live, _ = _sac_attention(save_ops, b=b, h=h, s=s, d=d, end=True)
     bhsd = b * h * s * d * 2
     assert live == Counter({bhsd: 2, (h * d) * (3 * h * d) * 2: 1, (h * d) * (h * d) * 2: 1})
+
+
+def test_cudnn_preference_can_be_turned_off(monkeypatch):
+    # check_prefer_cudnn_attention: check_env("TORCH_CUDNN_SDPA_DEPRIORITIZED") != true; check_env
+    # (c10/util/env.cpp) reads only "1" as true
+    target = CudaTarget(H100, cuda_version=(13, 0), cudnn_version=92000)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    assert ca._prefer_cudnn(target, 92000, 13)
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "true")  # not "1": ignored, with a warning
+    assert ca._prefer_cudnn(target, 92000, 13)
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert not ca._prefer_cudnn(target, 92000, 13)
