@@ -21,7 +21,9 @@ Known limitations:
     on sm70 16-bit kernels with large head dims compute delta with ATen ops (a transient fp32
     product) rather than in the kernel. Not modelled: flash's split-KV buffers (dropout-free calls
     with too few blocks to fill the GPU, i.e. inference-sized), flash's deterministic-mode
-    ``nsplits`` accumulator (needs the SM count) and cuDNN's workspace. The cuDNN preference on
+    ``nsplits`` accumulator (needs the SM count) and the cuDNN engine's own plan workspace (its
+    backward's frontend-sized fp32 dQ accumulator and softmax sum are modelled:
+    :func:`cudnn_sdpa_backward_workspace_bytes`). The cuDNN preference on
     sm90/sm100 needs the cuDNN version, which a CPU build cannot report: it is the target's
     (``CudaTarget.cudnn_version``, from ``memguard.estimate(cudnn_version=...)`` or the torch
     release's default wheel); a target without one never chooses cuDNN attention.
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 import types
 from dataclasses import dataclass
@@ -332,7 +335,11 @@ def _can_use_cudnn(target: CudaTarget, s: SdpaSettings, call: SdpaCall, cudnn_ve
 
 def _prefer_cudnn(target: CudaTarget, cudnn_version: int | None, cuda_major: int) -> bool:
     """``check_prefer_cudnn_attention`` (cuda/sdp_utils.cpp, torch 2.13): cuDNN first on sm90/sm10x
-    with cuDNN > 9.15.0 (CUDA 12 builds: only x.0 and x.3 minors)."""
+    with cuDNN > 9.15.0 (CUDA 12 builds: only x.0 and x.3 minors), unless
+    ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1`` (read with ``c10::utils::check_env``, c10/util/env.cpp: only
+    "1" is true)."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":
+        return False
     if cudnn_version is None or cudnn_version <= 91500:
         return False
     major, minor = target.capability
@@ -595,14 +602,58 @@ class _EfficientAttention(torch.autograd.Function):
         return _bshd(dq), _bshd(dk), _bshd(dv), dbias, None, None, None, None, None
 
 
+#: cudnn/MHA.cpp ``run_cudnn_SDP_bprop`` (the revision with the sm100 int64 seed workaround): from
+#: cuDNN 9.5.1 (``CUDNN_VERSION >= 90501``) dO is copied only when its innermost stride is not 1;
+#: before, whenever its strides differ from the output's.
+CUDNN_BPROP_ANY_DO_STRIDES = 90501
+
+
+def _cudnn_bprop_copies_grad(grad_out: torch.Tensor, out: torch.Tensor, cudnn_version: int) -> bool:
+    """Whether ``run_cudnn_SDP_bprop`` (cudnn/MHA.cpp) materialises ``dO_`` with the output's layout
+    (``permute_to_matching_layout``) before it runs the backward graph."""
+    if cudnn_version < CUDNN_BPROP_ANY_DO_STRIDES:
+        return grad_out.stride() != out.stride()  # "cuDNN < 9.5.1 assumes gradOutput has same strides"
+    return grad_out.stride(-1) != 1
+
+
+def cudnn_sdpa_backward_workspace_bytes(b: int, h_q: int, s_q: int, d_qk: int) -> int:
+    """The part of cuDNN attention's backward workspace that cudnn-frontend sizes from the shapes.
+
+    ``run_cudnn_SDP_bprop`` (cudnn/MHA.cpp) allocates ``mha_graph->get_workspace_size()`` bytes from
+    the caching allocator for the duration of ``mha_graph->execute``, while dq, dk, dv are live. The
+    graph's SDPA backward node (cudnn-frontend ``include/cudnn_frontend/node/sdpa.h``,
+    ``CompositeSDPABackwardNode``: ``expand_node`` and ``get_fe_workspace_size_node``) puts into it,
+    for dense (non-ragged) inputs with cuDNN >= 9.0 (the only ones memguard lets take cuDNN attention):
+
+    * ``dQ_accum``: fp32 ``[b, h_q, s_q, d_qk]``, unless ``use_dp_workspace`` (dBias outputs or the
+      deterministic algorithm: torch requests neither; ``check_cudnn_deterministic`` keeps cuDNN
+      attention off under deterministic algorithms, and ``_cudnn_attention_backward`` computes no
+      dBias);
+    * ``softmax_sum``: fp32 ``[b, h_q, s_q, 1]``: non-virtual in the frontend revision read (the one
+      with sink tokens and cuDNN 9.23 knobs, as recent torch vendors); the older
+      ``SDPABackwardNode`` of earlier frontends kept it virtual from cuDNN 8.9.5, so for
+      such a build it is counted 1/d_qk of dQ_accum high.
+
+    The GQA ``dK_fullhead``/``dV_fullhead`` buffers are workspace only for ragged inputs with a
+    ``max_total_seq_len`` (nested tensors, which take the CPU path here). The cuDNN engine's own
+    plan workspace, added to this by ``Graph::get_workspace_size``, is decided by cuDNN at run time
+    and not modelled.
+    """
+    dq_accum = b * h_q * s_q * d_qk * 4
+    softmax_sum = b * h_q * s_q * 4
+    return dq_accum + softmax_sum
+
+
 class _CudnnAttention(torch.autograd.Function):
     """``_scaled_dot_product_cudnn_attention`` on CUDA (cuda/attention.cu, cudnn/MHA.cpp,
     ``_cudnn_attention_backward`` in cuda/attention_backward.cu)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, dropout_p: float, is_causal: bool, scale, compute_stats: bool):
+    def forward(ctx, q, k, v, bias, dropout_p: float, is_causal: bool, scale, compute_stats: bool,
+                cudnn_version: int = 91600):
         b, h, s_q, _ = q.shape
         d_v = v.size(-1)
+        ctx.cudnn_version = cudnn_version
 
         def kernel() -> tuple:
             # alloc_with_matching_layout (cudnn/MHA.cpp): the output's dims are laid out in the order
@@ -631,12 +682,16 @@ class _CudnnAttention(torch.autograd.Function):
     @_kernel_body
     def backward(ctx, grad_out):
         q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
-        dout = grad_out
-        if grad_out.stride() != out.stride():  # run_cudnn_SDP_bprop: dO takes o's layout (a copy)
-            dout = torch.empty_like(out).copy_(grad_out)
+        # _cudnn_attention_backward (cuda/attention_backward.cu) allocates dq, dk, dv like q, k, v and
+        # calls run_cudnn_SDP_bprop (cudnn/MHA.cpp), which makes dO_ and the graph's workspace
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        del dout
-        return dq, dk, dv, None, None, None, None, None
+        dout = grad_out
+        if _cudnn_bprop_copies_grad(grad_out, out, ctx.cudnn_version):
+            dout = torch.empty_like(out).copy_(grad_out)  # permute_to_matching_layout: o's layout
+        b, h, s_q, d_qk = q.shape
+        workspace = _empty((cudnn_sdpa_backward_workspace_bytes(b, h, s_q, d_qk),), torch.uint8, q)
+        del workspace, dout
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, upcast: bool):
@@ -730,7 +785,8 @@ def sdpa_rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> 
         bias = _efficient_bias(_float_mask(mask, q.dtype), q, k)  # heads are equal here (no GQA)
         return _EfficientAttention.apply(q, k, v, bias, dropout_p, is_causal, scale, grad, tuple(target.capability))
     if backend == "cudnn":
-        return _CudnnAttention.apply(q, k, v, _float_mask(mask, q.dtype), dropout_p, is_causal, scale, grad)
+        return _CudnnAttention.apply(q, k, v, _float_mask(mask, q.dtype), dropout_p, is_causal, scale, grad,
+                                     target.cudnn_version)
     # the fp32 upcast of 16-bit inputs came with allow_fp16_bf16_reduction_math_sdp in torch 2.5
     upcast = target.torch_version >= (2, 5) and not settings.math_reduced_precision
     return _math_attention(q, k, v, mask, dropout_p, is_causal, scale, gqa, upcast=upcast)

@@ -40,7 +40,8 @@ class CudaTarget:
             weight gradients, :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`);
             None when unknown (the SM-dependent paths are then not modelled).
         conv_workspace_bytes: a bound on each cuDNN convolution workspace, or None to read
-            ``CUDNN_CONV_WSCAP_DBG`` (see :func:`memguard.estimator._cuda_rules.conv_workspace_cap_bytes`).
+            ``CUDNN_CONV_WSCAP_DBG`` (see :func:`memguard.estimator._cuda_rules.conv_workspace_cap_bytes`);
+            it bounds ``Estimate.peak_upper_bytes`` (:func:`memguard.estimator._unmodelled.conv_workspace`).
         cuda_version: the CUDA toolkit of the target's torch build ``(major, minor)``; None on ROCm.
         cudnn_version: ``torch.backends.cudnn.version()`` of that build (e.g. 91002); None when
             unknown or on ROCm (cuDNN attention is then never chosen).

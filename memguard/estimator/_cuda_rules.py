@@ -25,8 +25,10 @@ What the CPU trace records instead, and why each rule exists:
   (``cuda/Embedding.cu``, ``cuda/EmbeddingBackwardKernel.cu``) sorts the indices for more than
   3072 of them and keeps sorted and original indices, segment offsets and fp32 partial sums of
   ``(n/10 + min(n, V)) x D`` during the backward.
-* convolutions: cuDNN workspaces are invisible to any trace; with a cap (``CUDNN_CONV_WSCAP_DBG``)
-  the cap bounds every forward and backward workspace and the rule allocates it.
+* convolutions have no rule: their cuDNN workspaces are the execution plan's choice, which no trace
+  can know; :mod:`memguard.estimator._unmodelled` names them and, under a cap
+  (``CUDNN_CONV_WSCAP_DBG``, :func:`conv_workspace_cap_bytes`), bounds them in
+  ``Estimate.peak_upper_bytes``.
 
 Cross-entropy needs no rule of its own: ``cross_entropy`` is composite (``LossNLL.cpp``:
 ``log_softmax`` then ``nll_loss``), the same on both devices, and CUDA's ``nll_loss`` kernels
@@ -38,8 +40,8 @@ Optimizers need none either, only the path torch.optim would choose on CUDA; see
 Known limitations:
     Memory a CUDA library allocates through the caching allocator without a tensor is not
     modelled where its size is decided at run time: CUB's temporary storage in the embedding
-    backward's radix sort and segment scans, cuDNN convolution workspaces without a cap, and the
-    cuDNN RNN reserve space. Batch and group norm keep per-channel (``[C]``) or per-group
+    backward's radix sort and segment scans, cuDNN convolution workspaces (bounded only under a
+    cap), and the cuDNN RNN reserve space: :mod:`memguard.estimator._unmodelled` lists them. Batch and group norm keep per-channel (``[C]``) or per-group
     (``[N, G]``) statistics on both devices and have no rule; their CUDA backwards' ``[N, C]``
     accumulate-type scratch (cuda/group_norm_kernel.cu) is not modelled.
     ``benchmarks/gpu_kernels.py`` measures each of these next to the model on a real GPU.
@@ -477,7 +479,7 @@ def embedding(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> 
 
 
 # --------------------------------------------------------------------------------------------
-# Convolutions: cuDNN workspace under a cap
+# Convolutions: the cuDNN workspace cap (the workspaces are listed by _unmodelled)
 # --------------------------------------------------------------------------------------------
 
 
@@ -485,9 +487,10 @@ def conv_workspace_cap_bytes(target: CudaTarget) -> int | None:
     """The cuDNN convolution workspace bound in bytes, or None when there is none.
 
     ``CudaTarget.conv_workspace_bytes`` when set, else the ``CUDNN_CONV_WSCAP_DBG`` environment
-    variable (MiB; "CUDA environment variables" in the PyTorch docs: cuDNN's workspace cap per
-    allocation, applied by cudnn/Conv_v8.cpp to the execution plans it may run). Without a cap
-    cuDNN chooses plans by speed and takes what the allocator can give; no trace can know it.
+    variable (MiB; "CUDA Environment Variables" in the PyTorch docs: "used to set the workspace
+    configuration for cuDNN per allocation", read by cuDNN itself). Without a cap cuDNN chooses
+    plans by its heuristics (or by speed under ``cudnn.benchmark``) and takes what the allocator can
+    give; no trace can know it. Read by :func:`memguard.estimator._unmodelled.conv_workspace`.
     """
     if target.conv_workspace_bytes is not None:
         return int(target.conv_workspace_bytes)
@@ -501,80 +504,6 @@ def conv_workspace_cap_bytes(target: CudaTarget) -> int | None:
                 "to e.g. 4096, or unset it"
             ) from None
     return None
-
-
-def _workspace(nbytes: int, like: torch.Tensor) -> None:
-    """Allocate and free one workspace (cudnn/Conv_v8.cpp ``run_conv_plan``: an ``at::empty`` of
-    the plan's workspace size for the duration of the call)."""
-    if nbytes > 0:
-        ws = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
-        del ws
-
-
-class _CudnnConv(torch.autograd.Function):
-    """A cuDNN convolution with its workspace at the cap: forward output plus a transient
-    workspace; backward (``convolution_backward``) gradients, then a transient workspace while
-    they are live (cuDNN computes ``grad_weight`` after ``grad_input``, each with a workspace).
-    Autograd keeps input and weight (derivatives.yaml ``convolution``)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, transposed, output_padding, cap):
-        out = torch.ops.aten.convolution.default(x, weight, bias, stride, padding, dilation, transposed,
-                                                 output_padding, groups)
-        _workspace(cap, out)
-        ctx.save_for_backward(x, weight)
-        ctx.conf = (bias is not None, list(bias.shape) if bias is not None else None, stride, padding, dilation,
-                    groups, transposed, output_padding, cap)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        has_bias, bias_sizes, stride, padding, dilation, groups, transposed, output_padding, cap = ctx.conf
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
-        gi, gw, gb = torch.ops.aten.convolution_backward.default(
-            grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask)
-        _workspace(cap, grad)
-        return gi, gw, gb, None, None, None, None, None, None, None
-
-
-def _conv_rule(nd: int, transposed: bool):
-    def rule(target: CudaTarget, func: Callable, args: tuple, kwargs: dict) -> Any:
-        cap = conv_workspace_cap_bytes(target)
-        x = args[0] if args else kwargs.get("input")
-        weight = _arg(args, kwargs, 1, "weight", None)
-        bias = _arg(args, kwargs, 2, "bias", None)
-        if transposed:
-            stride = _arg(args, kwargs, 3, "stride", 1)
-            padding = _arg(args, kwargs, 4, "padding", 0)
-            output_padding = _arg(args, kwargs, 5, "output_padding", 0)
-            groups = _arg(args, kwargs, 6, "groups", 1)
-            dilation = _arg(args, kwargs, 7, "dilation", 1)
-        else:
-            stride = _arg(args, kwargs, 3, "stride", 1)
-            padding = _arg(args, kwargs, 4, "padding", 0)
-            dilation = _arg(args, kwargs, 5, "dilation", 1)
-            groups = _arg(args, kwargs, 6, "groups", 1)
-            output_padding = 0
-        if (
-            not cap or isinstance(padding, str) or not isinstance(x, torch.Tensor)
-            or not isinstance(weight, torch.Tensor) or x.dim() != nd + 2
-        ):
-            return func(*args, **kwargs)
-
-        def vec(v):
-            return [int(v)] * nd if isinstance(v, int) else [int(i) for i in v]
-
-        return _CudnnConv.apply(x, weight, bias, vec(stride), vec(padding), vec(dilation), int(groups), transposed,
-                                vec(output_padding), cap)
-
-    return rule
-
-
-for _nd, _f in ((1, F.conv1d), (2, F.conv2d), (3, F.conv3d)):
-    cuda_rule(_f)(_conv_rule(_nd, False))
-for _nd, _f in ((1, F.conv_transpose1d), (2, F.conv_transpose2d), (3, F.conv_transpose3d)):
-    cuda_rule(_f)(_conv_rule(_nd, True))
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,6 +18,19 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   (``cudnnGetRNNTempSpaceSizes``); ``_cudnn_rnn_backward`` takes another workspace. No bound
   follows from the shapes in PyTorch's source: **unbounded**. (The trace records the CPU's
   per-step activations in place of the reserve.)
+* **cuDNN convolution workspaces** (``F.conv1d/2d/3d``, ``F.conv_transpose1d/2d/3d``, so every
+  ``nn.Conv*``): ``native/cudnn/Conv_v8.cpp`` ``run_conv_plan`` requests the chosen execution plan's
+  ``getWorkspaceSize()`` bytes from the caching allocator for each forward, backward-data and
+  backward-filter call and frees them on return; which plan runs is cuDNN's heuristic choice
+  (``get_configs_from_heuristics``), or, under ``torch.backends.cudnn.benchmark``, the fastest of a
+  timed search whose shared workspace is the largest candidate's up to the largest free block
+  (:func:`cudnn_benchmark_workspace_bytes`). No bound follows from the shapes: **unbounded**, unless
+  a cap is set (``CUDNN_CONV_WSCAP_DBG``, or ``CudaTarget.conv_workspace_bytes``), which then bounds
+  each call's workspace (:func:`conv_workspace`). A plan whose workspace the allocator cannot give
+  is skipped for the next (``try_configs``/``try_plans`` catch ``OutOfMemoryError``; Conv_v7.cpp's
+  ``AlgoIterator::try_all`` likewise), so the workspace is memory cuDNN takes when it is free; it
+  shows in ``max_memory_reserved``, and pytorch#49207 (a request for a workspace limit) reports
+  out-of-memory errors caused by large heuristic workspaces nonetheless.
 * **Sort** (``torch.sort``/``argsort``/``msort`` and their methods) along a dimension longer
   than 4096: ``native/cuda/Sort.h`` ``should_use_small_sort`` (``size(dim) <= 4096``) takes the
   in-place bitonic sort (no extra memory); longer ones take ``native/cuda/Sort.cu``
@@ -37,6 +50,11 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   and ``c2``, ``c3`` (``[N, G]``), all in the accumulate type, for a contiguous input; no rule
   allocates them (:func:`group_norm_backward_bytes`). Its channels-last path allocates more,
   not read here: **unbounded** for channels-last inputs.
+* **CUB scans of ``cumsum``/``cumprod``** over a tensor that is a single scan (1-D, or every other
+  dimension of size 1): ``native/cuda/ScanUtils.cuh`` ``scan_dim`` calls ``cuda::cub::inclusive_scan``
+  (:func:`scan_workspace_bytes`); other shapes run ATen's block scans, which allocate nothing. Under
+  deterministic algorithms newer releases take ``inclusive_deterministic_scan`` for floating sums,
+  not read: **unbounded** there.
 * **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True``, and the backward of ``x[index]``
   with integer index tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear
   indices with CUB and keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
@@ -52,7 +70,8 @@ pass (256 digits), a onesweep tile of at least 256 items (every CUB tuning polic
 512 threads times several items per thread; an assumption, not checked per GPU), a scan tile of
 at least one item.
 
-Not listed, and why: ``nonzero``, ``unique``, boolean masking and other ops whose output size
+Not listed, and why: convolutions with ``torch.backends.cudnn.enabled = False`` run ATen's own CUDA
+kernels (``slow_conv2d``'s im2col ``columns`` and the like), not read here; ``nonzero``, ``unique``, boolean masking and other ops whose output size
 depends on values cannot run on fake tensors, so no estimate contains them; ``cross_entropy`` /
 ``nll_loss`` allocate on CUDA what their meta kernels do (see :mod:`memguard.estimator._cuda_rules`).
 Not bounded yet (so not listed, and not in the bound): the global staging buffer and semaphores of
@@ -60,7 +79,6 @@ Not bounded yet (so not listed, and not in the bound): the global staging buffer
 ``element_size * num_outputs * ctas_per_output``, times ``block.x`` without a block-x reduction, where
 ``setReduceConfig`` chooses ``ctas_per_output = max(min(ceil(target_grid / grid), ceil(values_per_thread
 / 16)), ceil(values_per_thread / 256))`` from the block shape and the SM count: read, not replayed),
-CUB scans of ``cumsum``/``cumprod``,
 ``topk``'s radix-select buffers and the sort of its results, and ``scatter``/``index_put_`` under
 ``torch.use_deterministic_algorithms`` (their copies of ``value`` and ``self``, and which calls then sort).
 """
@@ -93,6 +111,7 @@ class Unmodelled:
             no bound exists (``bound_bytes`` is then None).
         bounded: False where no bound follows from the shapes.
         source: the PyTorch (or CUB) source that allocates it.
+        detail: what else the user should know about it (e.g. how to bound it); may be empty.
     """
 
     mechanism: str
@@ -100,6 +119,7 @@ class Unmodelled:
     allocations: tuple[int, ...]
     bounded: bool
     source: str
+    detail: str = ""
 
     @property
     def bound_bytes(self) -> int | None:
@@ -222,6 +242,117 @@ def rnn(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
     library = "MIOpen" if target.vendor == "amd" else "cuDNN"
     return [Unmodelled(f"{library} RNN workspace and reserve space", f"RNN layer on input {_shape(x)}", (), False,
                        _RNN_SOURCE)]
+
+
+# --------------------------------------------------------------------------------------------
+# cuDNN convolution workspaces
+# --------------------------------------------------------------------------------------------
+
+#: native/cudnn/Conv_v7.cpp ``allocate_workspace`` and Conv_v8.cpp ``generate_and_filter_plans``
+#: (``TORCH_CHECK_WITH(OutOfMemoryError, ... < 1_TiB, "Not enough memory for workspace!")``): a
+#: workspace of 1 TiB or more is refused as an out-of-memory error (cuDNN sometimes reports sizes
+#: near 2**63).
+CUDNN_WORKSPACE_REFUSED = 1 << 40
+
+
+def cache_info_largest(free_device_bytes: int, largest_cached_free_block: int) -> int:
+    """What ``CUDACachingAllocator::cacheInfo`` reports as the largest block a workspace may take:
+    c10/cuda/CUDACachingAllocator.cpp starts from ``cudaMemGetInfo``'s free memory ("an optimistic
+    initial guess of *largest") and raises it to any larger free cached block (``cache_info_aux``)."""
+    return max(int(free_device_bytes), int(largest_cached_free_block))
+
+
+def cudnn_benchmark_workspace_bytes(candidates: Iterable[int], max_block_size: int,
+                                    allocatable: int | None = None, api: str = "v8") -> int:
+    """The workspace ``torch.backends.cudnn.benchmark`` allocates for one convolution's plan search.
+
+    ``api="v8"`` (the default path from torch 2.0; ``TORCH_CUDNN_V8_API_DISABLED=1`` takes v7):
+    native/cudnn/Conv_v8.cpp ``generate_and_filter_plans`` keeps the plans whose workspace is at most
+    ``max_block_size`` (:func:`cache_info_largest`), allocates the largest of them, and halves the
+    size on each out-of-memory error until an allocation succeeds (``allocatable``: the most the
+    allocator can give; None: all of it); the timed plans share that one block, freed when
+    ``get_plans_from_find`` returns. ``api="v7"``: Conv_v7.cpp ``getMaxWorkspaceSize`` takes the
+    largest nonzero candidate not above ``max_block_size`` and ``findAlgorithms`` allocates it
+    (then ``emptyCache()``: "the above benchmarking uses a huge amount of memory, e.g. a few GBs").
+
+    Raises:
+        ValueError: ``api`` is neither ``"v8"`` nor ``"v7"``.
+        MemoryError: the chosen size is 1 TiB or more (:data:`CUDNN_WORKSPACE_REFUSED`), which torch
+            reports as an out-of-memory error.
+    """
+    if api not in ("v8", "v7"):
+        raise ValueError(f"api={api!r}: the cuDNN convolution paths are 'v8' and 'v7'")
+    sizes = [int(c) for c in candidates if int(c) <= max_block_size and (api == "v8" or int(c) > 0)]
+    size = max(sizes, default=0)
+    if size >= CUDNN_WORKSPACE_REFUSED:
+        raise MemoryError("Not enough memory for workspace!")
+    if api == "v8" and allocatable is not None:
+        while size and size > allocatable:
+            size //= 2
+    return size
+
+
+def _cudnn_conv_phases(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ...]:
+    """The cuDNN calls one convolution makes: the forward, and in backward
+    (``cudnn_convolution_backward`` in native/cudnn/ConvShared.cpp) the data gradient when the
+    input needs one and the filter gradient when the weight does; each takes its own workspace."""
+    phases = ["forward"]
+    if _backward_runs(x):
+        phases.append("backward data")
+    if _backward_runs(weight):
+        phases.append("backward filter")
+    return tuple(phases)
+
+
+def conv_workspace(target: CudaTarget, name: str, x: Any, weight: Any) -> list[Unmodelled]:
+    """The workspace entry of one convolution call ``name`` (``"conv2d"``, ``"conv_transpose2d"``, ...).
+
+    The forward and backward calls each hold one workspace, freed before the next starts, so the
+    worst moment of the call holds one. With a cap (:func:`memguard.estimator._cuda_rules.conv_workspace_cap_bytes`)
+    that one is at most the cap, also during a ``cudnn.benchmark`` search (its candidates are the
+    capped plans: :func:`cudnn_benchmark_workspace_bytes`); without one it is unbounded. The entry
+    is named by the function and its calls, not by shapes: the bound does not depend on them.
+    """
+    from memguard.estimator._cuda_rules import conv_workspace_cap_bytes
+
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return []
+    benchmark = bool(torch.backends.cudnn.benchmark)
+    op = f"{name} ({', '.join(_cudnn_conv_phases(x, weight))})"
+    if target.vendor == "amd":
+        return [Unmodelled("MIOpen convolution workspace", op, (), False,
+                           "aten/src/ATen/native/miopen/Conv_miopen.cpp (MIOpen's find and workspace; not read here)")]
+    if not torch.backends.cudnn.enabled:
+        return []  # ATen's own CUDA convolutions (slow_conv2d and friends): not listed, see the module docstring
+    cap = conv_workspace_cap_bytes(target)
+    mechanism = "cuDNN convolution workspace" + (" and cudnn.benchmark's plan search" if benchmark else "")
+    source = ("aten/src/ATen/native/cudnn/Conv_v8.cpp run_conv_plan: the plan's workspace per call; "
+              + ("get_plans_from_find/generate_and_filter_plans: the largest candidate up to the largest free block"
+                 if benchmark else "get_configs_from_heuristics/try_configs: cuDNN's heuristic order"))
+    if cap is not None:
+        return [Unmodelled(mechanism, op, (cap,), True, source + "; capped by CUDNN_CONV_WSCAP_DBG")]
+    detail = ("cuDNN skips a plan whose workspace the allocator cannot give (try_configs catches OutOfMemoryError), "
+              "so it takes what is free, and the freed block stays cached (reserved) after the call; pytorch#49207 "
+              "reports out-of-memory errors traced to large heuristic workspaces all the same"
+              + ("; under cudnn.benchmark the first step's search takes up to all free memory" if benchmark else "")
+              + "; set CUDNN_CONV_WSCAP_DBG (MiB) to bound it")
+    return [Unmodelled(mechanism, op, (), False, source, detail)]
+
+
+def _conv_finder(name: str) -> Finder:
+    def finder(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+        x = args[0] if args else kwargs.get("input")
+        return conv_workspace(target, name, x, _arg(args, kwargs, 1, "weight", None))
+
+    finder.__name__ = f"{name}_workspace"
+    finder.__doc__ = f"``F.{name}``: cuDNN's workspace for its forward and backward calls (:func:`conv_workspace`)."
+    return finder
+
+
+for _name, _f in (("conv1d", F.conv1d), ("conv2d", F.conv2d), ("conv3d", F.conv3d),
+                  ("conv_transpose1d", F.conv_transpose1d), ("conv_transpose2d", F.conv_transpose2d),
+                  ("conv_transpose3d", F.conv_transpose3d)):
+    unmodelled(_f)(_conv_finder(_name))
 
 
 # --------------------------------------------------------------------------------------------
@@ -509,6 +640,60 @@ def group_norm(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled
                        True, source)]
 
 
+# --------------------------------------------------------------------------------------------
+# cumsum / cumprod: CUB's single-pass scan
+# --------------------------------------------------------------------------------------------
+
+
+def scan_workspace_bytes(numel: int, scan_len: int, value_bytes: int, contiguous: bool = True) -> tuple[int, ...]:
+    """What CUDA's ``cumsum``/``cumprod`` allocate beyond their output at their largest moment.
+
+    native/cuda/ScanUtils.cuh ``scan_dim``: ``self.expect_contiguous()`` (a dense copy of a
+    non-contiguous input), then, when the whole tensor is one scan (``self.numel() ==
+    self.size(dim)``), ``cuda::cub::inclusive_scan``, whose CUB temporary storage CUB_WRAPPER
+    (cuda/cub.cuh) takes from the caching allocator (:func:`cub_scan_bytes`); any other shape runs
+    ATen's own block-scan kernels (``scan_innermost_dim``/``scan_outer_dim``), which allocate nothing.
+    """
+    copies = (numel * value_bytes,) if not contiguous else ()
+    if numel == 0 or numel != scan_len:
+        return copies
+    return copies + (cub_scan_bytes(numel, value_bytes),)
+
+
+def _scan_entry(what: str, target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    x = args[0] if args else kwargs.get("input")
+    dim = _arg(args, kwargs, 1, "dim", None)
+    if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or x.dim() == 0 or x.is_sparse:
+        return []
+    dtype = _arg(args, kwargs, 2, "dtype", None) or x.dtype
+    value_bytes = max(x.element_size(), dtype.itemsize)
+    scan_len = int(x.shape[dim % x.dim()])
+    source = "aten/src/ATen/native/cuda/ScanUtils.cuh scan_dim; cub/agent/single_pass_scan_operators.cuh"
+    op = f"{what} of {_shape(x)} along dim {dim % x.dim()}" + (" and its backward" if _backward_runs(x) else "")
+    if x.numel() == scan_len and torch.are_deterministic_algorithms_enabled() and (
+            x.is_floating_point() or x.is_complex()):
+        # newer ScanUtils.cuh: cuda::cub::inclusive_deterministic_scan for floating sums, not read here
+        return [Unmodelled("CUB deterministic scan temporary storage", op, (), False, source)]
+    allocs = scan_workspace_bytes(x.numel(), scan_len, value_bytes, x.is_contiguous())
+    if not allocs:
+        return []
+    # the backward (derivatives.yaml: a cumsum of the flipped gradient, for cumprod inside
+    # cumprod_backward) scans the same number of items: the same bound, at another moment
+    return [Unmodelled("CUB scan temporary storage", op, allocs, True, source)]
+
+
+@unmodelled(torch.cumsum, torch._C.TensorBase.cumsum)
+def cumsum(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``torch.cumsum``/``Tensor.cumsum``: CUB's scan when the tensor is one scan."""
+    return _scan_entry("cumsum", target, args, kwargs)
+
+
+@unmodelled(torch.cumprod, torch._C.TensorBase.cumprod)
+def cumprod(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
+    """``torch.cumprod``/``Tensor.cumprod``: CUB's scan when the tensor is one scan."""
+    return _scan_entry("cumprod", target, args, kwargs)
+
+
 class UnmodelledFinder(TorchFunctionMode):
     """Collect the :data:`~memguard.estimator._cuda_kernels.UNMODELLED` entries of every call, and run
     each call unchanged: the CUDA target traced on fake CUDA tensors (a GPU is present), where no
@@ -581,10 +766,12 @@ def upper_bound(entries: Iterable[Unmodelled], config: Any = None) -> UpperBound
         if not e.bounded:
             unbounded.append(f"{mechanism}: {op}")
             notes.append(f"not modelled: {mechanism} of {op}{times}, unbounded (sized by the library at run "
-                         f"time; {e.source}); peak_upper_bytes does not include it")
+                         f"time; {e.source}); peak_upper_bytes does not include it"
+                         + (f". {e.detail}" if e.detail else ""))
             continue
         reserved = sum(segment_size(round_size(a, config), config) for a in e.allocations if a)
         extra = max(extra, reserved)
         notes.append(f"not modelled: {mechanism} of {op}{times}, at most {format_bytes(e.bound_bytes)} requested "
-                     f"({format_bytes(reserved)} of new segments) while it runs ({e.source}); in peak_upper_bytes")
+                     f"({format_bytes(reserved)} of new segments) while it runs ({e.source}); in peak_upper_bytes"
+                     + (f". {e.detail}" if e.detail else ""))
     return UpperBound(extra, tuple(notes), tuple(unbounded))

@@ -331,6 +331,48 @@ def test_cudnn_bytes():
     bhsd = b * h * s * d * 2
     assert fwd == Counter([bhsd, b * h * s * 4, 8, 8])
     assert Counter([bhsd] * 3) - bwd == Counter()
+    # run_cudnn_SDP_bprop's workspace (cudnn-frontend CompositeSDPABackwardNode): fp32 dQ_accum
+    # [b, h, s, d] plus fp32 softmax_sum [b, h, s, 1], one caching-allocator block, after dq, dk, dv
+    assert bwd[b * h * s * d * 4 + b * h * s * 4] == 1
+
+
+def test_cudnn_backward_workspace_is_live_with_the_gradients():
+    # the workspace is requested while dq, dk and dv exist: the backward's peak holds all four
+    b, h, s, d = 2, 4, 128, 64
+    gc.disable()
+    try:
+        with FakeTensorMode():
+            q, k, v = (torch.empty(b, h, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            trace = Trace()
+            with Recorder(trace) as rec, CudaKernelModel(CudaTarget(H100, cuda_version=(12, 8), cudnn_version=91600)):
+                for t in (q, k, v):
+                    rec.register(t, "inputs")
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.125)
+                grad = torch.empty_like(out)
+                rec.register(grad, "inputs")
+                start = len(trace.events)
+                out.backward(grad)
+        walk, peak = 0, 0
+        for _, n in trace.events[start:]:
+            walk += n
+            peak = max(peak, walk)
+        bhsd = b * h * s * d * 2
+        assert peak >= 3 * bhsd + ca.cudnn_sdpa_backward_workspace_bytes(b, h, s, d)
+    finally:
+        gc.enable()
+
+
+def test_cudnn_backward_copies_grad_out_by_the_cudnn_version():
+    # run_cudnn_SDP_bprop: cuDNN < 9.5.1 needs dO with o's strides; from 9.5.1 only a non-unit
+    # innermost stride forces the copy (permute_to_matching_layout)
+    out = torch.empty(2, 4, 8, 16).transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] memory
+    same = torch.empty_strided(out.shape, out.stride())
+    other_layout = torch.empty(2, 4, 8, 16)  # contiguous [B, H, S, D]: strides differ, innermost 1
+    strided = torch.empty(2, 4, 16, 8).transpose(-1, -2)  # innermost stride 8
+    assert not ca._cudnn_bprop_copies_grad(same, out, 90400)
+    assert ca._cudnn_bprop_copies_grad(other_layout, out, 90400)
+    assert not ca._cudnn_bprop_copies_grad(other_layout, out, 90501)
+    assert ca._cudnn_bprop_copies_grad(strided, out, 90501)
 
 
 def test_math_upcast_follows_the_torch_version():
@@ -627,3 +669,15 @@ def test_checkpointed_flash_attention_frees_what_it_saved(save_ops):
     _, live, _ = _sac_attention(save_ops, b=b, h=h, s=s, d=d, end=True)
     bhsd = b * h * s * d * 2
     assert live == Counter({bhsd: 2, (h * d) * (3 * h * d) * 2: 1, (h * d) * (h * d) * 2: 1})
+
+
+def test_cudnn_preference_can_be_turned_off(monkeypatch):
+    # check_prefer_cudnn_attention: check_env("TORCH_CUDNN_SDPA_DEPRIORITIZED") != true; check_env
+    # (c10/util/env.cpp) reads only "1" as true
+    target = CudaTarget(H100, cuda_version=(13, 0), cudnn_version=92000)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    assert ca._prefer_cudnn(target, 92000, 13)
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "true")  # not "1": ignored, with a warning
+    assert ca._prefer_cudnn(target, 92000, 13)
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert not ca._prefer_cudnn(target, 92000, 13)

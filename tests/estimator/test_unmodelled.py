@@ -21,16 +21,19 @@ from memguard.estimator._cuda_rules import layer_norm_partial_rows
 from memguard.estimator._trace import load_rules
 from memguard.estimator._unmodelled import (
     Unmodelled,
+    cache_info_largest,
     cub_radix_sort_bytes,
+    cudnn_benchmark_workspace_bytes,
     cub_scan_bytes,
     embedding_backward_workspace_bytes,
     group_norm_backward_bytes,
     layer_norm_partial_bytes,
+    scan_workspace_bytes,
     sort_workspace_bytes,
     upper_bound,
 )
 
-KiB, MiB = 1 << 10, 1 << 20
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 load_rules()
 
@@ -278,3 +281,139 @@ def test_advanced_indexing_reports_its_backward_sort():
         torch.zeros(5).index_put_((torch.tensor([0, 1]),), torch.ones(2), accumulate=True)
         torch.zeros(5).index_put_((torch.tensor([0, 1]),), torch.ones(2))  # no accumulate: no sort
     assert [e.allocations for e in finder.unmodelled] == [index_put_sort_bytes(64), index_put_sort_bytes(2)]
+
+
+# --------------------------------------------------------------------------------------------
+# cuDNN convolution workspaces
+# --------------------------------------------------------------------------------------------
+
+
+def test_cache_info_reports_free_memory_or_a_larger_cached_block():
+    # CUDACachingAllocator::cacheInfo: cudaMemGetInfo's free memory first, then any larger free cached block
+    assert cache_info_largest(3 * GiB, 1 * GiB) == 3 * GiB
+    assert cache_info_largest(512 * MiB, 2 * GiB) == 2 * GiB
+
+
+@pytest.mark.parametrize(
+    "candidates, max_block, allocatable, api, expected",
+    [
+        # Conv_v8.cpp generate_and_filter_plans: plans up to the largest block (2 GiB) are kept; the
+        # largest kept one (700 MiB) is allocated; the 5 GiB plan is dropped
+        ([0, 3 * MiB, 700 * MiB, 5 * GiB], 2 * GiB, None, "v8", 700 * MiB),
+        # ... and halved on each OOM while the allocator cannot give it: 700 -> 350 -> 175 MiB
+        ([0, 3 * MiB, 700 * MiB, 5 * GiB], 2 * GiB, 200 * MiB, "v8", 175 * MiB),
+        # a plan exactly at the largest block is kept (curr_workspace_size <= max_block_size)
+        ([2 * GiB], 2 * GiB, None, "v8", 2 * GiB),
+        # Conv_v7.cpp getMaxWorkspaceSize: zero and larger-than-block sizes are skipped, the largest left taken
+        ([0, 64 * MiB, 96 * MiB, 4 * GiB], 1 * GiB, None, "v7", 96 * MiB),
+        # no workspace wanted by any candidate: nothing allocated
+        ([0, 0], 1 * GiB, None, "v7", 0),
+        # under CUDNN_CONV_WSCAP_DBG=64 every candidate is at most the cap: the search takes at most the cap
+        ([0, 16 * MiB, 64 * MiB], 8 * GiB, None, "v8", 64 * MiB),
+    ],
+)
+def test_benchmark_search_workspace_follows_torchs_rule(candidates, max_block, allocatable, api, expected):
+    assert cudnn_benchmark_workspace_bytes(candidates, max_block, allocatable, api) == expected
+
+
+def test_benchmark_search_refuses_a_workspace_of_a_tebibyte():
+    # allocate_workspace / generate_and_filter_plans: "Not enough memory for workspace!" at >= 1 TiB
+    with pytest.raises(MemoryError):
+        cudnn_benchmark_workspace_bytes([1 << 40], 1 << 41)
+    with pytest.raises(ValueError):
+        cudnn_benchmark_workspace_bytes([MiB], GiB, api="v6")
+
+
+def test_conv_entry_names_each_cudnn_call_and_is_unbounded_without_a_cap(monkeypatch):
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
+    x, w = _fake(2, 3, 8, 8, grad=True), _fake(4, 3, 3, 3, grad=True)
+    (entry,) = UNMODELLED[F.conv2d](CudaTarget(), (x, w), {"padding": 1})
+    assert entry.op == "conv2d (forward, backward data, backward filter)"
+    assert not entry.bounded and entry.bound_bytes is None and "cuDNN convolution" in entry.mechanism
+    assert "CUDNN_CONV_WSCAP_DBG" in entry.detail and "OutOfMemoryError" in entry.detail
+    # a frozen first layer: the input needs no gradient, so no backward-data call
+    (first,) = UNMODELLED[F.conv2d](CudaTarget(), (_fake(2, 3, 8, 8), w), {})
+    assert first.op == "conv2d (forward, backward filter)"
+    with torch.no_grad():  # evaluation: the forward alone
+        (fwd,) = UNMODELLED[F.conv_transpose2d](CudaTarget(), (x, _fake(3, 4, 3, 3, grad=True)), {})
+    assert fwd.op == "conv_transpose2d (forward)"
+
+
+def test_conv_entry_is_bounded_by_the_cap(monkeypatch):
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
+    x, w = _fake(2, 3, 8, 8, grad=True), _fake(4, 3, 3, 3, grad=True)
+    (entry,) = UNMODELLED[F.conv2d](CudaTarget(conv_workspace_bytes=32 * MiB), (x, w), {})
+    assert entry.bounded and entry.allocations == (32 * MiB,)  # one workspace live at a time
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "64")
+    (entry,) = UNMODELLED[F.conv3d](CudaTarget(), (_fake(1, 3, 4, 8, 8, grad=True), _fake(4, 3, 3, 3, 3)), {})
+    assert entry.allocations == (64 * MiB,)
+
+
+def test_conv_entry_follows_the_cudnn_flags(monkeypatch):
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
+    x, w = _fake(2, 3, 8, 8, grad=True), _fake(4, 3, 3, 3, grad=True)
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True):
+        (entry,) = UNMODELLED[F.conv2d](CudaTarget(), (x, w), {})
+    assert "cudnn.benchmark" in entry.mechanism and "up to all free memory" in entry.detail
+    with torch.backends.cudnn.flags(enabled=False):  # ATen's own kernels: not cuDNN's workspace
+        assert UNMODELLED[F.conv2d](CudaTarget(), (x, w), {}) == []
+    (miopen,) = UNMODELLED[F.conv2d](CudaTarget(vendor="amd"), (x, w), {})
+    assert "MIOpen" in miopen.mechanism and not miopen.bounded
+
+
+class TinyConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.c2(self.c1(x).relu()).mean((2, 3)))
+
+
+def test_estimate_lists_conv_workspaces_and_bounds_them_only_under_a_cap(monkeypatch):
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
+    x = torch.randn(8, 3, 32, 32)
+
+    def loss(m, b):
+        return m(b).sum()
+
+    free = memguard.estimate(TinyConvNet(), x, loss_fn=loss, device="cuda", gpu="A100-80GB")
+    # the first layer's input needs no gradient (no backward-data call), the second's does
+    assert free.unbounded_workspaces == ("cuDNN convolution workspace: conv2d (forward, backward filter)",
+                                         "cuDNN convolution workspace: conv2d (forward, backward data, backward filter)")
+    assert free.peak_upper_bytes == free.peak_bytes
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "64")
+    capped = memguard.estimate(TinyConvNet(), x, loss_fn=loss, device="cuda", gpu="A100-80GB")
+    assert capped.peak_bytes == free.peak_bytes  # the cap is a bound, not a model: not in the point estimate
+    # 64 MiB is a large request (> 10 MiB): rounded to 2 MiB, one segment of its own
+    assert capped.peak_upper_bytes == capped.peak_bytes + 64 * MiB
+    assert capped.unbounded_workspaces == ()
+
+
+# --------------------------------------------------------------------------------------------
+# cumsum / cumprod
+# --------------------------------------------------------------------------------------------
+
+
+def test_scan_bound_only_for_a_single_scan():
+    # ScanUtils.cuh scan_dim: one scan over the whole tensor -> cuda::cub::inclusive_scan; its tile
+    # status (n + 32) x 16 B, 256-aligned, plus the 8-byte grid word aligned to 256
+    n = 100_000
+    assert scan_workspace_bytes(n, n, 4) == (-(-(n + 32) * 16 // 256) * 256 + 256,)
+    assert scan_workspace_bytes(8 * 1000, 1000, 4) == ()  # rows: ATen's block scan, no temporaries
+    assert scan_workspace_bytes(8 * 1000, 1000, 4, contiguous=False) == (8 * 1000 * 4,)  # expect_contiguous
+
+
+def test_cumsum_reports_the_cub_scan():
+    (entry,) = UNMODELLED[torch.cumsum](CudaTarget(), (_fake(100_000, grad=True), 0), {})
+    assert entry.bounded and entry.allocations == scan_workspace_bytes(100_000, 100_000, 4)
+    assert "and its backward" in entry.op
+    assert UNMODELLED[torch._C.TensorBase.cumsum](CudaTarget(), (_fake(8, 1000), -1), {}) == []
+    torch.use_deterministic_algorithms(True)
+    try:
+        (det,) = UNMODELLED[torch.cumsum](CudaTarget(), (_fake(1000), 0), {})
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not det.bounded and "deterministic" in det.mechanism
