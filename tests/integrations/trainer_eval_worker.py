@@ -23,8 +23,10 @@ trainer_worker.force_fsdp_on_cpu; the plan is an FSDP2 plan of sharding level 3)
 trainer_worker.deepspeed_config, on CPU processes through trainer_worker.deepspeed_backend_on_cpu; run with
 ``DS_ACCELERATOR=cpu``). Each rank writes ``result<rank>.json``. With ``eval_in_train``, both Trainers also
 evaluate inside ``train()`` after its step (``eval_strategy="steps"``), and the cap comes after that
-evaluation's first batch. ``eval_events`` lists what the guarded ``evaluate()`` ran on this rank, in order:
-each forward's evaluation-sample indices, and ``"RETRY"`` for each halving memguard logged.
+evaluation's first batch. With ``no_train``, neither Trainer trains: ``evaluate()`` comes first and prepares the
+model itself (``evaluation_loop``: ``accelerator.prepare``, or ``deepspeed_init`` with ``inference=True`` under
+ZeRO-3, an engine without an optimizer). ``eval_events`` lists what the guarded ``evaluate()`` ran on this rank, in
+order: each forward's evaluation-sample indices, and ``"RETRY"`` for each halving memguard logged.
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ def main() -> None:
 
     result: dict = {"error": None, "capped": False}
     plain = trainer("plain", [])
-    plain.train()
+    if not cfg.get("no_train"):
+        plain.train()
     result["plain_eval"] = plain.evaluate()
     plain_pred = plain.predict(evaluation)
     result["plain_predict"] = plain_pred.metrics
@@ -170,7 +173,8 @@ def main() -> None:
         events.append([index.get(tuple(r[:16].tolist()), -1) for r in kw["input_ids"]])
 
     guarded.model.register_forward_pre_hook(record, with_kwargs=True)
-    guarded.train()
+    if not cfg.get("no_train"):
+        guarded.train()
     result["train_micro"] = [callback.micro_batch_size, callback.oom_retries]
     if cfg.get("eval_in_train"):
         result["train_eval_forwards"] = list(seen)
