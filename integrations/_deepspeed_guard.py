@@ -388,7 +388,10 @@ def _reset_stage3_parameters(opt: Any, module: Any, fwd_stack_len: int) -> None:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.runtime.zero.partitioned_param_coordinator import ZeRoTraceMode
 
-    coord = opt.parameter_offload.get_param_coordinator()
+    # DeepSpeedZeroOptimizer_Stage3 keeps its DeepSpeedZeRoOffload as .parameter_offload (runtime/zero/stage3.py); an
+    # engine built without an optimizer (ZeRO-3 inference: the Trainer's evaluate() before train(), deepspeed_init
+    # with inference=True) has the DeepSpeedZeRoOffload itself as its optimizer (engine.py, _configure_zero_optimizer)
+    coord = getattr(opt, "parameter_offload", opt).get_param_coordinator()
     mangled = "_PartitionedParameterCoordinator__"
     # in-flight all-gathers were started by every rank (each after an agreement): wait, then release
     coord._clean_inflight_param_registry()

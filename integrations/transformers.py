@@ -402,14 +402,16 @@ class MemguardCallback(_tf.TrainerCallback):
       it (under DDP with ``average_tokens_across_devices`` it is one collective per batch on every rank,
       whatever the split), and the micro-batches' parts add up; otherwise the micro-batches' means are
       weighted by their labelled tokens. An evaluation OOM never changes the training micro-batch.
-      Under FSDP2 (``fsdp_config`` version 2) on several ranks every rank's evaluation forwards gather
+      Under FSDP2, FSDP1 and DeepSpeed ZeRO-3 on several ranks every rank's evaluation forwards gather
       parameters from the others, so the ranks split together
       (:mod:`memguard.guard._evaluate_sharded`): they agree on the micro-batch and the number of forwards
-      (a rank with fewer samples runs padding forwards, discarded), FSDP2's all-gathers run behind
-      memguard's agreements, and an OOM on any rank halves the micro-batch on every rank (logged on
-      each). Under DeepSpeed and FSDP1 (an evaluation forward gathers parameters from every rank) and with
-      ``predict_with_generate`` (outputs of different lengths) evaluation is not guarded; a warning
-      says so.
+      (a rank with fewer samples runs padding forwards, discarded), FSDP's or DeepSpeed's all-gathers run
+      behind memguard's agreements, and an OOM on any rank halves the micro-batch on every rank (logged on
+      each); after a failed forward every rank puts the gathered parameters back (FSDP1's units resharded,
+      ZeRO-3's parameters released). Under DeepSpeed ZeRO-0/1/2 an evaluation forward starts no collective
+      and each rank splits alone, as under DDP. With ``predict_with_generate`` (outputs of different
+      lengths), ZeRO-3 parameter offload, FSDP1's ``HYBRID_SHARD`` or CPU offload, evaluation is not guarded;
+      a warning says so and why.
 
     Args:
         global_batch_size: samples per optimizer step over all ranks; default: what the arguments give.
@@ -447,8 +449,8 @@ class MemguardCallback(_tf.TrainerCallback):
         OOM inside ``engine.step()`` or inside a DeepSpeed collective stops every rank with the same
         :class:`memguard.OOMRecoveryError`. Under FSDP an out-of-memory
         error inside FSDP's own collectives stops every rank with the same :class:`memguard.OOMRecoveryError`
-        (see :mod:`memguard.guard._sharded`), FSDP1's ``HYBRID_SHARD`` and ``cpu_offload`` are refused at
-        ``on_train_begin``, and evaluation is not guarded. ``training_step`` runs once per micro-batch (and
+        (see :mod:`memguard.guard._sharded`), and FSDP1's ``HYBRID_SHARD`` and ``cpu_offload`` are refused at
+        ``on_train_begin``. ``training_step`` runs once per micro-batch (and
         again on a replay), so a subclass's ``training_step`` that logs, logs per micro-batch. Without ``num_items_in_batch`` the split weights
         micro-batches by samples, which equals the Trainer's per-batch mean only when every sample has the same
         number of loss tokens. Gradient communication no longer overlaps the backward under DDP, and DDP
@@ -715,11 +717,8 @@ class MemguardCallback(_tf.TrainerCallback):
         trainer.__dict__["prediction_step"] = prediction_step
 
     def _eval_guard_refusal(self, trainer: Any, inputs: Any) -> str | None:
-        """Why this evaluation batch runs unguarded, or None."""
-        if trainer.is_deepspeed_enabled or (trainer.is_fsdp_enabled and not _is_fsdp2(trainer)):
-            return (f"under {'DeepSpeed' if trainer.is_deepspeed_enabled else 'FSDP1'} an evaluation forward may "
-                    "gather parameters from every rank, so one rank cannot split alone (under FSDP2, "
-                    "fsdp_config={'version': 2}, the ranks split together)")
+        """Why this evaluation batch runs unguarded, or None (what the model's sharding cannot guard is found by
+        :meth:`_eval_ranks`)."""
         if getattr(trainer.args, "predict_with_generate", False):
             return "predict_with_generate's outputs differ in length between micro-batches"
         try:
@@ -740,6 +739,12 @@ class MemguardCallback(_tf.TrainerCallback):
         labelled tokens. Logits and labels are joined along dim 0 (:class:`memguard.guard._evaluate._Joiner`).
         """
         refusal = self._eval_guard_refusal(trainer, inputs)
+        ranks = None
+        if refusal is None:
+            try:
+                ranks = self._eval_ranks(trainer)
+            except ConfigError as exc:  # the same on every rank (the model's configuration), before any collective
+                refusal = f"memguard cannot split this sharded model's evaluation: {exc}"
         if refusal is not None:
             if self._eval_unguarded != refusal:
                 self._eval_unguarded = refusal
@@ -782,29 +787,49 @@ class MemguardCallback(_tf.TrainerCallback):
             return batch_size(micro) if asked["sum"] else _label_tokens(trainer, micro)
 
         return split_eval(inputs, run, state=eval_status(trainer.model), weight_fn=weight,
-                          loss_only_hint=_TRAINER_LOSS_ONLY, ranks=self._eval_ranks(trainer))
+                          loss_only_hint=_TRAINER_LOSS_ONLY, ranks=ranks)
 
     def _eval_ranks(self, trainer: Any) -> Any:
-        """Under FSDP2 on several ranks, the :class:`~memguard.guard._sharded.ShardedRankGroup` the evaluation's
-        forwards run under (every rank splits, pads and halves together: each forward all-gathers parameters, in
-        ``FSDPParamGroup.pre_forward``, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py); None otherwise.
+        """The :class:`~memguard.guard._sharded.ShardedRankGroup` the evaluation's forwards run under when they start
+        collectives on several ranks (every rank then splits, pads and halves together); None when each rank splits
+        alone (one process, DDP, DeepSpeed ZeRO-0/1/2, whose forwards gather nothing).
 
-        Inside ``train()`` (evaluations at ``eval_strategy``) it is training's group, armed on every FSDP2 group of
-        the model. Outside it, the group :func:`~memguard.guard._evaluate_sharded.eval_rank_group` keeps with the
-        FSDP2 root (the Trainer shards the model in place: ``fsdp2_prepare_model`` in
-        accelerate/utils/fsdp_utils.py, so ``model_wrapped`` is ``model``); its agreements are installed again
-        first, since the training group's uninstall at the end of a ``train()`` drops every wrapper of FSDP's
-        collectives, its own included."""
-        if not (trainer.is_fsdp_enabled and _is_fsdp2(trainer)):
+        * FSDP2: each forward all-gathers parameters (``FSDPParamGroup.pre_forward``,
+          torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py). Inside ``train()`` (evaluations at
+          ``eval_strategy``) it is training's group, armed on every FSDP2 group of the model; outside it, the group
+          :func:`~memguard.guard._evaluate_sharded.eval_rank_group` keeps with the FSDP2 root (the Trainer shards the
+          model in place: ``fsdp2_prepare_model`` in accelerate/utils/fsdp_utils.py, so ``model_wrapped`` is
+          ``model``), its agreements installed again first, since the training group's uninstall at the end of a
+          ``train()`` drops every wrapper of FSDP's collectives, its own included.
+        * FSDP1: each unit's pre-forward all-gathers its flat parameter (``_pre_forward_unshard``,
+          torch/distributed/fsdp/_runtime_utils.py). ``model_wrapped`` is the ``FullyShardedDataParallel`` root
+          (``Trainer._inner_training_loop`` and ``evaluation_loop`` set it from ``accelerator.prepare``, transformers
+          5.24); inside ``train()`` the group armed on its units is training's (:mod:`memguard.guard._fsdp1`), after it
+          a new one (``eval_rank_group`` looks it up by unit).
+        * DeepSpeed: ``model_wrapped`` is the engine (``deepspeed_init`` or ``accelerator.prepare`` in
+          ``evaluation_loop``). Under ZeRO-3 its forward gathers the parameters (the coordinator's
+          ``fetch_sub_module``): the engine's :class:`~memguard.integrations._deepspeed_guard.DeepSpeedRankGroup`,
+          training's one when ``train()`` made it (``engine_rank_group`` and ``eval_rank_group`` keep one per engine).
+
+        Raises:
+            ConfigError: the sharding cannot be guarded in evaluation (ZeRO-3 parameter offload, FSDP1's HYBRID_SHARD
+                or CPU offload, HSDP: :func:`~memguard.guard._evaluate_sharded.eval_rank_group`); the same on every
+                rank, raised before any collective.
+        """
+        if not (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
             return None
         from memguard.guard._evaluate_sharded import eval_rank_group
+
+        model = trainer.model_wrapped or trainer.model
+        if trainer.is_deepspeed_enabled:
+            return eval_rank_group(model)
         from memguard.guard._sharded import ShardedRankGroup
 
         training = getattr(self._guard, "rank_group", None)
         if isinstance(training, ShardedRankGroup) and getattr(training, "_installed", False):
             return training if training.world_size > 1 else None
-        rg = eval_rank_group(trainer.model_wrapped or trainer.model)
-        if rg is not None:
+        rg = eval_rank_group(model)
+        if rg is not None and _is_fsdp2(trainer):
             rg.uninstall()
             rg.install()
         return rg

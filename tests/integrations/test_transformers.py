@@ -516,6 +516,8 @@ def run_eval_workers(tmp_path, world: int, **cfg) -> list[dict]:
     env = {**os.environ, "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(WORKER.parent), str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    if cfg.get("deepspeed") is not None:
+        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator and its shm comm op (tests/deepspeed_op.py)
     procs = [subprocess.Popen([sys.executable, str(EVAL_WORKER), json.dumps(config)],
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -640,27 +642,57 @@ def test_real_oom_in_an_fsdp2_evaluation_inside_train_splits_every_rank(tmp_path
     assert r1["capped"] and not r0["capped"]
 
 
-@pytest.mark.parametrize("deepspeed, fsdp, fsdp2, refused", [
-    (False, True, True, None),        # FSDP2: the ranks split together
-    (False, True, False, "FSDP1"),    # FSDP1: each rank would split alone while its forward gathers from all
-    (True, False, False, "DeepSpeed"),
-    (False, False, False, None),      # one process or DDP
+@pytest.mark.parametrize("deepspeed, fsdp, fsdp2", [
+    (False, True, True),     # FSDP2: the ranks split together
+    (False, True, False),    # FSDP1: the same, FSDP1's units resharded after a failed forward
+    (True, False, False),    # DeepSpeed: ZeRO-3 engines split together, ZeRO-0/1/2 alone as DDP
+    (False, False, False),   # one process or DDP
 ])
-def test_the_evaluation_guard_runs_under_fsdp2_and_is_skipped_under_fsdp1_and_deepspeed(deepspeed, fsdp, fsdp2,
-                                                                                         refused):
+def test_the_evaluation_guard_runs_under_every_sharding(deepspeed, fsdp, fsdp2):
     from types import SimpleNamespace
 
     trainer = SimpleNamespace(is_deepspeed_enabled=deepspeed, is_fsdp_enabled=fsdp, args=SimpleNamespace(),
                               accelerator=SimpleNamespace(is_fsdp2=fsdp2), model=tiny_gpt2(), model_wrapped=None)
     callback = MemguardCallback()
-    reason = callback._eval_guard_refusal(trainer, {"input_ids": torch.zeros(4, 8, dtype=torch.long)})
-    if refused is None:
-        assert reason is None
-    else:
-        assert reason.startswith(f"under {refused} an evaluation forward may gather parameters"), reason
-        assert "under FSDP2" in reason  # names the way to a guarded evaluation
+    assert callback._eval_guard_refusal(trainer, {"input_ids": torch.zeros(4, 8, dtype=torch.long)}) is None
     # without torch.distributed (or with a model that is not sharded) there is no rank group to split with
     assert callback._eval_ranks(trainer) is None
+    trainer.args.predict_with_generate = True
+    assert "predict_with_generate" in callback._eval_guard_refusal(trainer, {"input_ids": torch.zeros(4, 8)})
+
+
+def test_a_sharding_the_evaluation_guard_cannot_split_runs_unguarded_with_a_warning(tmp_path, caplog, monkeypatch):
+    """What :func:`memguard.guard._evaluate_sharded.eval_rank_group` refuses (ZeRO-3 parameter offload, FSDP1's
+    HYBRID_SHARD or CPU offload: configuration, the same on every rank, found before any collective) leaves the
+    Trainer's own prediction_step to run, with one warning that gives memguard's reason and what to do."""
+    from memguard.integrations._deepspeed_guard import engine_problems
+
+    def plain():
+        trainer = transformers.Trainer(model=tiny_gpt2(), args=trainer_args(tmp_path, per_device_eval_batch_size=4),
+                                       train_dataset=Tokens(32), eval_dataset=Tokens(12))
+        return trainer.evaluate()
+
+    reason = "ZeRO-3 parameter offload (offload_param) fetches parameters from host or NVMe memory"
+    callback = MemguardCallback(plan=make_plan(micro_batch_size=8, grad_accum_steps=2, device="cpu"))
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=trainer_args(tmp_path, per_device_eval_batch_size=4),
+                                   train_dataset=Tokens(32), eval_dataset=Tokens(12), callbacks=[callback])
+
+    def refuse(_trainer):
+        raise ConfigError([reason + "; drop offload_param"])
+
+    monkeypatch.setattr(callback, "_eval_ranks", refuse)
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        metrics = trainer.evaluate()
+    warnings = [r.getMessage() for r in caplog.records if "evaluation is not guarded" in r.getMessage()]
+    # once for the 3 batches, with memguard's reason and its fix
+    assert len(warnings) == 1 and reason in warnings[0] and "drop offload_param" in warnings[0], warnings
+    assert metrics["eval_loss"] == pytest.approx(plain()["eval_loss"], rel=1e-6)
+    # the message the real refusal gives (engine_problems with evaluation=True) names the same fix
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(managed_gradient_accumulation=lambda: True, optimizer=None, pipeline_parallelism=False,
+                             zero_optimization_stage=lambda: 3, zero_offload_param=lambda: True)
+    assert any(reason in p for p in engine_problems(engine, evaluation=True))
 
 
 class _NoLossKwargs(torch.nn.Module):
@@ -804,3 +836,98 @@ def test_real_oom_on_one_deepspeed_rank_retries_on_both(tmp_path, stage):
     assert sorted(final) == list(range(2 * 8 * 2 * 2))  # steps x batch x accum x world
     for rank in range(2):
         assert_weights_equal(tmp_path, rank)  # the plain DeepSpeed Trainer's, uncapped: 2.3e-8 max difference observed
+
+
+def final_samples(events: list) -> list[int]:
+    """The evaluation samples of a rank's forwards whose results were kept: a logged halving ("RETRY") discards the
+    forward just before it (the micro-batch that failed on some rank, run again from its first sample), on every
+    rank that splits with the one that failed."""
+    kept: list[list[int]] = []
+    for e in events:
+        if e == "RETRY":
+            kept.pop()
+        else:
+            kept.append(e)
+    return [i for forward in kept for i in forward]
+
+
+def _assert_same_metrics(r: dict) -> None:
+    assert r["error"] is None, r["error"]
+    for key in ("eval_loss", "eval_accuracy"):
+        assert r["guarded_eval"][key] == pytest.approx(r["plain_eval"][key], rel=1e-6, abs=1e-6), key
+    for key in ("test_loss", "test_accuracy"):
+        assert r["guarded_predict"][key] == pytest.approx(r["plain_predict"][key], rel=1e-6, abs=1e-6), key
+    assert r["predictions_equal"] and r["label_ids_equal"]
+    assert r["train_micro"] == r["train_micro_after"] == [8, 0]
+    assert not any("evaluation is not guarded" in m for m in r["messages"])
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_truth
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+@pytest.mark.parametrize("sharding", [
+    # FSDP1 (fsdp_config version 1): FullyShardedDataParallel around each GPT2Block and the root; each unit's
+    # pre-forward all-gathers its flat parameter
+    {"fsdp2": True, "fsdp_version": 1},
+    # ZeRO-3 (TrainingArguments(deepspeed=...)): the parameter coordinator all-gathers every module's parameters
+    pytest.param({"deepspeed": 3}, marks=pytest.mark.skipif(_no_shm_op(), reason=_SHM_SKIP)),
+], ids=["fsdp1", "zero3"])
+# "evaluate": after train(); "eval_in_train": at eval_strategy steps inside train(), then evaluate(); "no_train":
+# evaluate() first, which prepares the model itself (ZeRO-3: an inference engine, without an optimizer)
+@pytest.mark.parametrize("when", ["evaluate", "eval_in_train", "no_train"])
+def test_real_oom_in_a_gathering_evaluation_on_one_rank_splits_every_rank(tmp_path, sharding, when):
+    """The FSDP2 runs above (two gloo ranks, 96 evaluation samples each in batches of 32, rank 1 alone under the 56
+    MiB cap) with the model sharded by FSDP1 or DeepSpeed ZeRO-3, whose evaluation forwards also gather parameters
+    from both ranks: both ranks halve together, run the same forwards and meet in the Trainer's gathers (no hang:
+    the workers' timeout fails the test), the retries are logged on both ranks, every sample is evaluated once,
+    and the metrics equal a plain Trainer's under the same sharding without the cap (eval_accumulation_steps=2).
+    With ``in_train`` the halvings happen in train()'s evaluation (under training's rank group) and the later
+    evaluate() starts from the remembered 8 (measured: the same halvings as under FSDP2)."""
+    in_train = when == "eval_in_train"
+    r0, r1 = run_eval_workers(tmp_path, 2, eval_n=192, cap_ranks=[1], eval_in_train=in_train,
+                              no_train=when == "no_train", **sharding)
+    for r in (r0, r1):
+        _assert_same_metrics(r)
+        halvings = [m for m in r["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+        assert len(halvings) == r["eval_oom_retries"] == 2 and all("on rank 1" in m for m in halvings), halvings
+        if in_train:
+            assert r["train_eval_forwards"] == [8, 32, 32, 16, 16, 8, 8, 8, 8, 8, 8], r["train_eval_forwards"]
+            [guarded] = r["train_eval"]
+            plain = r["plain_train_eval"][0]
+            for key in ("eval_loss", "eval_accuracy"):
+                assert guarded[key] == pytest.approx(plain[key], rel=1e-6, abs=1e-6), key
+            assert r["eval_forwards"] == [8] * 12, r["eval_forwards"]
+        else:
+            assert r["eval_forwards"] == [32, 32, 16, 16, 8, 8, 8, 8, 8, 8], r["eval_forwards"]
+            assert r["eval_events"].count("RETRY") == 2
+    # evaluate(): each rank's 96 samples once in the forwards kept, the two ranks' shares the whole evaluation set
+    assert sorted(final_samples(r0["eval_events"]) + final_samples(r1["eval_events"])) == list(range(192))
+    assert r1["capped"] and not r0["capped"]
+    assert any("DefaultCPUAllocator" in m for m in r1["messages"] if "OOM in evaluation" in m)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_truth
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
+@pytest.mark.skipif(_no_shm_op(), reason=_SHM_SKIP)
+@pytest.mark.parametrize("stage, in_train", [(1, False), (2, True)])
+def test_real_oom_in_a_zero12_evaluation_on_one_rank_splits_that_rank_alone(tmp_path, stage, in_train):
+    """Under ZeRO-1/2 every rank holds the whole model and an evaluation forward starts no DeepSpeed collective, so
+    rank 1 (alone under the 56 MiB cap) splits its batches while rank 0 runs them whole, as under DDP; both meet in
+    the Trainer's gathers the same number of times (no hang), every sample is evaluated once and the metrics equal a
+    plain ZeRO-<stage> Trainer's without the cap."""
+    r0, r1 = run_eval_workers(tmp_path, 2, eval_n=192, cap_ranks=[1], eval_in_train=in_train, deepspeed=stage)
+    for r in (r0, r1):
+        _assert_same_metrics(r)
+    assert r1["capped"] and not r0["capped"]
+    assert r0["eval_oom_retries"] == 0 and not any("OOM in evaluation" in m for m in r0["messages"])
+    assert r1["eval_oom_retries"] == 2
+    assert any("OOM in evaluation at micro-batch 32" in m and "DefaultCPUAllocator" in m for m in r1["messages"])
+    if in_train:
+        assert r0["train_eval_forwards"] == [8, 32, 32, 32] and r0["eval_forwards"] == [32] * 3
+        assert r1["train_eval_forwards"] == [8, 32, 32, 16, 16, 8, 8, 8, 8, 8, 8], r1["train_eval_forwards"]
+        assert r1["eval_forwards"] == [8] * 12, r1["eval_forwards"]
+    else:
+        assert r0["eval_forwards"] == [32, 32, 32]
+        assert r1["eval_forwards"] == [32, 32, 16, 16, 8, 8, 8, 8, 8, 8], r1["eval_forwards"]
+    assert sorted(final_samples(r0["eval_events"]) + final_samples(r1["eval_events"])) == list(range(192))

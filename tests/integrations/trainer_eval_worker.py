@@ -17,9 +17,16 @@ Config keys: ``out``, ``seq``, ``vocab``, ``batch`` (training per-device batch),
 ``eval_n`` (evaluation samples), ``eval_accum`` (``eval_accumulation_steps``), ``budget_mib``,
 ``cap_ranks`` (default ``[0]``), ``fsdp2`` (both Trainers shard the model with FSDP2 through Accelerate:
 ``fsdp="full_shard"``, ``fsdp_config`` version 2, each ``GPT2Block`` and the root ``fully_shard``-ed, see
-trainer_worker.force_fsdp_on_cpu; the plan is an FSDP2 plan of sharding level 3). Each rank writes
-``result<rank>.json``. With ``eval_in_train``, both Trainers also evaluate inside ``train()`` after its
-step (``eval_strategy="steps"``), and the cap comes after that evaluation's first batch.
+trainer_worker.force_fsdp_on_cpu; the plan is an FSDP2 plan of sharding level 3), ``fsdp_version`` (with
+``fsdp2``; 1: FSDP1's ``FullyShardedDataParallel`` around each ``GPT2Block`` and the root instead),
+``deepspeed`` (a ZeRO stage: both Trainers run ``TrainingArguments(deepspeed=...)`` with
+trainer_worker.deepspeed_config, on CPU processes through trainer_worker.deepspeed_backend_on_cpu; run with
+``DS_ACCELERATOR=cpu``). Each rank writes ``result<rank>.json``. With ``eval_in_train``, both Trainers also
+evaluate inside ``train()`` after its step (``eval_strategy="steps"``), and the cap comes after that
+evaluation's first batch. With ``no_train``, neither Trainer trains: ``evaluate()`` comes first and prepares the
+model itself (``evaluation_loop``: ``accelerator.prepare``, or ``deepspeed_init`` with ``inference=True`` under
+ZeRO-3, an engine without an optimizer). ``eval_events`` lists what the guarded ``evaluate()`` ran on this rank, in
+order: each forward's evaluation-sample indices, and ``"RETRY"`` for each halving memguard logged.
 """
 
 from __future__ import annotations
@@ -47,16 +54,28 @@ def main() -> None:
     from memguard import Estimate, Plan
     from memguard.integrations.transformers import MemguardCallback
 
-    fsdp2 = bool(cfg.get("fsdp2"))
+    fsdp2 = bool(cfg.get("fsdp2"))  # FSDP, of version fsdp_version
+    fsdp_version = int(cfg.get("fsdp_version", 2))
+    ds_stage = cfg.get("deepspeed")  # a ZeRO stage, or None
+    sharded = fsdp2 or ds_stage is not None
     if fsdp2:
         from trainer_worker import force_fsdp_on_cpu
+    ds_config = None
+    if ds_stage is not None:
+        from trainer_worker import deepspeed_backend_on_cpu, deepspeed_config
+
+        deepspeed_backend_on_cpu()
+        ds_config = deepspeed_config(ds_stage)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     messages: list[str] = []
+    events: list = []  # see the module docstring
 
     class Recorder(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(f"{record.levelname}:{record.getMessage()}")
+            if record.levelno >= logging.WARNING and "OOM in evaluation" in record.getMessage():
+                events.append("RETRY")
 
     logging.getLogger("memguard").addHandler(Recorder())
     logging.getLogger("memguard").setLevel(logging.INFO)
@@ -83,12 +102,17 @@ def main() -> None:
 
     def args(name: str) -> transformers.TrainingArguments:
         return transformers.TrainingArguments(
-            output_dir=str(out / name), use_cpu=True, report_to=[], per_device_train_batch_size=cfg["batch"],
+            output_dir=str(out / name), use_cpu=ds_config is None, report_to=[],
+            **({"deepspeed": ds_config} if ds_config is not None else {}), per_device_train_batch_size=cfg["batch"],
             per_device_eval_batch_size=cfg["eval_batch"], eval_accumulation_steps=cfg["eval_accum"], max_steps=1,
             learning_rate=1e-3, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
             ddp_backend="gloo" if world > 1 else None,
             **({"eval_strategy": "steps", "eval_steps": 1} if cfg.get("eval_in_train") else {}),
-            **({"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+            # FSDP1 without sync_module_states (its plugin looks for a GPU to broadcast on; every rank starts from the
+            # same weights here anyway)
+            **({"fsdp": "full_shard", "fsdp_config": {"version": fsdp_version,
+                                                      "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                                                      **({"sync_module_states": "false"} if fsdp_version == 1 else {})}}
                if fsdp2 else {}))
 
     def model() -> transformers.GPT2LMHeadModel:
@@ -114,18 +138,21 @@ def main() -> None:
 
     result: dict = {"error": None, "capped": False}
     plain = trainer("plain", [])
-    plain.train()
+    if not cfg.get("no_train"):
+        plain.train()
     result["plain_eval"] = plain.evaluate()
     plain_pred = plain.predict(evaluation)
     result["plain_predict"] = plain_pred.metrics
 
+    stage = 3 if fsdp2 else ds_stage or 0  # fsdp="full_shard": FSDP2's sharding level 3
     est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                    peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
-                   zero_stage=3 if fsdp2 else 0, world_size=world, gpu=None, micro_batch_size=cfg["batch"])
+                   zero_stage=stage, world_size=world, gpu=None, micro_batch_size=cfg["batch"])
     plan = Plan(micro_batch_size=cfg["batch"], grad_accum_steps=1, world_size=world,
                 global_batch_size=cfg["batch"] * world,
-                precision="32-true", activation_checkpointing=False, zero_stage=3 if fsdp2 else 0,
-                **({"strategy": "fsdp2"} if fsdp2 else {}), budget_bytes=1 << 30, estimate=est, device="cpu")
+                precision="32-true", activation_checkpointing=False, zero_stage=stage,
+                strategy="deepspeed" if ds_stage else "fsdp2" if fsdp2 else "ddp", budget_bytes=1 << 30, estimate=est,
+                device="cpu")
     callback = MemguardCallback(plan=plan)
     seen: list[int] = []
 
@@ -137,20 +164,30 @@ def main() -> None:
                 result["capped"] = True
 
     guarded = trainer("guarded", [callback, Cap()])
-    guarded.model.register_forward_pre_hook(lambda m, a, kw: seen.append(int(kw["input_ids"].shape[0])),
-                                            with_kwargs=True)
-    guarded.train()
+    # an evaluation sample is known by its first 16 tokens (random ids out of 4096: distinct)
+    index = {tuple(evaluation.ids[i, :16].tolist()): i for i in range(len(evaluation))}
+    assert len(index) == len(evaluation)
+
+    def record(module, a, kw) -> None:
+        seen.append(int(kw["input_ids"].shape[0]))
+        events.append([index.get(tuple(r[:16].tolist()), -1) for r in kw["input_ids"]])
+
+    guarded.model.register_forward_pre_hook(record, with_kwargs=True)
+    if not cfg.get("no_train"):
+        guarded.train()
     result["train_micro"] = [callback.micro_batch_size, callback.oom_retries]
     if cfg.get("eval_in_train"):
         result["train_eval_forwards"] = list(seen)
         result["train_eval"] = [h for h in guarded.state.log_history if "eval_loss" in h]
         result["plain_train_eval"] = [h for h in plain.state.log_history if "eval_loss" in h]
     seen.clear()
+    events.clear()
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     guarded_pred = None
     try:
         result["guarded_eval"] = guarded.evaluate()
         result["eval_forwards"] = list(seen)
+        result["eval_events"] = list(events)
         guarded_pred = guarded.predict(evaluation)
         result["guarded_predict"] = guarded_pred.metrics
     except Exception as exc:  # reported to the test
@@ -161,10 +198,10 @@ def main() -> None:
     if guarded_pred is not None:
         result["predictions_equal"] = bool(np.array_equal(plain_pred.predictions, guarded_pred.predictions))
         result["label_ids_equal"] = bool(np.array_equal(plain_pred.label_ids, guarded_pred.label_ids))
-    # the whole evaluation batch really does not fit under this cap (a plain forward with the loss); not under FSDP2,
-    # where a rank that fails in that forward would leave its peers in the next all-gather (the retries' messages
-    # name the allocator's error there)
-    if fsdp2:
+    # the whole evaluation batch really does not fit under this cap (a plain forward with the loss); not under FSDP or
+    # DeepSpeed, where a rank that fails in that forward would leave its peers in the next all-gather (the retries'
+    # messages name the allocator's error there)
+    if sharded:
         result["rank"] = rank
         (out / f"result{rank}.json").write_text(json.dumps(result, default=float))
         sys.stdout.flush()

@@ -90,6 +90,19 @@ def deepspeed_backend_on_cpu() -> None:
     PartialState._prepare_backend = prepare_backend
 
 
+def deepspeed_config(stage: int) -> dict:
+    """A DeepSpeed config at ZeRO-``stage`` for ``TrainingArguments(deepspeed=...)``: the batch values ``"auto"``
+    (the Trainer fills them from its arguments); small buckets (DeepSpeed's default 5e8-element bucket would not
+    fit under the tests' caps); under ZeRO-3 every parameter gathered in the forward (DeepSpeed keeps those under
+    ``stage3_param_persistence_threshold``, 1e5 elements by default, whole on every rank) and nothing prefetched."""
+    zero: dict = {"stage": stage, "reduce_bucket_size": 500_000}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True}
+
+
 def full_state(model) -> dict:
     """The model's weights; FSDP2's DTensor shards or FSDP1's flat parameters gathered (a collective every rank
     joins here)."""
@@ -157,15 +170,7 @@ def main() -> None:
     ds_config = None
     if ds_stage is not None:
         deepspeed_backend_on_cpu()
-        # the batch values "auto": the Trainer fills them from its arguments; small buckets (DeepSpeed's default
-        # 5e8-element bucket would not fit under the cap); ZeRO-3 gathers every parameter (DeepSpeed keeps those
-        # under 1e5 elements whole)
-        zero: dict = {"stage": ds_stage, "reduce_bucket_size": 500_000}
-        if ds_stage == 3:
-            zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
-        ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                     "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
-                     "zero_allow_untested_optimizer": True}
+        ds_config = deepspeed_config(ds_stage)
 
     def args(name: str) -> transformers.TrainingArguments:
         return transformers.TrainingArguments(
