@@ -13,12 +13,14 @@ integration tests, so the cap tracks live memory). Cases:
 * ``accelerate-ddp`` / ``accelerate-fsdp1`` / ``accelerate-fsdp2``: an ``accelerate.Accelerator`` with 2
   accumulated batches of 32 (DDP; Accelerate's FSDP1 plugin, ``FULL_SHARD``, ``use_orig_params=True``; its
   FSDP2 plugin from ``accelerator_kwargs`` of an FSDP2 plan) + ``memguard.integrations.accelerate``;
+* ``lightning-fsdp2``: a Lightning ``Trainer`` with ``ModelParallelStrategy`` (``fully_shard`` in
+  ``configure_model``), 2 accumulated batches of 32 + ``memguard.integrations.lightning.MemguardCallback``;
 * ``zero1`` / ``zero2`` / ``zero3`` / ``zero2-unmanaged``: a DeepSpeed engine +
   ``memguard.integrations.deepspeed.step`` (``tests/integrations/deepspeed_worker.py``, one pair of ranks
   for all of them).
 
-The ``ddp``/``fsdp2``/``accelerate-*`` cases and every baseline run ``benchmarks/recovery_worker.py`` under
-``torchrun``. Reported per case:
+The ``ddp``/``fsdp2``/``accelerate-*``/``lightning-*`` cases and every baseline run
+``benchmarks/recovery_worker.py`` under ``torchrun``. Reported per case:
 
 * ``recovered``, ``hang``, ``retries``, ``micro_batch_size``: whether both ranks finished, and how.
 * ``samples_lost`` / ``samples_twice``: samples of a step missing from (or repeated in) the attempt that
@@ -43,7 +45,7 @@ Usage::
 
 Writes ``recovery_sharded.json`` and ``recovery_sharded.md`` to ``--out`` (default ``benchmarks/results``).
 The DeepSpeed cases need DeepSpeed with its CPU shm op built (``bash scripts/dev.sh setup``), the
-``accelerate-*`` cases Accelerate.
+``accelerate-*`` cases Accelerate, ``lightning-fsdp2`` Lightning (``lightning.pytorch``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ CASES: dict[str, dict[str, Any]] = {  # name -> what runs it: the framework path
     "accelerate-ddp": {"path": "Accelerate, DDP", "case": "accelerate-ddp"},
     "accelerate-fsdp1": {"path": "Accelerate, FSDP1 plugin (use_orig_params)", "case": "accelerate-fsdp1"},
     "accelerate-fsdp2": {"path": "Accelerate, FSDP2 plugin", "case": "accelerate-fsdp2"},
+    "lightning-fsdp2": {"path": "Lightning, ModelParallelStrategy (FSDP2)", "case": "lightning-fsdp2"},
     "zero1": {"path": "DeepSpeed ZeRO-1", "case": "deepspeed", "stage": 1},
     "zero2": {"path": "DeepSpeed ZeRO-2", "case": "deepspeed", "stage": 2},
     "zero3": {"path": "DeepSpeed ZeRO-3", "case": "deepspeed", "stage": 3},

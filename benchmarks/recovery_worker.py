@@ -24,6 +24,10 @@ Cases (``case``):
   Accelerate's FSDP1 plugin (``FULL_SHARD``, ``use_orig_params=True``, each ``Linear`` wrapped) or FSDP2
   plugin (``accelerator_kwargs`` of an FSDP2 plan: each ``Linear`` and the root, ``sync_each_batch``),
   forced onto FSDP on CPU as ``tests/integrations/accelerate_worker.py`` does;
+* ``lightning-fsdp2``: a Lightning ``Trainer`` with ``ModelParallelStrategy`` (data-parallel 2; ``fully_shard``
+  of each ``Linear`` and of the module in ``configure_model``, as tests/integrations/lightning_worker.py),
+  ``accumulate_grad_batches = batch / micro``, each rank's samples in order (``use_distributed_sampler=False``),
+  and :class:`memguard.integrations.lightning.MemguardCallback` with the plan of that job;
 * ``deepspeed``: a ZeRO stage ``stage`` engine (``managed`` false: ``managed_gradient_accumulation: false``,
   one ``engine.step()`` per optimizer step), the config of ``tests/integrations/deepspeed_worker.py``
   (only the plain-loop baseline runs here; the guarded ZeRO rows run that worker).
@@ -54,7 +58,7 @@ for _p in (str(_REPO), str(_REPO / "tests" / "integrations")):
         sys.path.insert(0, _p)
 from worker_common import LR, MOMENTUM, Net, Samples, vm_size  # noqa: E402
 
-CASES = ("ddp", "fsdp2", "accelerate-ddp", "accelerate-fsdp1", "accelerate-fsdp2", "deepspeed")
+CASES = ("ddp", "fsdp2", "accelerate-ddp", "accelerate-fsdp1", "accelerate-fsdp2", "lightning-fsdp2", "deepspeed")
 
 
 def mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -233,7 +237,9 @@ def main() -> None:
     t0 = time.perf_counter()
     error: BaseException | None = None
     try:
-        for s in range(steps):
+        if case == "lightning-fsdp2":
+            callback = fit_lightning(cfg, model, data, result, events, step_times, loss_fn, hard)
+        for s in range(steps if case != "lightning-fsdp2" else 0):
             idx = torch.tensor(indices(s))
             batch = {"x": data.x[idx], "y": data.y[idx], "idx": idx}
             if accelerator is None or not guarded:
@@ -254,7 +260,9 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     result.update(events=events, messages=messages, retry_times=retry_times, step_times=step_times,
                   steps_done=len(step_times))
-    if guarded:
+    if guarded and case == "lightning-fsdp2":
+        result.update(micro_batch_size=callback.micro_batch_size, oom_retries=callback.oom_retries)
+    elif guarded:
         if accelerator is not None:
             from memguard.integrations.accelerate import status
         else:
@@ -269,6 +277,81 @@ def main() -> None:
     # Leave without interpreter teardown: destroying a gloo group while its threads release work can
     # deadlock at exit (tests/guard/oom_worker.py).
     os._exit(0 if error is None else 1)
+
+
+def fit_lightning(cfg: dict, net: torch.nn.Module, data, result: dict, events: list, step_times: list, loss_fn,
+                  hard: int):
+    """``Trainer.fit`` of the job under ``ModelParallelStrategy``; returns memguard's callback (None unguarded).
+    ``step_times`` gets each optimizer step's [start of its first batch, end of the batch that stepped]."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, Subset
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b, micro = cfg["batch"], cfg["micro"]
+    order = result["order"]
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+            # memguard's callback sets the dataloader's batch to the plan's micro-batch (and the accumulation)
+            self.batch_size = b if cfg["guarded"] else micro
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return loss_fn(self.net, batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(Subset(data, order), batch_size=self.batch_size, shuffle=False)
+
+        def configure_model(self) -> None:  # tests/integrations/lightning_worker.py's sharding
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net.fc1, self.net.fc2):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    open_step: list[float] = []
+
+    class Record(pl.Callback):
+        """What the loop delivers, each step's times, and the cap at the start of step ``cap_step``."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            events.append(["BATCH", batch["idx"].tolist()])
+            if not open_step:
+                if len(step_times) == cfg["cap_step"] and rank in cfg["cap_ranks"]:
+                    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (cfg["budget_mib"] << 20), hard))
+                    result["capped_wall"] = time.time()
+                open_step.append(time.perf_counter())
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            open_step.append(-1.0)  # this batch steps
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if open_step and open_step[-1] == -1.0:
+                step_times.append([open_step[0], time.perf_counter()])
+                open_step.clear()
+                events.append("STEP")
+
+    callbacks: list = [Record()]
+    callback = None
+    if cfg["guarded"]:
+        from memguard.integrations.lightning import MemguardCallback
+
+        callback = MemguardCallback(plan=hand_plan(cfg, world, "fsdp2", 3))
+        callbacks.insert(0, callback)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, num_nodes=1,
+        strategy=pl.strategies.ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
+                                                     timeout=datetime.timedelta(seconds=cfg["pg_timeout_s"])),
+        max_steps=cfg["steps"], accumulate_grad_batches=1 if cfg["guarded"] else b // micro,
+        use_distributed_sampler=False, callbacks=callbacks, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(Lit())
+    return callback
 
 
 class _nullcontext:
