@@ -104,7 +104,8 @@ def _clean(text: str) -> str:
     import torch
 
     site = str(Path(torch.__file__).resolve().parent.parent)
-    return text.replace(str(REPO), ".").replace(site, "<site-packages>").replace(sys.prefix, "<python>")
+    text = text.replace(str(REPO), ".").replace(site, "<site-packages>").replace(sys.prefix, "<python>")
+    return re.sub(r"\n *host *: [^\n]*", "", text)  # torchrun's failure summary names the host
 
 
 def _env() -> dict[str, str]:
@@ -357,6 +358,15 @@ def render_markdown(meta: dict[str, Any], rows: dict[str, dict[str, Any]]) -> st
                      f"{_f(r.get('samples_twice'))} | {_f(r.get('oom_step_s'))} | {_f(r.get('detect_s'))} | "
                      f"{_f(r.get('redo_s'))} | {_f(r.get('normal_step_s'))} | {_f(r.get('cost_s'), '{:+.2f}')} | "
                      f"{outcome} | {t_end} | {untrained} |")
+    guarded = [r for r in rows.values() if r.get("recovered") is not None]
+    bases = [r["baseline"] for r in rows.values() if r.get("baseline")]
+    lines += ["", f"With memguard: {sum(bool(r['recovered']) for r in guarded)} of {len(guarded)} cases recovered, "
+              f"{sum(bool(r.get('hang')) for r in guarded)} hung, "
+              f"{sum((r.get('samples_lost') or 0) + (r.get('samples_twice') or 0) for r in guarded)} samples lost or "
+              f"run twice. The framework alone: {sum(bool(b['recovered']) for b in bases)} of {len(bases)} jobs "
+              f"finished, {sum(bool(b['hang']) for b in bases)} hung. \"framework alone\" lists each rank's error "
+              "(the survivor's delay after the OOM in seconds); \"OOM to end of job\" runs from rank 1's error to "
+              "torchrun's exit; the samples not trained are those of the failed step and the steps after it."]
     ds = [n for n in rows if CASES[n]["case"] == "deepspeed"]
     if ds:
         lines += ["", "DeepSpeed: the agreements' cost when nothing fails, and the same OOM with memguard's retry but "

@@ -1,6 +1,6 @@
 """Smoke test of benchmarks/recovery_sharded.py: its smallest case end to end (DDP on two gloo ranks, with
 memguard and then the framework alone: two torchrun launches of two ranks, about 30 s of CPU;
-90-130 s of wall time on a 2-core machine at a load average of 11-14).
+39 s of wall time on a shared 2-core machine, 90-130 s at a load average of 11-14).
 
 The other cases run by hand (the script's docstring); their integration tests are
 tests/integrations/test_accelerate.py, test_deepspeed.py and tests/guard/test_fsdp2_recovery.py.
