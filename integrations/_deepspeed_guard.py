@@ -66,13 +66,13 @@ engine's boundary is ``step()`` itself and nothing is set.
 Cost per step. Each agreement is one all-reduce of ``world_size + 1`` int32 values; a step makes
 one per DeepSpeed collective plus one per micro-batch attempt and one around ``engine.step()``.
 Measured with ``python benchmarks/recovery_sharded.py --time-steps 25`` (2 gloo ranks sharing a busy
-2-core CPU host, DeepSpeed 0.19.8, the worker's 16-1024-1 MLP, 64 samples per rank in 4
-micro-batches of 16, medians of 25 interleaved steps with the per-collective agreements and with
-them skipped): ZeRO-1 5 agreements per step at 1.6 ms each, a step of 0.192 s against 0.182 s
-(+5.5%); ZeRO-2 8 at 3.3 ms, 0.329 s against 0.304 s (+8.3%); ZeRO-3 15 at 2.8 ms, 0.261 s against
-0.290 s; ZeRO-2 with ``managed_gradient_accumulation: false`` 8 at 0.9 ms, 0.353 s against 0.358 s.
-The differences are within this host's noise (others' jobs share its cores: -10% to +8%); the
-agreements' own time bounds the cost at 8, 27, 41 and 7 ms per step there. The agreements run on
+2-core CPU host, DeepSpeed 0.19.8, the worker's 16-1024-1 MLP, 64 samples per rank in micro-batches of
+32, medians of 25 interleaved steps with the per-collective agreements and with them skipped; the
+figures of each run are in ``benchmarks/results/recovery_sharded.md``). On 2026-12-02, at a load average
+of 15-23: ZeRO-1 5 agreements per step at 3.9 ms each, ZeRO-2 8 at 9.1 ms, ZeRO-3 15 at 2.0 ms, ZeRO-2
+with ``managed_gradient_accumulation: false`` 8 at 2.8 ms; the step times with and without them differ by
++2.9%, -2.7%, -0.9% and +1.5%, within this host's noise. An earlier run on a quieter host gave 0.9-3.3 ms
+per agreement. The agreements run on
 the host between DeepSpeed's collectives and keep the ranks in step at each one (which DeepSpeed's
 synchronous collectives mostly impose anyway); under NCCL they run on a gloo group, a host round
 trip each with no device synchronisation. Not measured on GPUs here: with shorter compute per
