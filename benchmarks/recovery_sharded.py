@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     meta = {"command": "python benchmarks/recovery_sharded.py " + " ".join(shlex.quote(a) for a in
                                                                           (argv if argv is not None else sys.argv[1:])),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine_description(packages=("accelerate", "deepspeed"), gpu=False, torch_threads=1),
+            "machine": machine_description(packages=("accelerate", "deepspeed", "lightning"), gpu=False, torch_threads=1),
             "setup": {**_STEPS, "budget_mib": _BUDGET_MIB, "world_size": 2, "backend": "gloo",
                       "baseline_process_group_timeout_s": _PG_TIMEOUT_S, "baseline_killed_after_s": _BASELINE_KILL_S,
                       "deepspeed_worker_process_group_timeout_s": 90}}
