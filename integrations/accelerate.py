@@ -755,7 +755,9 @@ def evaluate(accelerator: Any, model: nn.Module, batch: Any, fn: Any = None, **o
 
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The module inside DDP and ``torch.compile`` wrappers (what ``accelerator.unwrap_model`` returns for them,
-    without its imports, e.g. DeepSpeed's engine, which need memory an evaluation that runs out of it lacks)."""
+    without its imports, e.g. DeepSpeed's engine, which need memory an evaluation that runs out of it lacks).
+    FSDP1's wrapper and DeepSpeed's engine are kept, unlike ``unwrap_model``: their forwards gather the parameters
+    the inner module holds only shards of."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module

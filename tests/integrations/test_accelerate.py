@@ -436,13 +436,15 @@ def test_fsdp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path, c
 
 
 @pytestmark_linux
-def test_fsdp2_evaluate_splits_on_every_rank_when_one_runs_out(tmp_path: Path) -> None:
-    # The FSDP2 planner run above (rank 1 capped at 20 MiB from batch 1), then each rank evaluates a 128-sample
+@pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp1"])
+def test_fsdp_evaluate_splits_on_every_rank_when_one_runs_out(tmp_path: Path, fsdp: str) -> None:
+    # The FSDP planner run above (rank 1 capped at 20 MiB from batch 1), then each rank evaluates a 128-sample
     # batch of its own (eval_factor=2, about 0.5 MiB per sample under no_grad) under the same cap with
     # memguard.integrations.accelerate.evaluate: rank 1 fails at 128 and 64; both ranks halve together (each
-    # forward all-gathers the Linear groups, so the ranks must run the same forwards) and run 32 at a time.
+    # forward all-gathers the Linear groups, or FSDP1's units, so the ranks must run the same forwards) and run
+    # 32 at a time, under the rank group memguard's training prepared.
     r0, r1 = _run_worker(tmp_path, world=2, batch=64, plan="planner", accumulate=1, cap_batch=1, cap_ranks=[1],
-                         fsdp2=True, eval_factor=2)
+                         eval_factor=2, **{fsdp: True})
     assert r0["error"] is None and r1["error"] is None and r1.get("capped") and not r0.get("capped")
     e0, e1 = r0["eval"], r1["eval"]
     for r, e in ((r0, e0), (r1, e1)):
@@ -547,6 +549,28 @@ def test_evaluate_under_deepspeed_recovers_from_a_real_oom_on_one_rank(tmp_path:
     r0, r1 = _run_worker(tmp_path, world=2, worker=EVAL_WORKER, deepspeed=stage, **_EVAL)
     assert r0["kind"] == r1["kind"] == "DEEPSPEED"
     _check_eval(r0, r1, together=stage == 3)
+
+
+@pytestmark_linux
+@pytest.mark.skipif(_NO_SHM_OP, reason=_SHM_SKIP)
+def test_evaluate_after_guarded_zero3_training_splits_on_every_rank(tmp_path: Path) -> None:
+    # The ZeRO-3 training run above (rank 1 capped at 20 MiB from its batch 3), then each rank evaluates 64 samples
+    # of its own (eval_factor=2) under the same cap: the engine's forward gathers every Linear's partitions, so
+    # both ranks halve together, under the rank group memguard's training armed, and gather both ranks' predictions
+    r0, r1 = _run_worker(tmp_path, world=2, batch=32, plan=[32, 2], cap_batch=3, cap_ranks=[1], deepspeed=3,
+                         eval_factor=2)
+    assert r0["error"] is None and r1["error"] is None and r1.get("capped") and not r0.get("capped")
+    e0, e1 = r0["eval"], r1["eval"]
+    for r, e in ((r0, e0), (r1, e1)):
+        halvings = [m for m in r["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+        # 64 (32 MiB of fc1 and GELU outputs) fails on rank 1, 32 fits: one halving, logged on both ranks, and the
+        # same eval micro-batch remembered on both
+        assert len(halvings) == e["oom_retries"] == 1 and "at micro-batch 64 on rank 1" in halvings[0], (halvings, e)
+        assert e["micro"] == [32]
+        assert e["gathered"] == 128
+        assert e["pred_max_diff"] <= 1e-5 and e["loss"] == pytest.approx(e["ref_loss"], rel=1e-6)
+        assert e["train_micro"] == [16, 16]  # the training micro-batch is not the evaluation's
+    assert any("DefaultCPUAllocator" in m for m in r1["messages"] if "OOM in evaluation" in m)
 
 
 def _deepspeed_accelerator():
