@@ -13,7 +13,8 @@ or build the DeepSpeed engine, and evaluates a batch of ``sizes[rank]`` samples 
 3. the cap lifted, the two compared.
 
 Config keys: ``out``, ``seq``, ``sizes`` (samples per rank), ``cap_ranks``, ``budget_mib`` and either ``fsdp1``
-(``{"use_orig_params": bool}``) or ``deepspeed`` (a ZeRO stage; run with ``DS_ACCELERATOR=cpu``). Each rank writes
+(``{"use_orig_params": bool}``) or ``deepspeed`` (a ZeRO stage; run with ``DS_ACCELERATOR=cpu``; ``offload_param``
+adds ZeRO-3's parameter offload to the host, which the evaluation refuses). Each rank writes
 ``result<rank>.json``: error, messages, the evaluation's retries, forwards, padding forwards and micro-batch, and
 the largest absolute and relative differences from the reference.
 """
@@ -51,6 +52,8 @@ def _accelerator(cfg: dict):
     zero: dict = {"stage": stage, "reduce_bucket_size": 500_000}
     if stage == 3:  # gather every parameter (DeepSpeed keeps parameters under 1e5 elements whole)
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+    if cfg.get("offload_param"):  # what memguard's evaluation refuses (the reason names offload_param)
+        zero["offload_param"] = {"device": "cpu"}
     # no clipping (DeepSpeed clips at 1.0 when the key is absent, runtime/constants.py), the torch optimizer allowed
     config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_allow_untested_optimizer": True, "zero_optimization": zero}

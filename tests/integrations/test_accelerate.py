@@ -573,6 +573,18 @@ def test_evaluate_after_guarded_zero3_training_splits_on_every_rank(tmp_path: Pa
     assert any("DefaultCPUAllocator" in m for m in r1["messages"] if "OOM in evaluation" in m)
 
 
+@pytestmark_linux
+@pytest.mark.skipif(_NO_SHM_OP, reason=_SHM_SKIP)
+def test_evaluate_under_zero3_parameter_offload_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # ZeRO-3 with offload_param: memguard's reset after an evaluation OOM is not verified with it, so both ranks
+    # refuse at the same point (before any forward: no rank waits in an all-gather) and say what to do
+    r0, r1 = _run_worker(tmp_path, world=2, worker=EVAL_WORKER, deepspeed=3, offload_param=True, **_EVAL)
+    for r in (r0, r1):
+        assert r["error"] is not None and r["error"]["type"] == "ConfigError", r["error"]
+        assert "offload_param" in r["error"]["message"] and "drop offload_param" in r["error"]["message"]
+        assert r["forwards"] == r["padding_forwards"] == 0
+
+
 def _deepspeed_accelerator():
     """A CPU Accelerator in the state Accelerate's DeepSpeed branch sets (``AcceleratorState.__init__``,
     accelerate/state.py): the distributed type and the plugin, without building an engine."""
