@@ -70,12 +70,15 @@ Known limitations:
     same :class:`memguard.OOMRecoveryError` (the optimizer update does not shrink with the micro-batch), and
     Accelerate 1.15 on a host without GPUs counts one process under DeepSpeed (``PartialState._prepare_backend``
     picks no backend; with ``cpu=True`` it ignores the plugin), so its dataloader is not sharded by rank
-    there. Under FSDP1 and DeepSpeed, :func:`evaluate` is refused (its forward gathers parameters from every
-    rank; under FSDP2 the ranks split together, :mod:`memguard.guard._evaluate_sharded`), an out-of-memory error inside FSDP's own collectives stops every rank with the same
+    there. :func:`evaluate` runs under one process, DDP, FSDP2, FSDP1 (``use_orig_params`` True or False) and
+    DeepSpeed (ZeRO-0 to 3); under FSDP2, FSDP1 and ZeRO-3, whose forwards all-gather parameters, every rank must
+    call it at once and the ranks split together (:mod:`memguard.guard._evaluate_sharded`; ZeRO-3 with
+    ``offload_param`` is refused there), under DDP and ZeRO-0/1/2 each rank splits alone. An out-of-memory error
+    inside FSDP's or DeepSpeed's own collectives stops every rank with the same
     :class:`memguard.OOMRecoveryError` (see :mod:`memguard.guard._sharded`), and HSDP (a 2-D mesh)
-    (and FSDP1's HYBRID_SHARD) is refused. Accelerate 1.15 runs an FSDP plugin only on GPUs and
-    other accelerators, not on CPU processes (``AcceleratorState.__init__`` in ``accelerate/state.py`` leaves MULTI_CPU
-    alone). XLA and Megatron-LM Accelerators are not supported. Gradient
+    (and FSDP1's HYBRID_SHARD) is refused, in training and in evaluation. Accelerate 1.15 runs an FSDP plugin
+    only on GPUs and other accelerators, not on CPU processes (``AcceleratorState.__init__`` in
+    ``accelerate/state.py`` leaves MULTI_CPU alone). XLA and Megatron-LM Accelerators are not supported. Gradient
     clipping must be asked of :func:`prepare` (``max_grad_norm=``, ``clip_grad_value=``), since the
     optimizer steps inside :func:`step`. The loss function runs once per micro-batch (and again on
     a replay). Under DDP, gradient communication does not overlap the backward passes and DDP communication hooks
@@ -668,14 +671,16 @@ def evaluate(accelerator: Any, model: nn.Module, batch: Any, fn: Any = None, **o
     ``fn(module, micro_batch)`` (default: call the module with the batch) runs under
     ``accelerator.autocast()`` and ``torch.no_grad()`` with the module in ``eval()`` mode, on the module
     inside any DDP or ``torch.compile`` wrapper (no DDP hooks, no collectives, no recompilation for the
-    split's sizes). Under FSDP2 it is the ``fully_shard``-ed root ``accelerator.prepare`` returned, whose
-    forwards all-gather parameters: every rank must call this at once, and the ranks split together
-    (:mod:`memguard.guard._evaluate_sharded`; an OOM on one rank halves the micro-batch on all, logged on
-    each). A batch that
-    runs out of memory is split in micro-batches, halving from the one that failed (logged at WARNING);
-    the results are joined as :func:`memguard.evaluate` joins them (per-sample outputs in one tensor,
-    built in host memory when the device has no room; mean losses weighted by samples, or
-    ``weight_fn``). The evaluation's micro-batch is its own: it never changes the training micro-batch
+    split's sizes). Under FSDP2 it is the ``fully_shard``-ed root ``accelerator.prepare`` returned, under FSDP1
+    the ``FullyShardedDataParallel`` wrapper, under DeepSpeed the engine: their forwards all-gather parameters
+    (ZeRO-3's; ZeRO-0/1/2 forwards start no collective and each rank splits alone, as under DDP), so under
+    FSDP2, FSDP1 and ZeRO-3 every rank must call this at once, and the ranks split together
+    (:mod:`memguard.guard._evaluate_sharded`: the same micro-batch offsets on every rank, a rank whose batch is
+    shorter running padding forwards whose results are discarded; an OOM on one rank halves the micro-batch on
+    all, logged on each). A batch that runs out of memory is split in micro-batches, halving from the one that
+    failed (logged at WARNING); the results are joined as :func:`memguard.evaluate` joins them (per-sample
+    outputs in one tensor, built in host memory when the device has no room; mean losses weighted by samples,
+    or ``weight_fn``). The evaluation's micro-batch is its own: it never changes the training micro-batch
     of :func:`step`. Gather across ranks afterwards as usual
     (``accelerator.gather_for_metrics(result)``): every rank calls it once per batch, however its batch
     was split::
@@ -686,10 +691,11 @@ def evaluate(accelerator: Any, model: nn.Module, batch: Any, fn: Any = None, **o
             preds = accelerator.gather_for_metrics(out.logits.argmax(-1))
 
     Args:
-        accelerator: an ``accelerate.Accelerator`` (one process, DDP over processes, or FSDP2: then every
-            rank must call this at once, each with its own batch of any size; the ranks agree on the
-            micro-batch, run the same forwards and halve together on an OOM on any of them).
-        model: the model, as ``accelerator.prepare`` (or :func:`prepare`) returned it, or not prepared.
+        accelerator: an ``accelerate.Accelerator`` (one process, DDP over processes, FSDP2, FSDP1 or DeepSpeed;
+            under FSDP and ZeRO-3 every rank must call this at once, each with its own batch of any size; the
+            ranks agree on the micro-batch, run the same forwards and halve together on an OOM on any of them).
+        model: the model, as ``accelerator.prepare`` (or :func:`prepare`) returned it (under DeepSpeed the
+            engine, which ``fn`` then gets), or not prepared.
         batch: one evaluation batch of this rank (see :mod:`memguard.batch`).
         fn: ``fn(module, micro_batch) -> result``; None calls the module with the batch. For
             outputs too large to keep, return only what the metric needs (the loss).
@@ -701,12 +707,13 @@ def evaluate(accelerator: Any, model: nn.Module, batch: Any, fn: Any = None, **o
 
     Raises:
         MissingDependencyError: accelerate is not installed.
-        ConfigError: bad arguments (all listed), or an Accelerator that shards the model other than with
-            FSDP2 (FSDP1, DeepSpeed, ...), whose forward gathers parameters from every rank so one rank
-            cannot split alone.
-        PeerFailedError: under FSDP2, a peer failed with an error that is not an OOM.
+        ConfigError: bad arguments (all listed); an Accelerator of another distributed type (XLA,
+            Megatron-LM); HSDP (FSDP2's 2-D mesh, FSDP1's HYBRID_SHARD), FSDP1's CPU offload or ZeRO-3
+            ``offload_param``; under ZeRO-3, the engine's module instead of the engine.
+        PeerFailedError: under FSDP or ZeRO-3, a peer failed with an error that is not an OOM.
         OOMRecoveryError: a single sample does not fit, ``max_retries`` was exceeded, or the joined
-            outputs fit nowhere (the message names the loss-only ``fn``).
+            outputs fit nowhere (the message names the loss-only ``fn``); under FSDP or ZeRO-3, an OOM inside
+            an all-gather (every rank raises the same error).
     """
     acc = _accelerate()
     problems: list[str] = []
@@ -722,21 +729,19 @@ def evaluate(accelerator: Any, model: nn.Module, batch: Any, fn: Any = None, **o
         problems.append(f"evaluate() got unknown option(s) {', '.join(unknown)}; it takes {', '.join(allowed)}")
     if not problems:
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-        fsdp2 = kind == "FSDP" and bool(getattr(accelerator, "is_fsdp2", False))
-        if kind == "FSDP" and not fsdp2:
-            problems.append("under FSDP1 the forward gathers parameters from every rank, and memguard's evaluation "
-                            "splits ranks together only under FSDP2; build the plugin with fsdp_version=2 "
-                            "(accelerator_kwargs of an FSDP2 plan does), or evaluate with Accelerate's own loop and "
-                            "a batch that fits (the same micro-batch on every rank)")
-        elif kind != "NO" and not kind.startswith("MULTI_") and not fsdp2:
-            problems.append(f"an Accelerator with distributed_type {kind} shards the model, and its forward gathers "
-                            "parameters from every rank, so one rank cannot split its batch alone; evaluate with "
-                            "Accelerate's own loop and a batch that fits (the same micro-batch on every rank)")
+        if kind not in ("NO", "FSDP", "DEEPSPEED") and not kind.startswith("MULTI_"):
+            problems.append(f"an Accelerator with distributed_type {kind} is not one memguard evaluates under (one "
+                            "process, DDP, FSDP2, FSDP1 or DeepSpeed); evaluate with Accelerate's own loop and a batch "
+                            "that fits")
     if problems:
         raise ConfigError(problems)
-    # Under FSDP2 accelerator.prepare returns the module fully_shard made the root (fsdp2_prepare_model in
-    # accelerate/utils/fsdp_utils.py applies fully_shard in place and returns the model): memguard.evaluate
-    # finds its rank group and splits on every rank together (memguard.guard._evaluate_sharded)
+    # What accelerator.prepare returns is what memguard.evaluate is given, and it finds the rank group the forwards
+    # run under (memguard.guard._evaluate_sharded.eval_rank_group): under FSDP2 the module fully_shard made the root
+    # (fsdp2_prepare_model in accelerate/utils/fsdp_utils.py applies fully_shard in place and returns the model),
+    # under FSDP1 the FullyShardedDataParallel wrapper (accelerator.py, prepare_model), under DeepSpeed the engine
+    # (accelerator.py, _prepare_deepspeed: the first value of deepspeed.initialize). Their forwards all-gather
+    # parameters (ZeRO-3's; ZeRO-0/1/2 forwards start no collective, each rank splits alone): every rank splits
+    # together. HSDP, FSDP1's CPU offload and ZeRO-3 parameter offload are refused there, each with the reason.
     module = _unwrapped(model)
     device = accelerator.device
     batch = map_tensors(batch, lambda t: t if t.device == device else t.to(device))
@@ -750,7 +755,9 @@ def evaluate(accelerator: Any, model: nn.Module, batch: Any, fn: Any = None, **o
 
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The module inside DDP and ``torch.compile`` wrappers (what ``accelerator.unwrap_model`` returns for them,
-    without its imports, e.g. DeepSpeed's engine, which need memory an evaluation that runs out of it lacks)."""
+    without its imports, e.g. DeepSpeed's engine, which need memory an evaluation that runs out of it lacks).
+    FSDP1's wrapper and DeepSpeed's engine are kept, unlike ``unwrap_model``: their forwards gather the parameters
+    the inner module holds only shards of."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module

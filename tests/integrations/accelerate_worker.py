@@ -30,8 +30,8 @@ With ``eval_factor``, after training (the cap still in force on the capped ranks
 one validation batch of ``eval_factor x batch`` samples of its own with
 :func:`memguard.integrations.accelerate.evaluate` and gathers the predictions with
 ``accelerator.gather_for_metrics``; the unsplit predictions of the same weights are computed after
-the cap is lifted, for the test to compare. Under ``fsdp2`` that is the sharded model's forward on every rank
-(each rank evaluates at once, and the ranks split together).
+the cap is lifted, for the test to compare. Under ``fsdp2``, ``fsdp1`` and ZeRO-3 that is the sharded model's
+forward on every rank (each rank evaluates at once, and the ranks split together).
 Each rank writes ``result<rank>.json`` (events, messages, error) and its weights
 ``accelerate<rank>.pt``; rank 0 also writes ``reference.pt``.
 """
@@ -258,7 +258,10 @@ def main() -> None:
     from memguard.integrations.accelerate import status
     if "eval" in result:
         with torch.no_grad():
-            inner = accelerator.unwrap_model(model).eval()
+            # FSDP2's root and DDP's module run whole; FSDP1's wrapper and DeepSpeed's engine are called themselves
+            # (every rank at once: their forwards all-gather), as unwrap_model's module holds only shards there
+            inner = model if fsdp1 or ds_stage is not None else accelerator.unwrap_model(model)
+            inner.eval()  # (DeepSpeedEngine.eval returns None, runtime/engine.py)
             whole = inner(val["x"])
             result["eval"]["pred_max_diff"] = float((whole - got["pred"]).abs().max())
             result["eval"]["ref_loss"] = float(((whole - val["y"]) ** 2).mean())

@@ -33,6 +33,7 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState  # noqa: E402 - after the importorskip
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
+EVAL_WORKER = Path(__file__).with_name("accelerate_eval_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
@@ -267,7 +268,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_worker(tmp_path: Path, world: int = 1, **cfg) -> list[dict]:
+def _run_worker(tmp_path: Path, world: int = 1, worker: Path = WORKER, **cfg) -> list[dict]:
     cfg = {"out": str(tmp_path), "steps": 3, "seq": 64, "budget_mib": 20, **cfg}
     env = dict(os.environ)
     if cfg.get("deepspeed") is not None:
@@ -276,7 +277,7 @@ def _run_worker(tmp_path: Path, world: int = 1, **cfg) -> list[dict]:
     # the address space tracks live memory and the cap bites where the test expects (tests/guard).
     env.update(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    command = [sys.executable, str(WORKER), json.dumps(cfg)]
+    command = [sys.executable, str(worker), json.dumps(cfg)]
     if world > 1:  # torchrun starts the ranks; the Accelerator then runs DDP over gloo
         command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
                         "127.0.0.1", "--master_port", str(_free_port())]
@@ -435,13 +436,15 @@ def test_fsdp_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Path, c
 
 
 @pytestmark_linux
-def test_fsdp2_evaluate_splits_on_every_rank_when_one_runs_out(tmp_path: Path) -> None:
-    # The FSDP2 planner run above (rank 1 capped at 20 MiB from batch 1), then each rank evaluates a 128-sample
+@pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp1"])
+def test_fsdp_evaluate_splits_on_every_rank_when_one_runs_out(tmp_path: Path, fsdp: str) -> None:
+    # The FSDP planner run above (rank 1 capped at 20 MiB from batch 1), then each rank evaluates a 128-sample
     # batch of its own (eval_factor=2, about 0.5 MiB per sample under no_grad) under the same cap with
     # memguard.integrations.accelerate.evaluate: rank 1 fails at 128 and 64; both ranks halve together (each
-    # forward all-gathers the Linear groups, so the ranks must run the same forwards) and run 32 at a time.
+    # forward all-gathers the Linear groups, or FSDP1's units, so the ranks must run the same forwards) and run
+    # 32 at a time, under the rank group memguard's training prepared.
     r0, r1 = _run_worker(tmp_path, world=2, batch=64, plan="planner", accumulate=1, cap_batch=1, cap_ranks=[1],
-                         fsdp2=True, eval_factor=2)
+                         eval_factor=2, **{fsdp: True})
     assert r0["error"] is None and r1["error"] is None and r1.get("capped") and not r0.get("capped")
     e0, e1 = r0["eval"], r1["eval"]
     for r, e in ((r0, e0), (r1, e1)):
@@ -456,9 +459,52 @@ def test_fsdp2_evaluate_splits_on_every_rank_when_one_runs_out(tmp_path: Path) -
     assert any("DefaultCPUAllocator" in m for m in r1["messages"] if "OOM in evaluation" in m)
 
 
-def test_evaluate_refuses_fsdp1_and_names_fsdp2() -> None:
-    with pytest.raises(ConfigError, match="under FSDP1 .*fsdp_version=2"):
-        evaluate(_fsdp_accelerator(1), _net(), X)
+# Evaluation under Accelerate's FSDP1 and DeepSpeed plugins (accelerate_eval_worker.py): rank 0 evaluates 24 samples,
+# rank 1 64, rank 1 capped at 20 MiB more than it holds. The no-grad forward keeps about 0.5 MiB per sample (fc1's and
+# GELU's outputs at seq=64, 1024 wide, fp32): 64 samples (32 MiB) fail, 32 fit.
+_EVAL = {"sizes": [24, 64], "cap_ranks": [1], "budget_mib": 20}
+
+
+def _check_eval(r0: dict, r1: dict, together: bool) -> None:
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    assert r1["capped"] and not r0["capped"]
+    for r, n in ((r0, 24), (r1, 64)):
+        # the unsplit, uncapped forward of the same prepared model; fp32, rows computed in other groupings
+        assert r["shape"] == r["reference_shape"] == [n]
+        assert r["max_abs"] <= 1e-6 and r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6), r
+        assert r["training"]  # eval() for the call only
+    # rank 1 failed at 64 with the allocator's own error, and ran 32 at a time
+    assert len(r1["retries"]) == r1["oom_retries"] == 1 and "at micro-batch 64" in r1["retries"][0]
+    assert "DefaultCPUAllocator" in r1["retries"][0] and r1["forwards"] == 2 and r1["micro"] == [32]
+    if together:
+        # the forward all-gathers parameters from both ranks: both halved together (logged on both); rank 0's 24
+        # samples end before the second micro-batch [32, 64): it ran a padding forward, the same forwards as rank 1
+        assert len(r0["retries"]) == r0["oom_retries"] == 1 and "on rank 1" in r0["retries"][0]
+        assert (r0["forwards"], r0["padding_forwards"], r1["padding_forwards"]) == (1, 1, 0)
+        assert r0["micro"] == [32]
+    else:  # ZeRO-1/2 forwards start no collective: rank 0 ran its batch whole, alone
+        assert (r0["retries"], r0["oom_retries"], r0["forwards"], r0["padding_forwards"]) == ([], 0, 1, 0)
+
+
+@pytestmark_linux
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_evaluate_under_fsdp1_splits_on_every_rank_when_one_runs_out(tmp_path: Path, use_orig_params: bool) -> None:
+    # accelerator.prepare wraps the model in FullyShardedDataParallel (FULL_SHARD, each Linear a unit); every unit's
+    # forward all-gathers its flat parameter, so the ranks split together (memguard.guard._fsdp1's forward reset)
+    r0, r1 = _run_worker(tmp_path, world=2, worker=EVAL_WORKER, fsdp1={"use_orig_params": use_orig_params}, **_EVAL)
+    assert r0["kind"] == r1["kind"] == "FSDP"
+    _check_eval(r0, r1, together=True)
+
+
+def test_evaluate_refuses_an_accelerator_it_does_not_run_under() -> None:
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator.state.distributed_type = DistributedType.MEGATRON_LM
+    PartialState._shared_state["distributed_type"] = DistributedType.MEGATRON_LM
+    with pytest.raises(ConfigError, match="distributed_type MEGATRON_LM is not one memguard evaluates under"):
+        evaluate(accelerator, _net(), X)
 
 
 _SHM_SKIP = "DeepSpeed's shm comm op is not built for the ninja on PATH (bash scripts/dev.sh setup builds it)"
@@ -491,6 +537,52 @@ def test_deepspeed_one_rank_runs_out_and_both_ranks_replay_together(tmp_path: Pa
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     # the reference is one process on the step's 128 samples; ~3e-7 observed at every stage, 1e-5 allowed
     assert _rel_sd(tmp_path) <= 1e-5
+
+
+@pytestmark_linux
+@pytest.mark.skipif(_NO_SHM_OP, reason=_SHM_SKIP)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_evaluate_under_deepspeed_recovers_from_a_real_oom_on_one_rank(tmp_path: Path, stage: int) -> None:
+    # accelerator.prepare builds a ZeRO-<stage> engine (Accelerate's DeepSpeed plugin) and evaluate runs the engine:
+    # under ZeRO-3 its forward gathers every Linear's partitions, so the ranks split together; under ZeRO-1/2 it
+    # starts no collective and the capped rank splits alone
+    r0, r1 = _run_worker(tmp_path, world=2, worker=EVAL_WORKER, deepspeed=stage, **_EVAL)
+    assert r0["kind"] == r1["kind"] == "DEEPSPEED"
+    _check_eval(r0, r1, together=stage == 3)
+
+
+@pytestmark_linux
+@pytest.mark.skipif(_NO_SHM_OP, reason=_SHM_SKIP)
+def test_evaluate_after_guarded_zero3_training_splits_on_every_rank(tmp_path: Path) -> None:
+    # The ZeRO-3 training run above (rank 1 capped at 20 MiB from its batch 3), then each rank evaluates 64 samples
+    # of its own (eval_factor=2) under the same cap: the engine's forward gathers every Linear's partitions, so
+    # both ranks halve together, under the rank group memguard's training armed, and gather both ranks' predictions
+    r0, r1 = _run_worker(tmp_path, world=2, batch=32, plan=[32, 2], cap_batch=3, cap_ranks=[1], deepspeed=3,
+                         eval_factor=2)
+    assert r0["error"] is None and r1["error"] is None and r1.get("capped") and not r0.get("capped")
+    e0, e1 = r0["eval"], r1["eval"]
+    for r, e in ((r0, e0), (r1, e1)):
+        halvings = [m for m in r["messages"] if m.startswith("WARNING") and "OOM in evaluation" in m]
+        # 64 (32 MiB of fc1 and GELU outputs) fails on rank 1, 32 fits: one halving, logged on both ranks, and the
+        # same eval micro-batch remembered on both
+        assert len(halvings) == e["oom_retries"] == 1 and "at micro-batch 64 on rank 1" in halvings[0], (halvings, e)
+        assert e["micro"] == [32]
+        assert e["gathered"] == 128
+        assert e["pred_max_diff"] <= 1e-5 and e["loss"] == pytest.approx(e["ref_loss"], rel=1e-6)
+        assert e["train_micro"] == [16, 16]  # the training micro-batch is not the evaluation's
+    assert any("DefaultCPUAllocator" in m for m in r1["messages"] if "OOM in evaluation" in m)
+
+
+@pytestmark_linux
+@pytest.mark.skipif(_NO_SHM_OP, reason=_SHM_SKIP)
+def test_evaluate_under_zero3_parameter_offload_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # ZeRO-3 with offload_param: memguard's reset after an evaluation OOM is not verified with it, so both ranks
+    # refuse at the same point (before any forward: no rank waits in an all-gather) and say what to do
+    r0, r1 = _run_worker(tmp_path, world=2, worker=EVAL_WORKER, deepspeed=3, offload_param=True, **_EVAL)
+    for r in (r0, r1):
+        assert r["error"] is not None and r["error"]["type"] == "ConfigError", r["error"]
+        assert "offload_param" in r["error"]["message"] and "drop offload_param" in r["error"]["message"]
+        assert r["forwards"] == r["padding_forwards"] == 0
 
 
 def _deepspeed_accelerator():
