@@ -90,8 +90,8 @@ log = logging.getLogger("memguard")
 
 #: The schedules the layout planner searches (those :mod:`memguard.estimator._pipeline` traces).
 SEARCHED_SCHEDULES = ("1F1B", "GPipe")
-#: Verified candidates at most before the search gives up on verification.
-_MAX_VERIFY = 3
+#: Full verifications at most (each traces the whole model under its layout).
+_MAX_VERIFY = 2
 
 
 def _dtype_bytes(precision: str) -> tuple[int, int]:
@@ -583,12 +583,21 @@ def search_layouts(session: Any, space: Any, request: Any) -> Any:
                           f"of one of them")
     searched = time.perf_counter() - start
     tried = []
-    for cand in [c for c in ranked if c.fits][:_MAX_VERIFY]:
+    ratio = 1.0  # how far a verification has found the layout model short (CUDA: the allocator's overhead)
+    for _ in range(_MAX_VERIFY):
+        fitting = [c for c in ranked if c.predicted_bytes * ratio <= space.usable_bytes
+                   and all(c is not t for t, _, _ in tried)]
+        if not fitting:
+            break
+        cand = fitting[0]
         est, verified = _estimate(session, space, cand, profile)
         tried.append((cand, est, verified))
         if est.peak_upper_bytes <= space.usable_bytes:
             return _plan(space, cand, est, verified, ranked, profile, searched, time.perf_counter() - start,
                          hidden_size(session.model))
+        ratio = max(ratio, est.peak_upper_bytes / max(cand.predicted_bytes, 1))
+        log.info("memguard: %s predicted %s but verified at %s; the next is sized with that shortfall",
+                 cand.describe(), format_bytes(cand.predicted_bytes), format_bytes(est.peak_upper_bytes))
     closest = min(ranked, key=lambda c: c.predicted_bytes)
     est, verified = _estimate(session, space, closest, profile, verify=False)
     closest_plan = _plan(space, closest, est, verified, ranked, profile, searched, time.perf_counter() - start,
