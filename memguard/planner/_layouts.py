@@ -45,8 +45,13 @@ These are allocated bytes (no CUDA allocator model); the winner is verified with
 ``memguard.estimate(..., layout=...)`` where that estimates the layout (no pipeline stages combined
 with data or tensor parallelism), and the plan records which it is.
 
-Cost (:func:`layout_seconds`, in the conventions of :mod:`memguard.planner._cost`: no overlap of
-communication and compute, a conservative bound):
+Cost (:func:`layout_seconds`, in the conventions of :mod:`memguard.planner._cost`, except that the
+data-parallel collectives overlap compute: FSDP2 prefetches the next group's all-gather and
+reduce-scatters on a separate stream during backward (``torch.distributed.fsdp.fully_shard`` docs,
+implicit prefetching; ``_fsdp_param_group.py``), DDP all-reduces buckets as backward produces them
+(Li et al. 2020, PyTorch Distributed, arXiv 2006.15704, section 3.2.3); only their time beyond the
+compute counts. Tensor-parallel all-reduces sit on the critical path (no async TP) and pipeline
+p2p is counted in full, a conservative bound):
 
 * compute: the step's FLOPs (counted on the probes) over the ``N`` GPUs at the precision's rate
   times ``MFU``, checkpointing's recomputation ``1 + k/(3L)``, at least the per-op launch floor
@@ -92,6 +97,10 @@ log = logging.getLogger("memguard")
 SEARCHED_SCHEDULES = ("1F1B", "GPipe")
 #: Full verifications at most (each traces the whole model under its layout).
 _MAX_VERIFY = 2
+#: A verification predicted to take longer than this is skipped (planning stays a matter of seconds):
+#: its time is the probes' seconds per block times the model's blocks, 3x under FSDP2 or TP (their
+#: traces run DTensor dispatch; measured ~3-4x a plain trace on a 405B block).
+VERIFY_BUDGET_S = 20.0
 
 
 def _dtype_bytes(precision: str) -> tuple[int, int]:
@@ -128,6 +137,7 @@ class LayoutProfile:
     tp_degrees: tuple[int, ...] = (1,)
     tp_reason: str = ""
     pipeline: bool = False  # the model splits into pipeline stages
+    seconds_per_block: float = 0.0  # the probes' tracing time per block (what a full trace would take)
     fixed_bytes: int = 0  # the target's BLAS workspaces (CUDA), the same on every rank
 
     def block_params(self, tp: int) -> float:
@@ -278,6 +288,7 @@ def build_profile(session: Any, precisions: Iterable[str], spec: Any, gpus_per_n
         ConfigError: the model has no repeated blocks to probe and split.
     """
     model = session.model
+    started, traced = time.perf_counter(), session.trace_count
     precisions = tuple(precisions)
     session._first_precision = session._first_precision or precisions[0]
     if session.probe_points(spec) == [None]:
@@ -326,6 +337,9 @@ def build_profile(session: Any, precisions: Iterable[str], spec: Any, gpus_per_n
             profile.tp_shared = _tp_shared(session, first, spec, plan, profile.acts[(first, False)])
         except ConfigError as exc:
             profile.tp_degrees, profile.tp_reason = (1,), f"tensor parallelism not searched: {exc}"
+    new = session.trace_count - traced
+    if new:  # the probes keep 1 or 2 blocks, 1.5 on average
+        profile.seconds_per_block = (time.perf_counter() - started) / new / 1.5
     return profile
 
 
@@ -377,12 +391,18 @@ class LayoutCost:
     pp_comm: float
 
     @property
+    def dp_exposed(self) -> float:
+        """The data-parallel collectives' time beyond the compute they overlap with."""
+        return max(self.dp_comm - self.compute, 0.0)
+
+    @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.dp_comm + self.pp_comm
+        return self.compute + self.bubble + self.tp_comm + self.dp_exposed + self.pp_comm
 
     def describe(self) -> str:
         return (f"{self.total:.3g} s/step = compute {self.compute:.3g} + bubble {self.bubble:.3g} + TP all-reduce "
-                f"{self.tp_comm:.3g} + data-parallel {self.dp_comm:.3g} + pipeline p2p {self.pp_comm:.3g}")
+                f"{self.tp_comm:.3g} + data-parallel {self.dp_exposed:.3g} exposed (of {self.dp_comm:.3g}, the rest "
+                f"overlapped) + pipeline p2p {self.pp_comm:.3g}")
 
 
 def layout_seconds(profile: LayoutProfile, lay: Layout, *, precision: str, m: int, n_micro: int, k: int,
@@ -624,6 +644,14 @@ def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutPr
     """The candidate's estimate: a real ``estimate(layout=...)`` where it is affordable and supported,
     else the layout model's figures (and False)."""
     lay = cand.layout
+    cost_s = profile.seconds_per_block * profile.num_blocks * (3 if lay.tp > 1 or lay.dp_shard > 1 else 1)
+    if verify and verifiable(cand) and cost_s > VERIFY_BUDGET_S:
+        verify = False
+        why = (f"not verified: a full trace of this layout would take about {cost_s:.0f} s (over "
+               f"{VERIFY_BUDGET_S:g} s); memguard.estimate(model, batch, layout=plan.layout, ...) verifies it")
+    else:
+        why = ("estimate(layout=...) does not estimate this layout yet" if not verifiable(cand) else
+               "not verified")
     if verify and verifiable(cand):
         from memguard.estimator.api import estimate
 
@@ -660,7 +688,7 @@ def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutPr
                    model_state_bytes=states, strategy="fsdp2" if lay.dp_shard > 1 else "ddp",
                    peak_upper_bytes=cand.predicted_bytes, rank_peak_bytes=ranks,
                    notes=(f"layout {lay.describe()}: memguard's layout model (allocated bytes from probe traces, "
-                          "no CUDA allocator model); estimate(layout=...) does not estimate this layout yet",))
+                          f"no CUDA allocator model); {why}",))
     return est, False
 
 
@@ -679,7 +707,7 @@ def _plan(space: Any, cand: LayoutCandidate, est: Any, verified: bool, ranked: l
                    f"({searched_s:.2g} s to search, {total_s:.2g} s with verification); {cand.cost.describe()}"
                    if fits else f"{lay.describe()}: the smallest predicted peak; nothing fits"),
         "estimate": ("verified with memguard.estimate(..., layout=...)" if verified else
-                     "the layout model's prediction (estimate(layout=...) does not cover this layout yet)"),
+                     "the layout model's prediction: " + est.notes[-1].split("; ", 1)[-1]),
         "micro_batch_size": cand.describe(),
         "precision": f"{cand.precision}: of {', '.join(space.precisions)}",
         "activation_checkpointing": (f"{cand.checkpoint_blocks} blocks per stage: the fewest that fit"
