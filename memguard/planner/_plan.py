@@ -115,7 +115,8 @@ class Plan:
         if lay.world_size != self.world_size:
             raise ConfigError(f"plan is inconsistent: world_size {self.world_size} but the layout has {lay.world_size} "
                               "ranks; build plans with memguard.plan()")
-        samples = self.micro_batch_size * self.grad_accum_steps * (lay.pp_microbatches or 1 if lay.pp > 1 else 1)
+        pipeline_micro = (lay.pp_microbatches or lay.pp) if lay.pp > 1 else 1
+        samples = self.micro_batch_size * self.grad_accum_steps * pipeline_micro
         if samples * self.data_parallel_size != self.global_batch_size:
             raise ConfigError(
                 f"plan is inconsistent: {samples} samples per replica x {self.data_parallel_size} data-parallel "
