@@ -73,6 +73,7 @@ CLI_OPTIONS = {
     "max_shape": "--max-seq-len", "strategy": "--strategy", "finetune": "--finetune", "train": "--eval",
     "torch_version": "--torch-version", "cuda_version": "--cuda-version", "cudnn_version": "--cudnn-version",
     "gradient_compression": "--gradient-compression", "powersgd": "--powersgd-rank",
+    "gpus_per_node": "--gpus-per-node",
 }
 
 #: memguard.plan's options that take Python objects, so the command line has no flag for them.
@@ -320,6 +321,10 @@ def _target_options(parser: argparse.ArgumentParser, *, budget_help: str) -> arg
                         "feedback buffers, P/Q matrices and per-bucket temporaries are counted")
     g.add_argument("--powersgd-rank", type=_positive_int, default=None, metavar="R",
                    help="with --gradient-compression powersgd: the matrix approximation rank (default 1)")
+    g.add_argument("--gpus-per-node", type=_positive_int, default=None, metavar="K",
+                   help="search parallel layouts of --world-size GPUs in nodes of K: tensor parallelism inside a "
+                        "node, pipeline stages across nodes, FSDP2/DDP/HSDP over the rest (default: --world-size "
+                        "data-parallel ranks)")
     g.add_argument("--budget", type=_bytes_arg, metavar="SIZE", help=budget_help)
     return g
 
@@ -823,6 +828,7 @@ def plan_request(args: argparse.Namespace, loaded: "LoadedModel | None" = None) 
         world_size=args.world_size, device=args.device, cpu=args.cpu, torch_version=args.torch_version,
         cuda_version=args.cuda_version, cudnn_version=args.cudnn_version,
         gradient_compression=args.gradient_compression, powersgd=args.powersgd_rank,
+        gpus_per_node=getattr(args, "gpus_per_node", None),
         strategy=_restrict(getattr(args, "strategy", None)), finetune=getattr(args, "finetune", None),
         train=not getattr(args, "eval", False),
         optimizer=loaded.optimizer if loaded else None, loss_fn=loaded.loss_fn if loaded else None,

@@ -38,7 +38,7 @@ from typing import Any, Literal, Mapping
 from memguard.errors import ConfigError
 from memguard.estimator._cuda import DEFAULT_CONTEXT_BYTES
 
-__all__ = ["GPUSpec", "GPUS", "GENERIC", "get_gpu", "lookup_gpu", "current_gpu", "measure_context_bytes"]
+__all__ = ["GPUSpec", "GPUS", "GENERIC", "NETWORK_SOURCES", "DEFAULT_NETWORK_GBPS", "get_gpu", "lookup_gpu", "current_gpu", "measure_context_bytes"]
 
 logger = logging.getLogger("memguard")
 
@@ -70,6 +70,12 @@ class GPUSpec:
         source: where the figures come from.
         interconnect: how the usual multi-GPU form of the part links its GPUs: ``"nvlink"``,
             ``"infinity-fabric"`` or ``"pcie"`` (the datasheets in ``source``).
+        network_gbps: per-GPU bandwidth to GPUs in other nodes, GB/s per direction: the node's
+            scale-out NICs divided by its GPUs (see :data:`NETWORK_SOURCES`); the layout planner's
+            data- and pipeline-parallel traffic between nodes travels at this rate.
+        nvlink_domain: GPUs per NVLink (or Infinity Fabric) domain in the part's usual server form
+            (8 on HGX/DGX boards, 1 for PCIe-only parts); the layout planner keeps tensor
+            parallelism inside it.
         p2p_caveat: a known problem of NCCL's peer-to-peer / InfiniBand transports on this part,
             with its source, or ``""``; :mod:`memguard.planner._notes` turns it into a plan note.
         stack: the torch, CUDA and cuDNN versions the target runs
@@ -96,11 +102,38 @@ class GPUSpec:
     interconnect: Literal["nvlink", "infinity-fabric", "pcie"] = "pcie"
     p2p_caveat: str = ""
     stack: Any = None
+    network_gbps: float = 0.0
+    nvlink_domain: int = 1
+
+    @property
+    def scale_out_gbps(self) -> float:
+        """``network_gbps``, or :data:`DEFAULT_NETWORK_GBPS` where the catalog has no figure."""
+        return self.network_gbps or DEFAULT_NETWORK_GBPS
 
 
 # Per-direction link bandwidths in GB/s (half of the bidirectional figures vendors quote).
 _PCIE3 = 16.0  # PCIe 3.0 x16: 32 GB/s bidirectional (PCI-SIG PCIe 3.0 specification).
 _PCIE4 = 32.0  # PCIe 4.0 x16: 64 GB/s bidirectional (PCI-SIG PCIe 4.0; L4/L40S/A10 datasheets).
+
+# Scale-out network per GPU, GB/s per direction (a NIC's line rate in Gb/s / 8).
+_NIC400 = 50.0  # one 400 Gb/s NDR InfiniBand / RoCE NIC per GPU: NVIDIA DGX H100 user guide (8x ConnectX-7, 400 Gb/s each, for 8 GPUs); HGX H100/H200 reference nodes
+_NIC200 = 25.0  # one 200 Gb/s HDR InfiniBand NIC per GPU: NVIDIA DGX A100 user guide (8x ConnectX-6, 200 Gb/s each, for 8 GPUs)
+_NIC100 = 12.5  # 100 Gb/s Ethernet per GPU: an assumed typical cloud figure for PCIe GPU nodes (no vendor reference design)
+#: Used by :attr:`GPUSpec.scale_out_gbps` where an entry has no ``network_gbps``: 100 Gb/s per GPU.
+DEFAULT_NETWORK_GBPS = _NIC100
+#: Where each entry's ``network_gbps`` and ``nvlink_domain`` come from.
+NETWORK_SOURCES: Mapping[str, str] = MappingProxyType({
+    "V100-16GB": "NVIDIA DGX-1 (V100) system: 4x 100 Gb/s EDR InfiniBand for 8 GPUs (50 Gb/s per GPU); "
+                 "NVLink hybrid cube mesh of 8 GPUs",
+    "V100-32GB": "NVIDIA DGX-1 (V100) system: 4x 100 Gb/s EDR InfiniBand for 8 GPUs; 8-GPU NVLink mesh",
+    "A100-40GB": "NVIDIA DGX A100 user guide: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU; 8 GPUs on NVSwitch",
+    "A100-80GB": "NVIDIA DGX A100 user guide: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU; 8 GPUs on NVSwitch",
+    "H100-80GB": "NVIDIA DGX H100 user guide: 8x ConnectX-7 400 Gb/s NDR InfiniBand, one per GPU; 8 GPUs on "
+                 "NVSwitch (torchtitan's docs/performance.md: 400 Gb/s RDMA per GPU on its H100 hosts)",
+    "H200": "NVIDIA HGX H200 reference: 8 GPUs on NVSwitch, one 400 Gb/s ConnectX-7 NIC per GPU (DGX H200 user guide)",
+    "MI300X": "AMD Instinct MI300X platform: 8 GPUs on Infinity Fabric; one 400 Gb/s NIC per GPU in the usual "
+              "OCP UBB server designs (AMD Instinct MI300X platform data sheet)",
+})
 
 # Context bytes: no per-model measurement is published; every entry uses the default, which
 # memguard.estimator.gpus.measure_context_bytes replaces on a real device.
@@ -115,6 +148,7 @@ _SPECS = (
         "900 GB/s, NVLink 300 GB/s); total_memory 15.75-15.78 GiB in PyTorch OOM reports "
         "(e.g. Morizeyao/GPT2-Chinese#215)",
         interconnect="nvlink",
+        network_gbps=6.25, nvlink_domain=8,
     ),
     GPUSpec(
         name="V100-32GB", memory_bytes=_gib(31.74), compute_capability=(7, 0), bf16=False,
@@ -123,6 +157,7 @@ _SPECS = (
         source="NVIDIA V100 Tensor Core GPU datasheet (SXM2 32GB); total_memory 31.74-31.75 GiB in "
         "PyTorch OOM reports (haotian-liu/LLaVA#812, hiyouga/LlamaFactory#182)",
         interconnect="nvlink",
+        network_gbps=6.25, nvlink_domain=8,
     ),
     GPUSpec(
         name="T4", memory_bytes=_gib(14.75), compute_capability=(7, 5), bf16=False,
@@ -192,6 +227,7 @@ _SPECS = (
         "19.5 FP32, 1555 GB/s, NVLink 600 GB/s); total_memory 39.50-39.59 GiB in PyTorch OOM "
         "reports (TianheWu/CoSeR#10, raoyongming/DenseCLIP#52)",
         interconnect="nvlink",
+        network_gbps=_NIC200, nvlink_domain=8,
     ),
     GPUSpec(
         name="A100-80GB", memory_bytes=_gib(79.14), compute_capability=(8, 0), bf16=True,
@@ -202,6 +238,7 @@ _SPECS = (
         "19.5 FP32, 2039 GB/s, NVLink 600 GB/s); total_memory 79.14-79.25 GiB in PyTorch OOM "
         "reports (lianqi1008/Control-GIC#6, levihsu/OOTDiffusion#235)",
         interconnect="nvlink",
+        network_gbps=_NIC200, nvlink_domain=8,
     ),
     GPUSpec(
         name="H100-80GB", memory_bytes=_gib(79.11), compute_capability=(9, 0), bf16=True,
@@ -212,6 +249,7 @@ _SPECS = (
         "with sparsity, halved here; 67 FP32; 3.35 TB/s; NVLink 900 GB/s); total_memory 79.11 GiB "
         "in PyTorch OOM reports (vllm-project/vllm#27508)",
         interconnect="nvlink",
+        network_gbps=_NIC400, nvlink_domain=8,
     ),
     GPUSpec(
         name="H200", memory_bytes=_gib(139.72), compute_capability=(9, 0), bf16=True,
@@ -221,6 +259,7 @@ _SPECS = (
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, NVLink "
         "900 GB/s, compute as H100 SXM); total_memory 139.72-139.81 GiB in PyTorch OOM reports",
         interconnect="nvlink",
+        network_gbps=_NIC400, nvlink_domain=8,
     ),
     GPUSpec(
         name="MI300X", memory_bytes=_gib(191.69), compute_capability=(9, 4), bf16=True,
@@ -231,6 +270,7 @@ _SPECS = (
         "TF32, 163.4 FP32, 5.3 TB/s, 7 Infinity Fabric links totalling 896 GB/s); total_memory "
         "191.69-191.98 GiB in PyTorch (ROCm) OOM reports",
         interconnect="infinity-fabric",
+        network_gbps=_NIC400, nvlink_domain=8,
     ),
 )
 

@@ -49,6 +49,13 @@ class Plan:
             before this field existed load as ``"deepspeed"`` when their ``zero_stage >= 1``, else
             ``"ddp"``.
         notes: operational advice, one sentence each (how to run the plan), shown by :meth:`explain`.
+        layout: the parallel layout (a :class:`memguard.Layout`) when the plan was searched over layouts
+            (``memguard.plan(..., gpus_per_node=K)``), else None (``world_size`` data-parallel ranks).
+            With a layout, ``world_size`` is every rank (``layout.world_size``) and the invariant is
+            ``micro_batch_size * grad_accum_steps * pipeline micro-batches * data-parallel degree ==
+            global_batch_size`` (:attr:`data_parallel_size`).
+        layout_report: the layouts the search tried, one line each: why each lost (does not fit,
+            slower) and the winner's cost terms; shown by :meth:`explain`.
     """
 
     micro_batch_size: int
@@ -71,10 +78,17 @@ class Plan:
     hidden_size: int | None = None
     strategy: str = ""
     notes: tuple[str, ...] = ()
+    layout: Any = None
+    layout_report: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reasons", MappingProxyType(dict(self.reasons)))
         object.__setattr__(self, "notes", tuple(self.notes))  # a JSON round trip gives a list
+        object.__setattr__(self, "layout_report", tuple(self.layout_report))
+        if isinstance(self.layout, Mapping):  # from a dict
+            from memguard.estimator._layout import Layout
+
+            object.__setattr__(self, "layout", Layout(**dict(self.layout)))
         if not self.strategy:  # older dicts, or built by hand: the meaning zero_stage had before
             object.__setattr__(self, "strategy", "deepspeed" if self.zero_stage >= 1 else "ddp")
         if self.strategy not in ("ddp", "deepspeed", "fsdp2"):
@@ -83,12 +97,37 @@ class Plan:
             raise ConfigError(
                 f"plan is inconsistent: strategy {self.strategy!r} with zero_stage {self.zero_stage} ('ddp' runs "
                 "zero_stage 0; 'deepspeed' and 'fsdp2' run 1-3); build plans with memguard.plan()")
-        if self.micro_batch_size * self.grad_accum_steps * self.world_size != self.global_batch_size:
+        if self.layout is not None:
+            self._check_layout()
+        elif self.micro_batch_size * self.grad_accum_steps * self.world_size != self.global_batch_size:
             raise ConfigError(
                 f"plan is inconsistent: micro_batch_size {self.micro_batch_size} x grad_accum_steps "
                 f"{self.grad_accum_steps} x world_size {self.world_size} != global_batch_size "
                 f"{self.global_batch_size}; build plans with memguard.plan() or fix the numbers"
             )
+
+    def _check_layout(self) -> None:
+        from memguard.estimator._layout import Layout
+
+        lay = self.layout
+        if not isinstance(lay, Layout):
+            raise ConfigError(f"plan layout must be a memguard.Layout, got {type(lay).__name__}")
+        if lay.world_size != self.world_size:
+            raise ConfigError(f"plan is inconsistent: world_size {self.world_size} but the layout has {lay.world_size} "
+                              "ranks; build plans with memguard.plan()")
+        pipeline_micro = (lay.pp_microbatches or lay.pp) if lay.pp > 1 else 1
+        samples = self.micro_batch_size * self.grad_accum_steps * pipeline_micro
+        if samples * self.data_parallel_size != self.global_batch_size:
+            raise ConfigError(
+                f"plan is inconsistent: {samples} samples per replica x {self.data_parallel_size} data-parallel "
+                f"replicas != global_batch_size {self.global_batch_size}; build plans with memguard.plan()")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that hold different samples: ``dp_replicate * dp_shard`` of the layout, else ``world_size``."""
+        if self.layout is None:
+            return self.world_size
+        return self.layout.dp_replicate * self.layout.dp_shard
 
     @property
     def usable_bytes(self) -> int:
@@ -105,6 +144,13 @@ class Plan:
         d["estimate"] = self.estimate.to_dict()
         d["reasons"] = dict(self.reasons)
         d["notes"] = list(self.notes)
+        d["layout_report"] = list(self.layout_report)
+        if self.layout is not None:
+            if self.layout.tp_plan is not None:
+                raise ConfigError("a plan whose Layout has a custom tp_plan cannot be written as a dict (its styles "
+                                  "are Python objects): rebuild the layout after loading")
+            d["layout"] = {k: getattr(self.layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule",
+                                                                "pp_microbatches")}
         d["format_version"] = PLAN_FORMAT_VERSION
         return d
 
@@ -137,6 +183,8 @@ class Plan:
         """A readable account of the plan: the numbers, the breakdown, and why each knob."""
         e = self.estimate
         target = f"{self.world_size} x {self.gpu or self.device}"
+        world_word = "data-parallel replicas" if self.layout is not None else "world"
+        dp = self.data_parallel_size
         ckpt = f"{self.checkpoint_blocks} blocks" + (f" of {self.block_class}" if self.block_class else "") \
             if self.activation_checkpointing else "off"
         if str(self.reasons.get("mode", "")).startswith("evaluation"):  # memguard.plan(..., train=False)
@@ -144,12 +192,15 @@ class Plan:
                     "on each rank")
         else:
             head = (f"memguard plan for {target}: global batch {self.global_batch_size} = micro-batch "
-                    f"{self.micro_batch_size} x accumulation {self.grad_accum_steps} x world {self.world_size}")
+                    f"{self.micro_batch_size} x accumulation {self.grad_accum_steps}"
+                    + (f" x {self.layout.pp_microbatches} pipeline micro-batches" if self.layout is not None
+                       and self.layout.pp > 1 else "") + f" x {world_word} {dp}")
         lines = [
             head,
             f"  precision                 {self.precision}",
             f"  activation checkpointing  {ckpt}",
             f"  strategy                  {self._strategy_line()}",
+            *([f"  layout                    {self._layout_line()}"] if self.layout is not None else []),
             f"  ZeRO stage                {self.zero_stage}" + (" (optimizer offloaded to CPU)" if self.offload_optimizer else "")
             + (" (FSDP2's sharding level)" if self.strategy == "fsdp2" else ""),
             f"  predicted peak            {format_bytes(e.peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
@@ -164,10 +215,23 @@ class Plan:
         if self.reasons:
             lines += ["", "Why:"]
             lines += [f"  {k}: {v}" for k, v in self.reasons.items()]
+        if self.layout_report:
+            lines += ["", "Layouts considered (best configuration of each):"]
+            lines += [f"  - {r}" for r in self.layout_report]
         if self.notes:
             lines += ["", "Notes:"]
             lines += [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _layout_line(self) -> str:
+        lay = self.layout
+        line = lay.describe()
+        if lay.pp > 1:
+            line += f", {lay.pp_schedule} schedule, {lay.pp_microbatches or lay.pp} micro-batches"
+        if self.estimate.rank_peak_bytes and len(set(self.estimate.rank_peak_bytes)) > 1:
+            peaks = self.estimate.rank_peak_bytes
+            line += f"; rank peaks {format_bytes(min(peaks))} to {format_bytes(max(peaks))}"
+        return line
 
     def _strategy_line(self) -> str:
         if self.strategy == "fsdp2":

@@ -88,6 +88,11 @@ class PlanRequest:
             an instruction-set level (see :func:`memguard.estimate`).
         torch_version, cuda_version, cudnn_version: the CUDA target's software stack (see
             :func:`memguard.estimate`); None = the installed torch and its default wheel's CUDA and cuDNN.
+        gradient_compression, powersgd: PowerSGD for DDP (see :func:`memguard.plan`).
+        gpus_per_node: None plans ``world_size`` data-parallel ranks; a number searches parallel
+            layouts of ``world_size`` GPUs in nodes of that many (:mod:`memguard.planner._layouts`):
+            tensor parallelism inside a node, pipeline stages across nodes, FSDP2/DDP/HSDP over the
+            rest; ``Plan.layout`` records the choice.
     """
 
     global_batch_size: int
@@ -115,6 +120,7 @@ class PlanRequest:
     cudnn_version: str | int | None = None
     gradient_compression: str | None = None
     powersgd: Any = None
+    gpus_per_node: int | None = None
 
     @classmethod
     def from_options(cls, **options: Any) -> "PlanRequest":
@@ -282,7 +288,9 @@ class PlanRequest:
     def _value_problems(self, say: "_Say") -> list[str]:
         """The problems of each option's own value (types, ranges, the batch's split over the ranks)."""
         problems = _job_problems(say, world=self.world_size, device=self.device, headroom=self.headroom,
-                                 budget=self.budget_bytes, global_batch_size=self.global_batch_size)
+                                 budget=self.budget_bytes, global_batch_size=self.global_batch_size,
+                                 split=self.gpus_per_node is None)
+        problems.extend(self.layout_problems(say))
         for name in ("loss_fn", "make_batch"):
             value = getattr(self, name)
             if value is not None and not callable(value):
@@ -301,6 +309,41 @@ class PlanRequest:
         problems.extend(finetune_problems(self.finetune, label=say("finetune")))
         if not isinstance(self.cache, (bool, PlanCache)):
             problems.append(f"{say('cache', self.cache)} must be True, False or a memguard.planner._cache.PlanCache")
+        return problems
+
+    def layout_problems(self, say: "_Say | None" = None) -> list[str]:
+        """Why ``gpus_per_node=`` cannot be searched with the other options (empty when it can, or when unset)."""
+        say = say or _speller(None)
+        k, world = self.gpus_per_node, self.world_size
+        if k is None:
+            return []
+        if not _is_int(k) or k < 1:
+            return [f"{say('gpus_per_node', k)} must be an integer >= 1 (the GPUs of one node), e.g. 8"]
+        problems = []
+        if _is_int(world) and world >= 1 and world > k and world % k:
+            fewer, more = world - world % k, world + k - world % k
+            problems.append(
+                f"{say('world_size', world)} is not a whole number of nodes of {say('gpus_per_node', k)}: use "
+                f"{say('world_size')} {fewer} or {more}, or a {say('gpus_per_node')} that divides {world} "
+                f"({', '.join(str(d) for d in range(1, min(world, 64) + 1) if world % d == 0)})")
+        stages = self.zero_stage if isinstance(self.zero_stage, (list, tuple)) else (self.zero_stage,)
+        bad_stages = [z for z in stages if z not in (None, 0, 3)]
+        if bad_stages:
+            problems.append(f"{say('gpus_per_node')} searches FSDP2 at sharding level 3 and DDP: drop "
+                            f"{say('zero_stage', self.zero_stage)} or use 0 or 3")
+        strategies = self.strategy if isinstance(self.strategy, (list, tuple)) else (self.strategy,)
+        if any(st not in (None, "ddp", "fsdp2") for st in strategies):
+            problems.append(f"{say('gpus_per_node')} lays out FSDP2 ('fsdp2') and DDP ('ddp') with tensor and "
+                            f"pipeline parallelism: drop {say('strategy', self.strategy)} or use 'fsdp2'/'ddp'")
+        if self.offload_optimizer not in (False, None):
+            problems.append(f"{say('gpus_per_node')} does not search optimizer offload: drop {say('offload_optimizer')}")
+        for name, default in (("gradient_compression", None), ("powersgd", None), ("finetune", None),
+                              ("keep_outputs", False), ("max_shape", None)):
+            if getattr(self, name) != default:
+                problems.append(f"{say('gpus_per_node')} does not plan with {say(name, getattr(self, name))} yet: "
+                                f"drop one of them")
+        if self.train is False:
+            problems.append(f"{say('gpus_per_node')} plans training steps: drop it to plan an evaluation step")
         return problems
 
     def _knob_choices(self, say: "_Say", spec: Any, problems: list[str]) -> "_Knobs":
@@ -451,7 +494,7 @@ def finetune_problems(value: Any, *, label: str = "finetune") -> list[str]:
 
 
 def _job_problems(say: _Say, *, world: Any, device: Any, headroom: Any, budget: Any,
-                  global_batch_size: Any = dataclasses.MISSING) -> list[str]:
+                  global_batch_size: Any = dataclasses.MISSING, split: bool = True) -> list[str]:
     """The problems of the job's size and budget: ranks, device, headroom, budget and, when given,
     the global batch and its split over the ranks."""
     problems: list[str] = []
@@ -462,7 +505,7 @@ def _job_problems(say: _Say, *, world: Any, device: Any, headroom: Any, budget: 
         problems.append(f"{say('world_size', world)} must be an integer >= 1 (the number of data-parallel ranks)")
     if device not in DEVICES:
         problems.append(f"{say('device', device)} must be one of {', '.join(map(repr, DEVICES))}")
-    if has_gbs and _is_int(gbs) and _is_int(world) and gbs >= 1 and world >= 1 and gbs % world:
+    if split and has_gbs and _is_int(gbs) and _is_int(world) and gbs >= 1 and world >= 1 and gbs % world:
         problems.append(
             f"global_batch_size {gbs} cannot be split evenly over world_size {world}; use a multiple of "
             f"{world} (e.g. {gbs - gbs % world or world}) for {say('global_batch_size')}"

@@ -94,6 +94,7 @@ def plan(
     cudnn_version: str | int | None = None,
     gradient_compression: str | None = None,
     powersgd: Any = None,
+    gpus_per_node: int | None = None,
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing and sharding for a budget.
 
@@ -144,6 +145,15 @@ def plan(
             ``zero_stage=0``, ``world_size > 1``; see :func:`memguard.estimate`). memguard never chooses
             compression itself: it is lossy (it changes what the model learns), so it is the user's choice;
             the cost model does not credit its smaller all-reduce either.
+        gpus_per_node: None (default) plans ``world_size`` data-parallel ranks as above. A number
+            searches parallel layouts of ``world_size`` GPUs in nodes of ``gpus_per_node``
+            (:mod:`memguard.planner._layouts`): tensor parallelism inside a node, pipeline stages
+            (1F1B, GPipe, every micro-batch count) across nodes, FSDP2, DDP or HSDP over the rest,
+            with precision, checkpointing and micro-batch, ranked by a cost model of compute, the
+            pipeline bubble and each collective over the catalog's NVLink/PCIe and network figures.
+            ``Plan.layout`` is the chosen :class:`memguard.Layout`, ``explain()`` lists the layouts
+            tried and why each lost; ``world_size`` is then every GPU and ``global_batch_size``
+            need only split over the chosen layout's data-parallel replicas.
 
     Returns:
         The :class:`~memguard.Plan`, verified with one full trace.
@@ -160,7 +170,7 @@ def plan(
         offload_optimizer=offload_optimizer, headroom=headroom, make_batch=make_batch, cache=cache,
         keep_outputs=keep_outputs, max_shape=max_shape, train=train, finetune=finetune, strategy=strategy,
         cpu=cpu, torch_version=torch_version, cuda_version=cuda_version, cudnn_version=cudnn_version,
-        gradient_compression=gradient_compression, powersgd=powersgd,
+        gradient_compression=gradient_compression, powersgd=powersgd, gpus_per_node=gpus_per_node,
     )
     return plan_request(model, batch, request)
 
@@ -212,6 +222,13 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, session:
             log.info("memguard: plan read from cache %s", store.path_for(key))
             return hit
 
+    if request.gpus_per_node is not None:
+        from memguard.planner._layouts import search_layouts
+
+        result = search_layouts(session, space, request)
+        if store is not None:
+            store.put(key, result)
+        return result
     try:
         result = search(session, space)
     except InfeasiblePlanError as exc:
@@ -244,6 +261,7 @@ def _cache_key(session: TraceSession, request: PlanRequest, space: SearchSpace) 
         headroom=request.headroom, keep_outputs=request.keep_outputs, finetune=request.finetune,
         **({"strategy": space.shardings} if request.strategy is not None else {}),
         **({"cpu": request.cpu} if request.cpu is not None else {}),
+        **({"gpus_per_node": request.gpus_per_node} if request.gpus_per_node is not None else {}),
         **({"powersgd": repr(session.powersgd)} if session.powersgd is not None else {}),
         **({"stack": repr(space.spec.stack)} if space.spec is not None and space.spec.stack is not None else {})))
 

@@ -1,0 +1,197 @@
+"""The layout planner (memguard.plan(..., gpus_per_node=K)): its checks, its memory model against real
+layout estimates, the choice of tensor parallelism when it is needed, explain() and Plan.layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import memguard
+from memguard import Layout
+from memguard.errors import ConfigError
+from memguard.planner import _layouts
+from memguard.planner._plan import Plan
+from memguard.planner._request import PlanRequest
+from memguard.planner._session import TraceSession
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 256
+
+
+def tiny_llama():
+    cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                   intermediate_size=512, vocab_size=1000)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(cfg)
+
+
+def batch_of(n):
+    ids = torch.zeros(n, SEQ, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _adamw(params):
+    # foreach=False: tensor-parallel estimates of a replicated-head model need it (see _tp_trace.py)
+    return torch.optim.AdamW(params, foreach=False)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+@pytest.mark.parametrize("options, expect", [
+    # 12 GPUs are not a whole number of 8-GPU nodes: the message names the world sizes that are
+    (dict(world_size=12, gpus_per_node=8), "use world_size 8 or 16"),
+    (dict(world_size=8, gpus_per_node=0), "gpus_per_node=0 must be an integer >= 1"),
+    # DeepSpeed is not a layout the planner lays out
+    (dict(world_size=8, gpus_per_node=8, strategy="deepspeed"), "use 'fsdp2'/'ddp'"),
+    (dict(world_size=8, gpus_per_node=8, zero_stage=2), "use 0 or 3"),
+    (dict(world_size=8, gpus_per_node=8, offload_optimizer=True), "does not search optimizer offload"),
+    (dict(world_size=8, gpus_per_node=8, train=False), "plans training steps"),
+])
+def test_layout_options_are_checked_with_what_works(options, expect):
+    problems = PlanRequest(global_batch_size=16, gpu="H100-80GB", **options).problems()
+    assert any(expect in p for p in problems), problems
+
+
+def test_global_batch_need_not_split_over_every_gpu_with_layouts():
+    # 405B-style: 256 samples on 512 GPUs is fine once TP/PP take some of the GPUs
+    assert PlanRequest(global_batch_size=256, gpu="H100-80GB", world_size=512, gpus_per_node=8).problems() == []
+    assert PlanRequest(global_batch_size=256, gpu="H100-80GB", world_size=512).problems()  # pure DP: refused
+
+
+def test_a_global_batch_no_layout_splits_is_a_config_error(llama):
+    with pytest.raises(ConfigError, match="splits over none of the data-parallel degrees"):
+        # 3 samples over 2 GPUs: tp=2 (1 replica) splits it, so forbid TP by the model: 3 heads do not divide by 2
+        cfg = transformers.LlamaConfig(hidden_size=96, num_hidden_layers=2, num_attention_heads=3,
+                                       num_key_value_heads=3, intermediate_size=192, vocab_size=100)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(cfg)
+        memguard.plan(model, batch_of(1), global_batch_size=3, device="cpu", budget_bytes=2**34, world_size=2,
+                      gpus_per_node=2, optimizer=_adamw)
+
+
+# ------------------------------------------------------------------------------------- memory model
+
+
+@pytest.fixture(scope="module")
+def profile(llama):
+    request = PlanRequest(global_batch_size=16, device="cpu", budget_bytes=2**34, world_size=4, gpus_per_node=4,
+                          precision="bf16-mixed", optimizer=_adamw)
+    session = TraceSession.for_request(llama, batch_of(8), request)
+    return _layouts.build_profile(session, ("bf16-mixed",), None, 4)
+
+
+@pytest.mark.parametrize("layout, m, accum, k", [
+    (Layout(dp_shard=2), 8, 1, 0),
+    (Layout(dp_replicate=2), 8, 1, 0),
+    (Layout(tp=2), 8, 1, 0),
+    (Layout(dp_shard=2, tp=2), 8, 1, 4),
+    (Layout(pp=2, pp_microbatches=4), 2, 1, 0),
+])
+def test_layout_model_is_close_to_the_real_layout_estimate(llama, profile, layout, m, accum, k):
+    """The analytic per-rank peak (no trace of the layout) against memguard.estimate(layout=...)'s trace.
+
+    Observed on this model (CPU target): DDP, FSDP2 and TP within 10%; +14% for checkpointed FSDP2 x TP (the
+    model counts one block's recomputation on top of the checkpointed inputs: conservative); -13.5% on the
+    first pipeline stage (on the CUDA target -3%: the CPU trace keeps more of the schedule's buffers, not yet
+    modelled). The bar is 15% either way."""
+    n = layout.pp_microbatches or accum
+    predicted, stages = profile.peak(layout, "bf16-mixed", m, n, k)
+    kwargs = dict(device="cpu", precision="bf16-mixed", layout=layout, optimizer=_adamw)
+    if layout.pp == 1:
+        kwargs.update(activation_checkpointing=k, grad_accum_steps=accum, zero_stage=3 if layout.dp_shard > 1 else 0)
+    est = memguard.estimate(llama, batch_of(m * (layout.pp_microbatches or 1)), **kwargs)
+    assert 0.85 * est.peak_bytes <= predicted <= 1.15 * est.peak_bytes, (predicted, est.peak_bytes)
+    if layout.pp > 1:  # 1F1B: the first stage keeps more micro-batches in flight, the last has the head
+        assert len(stages) == 2
+
+
+def test_tensor_parallelism_is_split_by_the_probe(profile):
+    # attention and MLP inner activations split, the residual stream and norms do not: strictly between
+    assert 0.0 < profile.tp_shared < 1.0
+    assert profile.tp_degrees == (1, 2, 4)  # 8 heads, 4 KV heads: tp 1, 2, 4 divide them
+    assert profile.p_block_tp > 0 and profile.p_block_rep > 0  # projections sharded, norms replicated
+
+
+# -------------------------------------------------------------------------------- the search and plan
+
+
+def act_llama():
+    """Activations dominate: a long sequence through a narrow model (the states are a few MiB)."""
+    cfg = transformers.LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=1024, vocab_size=128, attn_implementation="eager")
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(cfg)
+
+
+LONG = 1024
+
+
+def long_batch(n):
+    ids = torch.zeros(n, LONG, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.fixture(scope="module")
+def act_model():
+    return act_llama()
+
+
+def _plan(model, budget, **kw):
+    return memguard.plan(model, long_batch(1), global_batch_size=16, device="cpu", budget_bytes=budget, headroom=0.0,
+                         world_size=2, gpus_per_node=2, precision="bf16-mixed", activation_checkpointing=False,
+                         optimizer=_adamw, **kw)
+
+
+@pytest.fixture(scope="module")
+def budgets(act_model):
+    """A budget between the real estimates of tensor parallelism and of data parallelism at micro-batch 1
+    (so only TP fits), and a roomy one."""
+    def real(layout, accum):
+        kw = dict(zero_stage=3) if layout.dp_shard > 1 else {}
+        return memguard.estimate(act_model, long_batch(1), device="cpu", precision="bf16-mixed", layout=layout,
+                                 optimizer=_adamw, grad_accum_steps=accum, **kw).peak_bytes
+
+    dp = min(real(Layout(dp_shard=2), 8), real(Layout(dp_replicate=2), 8))
+    tp = real(Layout(tp=2), 16)
+    assert tp < 0.9 * dp  # tensor parallelism splits the attention scores and MLP activations
+    return (tp + dp) // 2, 4 * dp
+
+
+def test_tensor_parallelism_is_chosen_when_only_it_fits_and_explained(act_model, budgets):
+    tight, roomy = budgets
+    plan = _plan(act_model, tight)
+    assert isinstance(plan.layout, Layout) and plan.layout.tp == 2 and plan.layout.world_size == 2
+    assert plan.estimate.peak_upper_bytes <= plan.usable_bytes  # verified with estimate(layout=...)
+    assert plan.reasons["estimate"].startswith("verified")
+    text = plan.explain()
+    assert "layout                    tp=2 (2 ranks)" in text
+    assert "Layouts considered" in text
+    assert "dp_shard=2 (2 ranks)" in text and "does not fit" in text  # FSDP2 tried and rejected
+    assert "chosen:" in text and "TP all-reduce" in text and "compute" in text  # the winner's cost terms
+    loose = _plan(act_model, roomy)
+    # with room, tensor parallelism's per-micro-batch all-reduces make it slower than data parallelism
+    assert loose.layout.tp == 1 and loose.layout.dp_replicate * loose.layout.dp_shard == 2
+    assert "slower" in loose.explain()
+
+
+def test_plan_layout_round_trips(act_model, budgets):
+    plan = _plan(act_model, budgets[1])
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan and isinstance(again.layout, Layout) and again.layout == plan.layout
+    assert again.layout_report == plan.layout_report
+    assert plan.data_parallel_size * plan.micro_batch_size * plan.grad_accum_steps == 16
+
+
+def test_a_plan_whose_numbers_disagree_with_its_layout_is_refused(act_model, budgets):
+    plan = _plan(act_model, budgets[1])
+    with pytest.raises(ConfigError, match="world_size"):
+        plan.replace(layout=Layout(tp=4))
