@@ -173,6 +173,9 @@ class _Sharding:
         arms_deepspeed: under ``DeepSpeedStrategy``: once the strategy has built the DeepSpeed engine
             (``on_fit_start``), the callback arms memguard's DeepSpeed agreement protocol on it and runs
             each training step's micro-batches and the engine's step itself.
+        arms_fsdp1: under ``FSDPStrategy``: once the strategy has wrapped the module in FSDP1
+            (``on_fit_start``), the callback arms FSDP1's agreement protocol on the wrapper and runs each
+            micro-batch through Lightning's own ``Strategy.training_step`` (the FSDP1 root's forward).
         name: the strategy's class name, for messages.
         unguarded_why: the key of :data:`_UNGUARDED_WHY` that says why the callback does not recover
             from out-of-memory errors under the strategy ("": it does).
@@ -185,6 +188,7 @@ class _Sharding:
     guarded: bool = True
     arms_fsdp2: bool = False
     arms_deepspeed: bool = False
+    arms_fsdp1: bool = False
     name: str = ""
     unguarded_why: str = ""
 
@@ -277,12 +281,8 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 _UNGUARDED_WHY = {
     "deepspeed": "memguard's agreement protocol for DeepSpeed cannot reset this engine after an OOM ({problems}); "
                  "memguard planned and applied the micro-batch, accumulation and checkpointing only",
-    "fsdp1": "FSDP1 (FullyShardedDataParallel) all-gathers and reduce-scatters inside forward and backward, where "
-             "a rank that fails leaves the others waiting; memguard's agreement protocol for FSDP1 needs every "
-             "micro-batch to run through the FSDP root's forward, while FSDPStrategy runs training_step inside it "
-             "(Lightning's forward redirection), so the callback does not split there (use ModelParallelStrategy with "
-             "fully_shard in configure_model, which memguard guards); memguard planned and applied the micro-batch, "
-             "accumulation and checkpointing only",
+    "fsdp1": "the strategy's model holds no FullyShardedDataParallel module, so memguard has no FSDP1 collectives to "
+             "guard; memguard planned and applied the micro-batch, accumulation and checkpointing only",
     "fsdp2": "configure_model sharded nothing with fully_shard, so memguard has no FSDP2 collectives to guard; "
              "memguard planned and applied the micro-batch, accumulation and checkpointing only",
 }
@@ -324,7 +324,7 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
                             "memguard does not plan for; drop cpu_offload or plan without the callback")
         stage = stages.get(kind, (3,))
         return _Sharding(strategy="ddp" if stage == (0,) else "fsdp2", zero_stages=stage, guarded=False, name=name,
-                         unguarded_why="fsdp1")
+                         arms_fsdp1=True)
     if isinstance(strategy, strategies.ModelParallelStrategy):
         mesh = getattr(strategy, "_device_mesh", None)
         if mesh is not None and mesh.mesh_dim_names:
@@ -540,6 +540,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._deepspeed_armed = False
         self._window_ends = False  # under DeepSpeed: the last training_step closed the optimizer step's window
         self._backward_done = False  # under DeepSpeed: the last training_step ran its backward passes
+        self._eval_saved: dict[str, Any] = {}  # the strategy's own validation_step/test_step the callback stands in for
+        self._eval_group: Any = None  # a rank group made for an evaluation outside fit (uninstalled at its end)
         self._saved = _Saved()
 
     # ----------------------------------------------------------------------------------------------
@@ -629,6 +631,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             self._arm_fsdp2(trainer, pl_module, sharding)
         if sharding is not None and sharding.arms_deepspeed:
             self._arm_deepspeed(trainer, pl_module, sharding)
+        if sharding is not None and sharding.arms_fsdp1:
+            self._arm_fsdp1(trainer, pl_module, sharding)
         if sharding is not None and not sharding.guarded:
             return
         self._plan_and_apply(trainer, pl_module, _package_of(trainer))
@@ -657,6 +661,31 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                         "before each FSDP2 all-gather and reduce-scatter, so all ranks halve the micro-batch and "
                         "redo the same samples together", sharding.name, rg.world_size)
 
+
+    def _arm_fsdp1(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> None:
+        """Under ``FSDPStrategy``, once the strategy wrapped the module in FSDP1 (``FSDPStrategy.setup`` ->
+        ``_setup_model``: ``FullyShardedDataParallel(module=lightning_module, ...)``, which ``trainer/trainer.py``
+        ``_run`` runs before ``on_fit_start``, Lightning 2.6): arm FSDP1's agreement protocol on every FSDP1 unit
+        of the wrapper (:func:`memguard.guard._fsdp1.fsdp1_rank_group`: an agreement of the ranks before each
+        FSDP1 all-gather and reduce-scatter) and stand in for the strategy's ``training_step``
+        (:meth:`_patch_strategy_step`), so that each micro-batch runs through the FSDP1 root's forward."""
+        from memguard.guard._fsdp1 import fsdp1_rank_group
+
+        guard = self._guard
+        assert guard is not None  # planned in setup()
+        rg = fsdp1_rank_group(trainer.strategy.model)  # every rank: it may create a gloo group
+        if rg is None:
+            if trainer.is_global_zero:
+                logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
+                            _UNGUARDED_WHY["fsdp1"])
+            return
+        guard.rank_group = rg
+        guard.on_undo(rg.uninstall)
+        self._patch_strategy_step(trainer, pl_module)
+        if trainer.is_global_zero:
+            logger.info("memguard recovers from out-of-memory errors under %s: an agreement of the %d ranks runs "
+                        "before each FSDP1 all-gather and reduce-scatter, so all ranks halve the micro-batch and "
+                        "redo the same samples together", sharding.name, rg.world_size)
 
     def _arm_deepspeed(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> None:
         """Under ``DeepSpeedStrategy``, once the strategy built the engine (``DeepSpeedStrategy.setup`` ->
@@ -756,6 +785,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Undo every change the callback made."""
+        for name in tuple(self._eval_saved):
+            self._end_eval(trainer, pl_module, name)
         if stage == "fit":
             self._restore(trainer, pl_module)
         self._restore_attributes(pl_module)
@@ -765,33 +796,81 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._patch_eval_step(trainer, pl_module, "validation_step")
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        """Give the module its own ``validation_step`` back."""
-        self._restore_attributes(pl_module, "validation_step")
+        """Give the module (or the strategy) its own ``validation_step`` back."""
+        self._end_eval(trainer, pl_module, "validation_step")
 
     def on_test_start(self, trainer: Any, pl_module: Any) -> None:
         """Run ``test_step`` on micro-batches when a test batch does not fit."""
         self._patch_eval_step(trainer, pl_module, "test_step")
 
     def on_test_end(self, trainer: Any, pl_module: Any) -> None:
-        """Give the module its own ``test_step`` back."""
-        self._restore_attributes(pl_module, "test_step")
+        """Give the module (or the strategy) its own ``test_step`` back."""
+        self._end_eval(trainer, pl_module, "test_step")
+
+    def _end_eval(self, trainer: Any, pl_module: Any, name: str) -> None:
+        """Undo what :meth:`_patch_eval_step` did for ``name``."""
+        self._restore_attributes(pl_module, name)
+        if name in self._eval_saved:
+            previous = self._eval_saved.pop(name)
+            if previous is None:
+                trainer.strategy.__dict__.pop(name, None)
+            else:
+                trainer.strategy.__dict__[name] = previous
+        if self._eval_group is not None and not self._eval_saved:
+            self._eval_group.uninstall()
+            self._eval_group = None
+
+    def _eval_ranks(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> tuple[Any, str]:
+        """The rank group whose ranks split an evaluation batch together, and why there is none.
+
+        Returns ``(group, "")`` under the strategies whose evaluation forward gathers sharded parameters from
+        every rank, ``(None, "")`` where each rank may split alone (single device, DDP, DeepSpeed ZeRO-1/2:
+        the forward runs no collective), and ``(None, why)`` where memguard cannot split there. During ``fit``
+        the group is training's (installed on every sharded module); in ``validate``/``test`` one is made for
+        the evaluation and uninstalled at its end (:meth:`_end_eval`)."""
+        from memguard.guard._sharded import ShardedRankGroup
+
+        training = getattr(self._guard, "rank_group", None)
+        if isinstance(training, ShardedRankGroup) and not getattr(training, "_installed", False):
+            training = None
+        if sharding.arms_fsdp2:
+            if training is not None:
+                return training, ""
+            from memguard.guard._fsdp2_frameworks import framework_rank_group
+
+            rg = framework_rank_group(pl_module)  # every rank: it may create a gloo group
+            self._eval_group = rg
+            return rg, ""  # None: nothing is fully_shard-ed, so the forward gathers nothing
+        if sharding.arms_fsdp1 or (sharding.arms_deepspeed and 3 in sharding.zero_stages):
+            return None, "whose forward gathers parameters from every rank"
+        return None, ""
 
     def _patch_eval_step(self, trainer: Any, pl_module: Any, name: str) -> None:
         """Stand in for ``validation_step``/``test_step``: the user's step per micro-batch, halving on an
         OOM, results merged (:func:`memguard.guard._evaluate.step_in_micro_batches`). The evaluation's
-        micro-batch is its own state: an OOM here never changes the training micro-batch."""
+        micro-batch is its own state: an OOM here never changes the training micro-batch.
+
+        Under the strategies whose forward gathers sharded parameters (:meth:`_eval_ranks`) every rank
+        splits together (:func:`memguard.guard._evaluate_sharded.split_eval_sharded`: the same micro-batch
+        offsets on every rank, padding forwards where a rank's batch is shorter, an agreement before each
+        collective and after each forward, the sharded state reset on every rank after an OOM), and the
+        callback stands in for the *strategy's* step, so that each micro-batch runs Lightning's own
+        ``Strategy.validation_step``/``test_step`` (``strategies/strategy.py``, Lightning 2.6: through the
+        FSDP1 wrapper's or the DeepSpeed engine's forward where there is one), never several inside one
+        root forward."""
         from memguard.guard._evaluate import eval_status, step_in_micro_batches
 
         sharding = _sharding_of(trainer.strategy, _package_of(trainer), [])
-        if sharding.strategy == "fsdp2" or (sharding.strategy == "deepspeed" and 3 in sharding.zero_stages):
+        ranks, why = self._eval_ranks(trainer, pl_module, sharding)
+        if why:
             # An evaluation forward gathers the sharded parameters from every rank: a rank that split its batch
             # alone would run more gathers than its peers and leave them waiting.
             if trainer.is_global_zero:
-                logger.warning("memguard: %s is not guarded against out-of-memory errors under %s, whose forward "
-                               "gathers parameters from every rank; evaluate with a batch that fits",
-                               name, sharding.name)
+                logger.warning("memguard: %s is not guarded against out-of-memory errors under %s, %s; evaluate "
+                               "with a batch that fits", name, sharding.name, why)
             return
-        user_step = getattr(pl_module, name)
+        on_strategy = ranks is not None
+        own_step = getattr(trainer.strategy if on_strategy else pl_module, name)
 
         def before_micro(micro: Any) -> None:
             # Lightning weights an epoch-level logged mean by the size of the batch it holds for the
@@ -804,8 +883,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
         def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                return step_in_micro_batches(user_step, batch, args, kwargs, state=eval_status(pl_module),
-                                             before_micro=before_micro,
+                return step_in_micro_batches(own_step, batch, args, kwargs, state=eval_status(pl_module),
+                                             before_micro=before_micro, ranks=ranks,
                                              loss_only_hint=f"return only the loss, or metrics reduced per "
                                                             f"micro-batch, from {name} (nothing per-sample is kept)")
             finally:
@@ -814,12 +893,20 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                     results.batch = batch
                     results.batch_size = None
 
-        self._stand_in(pl_module, name, step)
+        if on_strategy:
+            self._eval_saved.setdefault(name, trainer.strategy.__dict__.get(name))
+            trainer.strategy.__dict__[name] = step
+        else:
+            self._stand_in(pl_module, name, step)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Undo every change the callback made (Lightning calls no ``teardown`` after an exception)."""
-        self._restore(trainer, pl_module)
-        self._restore_attributes(pl_module)
+        try:
+            for name in tuple(self._eval_saved):
+                self._end_eval(trainer, pl_module, name)
+        finally:
+            self._restore(trainer, pl_module)
+            self._restore_attributes(pl_module)
 
     def _stand_in(self, pl_module: Any, name: str, value: Any) -> None:
         """Make ``value`` the module's own ``name``; its own value before is dumped (once) for
@@ -1025,6 +1112,58 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._stand_in_on(precision, "optimizer_step", optimizer_step)
         self._stand_in(pl_module, "optimizer_zero_grad", optimizer_zero_grad)
         self._deepspeed_armed = True
+
+    def _patch_strategy_step(self, trainer: Any, pl_module: Any) -> None:
+        """Under ``FSDPStrategy``: stand in for the strategy's ``training_step`` (an instance attribute) and skip
+        Lightning's ``optimizer_zero_grad``.
+
+        Lightning 2.6's ``Strategy.training_step`` (``strategies/strategy.py``) calls the module's
+        ``training_step`` through the FSDP1 wrapper's forward (``_ForwardRedirection``: the module's ``forward``
+        is patched to run ``training_step``, then the wrapper is called), so the FSDP1 root's pre-forward
+        all-gathers its parameters and its post-forward registers the pre-backward hooks on the outputs. The
+        callback splits the batch *outside* that forward: each micro-batch runs Lightning's own
+        ``Strategy.training_step`` (the root's forward, the user's ``training_step`` inside it) and its backward
+        right after (``loss x share / accumulate_grad_batches``, through the Trainer's GradScaler), inside one
+        agreed attempt of :class:`memguard.guard._fsdp1.FSDP1RankGroup`, as memguard's Accelerate adapter
+        runs FSDP1 (:func:`memguard.integrations.accelerate.prepare`). The returned loss's backward touches no
+        parameter (:meth:`memguard.guard._window.MicroBatchWindow.anchor` under a sharded group), so
+        Lightning's own backward of it runs its hooks and adds nothing. FSDP1 reduce-scatters each
+        micro-batch's gradients in its post-backward hooks (Lightning's ``block_backward_sync`` skips FSDP:
+        ``strategies/parallel.py`` uses ``no_sync`` only for ``DistributedDataParallel``)."""
+        strategy = trainer.strategy
+        lightning_step = strategy.training_step  # Lightning's: the module's training_step through the root's forward
+        callback = self
+        guard = self._guard
+        assert guard is not None
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            batch, batch_idx, rest = args[0], args[1], args[2:]
+            assert callback.plan is not None
+            accumulate = trainer.accumulate_grad_batches
+            callback._check_first_batch(batch)
+            # the window opens where Lightning zeroes the gradients (loops/optimization/automatic.py,
+            # _make_zero_grad_fn: batch_idx % accumulate_grad_batches == 0)
+            if batch_idx % accumulate == 0 or guard.window is None or not guard.window.is_open:
+                guard.open_window(strategy.model, trainer.optimizers)
+            extras: dict[str, Any] = {}
+
+            def loss_of(micro: Any) -> torch.Tensor:
+                loss, extra = _loss_of_output(lightning_step(micro, batch_idx, *rest, **kwargs))
+                extras.clear()
+                extras.update(extra)
+                return loss
+
+            loss = guard.run(batch, loss_of, weight=1.0 / accumulate)
+            out = guard.anchor(loss)
+            return {"loss": out, **extras} if extras else out
+
+        training_step._memguard_stand_in = True  # type: ignore[attr-defined]
+
+        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
+            return None  # the window dropped the gradients before the window's first training_step
+
+        self._stand_in_on(strategy, "training_step", training_step)
+        self._stand_in(pl_module, "optimizer_zero_grad", optimizer_zero_grad)
 
     def _patch_module(self, trainer: Any, pl_module: Any) -> None:
         """Stand in for ``training_step`` and skip Lightning's ``optimizer_zero_grad`` (instance attributes)."""
