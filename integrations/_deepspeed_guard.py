@@ -168,6 +168,7 @@ class DeepSpeedRankGroup(ShardedRankGroup):
     store_prefix: str = "memguard/deepspeed/stopped/"
     snapshot: _Snapshot = field(default_factory=_Snapshot)
     _depth: int = 0
+    _fwd_stack_len: int = 0
 
     # ---------------------------------------------------------------------------------- installation
 
@@ -227,6 +228,7 @@ class DeepSpeedRankGroup(ShardedRankGroup):
         whose attempt runs are put in place for its duration.
         """
         self.install_current()
+        self._fwd_stack_len = _fwd_stack_len()
         with super().armed(n_max, micro_batch_size):
             yield
 
@@ -254,6 +256,16 @@ class DeepSpeedRankGroup(ShardedRankGroup):
         reset_engine(self.engine, self.snapshot)
         for p in params:
             p.grad = None
+
+    def reset_forward_state(self) -> None:
+        """After a failed forward-only attempt (an evaluation micro-batch), on every rank: under ZeRO-3 every
+        gathered or in-flight parameter back to its partition and the parameter coordinator's trace and step
+        state reset (:func:`_reset_stage3_parameters`); gradients, buckets and the engine's counters are left
+        alone (an evaluation makes none). ZeRO-0/1/2 forwards gather nothing: there is nothing to reset."""
+        self._armed = False
+        engine = self.engine
+        if engine.zero_optimization_stage() == 3:
+            _reset_stage3_parameters(engine.optimizer, engine.module, self._fwd_stack_len)
 
 
 class _GuardedWork:
@@ -283,16 +295,19 @@ class _GuardedWork:
 
 def snapshot_engine(engine: Any) -> _Snapshot:
     """The counters :func:`reset_engine` restores."""
-    try:
-        from deepspeed.runtime.zero import parameter_offload
-
-        stack = len(parameter_offload.FWD_MODULE_STACK)
-    except ImportError:  # pragma: no cover - DeepSpeed without ZeRO-3
-        stack = 0
     return _Snapshot(micro_steps=engine.micro_steps, global_steps=engine.global_steps,
                      global_samples=engine.global_samples,
                      unmanaged_backward_count=getattr(engine, "_unmanaged_backward_count", 0),
-                     boundary=engine._is_gradient_accumulation_boundary, fwd_stack_len=stack)
+                     boundary=engine._is_gradient_accumulation_boundary, fwd_stack_len=_fwd_stack_len())
+
+
+def _fwd_stack_len() -> int:
+    """The depth of ZeRO-3's stack of modules inside their forward (``parameter_offload.FWD_MODULE_STACK``)."""
+    try:
+        from deepspeed.runtime.zero import parameter_offload
+    except ImportError:  # pragma: no cover - DeepSpeed without ZeRO-3
+        return 0
+    return len(parameter_offload.FWD_MODULE_STACK)
 
 
 def reset_engine(engine: Any, snap: _Snapshot) -> None:
@@ -353,6 +368,22 @@ def _reset_stage12(opt: Any) -> None:
 
 def _reset_stage3(engine: Any, opt: Any, snap: _Snapshot) -> None:
     """DeepSpeedZeroOptimizer_Stage3 (runtime/zero/stage3.py) and its parameter coordinator."""
+    _reset_stage3_parameters(opt, engine.module, snap.fwd_stack_len)
+    for bucket in opt.ipg_buckets.values():  # IPGBucketZ3.clear_params: keeps the reusable buffer
+        bucket.clear_params()
+    for k in opt.params_already_reduced:
+        opt.params_already_reduced[k] = False
+    opt.param_reduce_events.clear()
+    if hasattr(opt, "_offload_boundary_param_ids"):
+        opt._offload_boundary_param_ids = set()
+    opt.averaged_gradients = {}
+    opt.zero_grad(set_to_none=True)  # micro_step_id = 0: the next micro-batch copies into the partitions
+
+
+def _reset_stage3_parameters(opt: Any, module: Any, fwd_stack_len: int) -> None:
+    """ZeRO-3's parameters after an aborted pass: every gathered or in-flight parameter back to its partition,
+    the parameter coordinator's trace and step state reset (runtime/zero/partitioned_param_coordinator.py), the
+    module stack of its forward hooks cut back to ``fwd_stack_len`` (runtime/zero/parameter_offload.py)."""
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.runtime.zero.partitioned_param_coordinator import ZeRoTraceMode
@@ -366,7 +397,6 @@ def _reset_stage3(engine: Any, opt: Any, snap: _Snapshot) -> None:
     coord._clear_trace_structures()
     getattr(coord, mangled + "active_backward_submodules").clear()
     getattr(coord, mangled + "ongoing_fetch_events").clear()
-    module = engine.module
     for m in module.modules():
         if hasattr(m, "ds_grads_remaining"):
             m.ds_grads_remaining = 0
@@ -384,25 +414,25 @@ def _reset_stage3(engine: Any, opt: Any, snap: _Snapshot) -> None:
     coord.release_and_reset_all(module)  # every gathered parameter back to its partition
     setattr(coord, mangled + "n_available_params", 0)
     setattr(coord, mangled + "step_id", 0)
-    del parameter_offload.FWD_MODULE_STACK[snap.fwd_stack_len:]  # modules whose post-forward hook never ran
-    for bucket in opt.ipg_buckets.values():  # IPGBucketZ3.clear_params: keeps the reusable buffer
-        bucket.clear_params()
-    for k in opt.params_already_reduced:
-        opt.params_already_reduced[k] = False
-    opt.param_reduce_events.clear()
-    if hasattr(opt, "_offload_boundary_param_ids"):
-        opt._offload_boundary_param_ids = set()
-    opt.averaged_gradients = {}
-    opt.zero_grad(set_to_none=True)  # micro_step_id = 0: the next micro-batch copies into the partitions
+    del parameter_offload.FWD_MODULE_STACK[fwd_stack_len:]  # modules whose post-forward hook never ran
 
 
 # --------------------------------------------------------------------------------------------------
 # the engines that can be guarded
 
 
-def engine_problems(engine: Any) -> list[str]:
-    """Why an OOM in ``engine`` cannot be recovered from (empty when it can); each says what to do."""
-    if getattr(engine, "managed_gradient_accumulation", None) is None or not hasattr(engine, "optimizer"):
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` looks like a DeepSpeed engine of DeepSpeed >= 0.19 (what ``deepspeed.initialize`` returns)."""
+    return getattr(obj, "managed_gradient_accumulation", None) is not None and hasattr(obj, "optimizer")
+
+
+def engine_problems(engine: Any, *, evaluation: bool = False) -> list[str]:
+    """Why an OOM in ``engine`` cannot be recovered from (empty when it can); each says what to do.
+
+    With ``evaluation``, for forward-only attempts (:func:`eval_rank_group`): only what the forward's reset
+    (:meth:`DeepSpeedRankGroup.reset_forward_state`) does not cover.
+    """
+    if not is_engine(engine):
         return [f"memguard needs a DeepSpeed engine (from deepspeed.initialize) of DeepSpeed >= 0.19, got "
                 f"{type(engine).__name__}"]
     problems = []
@@ -411,6 +441,12 @@ def engine_problems(engine: Any) -> list[str]:
     if getattr(engine, "pipeline_parallelism", False):
         problems.append("pipeline-parallel engines send activations point to point, which the agreement does not "
                         "cover; memguard recovers from OOM in data-parallel engines only")
+    if evaluation:
+        if stage == 3 and getattr(engine, "zero_offload_param", lambda: None)():
+            problems.append("ZeRO-3 parameter offload (offload_param) fetches parameters from host or NVMe memory, "
+                            "which memguard's reset after an OOM in evaluation is not verified with; drop "
+                            "offload_param, or evaluate with DeepSpeed's own loop and a smaller eval batch")
+        return problems
     if stage >= 1 and (engine.zero_cpu_offload() or getattr(engine, "zero_offload_param", lambda: None)()):
         problems.append("ZeRO offload (offload_optimizer/offload_param) keeps host-side gradient copies memguard does "
                         "not reset; drop the offload block for OOM recovery")
@@ -438,7 +474,7 @@ def _agreement_group(group: Any) -> Any:
     return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
 
 
-def deepspeed_rank_group(engine: Any) -> DeepSpeedRankGroup:
+def deepspeed_rank_group(engine: Any, *, evaluation: bool = False) -> DeepSpeedRankGroup:
     """The :class:`DeepSpeedRankGroup` of ``engine``. Every rank must call it (it may create a gloo group).
 
     The agreement runs over every rank of the default process group: with pure data parallelism those
@@ -448,7 +484,7 @@ def deepspeed_rank_group(engine: Any) -> DeepSpeedRankGroup:
         memguard.ConfigError: the engine cannot be guarded (every reason listed), or
             ``torch.distributed`` is not initialised.
     """
-    problems = engine_problems(engine)
+    problems = engine_problems(engine, evaluation=evaluation)
     if not (dist.is_available() and dist.is_initialized()):
         problems.append("torch.distributed is not initialised; build the engine with deepspeed.initialize (which "
                         "initialises it) before memguard's step")
@@ -482,6 +518,36 @@ def engine_rank_group(engine: Any) -> DeepSpeedRankGroup:
     if rg is None:
         rg = _GROUPS[engine] = deepspeed_rank_group(engine)
     return rg
+
+
+def eval_rank_group(model: Any) -> DeepSpeedRankGroup | None:
+    """The rank group :func:`memguard.evaluate` runs a DeepSpeed engine's forwards under, or None.
+
+    A ZeRO-3 engine all-gathers each module's parameters in its forward (the coordinator's
+    ``fetch_sub_module``), so the ranks split their evaluation batches together: the engine's group (that of
+    ``integrations.deepspeed.step`` or a framework adapter, else made now; every rank must make the first
+    call). ZeRO-0/1/2 forwards start no DeepSpeed collective: None, each rank splits alone.
+
+    Raises:
+        memguard.ConfigError: ``model`` is a module whose parameters ZeRO-3 partitions but not its engine,
+            or the engine cannot be guarded in evaluation (:func:`engine_problems`).
+    """
+    if not is_engine(model):
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            raise ConfigError(f"memguard.evaluate was given a {type(model).__name__} whose parameters DeepSpeed ZeRO-3 "
+                              "partitions, not its engine; pass the engine (the first value deepspeed.initialize "
+                              "returned): its forward gathers the parameters, and memguard guards those gathers")
+        return None
+    if model.zero_optimization_stage() < 3:
+        return None
+    rg = _GROUPS.get(model)
+    if rg is None:
+        rg = _GROUPS[model] = deepspeed_rank_group(model, evaluation=True)
+    else:
+        problems = engine_problems(model, evaluation=True)
+        if problems:
+            raise ConfigError(problems)
+    return rg if rg.world_size > 1 else None
 
 
 # --------------------------------------------------------------------------------------------------

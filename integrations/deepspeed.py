@@ -93,7 +93,7 @@ from memguard.errors import ConfigError
 from memguard.planner.api import Plan
 from memguard.vocab import PRECISIONS
 
-__all__ = ["to_config", "fill_auto", "step", "micro_batch_size", "oom_retries", "AUTO"]
+__all__ = ["to_config", "fill_auto", "step", "evaluate", "micro_batch_size", "oom_retries", "AUTO"]
 
 logger = logging.getLogger("memguard")
 
@@ -541,6 +541,28 @@ def step(engine: Any, batch: Any, loss_fn: Any = None, *, max_retries: int | Non
         window.finish()
     agreed_engine_step(rg, micro_batch_size=window.micro_batch_size)
     return float(loss)
+
+
+def evaluate(engine: Any, batch: Any, fn: Any = None, **options: Any) -> Any:
+    """:func:`memguard.evaluate` for a DeepSpeed engine: ``fn(engine, micro_batch)`` (default: the engine called
+    with the batch) on micro-batches that halve on an OOM, the results joined as if unsplit.
+
+    Under ZeRO-3 every forward all-gathers parameters from every rank, so every rank must call this at once
+    (each with its own batch, of any size): the ranks split together, an OOM on one halves the micro-batch on
+    all (logged on each), and an OOM inside an all-gather stops every rank with the same
+    :class:`~memguard.OOMRecoveryError` (:mod:`memguard.guard._evaluate_sharded`). Under ZeRO-0/1/2 the forward
+    starts no collective and each rank splits alone. ``options`` are :func:`memguard.evaluate`'s.
+
+    Raises:
+        memguard.ConfigError: ``engine`` is not a DeepSpeed engine, or ZeRO-3 parameter offload.
+    """
+    from memguard.guard._evaluate import evaluate as memguard_evaluate
+    from memguard.integrations._deepspeed_guard import is_engine
+
+    if not is_engine(engine):
+        raise ConfigError(f"evaluate() needs a DeepSpeed engine (the first value deepspeed.initialize returns), got "
+                          f"{type(engine).__name__}; for any other model call memguard.evaluate")
+    return memguard_evaluate(engine, batch, fn, **options)
 
 
 def micro_batch_size(engine: Any) -> int | None:

@@ -1,4 +1,10 @@
-"""Guarded evaluation of an FSDP2 model: every rank runs the same forwards, and an OOM is recovered on all.
+"""Guarded evaluation of a sharded model (FSDP2, FSDP1, DeepSpeed ZeRO-3): every rank runs the same forwards,
+and an OOM is recovered on all.
+
+FSDP2 is the running example below; FSDP1 (:mod:`memguard.guard._fsdp1`: each unit's pre-forward
+all-gather) and ZeRO-3 engines (``memguard.integrations._deepspeed_guard``: the parameter coordinator's
+all-gathers) run the same steps with their own rank group, whose ``reset_forward_state`` puts their
+units or parameters back after a failed forward. :func:`eval_rank_group` picks the group.
 
 An FSDP2 (``fully_shard``) model all-gathers each group's parameters in its forward
 (``FSDPParamGroup.pre_forward`` calls ``unshard``; torch 2.13,
@@ -259,23 +265,45 @@ def _split(batch: Any, run: Callable[[Any], Any], ranks: ShardedRankGroup, state
     return merged
 
 
-# The rank groups made by eval_rank_group for FSDP2 models that memguard.prepare did not see.
+# The rank groups made by eval_rank_group for sharded models that memguard.prepare did not see.
 _GROUPS: "weakref.WeakKeyDictionary[nn.Module, ShardedRankGroup]" = weakref.WeakKeyDictionary()
+
+#: Front-end modules that find the rank group of their framework's sharded models, by the top-level package of
+#: the model's class: each defines ``eval_rank_group(model) -> ShardedRankGroup | None``. They import the
+#: framework, which the guard core does not; they are imported only for a model of that framework.
+_FRAMEWORK_GROUPS = {"deepspeed": "memguard.integrations._deepspeed_guard"}
 
 
 def eval_rank_group(model: nn.Module) -> ShardedRankGroup | None:
     """The :class:`ShardedRankGroup` that :func:`memguard.evaluate` runs ``model``'s forwards under, or None.
 
-    None unless ``model`` has ``fully_shard`` applied and ``torch.distributed`` is initialised with more
-    than one rank in the model's group. The group of ``memguard.prepare(..., strategy="fsdp2")`` is reused;
-    for any other FSDP2 model one is made on the first call (every rank must make that call: it may create
-    a gloo group for the agreements) and kept with the model.
+    None unless ``torch.distributed`` is initialised with more than one rank in the model's group and the
+    model's forward starts collectives: a model with ``fully_shard`` applied (FSDP2), an FSDP1
+    ``FullyShardedDataParallel`` module, or a DeepSpeed ZeRO-3 engine (the first value ``deepspeed.initialize``
+    returns; ZeRO-0/1/2 forwards start no collective, so each rank splits alone as under DDP). The group of
+    ``memguard.prepare(..., strategy="fsdp2")``, of a framework adapter or of ``integrations.deepspeed.step`` is
+    reused; for any other model one is made on the first call (every rank must make that call: it may create a
+    gloo group for the agreements) and kept with the model.
 
     Raises:
         ConfigError: ``model`` has FSDP2 submodules but is not the FSDP2 root (pass the root module,
-            the one ``fully_shard`` was applied to last), or uses a 2-D mesh (HSDP).
+            the one ``fully_shard`` was applied to last), or uses a 2-D mesh (HSDP); an FSDP1 model under
+            HYBRID_SHARD or CPU offload; a ZeRO-3 module that is not its engine (pass the engine).
     """
-    if not (dist.is_available() and dist.is_initialized()) or not is_fsdp_model(model):
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    framework = _FRAMEWORK_GROUPS.get(type(model).__module__.split(".")[0])
+    if framework is not None or any(hasattr(p, "ds_id") for p in model.parameters()):
+        import importlib
+
+        return importlib.import_module(_FRAMEWORK_GROUPS["deepspeed"]).eval_rank_group(model)
+    from memguard.guard import _fsdp1
+
+    if _fsdp1.is_fsdp1_model(model):
+        # the group guarding these units now (a framework adapter's, whose wrappers look it up by unit), else a new one
+        rg = _fsdp1._GROUPS.get(id(_fsdp1._fsdp1_states(model)[0])) or _fsdp1.fsdp1_rank_group(model)
+        return rg if rg is not None and rg.world_size > 1 else None
+    if not is_fsdp_model(model):
         return None
     from memguard.guard._core import _GUARDS
 
@@ -293,4 +321,4 @@ def eval_rank_group(model: nn.Module) -> ShardedRankGroup | None:
                               "was applied to last, or the model memguard.prepare(..., strategy='fsdp2') returned)")
         rg = sharded_rank_group(model)
         _GROUPS[model] = rg
-    return rg if rg.world_size > 1 else None
+    return rg if rg is not None and rg.world_size > 1 else None

@@ -129,42 +129,57 @@ class FSDP1RankGroup(ShardedRankGroup):
     def reset(self, params: Sequence[nn.Parameter] = ()) -> None:
         """Put FSDP1's per-iteration state back as after a full backward, on every rank, and drop the
         partial gradients (see the module docstring)."""
-        from torch.distributed.fsdp._common_utils import TrainingState
-        from torch.distributed.fsdp._flat_param import HandleTrainingState
-        from torch.distributed.fsdp._runtime_utils import _reshard
-
         self._armed = False
-        for state in self.fsdp1_states:
-            handle = state._handle
-            if handle:
-                flat_param = handle.flat_param
-                # Always, and freeing the padded unsharded flat parameter: a unit that kept it (the root keeps its
-                # parameters unsharded from forward to backward) would otherwise skip its next all-gather on this
-                # rank only (FlatParamHandle.needs_unshard looks at that storage) while its peers run it.
-                _reshard(state, handle, handle.uses_sharded_strategy)
-                for key in ("_post_backward_hook_state", "_post_backward_hook_handle"):
-                    hook = getattr(flat_param, key, None)
-                    if hook is not None:  # registered by the failed forward; the next one registers its own
-                        (hook[-1] if isinstance(hook, tuple) else hook).remove()
-                        delattr(flat_param, key)
+        _reset_units(self.fsdp1_states, drop_grads=True)
+        for p in params:
+            p.grad = None
+
+    def reset_forward_state(self) -> None:
+        """After a failed forward-only attempt (an evaluation micro-batch): every unit resharded and idle, as
+        :meth:`reset` leaves them, with gradients and the execution-order record left alone (an evaluation
+        makes no gradients and must not drop those of a training step in progress)."""
+        self._armed = False
+        _reset_units(self.fsdp1_states, drop_grads=False)
+
+
+def _reset_units(states: Sequence[Any], *, drop_grads: bool) -> None:
+    """Reshard every FSDP1 unit and reset its handle's per-iteration flags (torch 2.13, ``_runtime_utils.py``,
+    ``_flat_param.py``); with ``drop_grads`` also the partial gradients and the root's end-of-backward state."""
+    from torch.distributed.fsdp._common_utils import TrainingState
+    from torch.distributed.fsdp._flat_param import HandleTrainingState
+    from torch.distributed.fsdp._runtime_utils import _reshard
+
+    for state in states:
+        handle = state._handle
+        if handle:
+            flat_param = handle.flat_param
+            # Always, and freeing the padded unsharded flat parameter: a unit that kept it (the root keeps its
+            # parameters unsharded from forward to backward, and after an evaluation forward) would otherwise
+            # skip its next all-gather on this rank only (FlatParamHandle.needs_unshard looks at that storage)
+            # while its peers run it.
+            _reshard(state, handle, handle.uses_sharded_strategy)
+            for key in ("_post_backward_hook_state", "_post_backward_hook_handle"):
+                hook = getattr(flat_param, key, None)
+                if hook is not None:  # registered by the failed forward; the next one registers its own
+                    (hook[-1] if isinstance(hook, tuple) else hook).remove()
+                    delattr(flat_param, key)
+            handle._ran_pre_backward_hook = False
+            handle._needs_pre_backward_unshard = False
+            handle._post_forward_index = None
+            handle._training_state = HandleTrainingState.IDLE
+            handle._prefetched = False
+            if drop_grads:
                 flat_param.grad = None
                 if hasattr(flat_param, "_saved_grad_shard"):
                     delattr(flat_param, "_saved_grad_shard")
                 flat_param._post_backward_called = False
-                handle._ran_pre_backward_hook = False
-                handle._needs_pre_backward_unshard = False
-                handle._post_forward_index = None
-                handle._training_state = HandleTrainingState.IDLE
-                handle._prefetched = False
                 if handle._use_orig_params:
                     for p in flat_param._params or ():
                         p.grad = None
-            state.training_state = TrainingState.IDLE
-            if state._is_root:
-                state._post_backward_callback_queued = False
-                state._exec_order_data.next_iter()
-        for p in params:
-            p.grad = None
+        state.training_state = TrainingState.IDLE
+        if drop_grads and state._is_root:
+            state._post_backward_callback_queued = False
+            state._exec_order_data.next_iter()
 
 
 def fsdp1_rank_group(model: nn.Module) -> FSDP1RankGroup | None:

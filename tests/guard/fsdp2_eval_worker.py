@@ -5,7 +5,8 @@ seed and each its own evaluation batch (``batches[rank]`` samples, ``seq`` posit
 ``idx`` are global); each rank keeps a plain, unsharded copy of the model and evaluates its batch
 with it whole, uncapped: the reference. Then the model is sharded (``"prepare"``:
 ``memguard.prepare(..., strategy="fsdp2")``; ``"fully_shard"``: ``fully_shard`` on each block and
-the root, memguard never told), and, in ``"recover"`` mode:
+the root, memguard never told; ``"fsdp1"``: FSDP1's ``FullyShardedDataParallel`` with a unit per block), and,
+in ``"recover"`` mode:
 
 1. calibrate: one uncapped ``no_grad`` forward of the sharded model at a quarter of the largest
    batch and one at the largest batch, on both ranks (they all-gather together), sampling the
@@ -151,6 +152,12 @@ def main() -> None:
                     precision="32-true", activation_checkpointing=False, zero_stage=3, budget_bytes=64 << 20,
                     estimate=est, device="cpu", strategy="fsdp2")
         memguard.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=plan, strategy="fsdp2")
+    elif cfg["how"] == "fsdp1":  # FSDP1, one unit per block and the root (as Lightning's FSDPStrategy wraps)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                         use_orig_params=cfg.get("use_orig_params", False), device_id=torch.device("cpu"))
     else:
         from torch.distributed.fsdp import fully_shard
 

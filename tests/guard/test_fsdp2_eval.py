@@ -120,6 +120,16 @@ def test_a_rank_with_fewer_samples_runs_padding_forwards_on_a_fully_shard_model(
     assert results[1]["joined_padding"] == results[1]["loss_padding"] == 0
 
 
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_an_eval_oom_on_one_rank_of_an_fsdp1_model_is_recovered_on_both(tmp_path: Path, use_orig_params: bool) -> None:
+    # FSDP1 all-gathers each unit's flat parameter in its pre-forward (torch.distributed.fsdp._runtime_utils._unshard):
+    # the same agreement protocol, with FSDP1's reset of the units after the failed forward (memguard.guard._fsdp1)
+    batches = [20, 64]
+    results = _run(tmp_path, mode="recover", how="fsdp1", batches=batches, use_orig_params=use_orig_params)
+    _check_recovered(tmp_path, results, batches)
+    assert results[0]["joined_padding"] == results[0]["loss_padding"] == 1
+
+
 def test_an_eval_oom_inside_an_fsdp_all_gather_stops_every_rank_with_the_same_error(tmp_path: Path) -> None:
     # Blocks of 8 MiB unsharded, a 2 MiB budget on rank 1: the all-gather output of the first block cannot be
     # allocated, inside FSDP2's collective path, while rank 0 is already in that all-gather.

@@ -19,7 +19,7 @@ optional ``bf16`` (DeepSpeed's bf16 mode), ``uncapped`` (no cap: the run to comp
 :func:`memguard.integrations.deepspeed.step`), ``no_agreements`` (from ``cap_step`` on,
 DeepSpeed's collectives run without memguard's agreements: the control that shows what they
 prevent) and ``time_steps`` (after training: that many interleaved steps with and without
-memguard's agreements, uncapped, for the cost figures).
+memguard's agreements, uncapped, for the cost figures) and ``eval`` (after training: :func:`evaluate_engine`).
 
 Each rank writes ``result<rank>_<name>.json`` (events, messages, the phase and time of each retry,
 each step's start and end, micro-batch, retries, agreements, error) and
@@ -107,6 +107,37 @@ def adapter_step(engine, batch: dict, loss_fn, state: dict) -> None:
             "out of memory at micro-batch %d on rank %s%s; redoing the step's %d samples with micro-batch %d", mbs,
             ", ".join(map(str, out.oom_ranks)), f" ({out.detail})" if out.detail else "", n, mbs // 2)
     agreed_engine_step(rg, micro_batch_size=state["micro"])
+
+
+def evaluate_engine(engine, data, rank: int, ev: dict, dtype: torch.dtype, messages: list[str]) -> dict:
+    """``memguard.integrations.deepspeed.evaluate(engine, ...)`` on this rank's ``ev["sizes"][rank]`` samples (per-sample outputs, joined),
+    with the ranks in ``ev["cap_ranks"]`` capped at VmSize + ``ev["budget_mib"]``, against the engine's own
+    unsplit forward of the same samples made before the cap."""
+    from memguard.guard._evaluate import eval_status
+    from memguard.integrations import deepspeed as mg_ds
+
+    x = data.x[: ev["sizes"][rank]].to(dtype)
+    with torch.no_grad():
+        reference = engine(x)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    seen = len(messages)
+    capped = rank in ev["cap_ranks"]
+    out, error = None, None
+    if capped:
+        resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (ev["budget_mib"] << 20), hard))
+    t = time.perf_counter()
+    try:
+        out = mg_ds.evaluate(engine, {"x": x}, lambda eng, b: eng(b["x"]))
+    except Exception as exc:  # reported to the test
+        error = {"type": type(exc).__name__, "message": str(exc)[:3000], "traceback": traceback.format_exc()[-4000:]}
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    status = eval_status(engine)
+    return {"capped": capped, "error": error, "seconds": time.perf_counter() - t,
+            "retries": [m for m in messages[seen:] if "OOM in evaluation" in m],
+            "forwards": status.forwards, "padding_forwards": status.padding_forwards,
+            "max_abs": None if out is None else (out.float() - reference.float()).abs().max().item(),
+            "shape": None if out is None else list(out.shape), "reference_shape": list(reference.shape)}
 
 
 def worker(rank: int, world: int, cfg: dict) -> None:
@@ -218,6 +249,8 @@ def worker(rank: int, world: int, cfg: dict) -> None:
                       micro_batch_size=adapter_state["micro"] if adapter else mg_ds.micro_batch_size(engine),
                       oom_retries=adapter_state["retries"] if adapter else mg_ds.oom_retries(engine),
                       global_steps=engine.global_steps, agreements=rg.agreements if rg is not None else 0)
+        if result["error"] is None and run.get("eval"):
+            result["eval"] = evaluate_engine(engine, data, rank, run["eval"], dtype, messages)
         if result["error"] is None:
             torch.save(full_state(engine), out / f"deepspeed{rank}_{run['name']}.pt")
             n_time = run.get("time_steps", 0)

@@ -612,3 +612,37 @@ def test_oom_in_engine_step_stops_every_rank_the_same_way(tmp_path):
         assert len(resets) == 1 and "on rank 1" in resets[0]
         assert r["oom_retries"] == 0 and r["train_s"] < 30
     assert "DefaultCPUAllocator" in r1["error"]["message"]
+
+
+# Evaluation: memguard.evaluate(engine, ...) on 64 (rank 0) and 48 (rank 1) samples, rank 1 capped at 20 MiB more
+# than it holds: the no-grad forward of 64 samples keeps ~32 MiB (fc1's and GELU's outputs), 32 fits.
+_EVAL = {"sizes": [64, 48], "cap_ranks": [1], "budget_mib": 20}
+
+
+@_real_oom
+def test_evaluating_a_deepspeed_engine_recovers_from_a_real_oom_on_one_rank(tmp_path):
+    runs = [{"name": f"eval-zero{stage}", "stage": stage, "uncapped": True, "budget_mib": 0, "eval": _EVAL}
+            for stage in (1, 3)]
+    _run_worker(tmp_path, {**_STEPS, "runs": runs})
+    for stage in (1, 3):
+        r0, r1 = _results(tmp_path, f"eval-zero{stage}")
+        e0, e1 = r0["eval"], r1["eval"]
+        assert e0["error"] is None and e1["error"] is None, (e0["error"], e1["error"])
+        assert e1["capped"] and not e0["capped"]
+        for e, n in ((e0, 64), (e1, 48)):  # the result is the unsplit forward's, to float rounding
+            assert e["shape"] == e["reference_shape"] == [n] and e["max_abs"] <= 1e-6
+        assert e1["retries"] and all("DefaultCPUAllocator" in m for m in e1["retries"])  # the allocator's own error
+        if stage == 3:
+            # the forward gathers every layer's parameters from both ranks: they split together, rank 0 heard of
+            # rank 1's OOM at an agreement, both ran the same number of forwards (rank 0's extra ones padding)
+            assert len(e0["retries"]) == len(e1["retries"]) and all("on rank 1" in m for m in e0["retries"] + e1["retries"])
+            assert e0["forwards"] + e0["padding_forwards"] == e1["forwards"] + e1["padding_forwards"]
+        else:  # ZeRO-1's forward starts no collective: rank 0 ran its batch whole, alone
+            assert e0["retries"] == [] and e0["forwards"] == 1 and e0["padding_forwards"] == 0
+
+
+def test_evaluate_needs_a_deepspeed_engine():
+    from memguard.integrations.deepspeed import evaluate as ds_evaluate
+
+    with pytest.raises(ConfigError, match="needs a DeepSpeed engine"):
+        ds_evaluate(object(), {"x": 1})
