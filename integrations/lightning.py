@@ -12,9 +12,9 @@ is a ``Callback`` of every installed package (so either Trainer's ``isinstance``
 and it takes the strategy classes and utilities from the package of the Trainer it runs in (the
 first Lightning class in the Trainer's MRO, so a Trainer subclass defined anywhere works).
 
-Strategies. Single device, DDP, ``ModelParallelStrategy`` (FSDP2) and ``DeepSpeedStrategy`` (ZeRO
-stages 0-3): the callback plans, applies and guards (below). Under ``FSDPStrategy`` (FSDP1) it plans
-and applies only. Under the sharded strategies the plan is constrained to the strategy's sharding:
+Strategies. Single device, DDP, ``ModelParallelStrategy`` (FSDP2), ``FSDPStrategy`` (FSDP1) and
+``DeepSpeedStrategy`` (ZeRO stages 0-3): the callback plans, applies and guards (below). Under the
+sharded strategies the plan is constrained to the strategy's sharding:
 DeepSpeed's ZeRO stage and optimizer offload from its config; FSDP's ``FULL_SHARD`` as ZeRO-3
 (parameters resharded after forward) and ``SHARD_GRAD_OP`` as stage 2; ``ModelParallelStrategy``
 (FSDP2, ``fully_shard`` in ``configure_model``) any FSDP2 level over its data-parallel ranks, which
@@ -41,11 +41,15 @@ the last micro-batch of an optimizer step's window is the engine's accumulation 
 :func:`memguard.integrations._deepspeed_guard.agreed_engine_step`. Engines the protocol cannot reset (ZeRO
 offload, ZenFlow, DeepSpeed's ``FP16_Optimizer``/``BF16_Optimizer`` wrappers: fp16/bf16 without
 ZeRO, or bf16 ZeRO-1; :func:`memguard.integrations._deepspeed_guard.engine_problems`) are planned and applied only,
-and the reason is logged. Under ``FSDPStrategy`` it logs that it does not recover from
-out-of-memory errors (a rank that fails inside the sharded collectives would leave the others
-waiting; its FSDP1 protocol, :mod:`memguard.guard._fsdp1`, needs each micro-batch to run through
-FSDP1's root forward, while ``FSDPStrategy`` runs ``training_step`` inside that forward through
-Lightning's forward redirection). :func:`strategy_for` returns the Lightning strategy that runs a plan.
+and the reason is logged. Under ``FSDPStrategy``, once the strategy has wrapped the module
+(``on_fit_start``), the callback arms memguard's FSDP1 protocol on the wrapper
+(:mod:`memguard.guard._fsdp1`: an agreement of the ranks before each FSDP1 all-gather and
+reduce-scatter) and stands in for the strategy's ``training_step``
+(:meth:`MemguardCallback._patch_strategy_step`): Lightning runs ``training_step`` *inside* the FSDP1
+root's forward (forward redirection), so the callback splits the batch outside it and runs each
+micro-batch through Lightning's own ``Strategy.training_step`` (the root's forward) and its backward
+in one agreed attempt; FSDP1 reduce-scatters each micro-batch's gradients. :func:`strategy_for`
+returns the Lightning strategy that runs a plan.
 
 What the callback does, in Lightning's hooks:
 
@@ -88,6 +92,23 @@ What the callback does, in Lightning's hooks:
   ``DeepSpeedStrategy`` also the strategy's ``training_step`` and the precision plugin's ``backward``
   and ``optimizer_step``, and the wrappers on DeepSpeed's communication backend).
 
+Accumulation under DeepSpeed differs from plain Lightning, on purpose. With ``accumulate_grad_batches=k``
+the callback's accumulated gradient is that of the optimizer step's mean loss, as Lightning gives under a
+single device and DDP, and as DeepSpeed gives without Lightning. Lightning 2.6's own DeepSpeed path divides
+the loss by ``k`` twice: ``ClosureResult.from_training_step_output`` (``loops/optimization/automatic.py``)
+divides it by ``accumulate_grad_batches``, and ``DeepSpeedPrecision.backward`` calls
+``deepspeed_engine.backward(loss)``, which divides it again by ``gradient_accumulation_steps`` (DeepSpeed's
+``_scale_loss_by_gas``, ``scale_wrt_gas=True``; Lightning writes ``accumulate_grad_batches`` there). Measured
+on 2 CPU ranks, ZeRO-2, ``k=2``, one SGD step from the same weights
+(``test_deepspeed_accumulation_gives_the_windows_mean_loss_gradient_where_plain_lightning_gives_1_over_k``):
+the callback's weight change equals a plain full-batch step's, plain Lightning's is 0.5000 of it. A job
+that moves to the callback from plain Lightning with ``k > 1`` under DeepSpeed therefore sees ``k`` times
+larger gradients: the same as with ``k = 1`` or under DDP; an optimizer invariant to the gradient's scale
+(Adam, without clipping) is hardly affected, SGD's effective learning rate is ``k`` times plain Lightning's,
+and a ``gradient_clipping`` threshold applies to the mean-loss gradient. (The same double division was
+reported to Lightning, Lightning-AI/pytorch-lightning#6170, and fixed in the HF Trainer,
+huggingface/transformers#35808.)
+
 Why this design rather than manual optimization: switching the user's module to manual
 optimization would change what their ``training_step`` must do, and would drop Lightning's
 gradient clipping and automatic scheduler stepping; splitting inside the training step keeps every
@@ -105,8 +126,11 @@ Known limitations:
     that got no gradient on any rank are left alone, so DDP with ``find_unused_parameters=False``
     fails on them as it would without memguard. Trainer limits counted in batches
     (``limit_train_batches``, ``val_check_interval`` as ints) count the smaller batches. Manual
-    optimization and dataloaders passed directly to ``fit`` are not supported; under the FSDP
-    (FSDP1) strategy the plan is applied but OOMs are not recovered from; under DeepSpeed an OOM
+    optimization and dataloaders passed directly to ``fit`` are not supported; under
+    ``FSDPStrategy`` an OOM inside FSDP1's own collectives stops every rank with the same
+    :class:`memguard.OOMRecoveryError`, recovery is verified on CPU with gloo (fp32, ``FULL_SHARD``;
+    ``SHARD_GRAD_OP`` fails after a recovery, see the tests), and a model the user wrapped in
+    ``configure_model`` without an FSDP1 root is guarded unit by unit, untested; under DeepSpeed an OOM
     inside a DeepSpeed collective or in ``engine.step()`` stops every rank with the same
     :class:`memguard.OOMRecoveryError` (restart from a checkpoint), ``training_step`` must not start
     a collective of its own, Lightning's ``on_before_optimizer_step`` still runs after every batch (as
@@ -122,8 +146,11 @@ Known limitations:
     The plan is made once per ``fit``. Validation and test steps run in micro-batches when a batch
     does not fit (:meth:`MemguardCallback.on_validation_start`); a ``self.log(..., batch_size=N)``
     given explicitly in them overrides the micro-batch weighting of epoch means. Under the strategies
-    whose forward gathers sharded parameters (FSDP, ModelParallel, DeepSpeed ZeRO-3) validation and
-    test steps are not split (one rank cannot split alone); a warning says so.
+    whose forward gathers sharded parameters (FSDP, ModelParallel, DeepSpeed ZeRO-3) every rank splits
+    together (:meth:`MemguardCallback._patch_eval_step`); ``validation_step``/``test_step`` must not
+    start a collective of its own there (``self.log(..., sync_dist=True)``), and an engine or model
+    memguard cannot reset after an OOM in evaluation is left unsplit with a warning. On one rank under
+    FSDP1 the split runs inside the root's forward, without FSDP1's reset after an OOM (untested).
 """
 
 from __future__ import annotations
@@ -841,8 +868,21 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             rg = framework_rank_group(pl_module)  # every rank: it may create a gloo group
             self._eval_group = rg
             return rg, ""  # None: nothing is fully_shard-ed, so the forward gathers nothing
-        if sharding.arms_fsdp1 or (sharding.arms_deepspeed and 3 in sharding.zero_stages):
-            return None, "whose forward gathers parameters from every rank"
+        if sharding.arms_fsdp1 or sharding.arms_deepspeed:
+            # FSDP1 all-gathers in each unit's pre-forward; a ZeRO-3 engine in each module's (ZeRO-0/1/2 forwards
+            # start no collective: eval_rank_group gives None, and each rank splits alone as under DDP)
+            if training is not None and (sharding.arms_fsdp1 or 3 in sharding.zero_stages):
+                return training, ""
+            from memguard.guard._evaluate_sharded import eval_rank_group
+
+            try:
+                rg = eval_rank_group(trainer.strategy.model)  # every rank: it may create a gloo group
+            except ConfigError as exc:  # e.g. an engine whose evaluation reset memguard has not verified
+                return None, f"where {exc}"
+            if rg is not None and not getattr(rg, "_installed", True):  # kept with the engine, uninstalled by fit
+                rg.install()
+                self._eval_group = rg
+            return rg, ""
         return None, ""
 
     def _patch_eval_step(self, trainer: Any, pl_module: Any, name: str) -> None:
@@ -1040,11 +1080,9 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
           :func:`memguard.integrations._deepspeed_guard.agreed_engine_step` once per window (after its last batch)
           instead of ``engine.step()`` after every batch.
 
-        The accumulated gradient is that of the window's mean loss, as under DDP. (Lightning's own path
-        divides the loss by ``accumulate_grad_batches``, ``ClosureResult.from_training_step_output`` in
-        ``loops/optimization/automatic.py``, and ``engine.backward`` divides it again by
-        ``gradient_accumulation_steps``, its ``scale_wrt_gas``: with accumulation the callback's gradients
-        are ``accumulate_grad_batches`` times those of Lightning's own DeepSpeed path.)
+        The accumulated gradient is that of the window's mean loss, as under DDP (see "Accumulation under
+        DeepSpeed" in the module docstring: Lightning's own DeepSpeed path gives ``1/accumulate_grad_batches``
+        of it).
 
         Lightning's ``optimizer_zero_grad`` (which runs after a window's first ``training_step``) is skipped:
         the engine's step drops the gradients, and the window drops any left when it opens.

@@ -30,6 +30,9 @@ evaluations caps the address space at its first batch (VmSize plus ``eval_budget
 its end; the epoch metrics of each evaluation are recorded (``metrics``), and each evaluation micro-batch's size
 (``["VAL", n]`` events).
 
+With ``plain_accumulate`` (k), no MemguardCallback runs: the module's batch size is ``batch // k`` and the
+Trainer's ``accumulate_grad_batches`` k, i.e. plain Lightning on the same samples per optimizer step.
+
 Each rank writes ``result<rank>.json`` (events, messages, callback state, error) and its final
 weights ``lightning<rank>.pt``; rank 0 also writes ``reference.pt``.
 """
@@ -251,6 +254,9 @@ def main() -> None:
                                               budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu"))
     evaluates = bool(cfg.get("eval"))
     module = LitEval() if evaluates else Lit()
+    plain_k = cfg.get("plain_accumulate")
+    if plain_k:  # plain Lightning: no memguard, the same samples per optimizer step
+        module.batch_size = cfg["batch"] // plain_k
     if cfg.get("strategy") == "model_parallel":
         strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=cfg["world"], tensor_parallel_size=1)
     elif fsdp1_run:
@@ -292,7 +298,8 @@ def main() -> None:
         strategy = "ddp" if cfg["world"] > 1 else "auto"
     trainer = pl.Trainer(
         accelerator="cpu", devices=cfg["world"], strategy=strategy,
-        max_steps=cfg["steps"], callbacks=[callback, Cap()], logger=False, enable_checkpointing=False,
+        max_steps=cfg["steps"], callbacks=[Cap()] if plain_k else [callback, Cap()], logger=False,
+        enable_checkpointing=False, accumulate_grad_batches=plain_k or 1,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         **({"val_check_interval": cfg["steps"], "check_val_every_n_epoch": None} if evaluates else {}),
     )

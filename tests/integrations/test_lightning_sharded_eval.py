@@ -41,7 +41,7 @@ def _eval_sizes(result: dict) -> list[int]:
     return [e[1] for e in result["events"] if isinstance(e, list) and e[0] == "VAL"]
 
 
-def _check(tmp_path: Path, **cfg) -> None:
+def _check(tmp_path: Path, together: bool = True, **cfg) -> None:
     (tmp_path / "capped").mkdir()
     (tmp_path / "plain").mkdir()
     c0, c1 = _run_worker(tmp_path / "capped", world=2, eval_cap_ranks=[1], **EVAL, **cfg)
@@ -49,14 +49,19 @@ def _check(tmp_path: Path, **cfg) -> None:
     for r in (c0, c1, p0, p1):
         assert r["error"] is None, r["error"]
     assert c1.get("eval_capped") == 3 and not c0.get("eval_capped")  # in fit, validate() and test()
-    # the evaluation inside fit: 128, 64 and 32 fail on rank 1, both ranks halve to 16 and log each retry
-    assert len(_eval_retries(c0)) == len(_eval_retries(c1)) == 3
+    # the evaluation inside fit: 128, 64 and 32 fail on rank 1, which halves to 16 and logs each retry
+    assert len(_eval_retries(c1)) == 3
     assert all("DefaultCPUAllocator" in m for m in _eval_retries(c1))
-    assert all("on rank 1;" in m for m in _eval_retries(c0))  # rank 0 halved because rank 1 ran out
-    # every evaluation runs 16-sample micro-batches on both ranks (validate() and test() start from the eval
-    # micro-batch remembered for this shape, under the cap), in the same number of forwards
+    # every evaluation runs 16-sample micro-batches on rank 1 (validate() and test() start from the eval
+    # micro-batch remembered for this shape, under the cap)
     per_eval = [16] * 10 + [8]  # 128 = 8 x 16, then 40 = 16 + 16 + 8
-    assert _eval_sizes(c0) == _eval_sizes(c1) == per_eval * 3
+    assert _eval_sizes(c1) == per_eval * 3
+    if together:  # rank 0 halves with rank 1, in the same forwards
+        assert len(_eval_retries(c0)) == 3
+        assert all("on rank 1;" in m for m in _eval_retries(c0))  # rank 0 halved because rank 1 ran out
+        assert _eval_sizes(c0) == per_eval * 3
+    else:  # each rank splits alone: rank 0 has the memory for its whole batches
+        assert _eval_retries(c0) == [] and _eval_sizes(c0) == [128, 40] * 3
     assert _eval_sizes(p0) == _eval_sizes(p1) == [128, 40] * 3  # uncapped: each batch whole
     # val_loss in fit, val_loss of validate(), test_loss of test(); fp32 sums in another grouping: ~1e-7 observed
     for capped, plain in ((c0, p0), (c1, p1)):
@@ -68,3 +73,22 @@ def _check(tmp_path: Path, **cfg) -> None:
 def test_model_parallel_validation_and_test_split_on_every_rank_together(tmp_path: Path) -> None:
     # ModelParallelStrategy (FSDP2: fully_shard of each linear layer and the LightningModule)
     _check(tmp_path, strategy="model_parallel", package=PACKAGES[0])
+
+
+def test_fsdp1_validation_and_test_split_on_every_rank_together(tmp_path: Path) -> None:
+    # FSDPStrategy (FSDP1: each linear layer and the LightningModule wrapped, FULL_SHARD): each micro-batch runs
+    # Lightning's own Strategy.validation_step/test_step, through the FSDP1 root's forward
+    _check(tmp_path, strategy="fsdp", package=PACKAGES[0])
+
+
+@pytest.mark.skipif(bool(_deepspeed_ready()), reason=_deepspeed_ready() or "ready")
+def test_deepspeed_zero3_validation_and_test_split_on_every_rank_together(tmp_path: Path) -> None:
+    # DeepSpeedStrategy, ZeRO-3 (every parameter gathered in each module's forward): through the engine's forward
+    _check(tmp_path, strategy="deepspeed", zero_stage=3, package=PACKAGES[0])
+
+
+@pytest.mark.skipif(bool(_deepspeed_ready()), reason=_deepspeed_ready() or "ready")
+def test_deepspeed_zero2_validation_and_test_split_on_each_rank_alone(tmp_path: Path) -> None:
+    # DeepSpeedStrategy, ZeRO-2: the forward starts no collective (parameters are replicated), so each rank splits
+    # alone, as under DDP, inside the engine's forward; rank 0, uncapped, runs its batches whole
+    _check(tmp_path, together=False, strategy="deepspeed", zero_stage=2, package=PACKAGES[0])
