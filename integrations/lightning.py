@@ -857,8 +857,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         the evaluation and uninstalled at its end (:meth:`_end_eval`)."""
         from memguard.guard._sharded import ShardedRankGroup
 
-        training = getattr(self._guard, "rank_group", None)
-        if isinstance(training, ShardedRankGroup) and not getattr(training, "_installed", False):
+        training = getattr(self._guard, "rank_group", None)  # a plain RankGroup where training is not guarded
+        if not (isinstance(training, ShardedRankGroup) and getattr(training, "_installed", False)):
             training = None
         if sharding.arms_fsdp2:
             if training is not None:
