@@ -12,9 +12,9 @@ is a ``Callback`` of every installed package (so either Trainer's ``isinstance``
 and it takes the strategy classes and utilities from the package of the Trainer it runs in (the
 first Lightning class in the Trainer's MRO, so a Trainer subclass defined anywhere works).
 
-Strategies. Single device, DDP, ``ModelParallelStrategy`` (FSDP2) and ``DeepSpeedStrategy`` (ZeRO
-stages 0-3): the callback plans, applies and guards (below). Under ``FSDPStrategy`` (FSDP1) it plans
-and applies only. Under the sharded strategies the plan is constrained to the strategy's sharding:
+Strategies. Single device, DDP, ``ModelParallelStrategy`` (FSDP2), ``FSDPStrategy`` (FSDP1) and
+``DeepSpeedStrategy`` (ZeRO stages 0-3): the callback plans, applies and guards (below). Under the
+sharded strategies the plan is constrained to the strategy's sharding:
 DeepSpeed's ZeRO stage and optimizer offload from its config; FSDP's ``FULL_SHARD`` as ZeRO-3
 (parameters resharded after forward) and ``SHARD_GRAD_OP`` as stage 2; ``ModelParallelStrategy``
 (FSDP2, ``fully_shard`` in ``configure_model``) any FSDP2 level over its data-parallel ranks, which
@@ -41,11 +41,15 @@ the last micro-batch of an optimizer step's window is the engine's accumulation 
 :func:`memguard.integrations._deepspeed_guard.agreed_engine_step`. Engines the protocol cannot reset (ZeRO
 offload, ZenFlow, DeepSpeed's ``FP16_Optimizer``/``BF16_Optimizer`` wrappers: fp16/bf16 without
 ZeRO, or bf16 ZeRO-1; :func:`memguard.integrations._deepspeed_guard.engine_problems`) are planned and applied only,
-and the reason is logged. Under ``FSDPStrategy`` it logs that it does not recover from
-out-of-memory errors (a rank that fails inside the sharded collectives would leave the others
-waiting; its FSDP1 protocol, :mod:`memguard.guard._fsdp1`, needs each micro-batch to run through
-FSDP1's root forward, while ``FSDPStrategy`` runs ``training_step`` inside that forward through
-Lightning's forward redirection). :func:`strategy_for` returns the Lightning strategy that runs a plan.
+and the reason is logged. Under ``FSDPStrategy``, once the strategy has wrapped the module
+(``on_fit_start``), the callback arms memguard's FSDP1 protocol on the wrapper
+(:mod:`memguard.guard._fsdp1`: an agreement of the ranks before each FSDP1 all-gather and
+reduce-scatter) and stands in for the strategy's ``training_step``
+(:meth:`MemguardCallback._patch_strategy_step`): Lightning runs ``training_step`` *inside* the FSDP1
+root's forward (forward redirection), so the callback splits the batch outside it and runs each
+micro-batch through Lightning's own ``Strategy.training_step`` (the root's forward) and its backward
+in one agreed attempt; FSDP1 reduce-scatters each micro-batch's gradients. :func:`strategy_for`
+returns the Lightning strategy that runs a plan.
 
 What the callback does, in Lightning's hooks:
 
@@ -88,6 +92,23 @@ What the callback does, in Lightning's hooks:
   ``DeepSpeedStrategy`` also the strategy's ``training_step`` and the precision plugin's ``backward``
   and ``optimizer_step``, and the wrappers on DeepSpeed's communication backend).
 
+Accumulation under DeepSpeed differs from plain Lightning, on purpose. With ``accumulate_grad_batches=k``
+the callback's accumulated gradient is that of the optimizer step's mean loss, as Lightning gives under a
+single device and DDP, and as DeepSpeed gives without Lightning. Lightning 2.6's own DeepSpeed path divides
+the loss by ``k`` twice: ``ClosureResult.from_training_step_output`` (``loops/optimization/automatic.py``)
+divides it by ``accumulate_grad_batches``, and ``DeepSpeedPrecision.backward`` calls
+``deepspeed_engine.backward(loss)``, which divides it again by ``gradient_accumulation_steps`` (DeepSpeed's
+``_scale_loss_by_gas``, ``scale_wrt_gas=True``; Lightning writes ``accumulate_grad_batches`` there). Measured
+on 2 CPU ranks, ZeRO-2, ``k=2``, one SGD step from the same weights
+(``test_deepspeed_accumulation_gives_the_windows_mean_loss_gradient_where_plain_lightning_gives_1_over_k``):
+the callback's weight change equals a plain full-batch step's, plain Lightning's is 0.5000 of it. A job
+that moves to the callback from plain Lightning with ``k > 1`` under DeepSpeed therefore sees ``k`` times
+larger gradients: the same as with ``k = 1`` or under DDP; an optimizer invariant to the gradient's scale
+(Adam, without clipping) is hardly affected, SGD's effective learning rate is ``k`` times plain Lightning's,
+and a ``gradient_clipping`` threshold applies to the mean-loss gradient. (The same double division was
+reported to Lightning, Lightning-AI/pytorch-lightning#6170, and fixed in the HF Trainer,
+huggingface/transformers#35808.)
+
 Why this design rather than manual optimization: switching the user's module to manual
 optimization would change what their ``training_step`` must do, and would drop Lightning's
 gradient clipping and automatic scheduler stepping; splitting inside the training step keeps every
@@ -105,8 +126,11 @@ Known limitations:
     that got no gradient on any rank are left alone, so DDP with ``find_unused_parameters=False``
     fails on them as it would without memguard. Trainer limits counted in batches
     (``limit_train_batches``, ``val_check_interval`` as ints) count the smaller batches. Manual
-    optimization and dataloaders passed directly to ``fit`` are not supported; under the FSDP
-    (FSDP1) strategy the plan is applied but OOMs are not recovered from; under DeepSpeed an OOM
+    optimization and dataloaders passed directly to ``fit`` are not supported; under
+    ``FSDPStrategy`` an OOM inside FSDP1's own collectives stops every rank with the same
+    :class:`memguard.OOMRecoveryError`, recovery is verified on CPU with gloo (fp32, ``FULL_SHARD``;
+    ``SHARD_GRAD_OP`` fails after a recovery, see the tests), and a model the user wrapped in
+    ``configure_model`` without an FSDP1 root is guarded unit by unit, untested; under DeepSpeed an OOM
     inside a DeepSpeed collective or in ``engine.step()`` stops every rank with the same
     :class:`memguard.OOMRecoveryError` (restart from a checkpoint), ``training_step`` must not start
     a collective of its own, Lightning's ``on_before_optimizer_step`` still runs after every batch (as
@@ -122,8 +146,11 @@ Known limitations:
     The plan is made once per ``fit``. Validation and test steps run in micro-batches when a batch
     does not fit (:meth:`MemguardCallback.on_validation_start`); a ``self.log(..., batch_size=N)``
     given explicitly in them overrides the micro-batch weighting of epoch means. Under the strategies
-    whose forward gathers sharded parameters (FSDP, ModelParallel, DeepSpeed ZeRO-3) validation and
-    test steps are not split (one rank cannot split alone); a warning says so.
+    whose forward gathers sharded parameters (FSDP, ModelParallel, DeepSpeed ZeRO-3) every rank splits
+    together (:meth:`MemguardCallback._patch_eval_step`); ``validation_step``/``test_step`` must not
+    start a collective of its own there (``self.log(..., sync_dist=True)``), and an engine or model
+    memguard cannot reset after an OOM in evaluation is left unsplit with a warning. On one rank under
+    FSDP1 the split runs inside the root's forward, without FSDP1's reset after an OOM (untested).
 """
 
 from __future__ import annotations
@@ -173,6 +200,9 @@ class _Sharding:
         arms_deepspeed: under ``DeepSpeedStrategy``: once the strategy has built the DeepSpeed engine
             (``on_fit_start``), the callback arms memguard's DeepSpeed agreement protocol on it and runs
             each training step's micro-batches and the engine's step itself.
+        arms_fsdp1: under ``FSDPStrategy``: once the strategy has wrapped the module in FSDP1
+            (``on_fit_start``), the callback arms FSDP1's agreement protocol on the wrapper and runs each
+            micro-batch through Lightning's own ``Strategy.training_step`` (the FSDP1 root's forward).
         name: the strategy's class name, for messages.
         unguarded_why: the key of :data:`_UNGUARDED_WHY` that says why the callback does not recover
             from out-of-memory errors under the strategy ("": it does).
@@ -185,6 +215,7 @@ class _Sharding:
     guarded: bool = True
     arms_fsdp2: bool = False
     arms_deepspeed: bool = False
+    arms_fsdp1: bool = False
     name: str = ""
     unguarded_why: str = ""
 
@@ -277,12 +308,8 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 _UNGUARDED_WHY = {
     "deepspeed": "memguard's agreement protocol for DeepSpeed cannot reset this engine after an OOM ({problems}); "
                  "memguard planned and applied the micro-batch, accumulation and checkpointing only",
-    "fsdp1": "FSDP1 (FullyShardedDataParallel) all-gathers and reduce-scatters inside forward and backward, where "
-             "a rank that fails leaves the others waiting; memguard's agreement protocol for FSDP1 needs every "
-             "micro-batch to run through the FSDP root's forward, while FSDPStrategy runs training_step inside it "
-             "(Lightning's forward redirection), so the callback does not split there (use ModelParallelStrategy with "
-             "fully_shard in configure_model, which memguard guards); memguard planned and applied the micro-batch, "
-             "accumulation and checkpointing only",
+    "fsdp1": "the strategy's model holds no FullyShardedDataParallel module, so memguard has no FSDP1 collectives to "
+             "guard; memguard planned and applied the micro-batch, accumulation and checkpointing only",
     "fsdp2": "configure_model sharded nothing with fully_shard, so memguard has no FSDP2 collectives to guard; "
              "memguard planned and applied the micro-batch, accumulation and checkpointing only",
 }
@@ -324,7 +351,7 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
                             "memguard does not plan for; drop cpu_offload or plan without the callback")
         stage = stages.get(kind, (3,))
         return _Sharding(strategy="ddp" if stage == (0,) else "fsdp2", zero_stages=stage, guarded=False, name=name,
-                         unguarded_why="fsdp1")
+                         arms_fsdp1=True)
     if isinstance(strategy, strategies.ModelParallelStrategy):
         mesh = getattr(strategy, "_device_mesh", None)
         if mesh is not None and mesh.mesh_dim_names:
@@ -540,6 +567,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._deepspeed_armed = False
         self._window_ends = False  # under DeepSpeed: the last training_step closed the optimizer step's window
         self._backward_done = False  # under DeepSpeed: the last training_step ran its backward passes
+        self._eval_saved: dict[str, Any] = {}  # the strategy's own validation_step/test_step the callback stands in for
+        self._eval_group: Any = None  # a rank group made for an evaluation outside fit (uninstalled at its end)
         self._saved = _Saved()
 
     # ----------------------------------------------------------------------------------------------
@@ -629,6 +658,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             self._arm_fsdp2(trainer, pl_module, sharding)
         if sharding is not None and sharding.arms_deepspeed:
             self._arm_deepspeed(trainer, pl_module, sharding)
+        if sharding is not None and sharding.arms_fsdp1:
+            self._arm_fsdp1(trainer, pl_module, sharding)
         if sharding is not None and not sharding.guarded:
             return
         self._plan_and_apply(trainer, pl_module, _package_of(trainer))
@@ -657,6 +688,31 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                         "before each FSDP2 all-gather and reduce-scatter, so all ranks halve the micro-batch and "
                         "redo the same samples together", sharding.name, rg.world_size)
 
+
+    def _arm_fsdp1(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> None:
+        """Under ``FSDPStrategy``, once the strategy wrapped the module in FSDP1 (``FSDPStrategy.setup`` ->
+        ``_setup_model``: ``FullyShardedDataParallel(module=lightning_module, ...)``, which ``trainer/trainer.py``
+        ``_run`` runs before ``on_fit_start``, Lightning 2.6): arm FSDP1's agreement protocol on every FSDP1 unit
+        of the wrapper (:func:`memguard.guard._fsdp1.fsdp1_rank_group`: an agreement of the ranks before each
+        FSDP1 all-gather and reduce-scatter) and stand in for the strategy's ``training_step``
+        (:meth:`_patch_strategy_step`), so that each micro-batch runs through the FSDP1 root's forward."""
+        from memguard.guard._fsdp1 import fsdp1_rank_group
+
+        guard = self._guard
+        assert guard is not None  # planned in setup()
+        rg = fsdp1_rank_group(trainer.strategy.model)  # every rank: it may create a gloo group
+        if rg is None:
+            if trainer.is_global_zero:
+                logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
+                            _UNGUARDED_WHY["fsdp1"])
+            return
+        guard.rank_group = rg
+        guard.on_undo(rg.uninstall)
+        self._patch_strategy_step(trainer, pl_module)
+        if trainer.is_global_zero:
+            logger.info("memguard recovers from out-of-memory errors under %s: an agreement of the %d ranks runs "
+                        "before each FSDP1 all-gather and reduce-scatter, so all ranks halve the micro-batch and "
+                        "redo the same samples together", sharding.name, rg.world_size)
 
     def _arm_deepspeed(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> None:
         """Under ``DeepSpeedStrategy``, once the strategy built the engine (``DeepSpeedStrategy.setup`` ->
@@ -756,6 +812,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Undo every change the callback made."""
+        for name in tuple(self._eval_saved):
+            self._end_eval(trainer, pl_module, name)
         if stage == "fit":
             self._restore(trainer, pl_module)
         self._restore_attributes(pl_module)
@@ -765,33 +823,94 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._patch_eval_step(trainer, pl_module, "validation_step")
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        """Give the module its own ``validation_step`` back."""
-        self._restore_attributes(pl_module, "validation_step")
+        """Give the module (or the strategy) its own ``validation_step`` back."""
+        self._end_eval(trainer, pl_module, "validation_step")
 
     def on_test_start(self, trainer: Any, pl_module: Any) -> None:
         """Run ``test_step`` on micro-batches when a test batch does not fit."""
         self._patch_eval_step(trainer, pl_module, "test_step")
 
     def on_test_end(self, trainer: Any, pl_module: Any) -> None:
-        """Give the module its own ``test_step`` back."""
-        self._restore_attributes(pl_module, "test_step")
+        """Give the module (or the strategy) its own ``test_step`` back."""
+        self._end_eval(trainer, pl_module, "test_step")
+
+    def _end_eval(self, trainer: Any, pl_module: Any, name: str) -> None:
+        """Undo what :meth:`_patch_eval_step` did for ``name``."""
+        self._restore_attributes(pl_module, name)
+        if name in self._eval_saved:
+            previous = self._eval_saved.pop(name)
+            if previous is None:
+                trainer.strategy.__dict__.pop(name, None)
+            else:
+                trainer.strategy.__dict__[name] = previous
+        if self._eval_group is not None and not self._eval_saved:
+            self._eval_group.uninstall()
+            self._eval_group = None
+
+    def _eval_ranks(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> tuple[Any, str]:
+        """The rank group whose ranks split an evaluation batch together, and why there is none.
+
+        Returns ``(group, "")`` under the strategies whose evaluation forward gathers sharded parameters from
+        every rank, ``(None, "")`` where each rank may split alone (single device, DDP, DeepSpeed ZeRO-1/2:
+        the forward runs no collective), and ``(None, why)`` where memguard cannot split there. During ``fit``
+        the group is training's (installed on every sharded module); in ``validate``/``test`` one is made for
+        the evaluation and uninstalled at its end (:meth:`_end_eval`)."""
+        from memguard.guard._sharded import ShardedRankGroup
+
+        training = getattr(self._guard, "rank_group", None)  # a plain RankGroup where training is not guarded
+        if not (isinstance(training, ShardedRankGroup) and getattr(training, "_installed", False)):
+            training = None
+        if sharding.arms_fsdp2:
+            if training is not None:
+                return training, ""
+            from memguard.guard._fsdp2_frameworks import framework_rank_group
+
+            rg = framework_rank_group(pl_module)  # every rank: it may create a gloo group
+            self._eval_group = rg
+            return rg, ""  # None: nothing is fully_shard-ed, so the forward gathers nothing
+        if sharding.arms_fsdp1 or sharding.arms_deepspeed:
+            # FSDP1 all-gathers in each unit's pre-forward; a ZeRO-3 engine in each module's (ZeRO-0/1/2 forwards
+            # start no collective: eval_rank_group gives None, and each rank splits alone as under DDP)
+            if training is not None and (sharding.arms_fsdp1 or 3 in sharding.zero_stages):
+                return training, ""
+            from memguard.guard._evaluate_sharded import eval_rank_group
+
+            try:
+                rg = eval_rank_group(trainer.strategy.model)  # every rank: it may create a gloo group
+            except ConfigError as exc:  # e.g. an engine whose evaluation reset memguard has not verified
+                return None, f"where {exc}"
+            if rg is not None and not getattr(rg, "_installed", True):  # kept with the engine, uninstalled by fit
+                rg.install()
+                self._eval_group = rg
+            return rg, ""
+        return None, ""
 
     def _patch_eval_step(self, trainer: Any, pl_module: Any, name: str) -> None:
         """Stand in for ``validation_step``/``test_step``: the user's step per micro-batch, halving on an
         OOM, results merged (:func:`memguard.guard._evaluate.step_in_micro_batches`). The evaluation's
-        micro-batch is its own state: an OOM here never changes the training micro-batch."""
+        micro-batch is its own state: an OOM here never changes the training micro-batch.
+
+        Under the strategies whose forward gathers sharded parameters (:meth:`_eval_ranks`) every rank
+        splits together (:func:`memguard.guard._evaluate_sharded.split_eval_sharded`: the same micro-batch
+        offsets on every rank, padding forwards where a rank's batch is shorter, an agreement before each
+        collective and after each forward, the sharded state reset on every rank after an OOM), and the
+        callback stands in for the *strategy's* step, so that each micro-batch runs Lightning's own
+        ``Strategy.validation_step``/``test_step`` (``strategies/strategy.py``, Lightning 2.6: through the
+        FSDP1 wrapper's or the DeepSpeed engine's forward where there is one), never several inside one
+        root forward."""
         from memguard.guard._evaluate import eval_status, step_in_micro_batches
 
         sharding = _sharding_of(trainer.strategy, _package_of(trainer), [])
-        if sharding.strategy == "fsdp2" or (sharding.strategy == "deepspeed" and 3 in sharding.zero_stages):
+        ranks, why = self._eval_ranks(trainer, pl_module, sharding)
+        if why:
             # An evaluation forward gathers the sharded parameters from every rank: a rank that split its batch
             # alone would run more gathers than its peers and leave them waiting.
             if trainer.is_global_zero:
-                logger.warning("memguard: %s is not guarded against out-of-memory errors under %s, whose forward "
-                               "gathers parameters from every rank; evaluate with a batch that fits",
-                               name, sharding.name)
+                logger.warning("memguard: %s is not guarded against out-of-memory errors under %s, %s; evaluate "
+                               "with a batch that fits", name, sharding.name, why)
             return
-        user_step = getattr(pl_module, name)
+        on_strategy = ranks is not None
+        own_step = getattr(trainer.strategy if on_strategy else pl_module, name)
 
         def before_micro(micro: Any) -> None:
             # Lightning weights an epoch-level logged mean by the size of the batch it holds for the
@@ -804,8 +923,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
         def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                return step_in_micro_batches(user_step, batch, args, kwargs, state=eval_status(pl_module),
-                                             before_micro=before_micro,
+                return step_in_micro_batches(own_step, batch, args, kwargs, state=eval_status(pl_module),
+                                             before_micro=before_micro, ranks=ranks,
                                              loss_only_hint=f"return only the loss, or metrics reduced per "
                                                             f"micro-batch, from {name} (nothing per-sample is kept)")
             finally:
@@ -814,12 +933,20 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                     results.batch = batch
                     results.batch_size = None
 
-        self._stand_in(pl_module, name, step)
+        if on_strategy:
+            self._eval_saved.setdefault(name, trainer.strategy.__dict__.get(name))
+            trainer.strategy.__dict__[name] = step
+        else:
+            self._stand_in(pl_module, name, step)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Undo every change the callback made (Lightning calls no ``teardown`` after an exception)."""
-        self._restore(trainer, pl_module)
-        self._restore_attributes(pl_module)
+        try:
+            for name in tuple(self._eval_saved):
+                self._end_eval(trainer, pl_module, name)
+        finally:
+            self._restore(trainer, pl_module)
+            self._restore_attributes(pl_module)
 
     def _stand_in(self, pl_module: Any, name: str, value: Any) -> None:
         """Make ``value`` the module's own ``name``; its own value before is dumped (once) for
@@ -953,11 +1080,9 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
           :func:`memguard.integrations._deepspeed_guard.agreed_engine_step` once per window (after its last batch)
           instead of ``engine.step()`` after every batch.
 
-        The accumulated gradient is that of the window's mean loss, as under DDP. (Lightning's own path
-        divides the loss by ``accumulate_grad_batches``, ``ClosureResult.from_training_step_output`` in
-        ``loops/optimization/automatic.py``, and ``engine.backward`` divides it again by
-        ``gradient_accumulation_steps``, its ``scale_wrt_gas``: with accumulation the callback's gradients
-        are ``accumulate_grad_batches`` times those of Lightning's own DeepSpeed path.)
+        The accumulated gradient is that of the window's mean loss, as under DDP (see "Accumulation under
+        DeepSpeed" in the module docstring: Lightning's own DeepSpeed path gives ``1/accumulate_grad_batches``
+        of it).
 
         Lightning's ``optimizer_zero_grad`` (which runs after a window's first ``training_step``) is skipped:
         the engine's step drops the gradients, and the window drops any left when it opens.
@@ -1025,6 +1150,58 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._stand_in_on(precision, "optimizer_step", optimizer_step)
         self._stand_in(pl_module, "optimizer_zero_grad", optimizer_zero_grad)
         self._deepspeed_armed = True
+
+    def _patch_strategy_step(self, trainer: Any, pl_module: Any) -> None:
+        """Under ``FSDPStrategy``: stand in for the strategy's ``training_step`` (an instance attribute) and skip
+        Lightning's ``optimizer_zero_grad``.
+
+        Lightning 2.6's ``Strategy.training_step`` (``strategies/strategy.py``) calls the module's
+        ``training_step`` through the FSDP1 wrapper's forward (``_ForwardRedirection``: the module's ``forward``
+        is patched to run ``training_step``, then the wrapper is called), so the FSDP1 root's pre-forward
+        all-gathers its parameters and its post-forward registers the pre-backward hooks on the outputs. The
+        callback splits the batch *outside* that forward: each micro-batch runs Lightning's own
+        ``Strategy.training_step`` (the root's forward, the user's ``training_step`` inside it) and its backward
+        right after (``loss x share / accumulate_grad_batches``, through the Trainer's GradScaler), inside one
+        agreed attempt of :class:`memguard.guard._fsdp1.FSDP1RankGroup`, as memguard's Accelerate adapter
+        runs FSDP1 (:func:`memguard.integrations.accelerate.prepare`). The returned loss's backward touches no
+        parameter (:meth:`memguard.guard._window.MicroBatchWindow.anchor` under a sharded group), so
+        Lightning's own backward of it runs its hooks and adds nothing. FSDP1 reduce-scatters each
+        micro-batch's gradients in its post-backward hooks (Lightning's ``block_backward_sync`` skips FSDP:
+        ``strategies/parallel.py`` uses ``no_sync`` only for ``DistributedDataParallel``)."""
+        strategy = trainer.strategy
+        lightning_step = strategy.training_step  # Lightning's: the module's training_step through the root's forward
+        callback = self
+        guard = self._guard
+        assert guard is not None
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            batch, batch_idx, rest = args[0], args[1], args[2:]
+            assert callback.plan is not None
+            accumulate = trainer.accumulate_grad_batches
+            callback._check_first_batch(batch)
+            # the window opens where Lightning zeroes the gradients (loops/optimization/automatic.py,
+            # _make_zero_grad_fn: batch_idx % accumulate_grad_batches == 0)
+            if batch_idx % accumulate == 0 or guard.window is None or not guard.window.is_open:
+                guard.open_window(strategy.model, trainer.optimizers)
+            extras: dict[str, Any] = {}
+
+            def loss_of(micro: Any) -> torch.Tensor:
+                loss, extra = _loss_of_output(lightning_step(micro, batch_idx, *rest, **kwargs))
+                extras.clear()
+                extras.update(extra)
+                return loss
+
+            loss = guard.run(batch, loss_of, weight=1.0 / accumulate)
+            out = guard.anchor(loss)
+            return {"loss": out, **extras} if extras else out
+
+        training_step._memguard_stand_in = True  # type: ignore[attr-defined]
+
+        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
+            return None  # the window dropped the gradients before the window's first training_step
+
+        self._stand_in_on(strategy, "training_step", training_step)
+        self._stand_in(pl_module, "optimizer_zero_grad", optimizer_zero_grad)
 
     def _patch_module(self, trainer: Any, pl_module: Any) -> None:
         """Stand in for ``training_step`` and skip Lightning's ``optimizer_zero_grad`` (instance attributes)."""

@@ -17,8 +17,21 @@ for a hand-made plan,
 ``package``: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (default), whose Trainer runs,
 ``strategy``: ``"ddp"`` (default), ``"model_parallel"`` (``ModelParallelStrategy`` over ``world``
 data-parallel ranks, ``fully_shard`` of each linear layer and the root in ``configure_model``) or
+``"fsdp"`` (``FSDPStrategy``, FSDP1: each linear layer and the LightningModule wrapped, ``FULL_SHARD``, or
+``sharding_strategy`` from the config) or
 ``"deepspeed"`` (``DeepSpeedStrategy`` with ZeRO stage ``zero_stage``, optimizer offload to the host if
 ``offload``, on CPU: see :class:`CPUDeepSpeed`; run with ``DS_ACCELERATOR=cpu``).
+
+With ``eval`` (a number of validation samples per rank), the module also has a ``val_dataloader`` and a
+``test_dataloader`` (batches of ``val_batch``, each rank's share from Lightning's ``DistributedSampler``) whose
+steps log ``val_loss``/``test_loss``; ``fit`` validates once, after its last step (``val_check_interval``), then
+``trainer.validate`` and ``trainer.test`` run. On the ranks in ``eval_cap_ranks`` each of those three
+evaluations caps the address space at its first batch (VmSize plus ``eval_budget_mib``) and lifts the cap at
+its end; the epoch metrics of each evaluation are recorded (``metrics``), and each evaluation micro-batch's size
+(``["VAL", n]`` events).
+
+With ``plain_accumulate`` (k), no MemguardCallback runs: the module's batch size is ``batch // k`` and the
+Trainer's ``accumulate_grad_batches`` k, i.e. plain Lightning on the same samples per optimizer step.
 
 Each rank writes ``result<rank>.json`` (events, messages, callback state, error) and its final
 weights ``lightning<rank>.pt``; rank 0 also writes ``reference.pt``.
@@ -96,6 +109,7 @@ def main() -> None:
     torch.manual_seed(0)
     initial = Net()
     data = Samples(cfg["steps"] * cfg["batch"] * cfg["world"], cfg["seq"])
+    val_data = Samples(cfg.get("eval", 0) * cfg["world"], cfg["seq"])
     if rank == 0:
         torch.save(reference(copy.deepcopy(initial), data, cfg).state_dict(), out / "reference.pt")
 
@@ -118,15 +132,40 @@ def main() -> None:
 
         def configure_model(self) -> None:
             if cfg.get("strategy") == "model_parallel":
-                from torch.distributed.fsdp import fully_shard
+                from torch.distributed.fsdp import FSDPModule, fully_shard
+
+                if isinstance(self, FSDPModule):  # validate()/test() after fit() call this again
+                    return
 
                 mesh = self.device_mesh["data_parallel"]
                 for layer in (self.net.fc1, self.net.fc2):
                     fully_shard(layer, mesh=mesh)
                 fully_shard(self, mesh=mesh)
 
+    class LitEval(Lit):
+        """``Lit`` with validation and test steps and dataloaders (``eval`` in the config)."""
+
+        def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return self._eval_step(batch, "val_loss")
+
+        def test_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return self._eval_step(batch, "test_loss")
+
+        def _eval_step(self, batch: dict, name: str) -> torch.Tensor:
+            loss = mse(self.net(batch["x"]), batch["y"])
+            events.append(["VAL", len(batch["y"])])
+            self.log(name, loss)
+            return loss
+
+        def val_dataloader(self) -> DataLoader:
+            return DataLoader(val_data, batch_size=cfg["val_batch"], shuffle=False)
+
+        def test_dataloader(self) -> DataLoader:
+            return DataLoader(val_data, batch_size=cfg["val_batch"], shuffle=False)
+
     result: dict = {"rank": rank, "error": None, "order": rank_order(data, cfg)[rank]}
     deepspeed_run = cfg.get("strategy") == "deepspeed"
+    fsdp1_run = cfg.get("strategy") == "fsdp"
 
     class CPUDeepSpeed(pl.strategies.DeepSpeedStrategy):
         """``DeepSpeedStrategy`` on CPU ranks: Lightning 2.6's ``DeepSpeedStrategy.setup_environment``
@@ -160,6 +199,29 @@ def main() -> None:
                 resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
                 result["capped"] = True
 
+        def _cap_eval(self, batch_idx: int) -> None:
+            if batch_idx == 0 and rank in cfg.get("eval_cap_ranks", []):
+                limit = vm_size() + (cfg["eval_budget_mib"] << 20)
+                resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+                result["eval_capped"] = result.get("eval_capped", 0) + 1
+
+        def _lift(self) -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+            self._cap_eval(batch_idx)
+
+        def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+            self._cap_eval(batch_idx)
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            self._lift()
+            result.setdefault("metrics", []).append(float(trainer.callback_metrics["val_loss"]))
+
+        def on_test_end(self, trainer, pl_module) -> None:
+            self._lift()
+            result.setdefault("metrics", []).append(float(trainer.callback_metrics["test_loss"]))
+
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             if not deepspeed_run:
                 events.append("STEP")
@@ -178,7 +240,9 @@ def main() -> None:
         local = micro * accum
         # under ModelParallelStrategy an FSDP2 plan (sharding level 3: fully_shard's reshard_after_forward default),
         # under DeepSpeedStrategy a plan of the config's ZeRO stage
-        stage = 3 if cfg.get("strategy") == "model_parallel" else cfg["zero_stage"] if deepspeed_run else 0
+        # (FSDPStrategy: FULL_SHARD is level 3, SHARD_GRAD_OP 2)
+        stage = (3 if cfg.get("strategy") == "model_parallel" else cfg["zero_stage"] if deepspeed_run
+                 else (2 if cfg.get("sharding_strategy") == "SHARD_GRAD_OP" else 3) if fsdp1_run else 0)
         planned_strategy = "deepspeed" if deepspeed_run else "fsdp2" if stage else "ddp"
         est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                        peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
@@ -188,9 +252,34 @@ def main() -> None:
                                               activation_checkpointing=False, zero_stage=stage,
                                               strategy=planned_strategy, offload_optimizer=bool(cfg.get("offload")),
                                               budget_bytes=cfg["budget_mib"] << 20, estimate=est, device="cpu"))
-    module = Lit()
+    evaluates = bool(cfg.get("eval"))
+    module = LitEval() if evaluates else Lit()
+    plain_k = cfg.get("plain_accumulate")
+    if plain_k:  # plain Lightning: no memguard, the same samples per optimizer step
+        module.batch_size = cfg["batch"] // plain_k
     if cfg.get("strategy") == "model_parallel":
         strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=cfg["world"], tensor_parallel_size=1)
+    elif fsdp1_run:
+        class CPUFSDP(pl.strategies.FSDPStrategy):
+            """``FSDPStrategy`` on CPU ranks: Lightning 2.6 refuses ``accelerator="cpu"`` for the class itself only
+            (``_AcceleratorConnector._check_strategy_and_fallback``, ``type(strategy) is FSDPStrategy``), and its
+            ``_setup_model`` passes ``device_id=root_device.index`` (None on CPU), with which FSDP1 looks for an
+            accelerator and refuses the host (``_init_device_handle``, torch/distributed/fsdp/_init_utils.py),
+            while FSDP1 runs on CPU with gloo given ``device_id=cpu``. So the root is wrapped here as Lightning
+            wraps it (the same arguments, but that ``device_id``), and Lightning's ``_setup_model`` does the rest
+            (it wraps nothing more once a module is FSDP1, and drops the auto-wrap policy it already applied)."""
+
+            def _setup_model(self, model: nn.Module) -> nn.Module:
+                from torch.distributed.fsdp import FullyShardedDataParallel
+
+                wrapped = FullyShardedDataParallel(
+                    module=model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                    sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs)
+                return super()._setup_model(wrapped)
+
+        strategy = CPUFSDP(auto_wrap_policy={nn.Linear},
+                                              sharding_strategy=cfg.get("sharding_strategy", "FULL_SHARD"),
+                                              process_group_backend="gloo", timeout=datetime.timedelta(seconds=90))
     elif deepspeed_run:
         # small gradient buckets, so that ZeRO-2 reduces from its hooks inside the backward; under ZeRO-3 every
         # parameter is gathered (DeepSpeed keeps parameters under 1e5 elements whole by default)
@@ -209,12 +298,17 @@ def main() -> None:
         strategy = "ddp" if cfg["world"] > 1 else "auto"
     trainer = pl.Trainer(
         accelerator="cpu", devices=cfg["world"], strategy=strategy,
-        max_steps=cfg["steps"], callbacks=[callback, Cap()], logger=False, enable_checkpointing=False,
+        max_steps=cfg["steps"], callbacks=[Cap()] if plain_k else [callback, Cap()], logger=False,
+        enable_checkpointing=False, accumulate_grad_batches=plain_k or 1,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        **({"val_check_interval": cfg["steps"], "check_val_every_n_epoch": None} if evaluates else {}),
     )
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     try:
         trainer.fit(module)
+        if evaluates:
+            trainer.validate(module, verbose=False)
+            trainer.test(module, verbose=False)
     except Exception as exc:  # reported to the test, which decides whether it was expected
         result["error"] = {"type": type(exc).__name__, "message": str(exc),
                            "traceback": traceback.format_exc()[-4000:]}
@@ -235,6 +329,12 @@ def main() -> None:
 
         with deepspeed.zero.GatheredParameters(list(module.net.parameters())):
             state = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+    elif fsdp1_run:  # FSDP1 holds flat shards: gather the full parameters (every rank joins)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(trainer.strategy.model):
+            state = {k.replace("_fsdp_wrapped_module.", ""): v.detach().clone()
+                     for k, v in module.net.named_parameters()}
     else:  # FSDP2 holds DTensor shards: gather the full weights (a collective every rank joins here)
         state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in module.net.state_dict().items()}
     torch.save(state, out / f"lightning{rank}.pt")

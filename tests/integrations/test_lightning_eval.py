@@ -293,7 +293,7 @@ def test_without_the_callback_the_capped_module_fails() -> None:
 
 
 @pytest.mark.parametrize("package", PACKAGES)
-def test_validation_is_not_split_where_the_forward_gathers_sharded_parameters(package: str, caplog) -> None:
+def test_without_a_process_group_each_strategy_splits_validation_alone(package: str, caplog) -> None:
     pl = importlib.import_module(package)
 
     class Trainer:  # what _patch_eval_step reads of a Trainer, from the package it names
@@ -310,8 +310,11 @@ def test_validation_is_not_split_where_the_forward_gathers_sharded_parameters(pa
 
     module = Module(2, 2)
     callback = MemguardCallback(budget_bytes=1 << 30)
-    for strategy, split in ((pl.strategies.FSDPStrategy(), False), (pl.strategies.DeepSpeedStrategy(stage=3), False),
-                            (pl.strategies.DeepSpeedStrategy(stage=2), True)):
+    # No process group (this process): no rank to keep in step, so the module's own step is split here under every
+    # strategy; with one (tests/integrations/test_lightning_sharded_eval.py) FSDP1, FSDP2 and ZeRO-3 split together.
+    for strategy, split in ((pl.strategies.FSDPStrategy(), True), (pl.strategies.DeepSpeedStrategy(stage=3), True),
+                            (pl.strategies.DeepSpeedStrategy(stage=2), True),
+                            (pl.strategies.ModelParallelStrategy(), True)):
         caplog.clear()
         with caplog.at_level("WARNING", logger="memguard"):
             callback._patch_eval_step(Trainer(strategy), module, "validation_step")
