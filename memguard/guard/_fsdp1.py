@@ -156,7 +156,10 @@ def _reset_units(states: Sequence[Any], *, drop_grads: bool) -> None:
             # Always, and freeing the padded unsharded flat parameter: a unit that kept it (the root keeps its
             # parameters unsharded from forward to backward, and after an evaluation forward) would otherwise
             # skip its next all-gather on this rank only (FlatParamHandle.needs_unshard looks at that storage)
-            # while its peers run it.
+            # while its peers run it. IDLE first: a handle left in FORWARD with gradients enabled makes
+            # FlatParamHandle._use_sharded_flat_param skip the original parameters' sharded views (use_orig_params
+            # under SHARD_GRAD_OP; torch 2.13 _flat_param.py), and the next forward fails in _writeback_orig_params.
+            handle._training_state = HandleTrainingState.IDLE
             _reshard(state, handle, handle.uses_sharded_strategy)
             for key in ("_post_backward_hook_state", "_post_backward_hook_handle"):
                 hook = getattr(flat_param, key, None)

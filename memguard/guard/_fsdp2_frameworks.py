@@ -48,6 +48,21 @@ class FrameworkShardedRankGroup(ShardedRankGroup):
         (never run) are reset alone. Then the partial gradients are dropped as in
         :meth:`ShardedRankGroup.reset`.
         """
+        self.reset_forward_state()
+        for pg in _param_groups(self.states):
+            for fp in pg.fsdp_params:
+                fp.unsharded_accumulated_grad = None
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                fp.sharded_param.grad = None
+        for p in params:
+            p.grad = None
+
+    def reset_forward_state(self) -> None:
+        """After a failed forward-only attempt: every state that became a root reset with
+        ``_reset_iter_state`` (a framework may have several roots, see :meth:`reset`), groups no root owns
+        alone; gradients are left as they are (an evaluation makes none)."""
         self._armed = False
         done: set[int] = set()
         for state in self.states:
@@ -57,14 +72,6 @@ class FrameworkShardedRankGroup(ShardedRankGroup):
         for pg in _param_groups(self.states):
             if id(pg) not in done:
                 pg._reset_iter_state()
-            for fp in pg.fsdp_params:
-                fp.unsharded_accumulated_grad = None
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
-                fp.sharded_param.grad = None
-        for p in params:
-            p.grad = None
 
 
 def top_fsdp2_modules(module: nn.Module) -> list[nn.Module]:

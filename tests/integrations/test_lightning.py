@@ -706,13 +706,10 @@ def test_deepspeed_with_optimizer_offload_is_planned_and_says_why_it_is_not_guar
 @pytest.mark.parametrize("plan, cap_batch, retries, sharding, package", [
     # a hand-made 64 x 1 plan; rank 1 capped (20 MiB more) from batch 1: 64 and 32 fail, 16 fits
     ([64, 1], 1, 2, "FULL_SHARD", PACKAGES[0]),
-    # SHARD_GRAD_OP with use_orig_params=True (Lightning's default): FSDP1RankGroup.reset reshards a handle still in
-    # FORWARD with grad enabled, where FlatParamHandle._use_sharded_flat_param skips the sharded views of the original
-    # parameters (torch/distributed/fsdp/_flat_param.py); the next forward's _writeback_orig_params then asserts
-    # "Expects to have saved tensor". Setting handle._training_state = IDLE before _reshard fixes it (checked by hand).
-    pytest.param([64, 1], 1, 2, "SHARD_GRAD_OP", PACKAGES[-1], marks=pytest.mark.xfail(
-        raises=AssertionError, strict=False,
-        reason="FSDP1RankGroup.reset skips the sharded views under SHARD_GRAD_OP")),
+    # SHARD_GRAD_OP with use_orig_params=True (Lightning's default): the reset must set each handle IDLE before
+    # resharding it, or FlatParamHandle._use_sharded_flat_param skips the original parameters' sharded views
+    # (torch/distributed/fsdp/_flat_param.py) and the next forward asserts "Expects to have saved tensor"
+    ([64, 1], 1, 2, "SHARD_GRAD_OP", PACKAGES[-1]),
     # 32 x 2: rank 1 capped at batch 3, the second batch of step 2: 32 fails, 16 fits, and both ranks replay batch 2
     # (whose gradients FSDP1 reduce-scattered already: the reset drops them) before batch 3
     ([32, 2], 3, 1, "FULL_SHARD", PACKAGES[0]),
