@@ -44,7 +44,8 @@ from torch import nn
 from memguard.errors import ConfigError
 from memguard.estimator._layout import Layout, check_layout, check_model_fits, resolve_tp_plan
 
-__all__ = ["apply", "prepare", "layout_of", "mesh_of", "AppliedLayout"]
+__all__ = ["apply", "prepare", "layout_of", "mesh_of", "AppliedLayout", "lightning_strategy_kwargs",
+           "accelerate_parallelism_kwargs"]
 
 #: The mesh dimension names, in torchtitan's order (``parallel_dims.py``), as the estimate's fake mesh
 #: (:func:`memguard.estimator._tp_trace.trace_tp_step`) names them.
@@ -303,3 +304,51 @@ def prepare(model: nn.Module, optimizer: Any, *, micro_batch_size: int, loss_fn:
     # tensor-parallel shards and FSDP2 shards are reduced by their own collectives, never by memguard
     guard.options = dataclasses.replace(guard.options, sync_gradients=False)
     return model, optimizer
+
+
+def _layout_or_raise(plan_or_layout: Any, what: str) -> Layout:
+    problems: list[str] = []
+    layout = _layout_from(plan_or_layout, problems)
+    if layout is not None:
+        check_layout(layout, zero_stage=0, world_size=1, strategy=None, problems=problems)
+        if layout.pp > 1:
+            problems.append(f"{what} has no pipeline stages: Layout(pp={layout.pp}) cannot be run there; drop pp")
+    if problems:
+        raise ConfigError(problems)
+    assert layout is not None
+    return layout
+
+
+def lightning_strategy_kwargs(plan_or_layout: Any) -> dict[str, int]:
+    """The keywords of Lightning's ``ModelParallelStrategy`` for a layout (or a plan's ``.layout``).
+
+    ``ModelParallelStrategy(data_parallel_size, tensor_parallel_size)`` (Lightning 2.6,
+    ``lightning/pytorch/strategies/model_parallel.py``) builds a 2-D mesh
+    ``("data_parallel", "tensor_parallel")`` (``lightning/fabric/strategies/model_parallel.py``,
+    ``_setup_device_mesh``) on which the LightningModule's ``configure_model`` applies TP and FSDP2
+    itself: ``dp_shard`` is its data-parallel size, ``tp`` its tensor-parallel size.
+
+    Raises:
+        ConfigError: not a layout, pipeline stages, or data-parallel replicas (its data-parallel
+            dimension is FSDP2's: no HSDP or DDP dimension).
+    """
+    layout = _layout_or_raise(plan_or_layout, "Lightning's ModelParallelStrategy")
+    if layout.dp_replicate > 1:
+        raise ConfigError(f"Lightning's ModelParallelStrategy shards over its data-parallel dimension (FSDP2) and has "
+                          f"no replica dimension: Layout(dp_replicate={layout.dp_replicate}) cannot be run there; use "
+                          f"dp_shard={layout.dp_replicate * layout.dp_shard}")
+    return {"data_parallel_size": layout.dp_shard, "tensor_parallel_size": layout.tp}
+
+
+def accelerate_parallelism_kwargs(plan_or_layout: Any) -> dict[str, int]:
+    """The keywords of Accelerate's ``ParallelismConfig`` for a layout (or a plan's ``.layout``).
+
+    ``ParallelismConfig(dp_replicate_size, dp_shard_size, tp_size, cp_size)`` (Accelerate 1.15,
+    ``accelerate/parallelism_config.py``: "inspired by torchtitan's ParallelDims", the same
+    dimensions as :class:`memguard.Layout`), given to ``Accelerator(parallelism_config=...)``.
+
+    Raises:
+        ConfigError: not a layout, or pipeline stages (Accelerate has no pipeline dimension there).
+    """
+    layout = _layout_or_raise(plan_or_layout, "Accelerate's ParallelismConfig")
+    return {"dp_replicate_size": layout.dp_replicate, "dp_shard_size": layout.dp_shard, "tp_size": layout.tp}

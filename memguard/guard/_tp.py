@@ -205,3 +205,31 @@ def tp_rank_group(model: nn.Module, mesh: Any) -> TPRankGroup:
                      root=_fsdp_state_of(model) if states else None, states=states, model=model, store=store)
     rg.install()
     return rg
+
+
+def unguarded_tensor_parallel(module: nn.Module, rank_group: Any) -> str | None:
+    """Why the guard must not run ``module``: it has tensor-parallel parameters (``DTensor`` s on a mesh
+    with a ``"tp"`` dimension larger than 1, or on a mesh larger than 1 without FSDP2) but its rank group
+    does not agree before their collectives, so an OOM on one rank would leave its peers waiting in one
+    (a hang). None when the guard may run it."""
+    if isinstance(rank_group, TPRankGroup):
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has no tensor parallelism
+        return None
+    fsdp = bool(fsdp_states(module))
+    for p in module.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        names = tuple(mesh.mesh_dim_names or ())
+        # "tp": torchtitan's, Accelerate's and memguard's name; "tensor_parallel": Lightning's (ModelParallelStrategy)
+        tp = next((n for n in ("tp", "tensor_parallel") if n in names), None)
+        if (tp is not None and mesh[tp].size() > 1) or (not fsdp and mesh.size() > 1):
+            return ("the model is tensor-parallel (its parameters are DTensors on a tensor-parallel mesh), and "
+                    "memguard.step recovers from an OOM under tensor parallelism only when the agreements run before "
+                    "its collectives: lay it out with memguard.integrations.parallel.apply(model, layout) and "
+                    "prepare it with memguard.integrations.parallel.prepare(model, optimizer, micro_batch_size=...) "
+                    "instead of memguard.prepare (gloo/CPU ranks); otherwise train it without memguard.step")
+    return None

@@ -67,6 +67,32 @@ def calibrate(model: torch.nn.Module, loss_fn, batch: dict, sizes: list[int]) ->
     return out
 
 
+def refusals(cfg: dict, model, optimizer, loss_fn, batch: dict) -> None:
+    """``memguard.prepare`` (not ``parallel.prepare``) of the tensor-parallel model, then ``memguard.step``; and
+    :func:`memguard.guard._tp.tp_rank_group` over a mesh whose tensor-parallel group is plain gloo (as on
+    CUDA, where it is NCCL). Writes what each raised to ``result{rank}.json``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import memguard
+    from memguard.guard._tp import tp_rank_group
+
+    def error_of(fn) -> dict | None:
+        try:
+            fn()
+        except Exception as exc:  # reported to the test
+            return {"type": type(exc).__name__, "message": str(exc)}
+        return None
+
+    memguard.prepare(model, optimizer, micro_batch_size=cfg["planned"], loss_fn=loss_fn)
+    result = {"rank": dist.get_rank(), "step": error_of(lambda: memguard.step(model, optimizer, batch)),
+              "plain_mesh": error_of(lambda: tp_rank_group(model, init_device_mesh(
+                  "cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))))}
+    (Path(cfg["out"]) / f"result{result['rank']}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     import faulthandler
@@ -109,6 +135,9 @@ def main() -> None:
             events.append(b["idx"].tolist())
         return m(b["input_ids"], b["labels"])
 
+    if cfg.get("refusals"):  # what must refuse rather than hang: no OOM, no calibration
+        refusals(cfg, model, optimizer, loss_fn, batches[0])
+        return
     prepare(model, optimizer, micro_batch_size=cfg["planned"], loss_fn=loss_fn)
     d = mesh_of(model)["dp_shard"].get_local_rank()  # tensor-parallel peers get the same rows
     shards = [{k: v[d * local:(d + 1) * local] for k, v in b.items()} for b in batches]

@@ -148,3 +148,28 @@ def test_a_laid_out_step_matches_one_process_and_the_estimate_on_every_rank(tmp_
         assert abs(r["losses"][0] - single) < 1e-5, (r["losses"][0], single)
         real, est = r["peak_bytes"], estimate[r["rank"]]
         assert abs(est - real) <= 0.03 * real, (r["rank"], real, est)  # the bar: within 3% per rank
+
+
+def test_framework_keywords_of_a_layout() -> None:
+    layout = memguard.Layout(dp_shard=8, tp=8)
+    # ModelParallelStrategy(data_parallel_size, tensor_parallel_size): FSDP2 over its data-parallel dimension
+    assert parallel.lightning_strategy_kwargs(layout) == {"data_parallel_size": 8, "tensor_parallel_size": 8}
+    assert parallel.lightning_strategy_kwargs(types.SimpleNamespace(layout=layout))["tensor_parallel_size"] == 8
+    # ParallelismConfig has torchtitan's dimensions, as Layout does
+    assert parallel.accelerate_parallelism_kwargs(memguard.Layout(dp_replicate=2, dp_shard=4, tp=2)) == {
+        "dp_replicate_size": 2, "dp_shard_size": 4, "tp_size": 2}
+    with pytest.raises(ConfigError, match="no replica dimension"):
+        parallel.lightning_strategy_kwargs(memguard.Layout(dp_replicate=2, dp_shard=2))
+    with pytest.raises(ConfigError, match="no pipeline stages"):
+        parallel.accelerate_parallelism_kwargs(memguard.Layout(pp=2))
+
+
+def test_the_framework_keywords_are_accepted_by_the_frameworks() -> None:
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(**parallel.lightning_strategy_kwargs(memguard.Layout(dp_shard=2, tp=2)))
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (2, 2)
+    accelerate = pytest.importorskip("accelerate")
+    config = accelerate.ParallelismConfig(**parallel.accelerate_parallelism_kwargs(memguard.Layout(dp_shard=2, tp=2)))
+    assert (config.dp_shard_size, config.tp_size, config.total_size) == (2, 2, 4)
