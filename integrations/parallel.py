@@ -27,8 +27,9 @@ Known limitations:
     Pipeline parallelism (``pp > 1``) is not built by ``apply`` yet (the estimate's stage split is
     :func:`memguard.estimator._pipeline.split_decoder`). DDP over tensor-parallel shards
     (``dp_replicate`` with ``tp`` but no ``dp_shard``) is refused, as the estimate refuses it.
-    :func:`memguard.step` recovers from an OOM under tensor parallelism (and FSDP2 x TP) once the model is
-    prepared with :func:`prepare`, on gloo (CPU) ranks only (:mod:`memguard.guard._tp`).
+    :func:`memguard.step` does not recover from an OOM under tensor parallelism yet: it refuses a
+    tensor-parallel model with a ``ConfigError`` rather than risk a hang (:mod:`memguard.guard._tp`);
+    train a laid-out model with a plain loop and a micro-batch that fits (the estimate says which).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch import nn
 from memguard.errors import ConfigError
 from memguard.estimator._layout import Layout, check_layout, check_model_fits, resolve_tp_plan
 
-__all__ = ["apply", "prepare", "layout_of", "mesh_of", "AppliedLayout", "lightning_strategy_kwargs",
+__all__ = ["apply", "layout_of", "mesh_of", "AppliedLayout", "lightning_strategy_kwargs",
            "accelerate_parallelism_kwargs"]
 
 #: The mesh dimension names, in torchtitan's order (``parallel_dims.py``), as the estimate's fake mesh
@@ -206,18 +207,8 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
     assert layout is not None
     from torch.distributed.device_mesh import init_device_mesh
 
-    import torch.distributed as dist
-
-    device_type = _device_type(model, device)
-    override = None
-    if layout.tp > 1 and device_type == "cpu" and str(dist.get_backend()) == "gloo":
-        from memguard.guard._tp import register_backend
-
-        # the tensor-parallel group runs memguard's agreement before each collective while memguard.step
-        # runs an attempt (memguard.guard._tp); outside one it is plain gloo
-        override = {"tp": register_backend()}
-    mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.tp),
-                            mesh_dim_names=MESH_DIMS, backend_override=override)
+    mesh = init_device_mesh(_device_type(model, device), (layout.dp_replicate, layout.dp_shard, layout.tp),
+                            mesh_dim_names=MESH_DIMS)
     precision = getattr(plan_or_layout, "precision", "32-true") or "32-true"
     if precision in _TRUE:
         model.to(_TRUE[precision])  # *-true: the weights themselves are 16-bit
@@ -249,61 +240,6 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
     _APPLIED[out] = AppliedLayout(layout=dataclasses.replace(layout, tp_plan=plan), mesh=mesh, tp_plan_source=source,
                                   zero_stage=zero_stage, precision=precision)
     return out
-
-
-def prepare(model: nn.Module, optimizer: Any, *, micro_batch_size: int, loss_fn: Any = None,
-            max_retries: int | None = None, max_grad_norm: float | None = None) -> tuple[nn.Module, Any]:
-    """Make :func:`memguard.step` run ``model`` (laid out by :func:`apply`) with OOM recovery on every rank.
-
-    :func:`memguard.prepare` with the given micro-batch (``strategy="fsdp2"`` when the layout shards
-    data), whose rank group is then replaced by a :class:`memguard.guard._tp.TPRankGroup`: an
-    agreement over every rank before each FSDP2 collective and each collective of the
-    tensor-parallel group, so that an OOM on any rank halves the micro-batch on every rank and runs
-    the same samples again (see :mod:`memguard.guard._tp`). Under tensor parallelism every rank of a
-    tensor-parallel group must be given the same batch (the data-parallel rank's share).
-
-    Args:
-        model: what :func:`apply` returned.
-        optimizer: its optimizer, built after :func:`apply`.
-        micro_batch_size: the micro-batch to start from (halved on an OOM).
-        loss_fn, max_retries, max_grad_norm: as for :func:`memguard.prepare`.
-
-    Returns:
-        ``(model, optimizer)``, unchanged.
-
-    Raises:
-        ConfigError: the model was not laid out by :func:`apply`, or its layout cannot be guarded
-            (a tensor-parallel group on CUDA/NCCL, data-parallel replicas): see
-            :func:`memguard.guard._tp.tp_rank_group`.
-    """
-    import memguard
-    from memguard.guard._core import guard_of
-    from memguard.guard._sharded import ShardedRankGroup
-    from memguard.guard._tp import tp_rank_group
-
-    applied = layout_of(model)
-    if applied is None:
-        raise ConfigError("this model was not laid out by memguard.integrations.parallel.apply; call "
-                          "model = apply(model, layout) first, then build the optimizer")
-    options: dict[str, Any] = {"micro_batch_size": micro_batch_size, "loss_fn": loss_fn, "max_grad_norm": max_grad_norm}
-    if max_retries is not None:
-        options["max_retries"] = max_retries
-    if applied.layout.dp_shard > 1:
-        options["strategy"] = "fsdp2"
-    rg = tp_rank_group(model, applied.mesh)  # refuses what cannot be guarded before anything is prepared
-    try:
-        memguard.prepare(model, optimizer, **options)
-        guard = guard_of(model, "")
-    except BaseException:
-        rg.uninstall()
-        raise
-    if isinstance(guard.rank_group, ShardedRankGroup):
-        guard.rank_group.uninstall()  # FSDP2's own agreements over dp_shard: replaced by the world's
-    guard.rank_group = rg
-    guard.on_undo(rg.uninstall)
-    # tensor-parallel shards and FSDP2 shards are reduced by their own collectives, never by memguard
-    guard.options = dataclasses.replace(guard.options, sync_gradients=False)
-    return model, optimizer
 
 
 def _layout_or_raise(plan_or_layout: Any, what: str) -> Layout:

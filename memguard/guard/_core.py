@@ -452,7 +452,7 @@ class Guard(ShapeSizing):
         if self.window is None:
             from memguard.guard._tp import unguarded_tensor_parallel
 
-            problem = unguarded_tensor_parallel(self.module, self.rank_group)  # an OOM there would hang its peers
+            problem = unguarded_tensor_parallel(self.module)  # an OOM there would leave its peers waiting
             if problem is not None:
                 raise ConfigError(problem)
             self.window = MicroBatchWindow(self.ceiling, rank_group=self.rank_group,
