@@ -450,6 +450,11 @@ class Guard(ShapeSizing):
             raise ConfigError("no plan was applied before the first batch; prepare the model with a plan, a "
                               "micro_batch_size or planning options")
         if self.window is None:
+            from memguard.guard._tp import unguarded_tensor_parallel
+
+            problem = unguarded_tensor_parallel(self.module)  # an OOM there would leave its peers waiting
+            if problem is not None:
+                raise ConfigError(problem)
             self.window = MicroBatchWindow(self.ceiling, rank_group=self.rank_group,
                                            sync_gradients=self.options.sync_gradients,
                                            max_retries=self.options.max_retries,
