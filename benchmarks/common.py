@@ -325,6 +325,43 @@ def write_results(out: str | Path, name: str, rows: list[dict[str, Any]], meta: 
     return text
 
 
+def merge_result_files(name: str, paths: Sequence[str | Path], cases: Sequence[str]) -> tuple[list, dict]:
+    """The rows of several ``<name>.json`` files as one (a later file's row replaces an earlier one of
+    the same case), in the order of ``cases``, and their meta blocks joined: the commands (each with the
+    cases it finished, where it stopped short) and dates, runs where they differ.
+    """
+    by_case: dict[str, dict[str, Any]] = {}
+    metas = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        metas.append(data["meta"])
+        for row in data["rows"]:
+            by_case[row["case"]] = row
+    rows = [by_case[n] for n in cases if n in by_case] + [r for n, r in by_case.items() if n not in cases]
+
+    def command(m: dict[str, Any]) -> str:
+        done, total = (str(m.get("cases_done", "")).split(" of ") + [""])[:2]
+        return m["command"] + (f" (stopped after {done} of {total} cases)" if done and done != total else "")
+
+    runs = sorted({m.get("runs") for m in metas}, key=str)
+    return rows, dict(metas[0], command=" ; ".join(command(m) for m in metas)
+                      + f" ; then --merge of the {len(metas)} {name}.json files they wrote",
+                      date=" ; ".join(m["date"] for m in metas), cases_done=f"{len(rows)} of {len(cases)}",
+                      runs=runs[0] if len(runs) == 1 else " or ".join(map(str, runs)))
+
+
+def merge_argument(name: str) -> Callable[[argparse.ArgumentParser], None]:
+    """``add_arguments`` for a ``--merge FILE...`` option (with :func:`merge_mode`)."""
+    return lambda ap: ap.add_argument(
+        "--merge", nargs="*", default=None, help=f"merge the rows of these {name}.json files (later files replace "
+        "earlier rows of the same case) into --out, without running anything")
+
+
+def merge_mode(name: str, cases: Callable[[], dict[str, Any]]) -> Callable[..., tuple[list, dict] | None]:
+    """A :class:`MultiRankBenchmark` ``mode``: ``--merge`` by :func:`merge_result_files`."""
+    return lambda args, ap: merge_result_files(name, args.merge, list(cases())) if args.merge is not None else None
+
+
 def utc_now() -> str:
     """The date format of every result file's meta block."""
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

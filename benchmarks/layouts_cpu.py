@@ -37,9 +37,7 @@ Writes ``layouts_cpu.json`` and ``layouts_cpu.md`` to ``--out`` (default ``bench
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -49,7 +47,13 @@ from typing import Any
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
-from benchmarks.common import MultiRankBenchmark, launch_ranks, settle_collectives  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    MultiRankBenchmark,
+    launch_ranks,
+    merge_argument,
+    merge_mode,
+    settle_collectives,
+)
 from benchmarks.fsdp2_cpu import _PREFIX, _live_bytes, _replay, profiled_steps  # noqa: E402
 
 _MIB = 1 << 20
@@ -470,34 +474,12 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _merge(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[list, dict] | None:
-    """``--merge``: the rows of earlier result files (a later file's row replaces an earlier one), in case order."""
-    if args.merge is None:
-        return None
-    by_case: dict[str, dict[str, Any]] = {}
-    metas = []
-    for path in args.merge:
-        data = json.loads(Path(path).read_text())
-        metas.append(data["meta"])
-        for row in data["rows"]:
-            by_case[row["case"]] = row
-    order = [n for n in all_cases() if n in by_case] + [n for n in by_case if n not in all_cases()]
-    rows = [by_case[n] for n in order]
-    meta = dict(metas[0], command=" ; ".join(m["command"] for m in metas)
-                + f" ; then --merge of the {len(metas)} layouts_cpu.json files they wrote",
-                date=" ; ".join(m["date"] for m in metas), cases_done=f"{len(rows)} of {len(all_cases())}")
-    return rows, meta
-
-
 BENCHMARK = MultiRankBenchmark(
     name="layouts_cpu", doc=__doc__, case_type=Case, cases=all_cases,
     worker=lambda case, args: _rank_worker(case, args.steps),
     measure=lambda case, args: measure(case, runs=args.runs, steps=args.steps, timeout=args.timeout),
-    render_markdown=render_markdown, mode=_merge,
-    describe=lambda row: f"worst rank error {row['worst_error_pct']:+.2f}%",
-    add_arguments=lambda ap: ap.add_argument(
-        "--merge", nargs="*", default=None, help="re-summarise the rows of these layouts_cpu.json files (later files "
-        "replace earlier rows of the same case) into --out, without running anything"))
+    render_markdown=render_markdown, mode=merge_mode("layouts_cpu", all_cases),
+    describe=lambda row: f"worst rank error {row['worst_error_pct']:+.2f}%", add_arguments=merge_argument("layouts_cpu"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `benchmarks`
 
-from benchmarks.common import MultiRankBenchmark, result_marker  # noqa: E402
+from benchmarks.common import MultiRankBenchmark, merge_result_files, result_marker  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,22 @@ def test_a_mode_writes_its_rows_without_measuring(tmp_path):
                                                                     "rows": [{"case": "m", "bytes": 7}]}
 
 
+def test_merging_result_files_keeps_the_later_row_and_says_which_run_stopped_short(tmp_path):
+    first = {"meta": {"command": "python b.py --runs 3", "date": "d1", "runs": 3, "cases_done": "2 of 5"},
+             "rows": [{"case": "b", "v": 1}, {"case": "a", "v": 1}]}
+    second = {"meta": {"command": "python b.py --runs 2 --cases b,c", "date": "d2", "runs": 2, "cases_done": "2 of 2"},
+              "rows": [{"case": "b", "v": 2}, {"case": "c", "v": 2}]}
+    paths = []
+    for k, data in enumerate((first, second)):
+        paths.append(tmp_path / f"{k}.json")
+        paths[-1].write_text(json.dumps(data))
+    rows, meta = merge_result_files("b", paths, ["a", "b", "c", "d"])
+    assert rows == [{"case": "a", "v": 1}, {"case": "b", "v": 2}, {"case": "c", "v": 2}]  # case order, b from the later
+    assert meta["command"] == ("python b.py --runs 3 (stopped after 2 of 5 cases) ; python b.py --runs 2 --cases b,c"
+                               " ; then --merge of the 2 b.json files they wrote")
+    assert (meta["date"], meta["runs"], meta["cases_done"]) == ("d1 ; d2", "2 or 3", "3 of 4")
+
+
 def test_a_worker_prints_its_result_on_the_marker_line(capsys):
     _bench()[0].main(["--worker", json.dumps({"name": "b", "size": 2}), "--steps", "3"])
     line = capsys.readouterr().out.strip()
@@ -89,7 +105,7 @@ def test_a_worker_prints_its_result_on_the_marker_line(capsys):
 
 
 @pytest.mark.parametrize("module,flags", [
-    ("fsdp1_cpu", ["--cases", "--runs", "--steps", "--timeout", "--out"]),
+    ("fsdp1_cpu", ["--cases", "--runs", "--steps", "--timeout", "--out", "--merge"]),
     ("fsdp2_cpu", ["--cases", "--runs", "--steps", "--timeout", "--out", "--merge"]),
     ("layouts_cpu", ["--cases", "--runs", "--steps", "--timeout", "--out", "--merge"]),
     ("powersgd_cpu", ["--cases", "--runs", "--steps", "--timeout", "--out"]),
