@@ -226,21 +226,19 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: What the phase columns show, read from FSDP1's source (torch 2.13): printed under the table.
+#: What the phase columns show, with what FSDP1's source (torch 2.13) suggests: printed under the table.
 _FORWARD_GAP = (
-    "Where the FSDP2 model and FSDP1 differ: in forward. FSDP2 all-gathers a unit into a separate flat buffer "
-    "and copies it out into per-parameter unsharded tensors (`_fully_shard/_fsdp_collectives.py`, "
-    "`foreach_all_gather` and `foreach_all_gather_copy_out`), so while a unit is gathered both are live; FSDP1 "
-    "all-gathers into the unit's padded unsharded flat parameter itself, whose views are the parameters "
-    "(`_flat_param.py`, `FlatParamHandle._all_gather_flat_param`: on CPU `dist.all_gather` into `torch.chunk` "
-    "views of it; gloo's own staging of the gathered bytes is there in both). "
-    "The forward column is that staging: one transformer block's unsharded parameter bytes (GPT-2-shaped "
-    "block: 789,760 parameters, 3.01 MiB in fp32). It decides the error only where the step peaks in forward: "
-    "`SHARD_GRAD_OP` (every unit stays unsharded until its backward), where the estimate is high by up to that "
-    "block; under `FULL_SHARD` both peak in backward. The root unit is kept unsharded from forward to backward "
-    "by both (`_runtime_utils.py`, `_post_forward_reshard`: `not state._is_root`; FSDP2 likewise), and "
-    "`use_orig_params` does not move the peak (the same flat storage; the optimizer steps the flat parameters "
-    "or views of them, which changes only the optimizer phase).")
+    "The phase columns: where the FSDP2 model and FSDP1 differ. In the fp32 cases the estimate's forward peak "
+    "is above FSDP1's by about one transformer block's unsharded parameter bytes (GPT-2-shaped block: 789,760 "
+    "parameters, 3.01 MiB; Llama-shaped: 725,504, 2.77 MiB). A likely cause, read from the source and not "
+    "verified op by op: FSDP2 all-gathers a unit into a separate buffer and copies it out into per-parameter "
+    "unsharded tensors (`_fully_shard/_fsdp_collectives.py`, `foreach_all_gather`, "
+    "`foreach_all_gather_copy_out`), while FSDP1 all-gathers into the unit's padded unsharded flat parameter "
+    "itself, whose views are the parameters (`_flat_param.py`, `FlatParamHandle._all_gather_flat_param`: on "
+    "CPU `dist.all_gather` into `torch.chunk` views of it). Both keep the root unit unsharded from forward to "
+    "backward (`_runtime_utils.py`, `_post_forward_reshard`: `not state._is_root`). The bf16 cases differ "
+    "from the estimate's meaning too: Lightning's FSDP1 `MixedPrecision` reduces gradients in bf16, memguard's "
+    "FSDP2 bf16-mixed (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`) in fp32. Not modelled.")
 
 
 def _describe(row: dict[str, Any]) -> str:
