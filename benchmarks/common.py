@@ -341,13 +341,14 @@ def merge_result_files(name: str, paths: Sequence[str | Path], cases: Sequence[s
 
     def command(m: dict[str, Any]) -> str:
         done, total = (str(m.get("cases_done", "")).split(" of ") + [""])[:2]
-        return m["command"] + (f" (stopped after {done} of {total} cases)" if done and done != total else "")
+        stopped = done and done != total and "--merge" not in m["command"]  # a merge covers only some cases
+        return m["command"] + (f" (stopped after {done} of {total} cases)" if stopped else "")
 
-    runs = sorted({m.get("runs") for m in metas}, key=str)
+    runs = sorted({r for m in metas for r in str(m.get("runs")).split(" or ")}, key=str)
     return rows, dict(metas[0], command=" ; ".join(command(m) for m in metas)
                       + f" ; then --merge of the {len(metas)} {name}.json files they wrote",
                       date=" ; ".join(m["date"] for m in metas), cases_done=f"{len(rows)} of {len(cases)}",
-                      runs=runs[0] if len(runs) == 1 else " or ".join(map(str, runs)))
+                      runs=metas[0].get("runs") if len(runs) == 1 else " or ".join(runs))
 
 
 def merge_argument(name: str) -> Callable[[argparse.ArgumentParser], None]:
