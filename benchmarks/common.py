@@ -1,4 +1,5 @@
-"""Pieces every benchmark shares: a description of the machine, and a worker in a fresh interpreter.
+"""Pieces every benchmark shares: a description of the machine, a worker in a fresh interpreter, and the
+driver of the multi-rank CPU-truth benchmarks (:class:`MultiRankBenchmark`, :func:`launch_ranks`).
 
 A benchmark script imports this as ``benchmarks.common``; a script run by path first puts the
 repository root on ``sys.path`` (see the top of each script).
@@ -6,13 +7,17 @@ repository root on ``sys.path`` (see the top of each script).
 
 from __future__ import annotations
 
+import argparse
+import datetime as _dt
 import json
 import os
 import platform
+import shlex
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,3 +238,246 @@ def settle_collectives(pause_s: float = 0.002, *, deepspeed_comm: bool = False) 
             fn = getattr(mod, name, None)
             if fn is not None and not hasattr(fn, "__wrapped__"):
                 setattr(mod, name, settled(fn))
+
+
+# --------------------------------------------------------------------------------------------
+# the multi-rank CPU-truth benchmarks (fsdp1_cpu, fsdp2_cpu, layouts_cpu, powersgd_cpu, deepspeed_cpu)
+# --------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the rendezvous port of one run's ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def result_marker(name: str) -> str:
+    """The prefix of a rank worker's result line, e.g. ``@@FSDP2_CPU_RESULT@@ `` for ``fsdp2_cpu``."""
+    return f"@@{name.upper()}_RESULT@@ "
+
+
+def _error_tail(returncode: int | None, err: str) -> str:
+    """Why a rank left no result line: its exit status and its last error lines (else its last lines)."""
+    lines = err.strip().splitlines()
+    said = [ln for ln in lines if "Error" in ln] or lines
+    return f"exit {returncode}: " + " | ".join(said[-3:]).replace(str(REPO), ".")  # no local paths in results
+
+
+def launch_ranks(name: str, case: Any, world_size: int, args: Sequence[str], *, timeout: float,
+                 env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One real run of ``case``: ``python -m benchmarks.<name> --worker <case> *args`` once per rank.
+
+    Every rank gets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, a rendezvous on a free local port,
+    ``OMP_NUM_THREADS=1`` and ``MALLOC_ARENA_MAX=1`` (glibc's arenas per gloo thread make memory
+    erratic otherwise), the repository root first on ``PYTHONPATH``, and ``env`` last.
+
+    Args:
+        name: the benchmark module under ``benchmarks`` (its marker: :func:`result_marker`).
+        case: a dataclass instance, passed to the worker as the JSON of :func:`dataclasses.asdict`.
+        world_size: how many rank processes.
+        args: more arguments for every worker (e.g. ``["--steps", "2"]``).
+        timeout: seconds for the whole run; then every rank is killed.
+        env: more environment variables for every rank.
+
+    Returns:
+        Each rank's result (the JSON of its marker line) in rank order, ``{"error": ...}`` for a rank
+        that printed none; a single ``{"error": "timed out ..."}`` where the run timed out.
+    """
+    from dataclasses import asdict
+
+    marker, port = result_marker(name), free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = dict(os.environ)
+        rank_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="1")
+        rank_env["PYTHONPATH"] = str(REPO) + (os.pathsep + rank_env["PYTHONPATH"] if rank_env.get("PYTHONPATH")
+                                              else "")
+        rank_env.update(env or {})
+        cmd = [sys.executable, "-m", f"benchmarks.{name}", "--worker", json.dumps(asdict(case)), *args]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.communicate()
+            return [{"error": f"timed out after {timeout:.0f} s"}]
+        line = next((ln for ln in out.splitlines() if ln.startswith(marker)), None)
+        results.append(json.loads(line[len(marker):]) if line is not None else {"error": _error_tail(p.returncode, err)})
+    return results
+
+
+def write_results(out: str | Path, name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
+                  render_markdown: Callable[[list[dict[str, Any]], dict[str, Any]], str]) -> str:
+    """Write ``<name>.json`` (``{"meta": meta, "rows": rows}``) and ``<name>.md`` to ``out``; the Markdown."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = render_markdown(rows, meta)
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (out / f"{name}.md").write_text(text)
+    return text
+
+
+def merge_result_files(name: str, paths: Sequence[str | Path], cases: Sequence[str]) -> tuple[list, dict]:
+    """The rows of several ``<name>.json`` files as one (a later file's row replaces an earlier one of
+    the same case), in the order of ``cases``, and their meta blocks joined: the commands (each with the
+    cases it finished, where it stopped short) and dates, runs where they differ.
+    """
+    by_case: dict[str, dict[str, Any]] = {}
+    metas = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        metas.append(data["meta"])
+        for row in data["rows"]:
+            by_case[row["case"]] = row
+    rows = [by_case[n] for n in cases if n in by_case] + [r for n, r in by_case.items() if n not in cases]
+
+    def command(m: dict[str, Any]) -> str:
+        done, total = (str(m.get("cases_done", "")).split(" of ") + [""])[:2]
+        stopped = done and done != total and "--merge" not in m["command"]  # a merge covers only some cases
+        return m["command"] + (f" (stopped after {done} of {total} cases)" if stopped else "")
+
+    runs = sorted({r for m in metas for r in str(m.get("runs")).split(" or ")}, key=str)
+    return rows, dict(metas[0], command=" ; ".join(command(m) for m in metas)
+                      + f" ; then --merge of the {len(metas)} {name}.json files they wrote",
+                      date=" ; ".join(m["date"] for m in metas), cases_done=f"{len(rows)} of {len(cases)}",
+                      runs=metas[0].get("runs") if len(runs) == 1 else " or ".join(runs))
+
+
+def merge_argument(name: str) -> Callable[[argparse.ArgumentParser], None]:
+    """``add_arguments`` for a ``--merge FILE...`` option (with :func:`merge_mode`)."""
+    return lambda ap: ap.add_argument(
+        "--merge", nargs="*", default=None, help=f"merge the rows of these {name}.json files (later files replace "
+        "earlier rows of the same case) into --out, without running anything")
+
+
+def merge_mode(name: str, cases: Callable[[], dict[str, Any]]) -> Callable[..., tuple[list, dict] | None]:
+    """A :class:`MultiRankBenchmark` ``mode``: ``--merge`` by :func:`merge_result_files`."""
+    return lambda args, ap: merge_result_files(name, args.merge, list(cases())) if args.merge is not None else None
+
+
+def utc_now() -> str:
+    """The date format of every result file's meta block."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+@dataclass(frozen=True)
+class MultiRankBenchmark:
+    """The command line of a benchmark that measures real gloo ranks against memguard's estimate.
+
+    ``main(argv)`` parses ``--cases/--runs/--steps/--timeout/--out`` (and the script's own options,
+    ``add_arguments``). Run as a rank (the hidden ``--worker <case JSON>``, as :func:`launch_ranks`
+    starts it), it prints the marker line of ``worker(case, args)``. Otherwise a ``mode`` (e.g.
+    ``--merge``) may produce the rows and meta block itself; else every selected case is measured
+    in turn (``measure(case, args)``, one line printed per case: ``describe(row)``, or the row's ``error``), and
+    ``<name>.json``/``<name>.md`` are written under ``--out`` after every case, so an interrupted run
+    keeps what it measured. The meta block: the exact command, the date, the machine, ``runs`` and
+    ``steps`` (and the options named in ``meta_args``), ``cases_done``.
+
+    Attributes:
+        name: the module under ``benchmarks`` and the stem of its result files.
+        doc: the module docstring (its first paragraph is the ``--help`` description).
+        case_type: the case dataclass (``case_type(**json)`` in the worker).
+        cases: all cases by name.
+        worker: one rank's measurement, run in the rank's own process.
+        measure: a case's row (runs its ranks, estimates, summarises).
+        render_markdown: the Markdown of the rows and the meta block.
+        describe: the line printed after a case is measured (a row with an ``error`` prints that instead).
+        default_cases: the cases run without ``--cases`` (None: all); then ``--cases all`` runs all.
+        packages: modules whose versions the machine description records.
+        runs, timeout: the defaults of ``--runs`` and ``--timeout``.
+        steps_help: the help of ``--steps``.
+        add_arguments: adds the script's own options to the parser.
+        meta_args: options recorded in the meta block, after ``runs`` and ``steps``.
+        mode: ``mode(args, parser)`` returns ``(rows, meta)`` where the options ask for something other
+            than measuring (the rows are then written and printed), else None.
+        hard_exit: end a worker with ``os._exit(0)`` after its line (no interpreter teardown: destroying
+            some process groups can deadlock at exit).
+    """
+
+    name: str
+    doc: str
+    case_type: type
+    cases: Callable[[], dict[str, Any]]
+    worker: Callable[[Any, argparse.Namespace], dict[str, Any]]
+    measure: Callable[[Any, argparse.Namespace], dict[str, Any]]
+    render_markdown: Callable[[list[dict[str, Any]], dict[str, Any]], str]
+    describe: Callable[[dict[str, Any]], str]
+    default_cases: Sequence[str] | None = None
+    packages: Sequence[str] = ()
+    runs: int = 3
+    timeout: float = 300.0
+    steps_help: str = "profiled steps per run, after one warm-up step"
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    meta_args: Sequence[str] = ()
+    mode: Callable[[argparse.Namespace, argparse.ArgumentParser], tuple[list, dict] | None] | None = None
+    hard_exit: bool = False
+
+    def parser(self) -> argparse.ArgumentParser:
+        ap = argparse.ArgumentParser(description=self.doc.split("\n\n")[0])
+        ap.add_argument("--cases", default="", help="comma-separated case names" + (
+            ", or 'all' (default: DEFAULT_CASES)" if self.default_cases is not None else " (default: all)"))
+        ap.add_argument("--runs", type=int, default=self.runs, help="real runs per case (fresh processes each)")
+        ap.add_argument("--steps", type=int, default=2, help=self.steps_help)
+        if self.add_arguments is not None:
+            self.add_arguments(ap)
+        ap.add_argument("--timeout", type=float, default=self.timeout, help="seconds per run")
+        ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+        ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+        return ap
+
+    def selected(self, spec: str, ap: argparse.ArgumentParser) -> list[str]:
+        """The case names ``--cases`` selects (an unknown one is a usage error)."""
+        cases = self.cases()
+        if self.default_cases is not None and spec == "all":
+            return list(cases)
+        names = [n for n in spec.split(",") if n] or list(self.default_cases or cases)
+        unknown = [n for n in names if n not in cases]
+        if unknown:
+            ap.error(f"unknown cases {unknown}; known: {', '.join(cases)}")
+        return names
+
+    def meta(self, args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, Any]:
+        """The meta block of a measuring run: command, date, machine, runs, steps, ``meta_args``."""
+        return {
+            "command": f"python benchmarks/{self.name}.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+            "date": utc_now(),
+            "machine": machine_description(packages=self.packages, gpu=False, torch_threads=1),
+            "runs": args.runs, "steps": args.steps, **{k: getattr(args, k) for k in self.meta_args},
+        }
+
+    def main(self, argv: list[str] | None = None) -> int:
+        ap = self.parser()
+        args = ap.parse_args(argv)
+        if args.worker is not None:
+            result = self.worker(self.case_type(**json.loads(args.worker)), args)
+            print(result_marker(self.name) + json.dumps(result), flush=True)
+            if self.hard_exit:
+                sys.stderr.flush()
+                os._exit(0)
+            return 0
+        done = self.mode(args, ap) if self.mode is not None else None
+        if done is not None:
+            print(write_results(args.out, self.name, *done, self.render_markdown))
+            return 0
+        cases, names = self.cases(), self.selected(args.cases, ap)
+        meta = self.meta(args, argv)
+        rows: list[dict[str, Any]] = []
+        text = ""
+        for name in names:
+            t0 = time.perf_counter()
+            row = self.measure(cases[name], args)
+            rows.append(row)
+            said = str(row["error"]) if "error" in row else self.describe(row)
+            print(f"{name}: {said}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+            meta["cases_done"] = f"{len(rows)} of {len(names)}"
+            text = write_results(args.out, self.name, rows, meta, self.render_markdown)
+        print(text or self.render_markdown(rows, meta))
+        return 0

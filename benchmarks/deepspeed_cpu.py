@@ -38,13 +38,8 @@ Writes ``deepspeed_cpu.json`` and ``deepspeed_cpu.md`` to ``--out`` (default ``b
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
-import os
-import shlex
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -54,9 +49,14 @@ from typing import Any
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
-from benchmarks.common import COLLECTIVE_CALLS, REPO, machine_description, settle_collectives  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    COLLECTIVE_CALLS,
+    MultiRankBenchmark,
+    launch_ranks,
+    settle_collectives,
+    utc_now,
+)
 
-_MARKER = "@@DEEPSPEED_CPU_RESULT@@ "
 _MIB = 1 << 20
 _PREFIX = "deepspeed_cpu::"  # our record_function ranges
 HIDDEN = 256
@@ -336,43 +336,10 @@ def _replay(prof: Any, storages: set[int] | None = None) -> dict[str, Any]:
             "residue": residue, "phantom_setup_bytes": phantom}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(case: Case, *, steps: int, warmup: int, timeout: float = 600.0) -> list[dict[str, Any]]:
     """One real run of ``case``: ``world_size`` rank processes; each rank's measurement (or an error)."""
-    port = _free_port()
-    procs = []
-    for rank in range(case.world_size):
-        env = dict(os.environ)
-        env.update(RANK=str(rank), WORLD_SIZE=str(case.world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(case.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                   MALLOC_ARENA_MAX="1")  # glibc arenas per gloo thread make memory erratic otherwise
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-m", "benchmarks.deepspeed_cpu", "--worker", json.dumps(asdict(case)),
-               "--steps", str(steps), "--warmup", str(warmup)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    deadline = time.monotonic() + timeout
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            return [{"error": f"timed out after {timeout:.0f} s"}]
-        line = next((ln for ln in out.splitlines() if ln.startswith(_MARKER)), None)
-        if line is None:
-            tail = " | ".join(err.strip().splitlines()[-3:])
-            results.append({"error": f"exit {p.returncode}: {tail}"})
-        else:
-            results.append(json.loads(line[len(_MARKER):]))
-    return results
+    return launch_ranks("deepspeed_cpu", case, case.world_size, ["--steps", str(steps), "--warmup", str(warmup)],
+                        timeout=timeout, env={"LOCAL_WORLD_SIZE": str(case.world_size), "DS_ACCELERATOR": "cpu"})
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,71 +454,54 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="", help="comma-separated case names, or 'all' (default: DEFAULT_CASES)")
-    ap.add_argument("--runs", type=int, default=1, help="real runs per case (fresh processes each)")
-    ap.add_argument("--steps", type=int, default=2, help="steady-state steps per run, after the warm-up")
+def _rescore(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[list, dict] | None:
+    """``--rescore``: the rows of a result file estimated again (and ``--before``'s estimates attached)."""
+    if not args.rescore:
+        return None
+    data = json.loads(Path(args.rescore).read_text())
+    before = json.loads(Path(args.before).read_text()) if args.before else {}
+    rows = []
+    for row in data["rows"]:
+        if row["case"] in before:
+            row["estimate_before"] = before[row["case"]]
+        if "error" not in row:
+            case = Case(**{k: row[k] for k in Case.__dataclass_fields__})
+            row.update(estimate=estimate_case(case), estimate_without_buckets=estimate_case(case, with_buckets=False))
+            row = summarise(row)
+        rows.append(row)
+    meta = data["meta"]
+    if args.before:
+        meta["before_commit"] = args.before_commit
+    meta["rescored"] = utc_now()
+    return rows, meta
+
+
+def _add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="steps before the steady state")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--rescore", default=None, help="re-estimate the rows of this deepspeed_cpu.json (no runs)")
     ap.add_argument("--before", default=None,
                     help="with --rescore: a JSON {case: estimate} from an older checkout, shown as 'before'")
     ap.add_argument("--before-commit", default="?", help="the commit --before was estimated at")
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker is not None:
-        case = Case(**json.loads(args.worker))
-        print(_MARKER + json.dumps(_rank_worker(case, args.steps, args.warmup)), flush=True)
-        os._exit(0)  # no interpreter teardown: destroying a gloo group can deadlock at exit
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.rescore:
-        data = json.loads(Path(args.rescore).read_text())
-        before = json.loads(Path(args.before).read_text()) if args.before else {}
-        rows = []
-        for row in data["rows"]:
-            if row["case"] in before:
-                row["estimate_before"] = before[row["case"]]
-            if "error" not in row:
-                case = Case(**{k: row[k] for k in Case.__dataclass_fields__})
-                row.update(estimate=estimate_case(case),
-                           estimate_without_buckets=estimate_case(case, with_buckets=False))
-                row = summarise(row)
-            rows.append(row)
-        meta = data["meta"]
-        if args.before:
-            meta["before_commit"] = args.before_commit
-        meta["rescored"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    else:
-        cases = all_cases()
-        names = (list(cases) if args.cases == "all" else [n for n in args.cases.split(",") if n]
-                 or list(DEFAULT_CASES))
-        unknown = [n for n in names if n not in cases]
-        if unknown:
-            ap.error(f"unknown cases {unknown}; known: {', '.join(cases)}")
-        meta = {
-            "command": "python benchmarks/deepspeed_cpu.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": machine_description(packages=("deepspeed", "transformers"), gpu=False, torch_threads=1),
-            "runs": args.runs, "steps": args.steps, "warmup": args.warmup,
-        }
-        rows = []
-        for name in names:
-            t0 = time.perf_counter()
-            row = measure(cases[name], runs=args.runs, steps=args.steps, warmup=args.warmup, timeout=args.timeout)
-            rows.append(row)
-            msg = (f"real {row['real_peak_bytes'] / _MIB:.2f} MiB, estimate {row['error_pct']:+.2f}% "
-                   f"(without config {row['old_error_pct']:+.2f}%)" if "error_pct" in row else row.get("error"))
-            print(f"{name}: {msg}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-            meta["cases_done"] = f"{len(rows)} of {len(names)}"
-            (out / "deepspeed_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-            (out / "deepspeed_cpu.md").write_text(render_markdown(rows, meta))
-    (out / "deepspeed_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (out / "deepspeed_cpu.md").write_text(render_markdown(rows, meta))
-    print(render_markdown(rows, meta))
-    return 0
+
+
+def _describe(row: dict[str, Any]) -> str:
+    return (f"real {row['real_peak_bytes'] / _MIB:.2f} MiB, estimate {row['error_pct']:+.2f}% "
+            f"(without config {row['old_error_pct']:+.2f}%)")
+
+
+BENCHMARK = MultiRankBenchmark(
+    name="deepspeed_cpu", doc=__doc__, case_type=Case, cases=all_cases, default_cases=DEFAULT_CASES,
+    worker=lambda case, args: _rank_worker(case, args.steps, args.warmup),
+    measure=lambda case, args: measure(case, runs=args.runs, steps=args.steps, warmup=args.warmup,
+                                       timeout=args.timeout),
+    render_markdown=render_markdown, describe=_describe, packages=("deepspeed", "transformers"), runs=1,
+    timeout=600.0, steps_help="steady-state steps per run, after the warm-up", add_arguments=_add_arguments,
+    meta_args=("warmup",), mode=_rescore,
+    hard_exit=True)  # no interpreter teardown in a rank: destroying a gloo group can deadlock at exit
+
+
+def main(argv: list[str] | None = None) -> int:
+    return BENCHMARK.main(argv)
 
 
 if __name__ == "__main__":

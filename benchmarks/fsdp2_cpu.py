@@ -26,13 +26,8 @@ Writes ``fsdp2_cpu.json`` and ``fsdp2_cpu.md`` to ``--out`` (default ``benchmark
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
-import os
-import shlex
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -42,9 +37,8 @@ from typing import Any
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
-from benchmarks.common import REPO, machine_description, settle_collectives  # noqa: E402
+from benchmarks.common import MultiRankBenchmark, launch_ranks, settle_collectives  # noqa: E402
 
-_MARKER = "@@FSDP2_CPU_RESULT@@ "
 _MIB = 1 << 20
 _MEMORY_EVENT = "[memory]"  # the profiler's allocator events (torch/csrc/profiler/collection.cpp)
 _PREFIX = "fsdp2_cpu::"  # our record_function ranges
@@ -158,20 +152,66 @@ def _live_bytes(model, batch, optimizer) -> int:
     return _storage_bytes(everything())
 
 
+def profiled_steps(model: Any, batch: dict, optimizer: Any, forward: Any, steps: int) -> dict[str, Any]:
+    """One warm-up training step, then ``steps`` steps under the profiler; this rank's replayed peaks.
+
+    A step is ``forward()`` (which returns the loss), its backward, ``optimizer.step()`` and
+    ``zero_grad(set_to_none=True)``, each in a ``record_function`` range under :data:`_PREFIX`. The
+    warm-up makes the lazy inits and the optimizer's state; then the garbage collector is off (frees by
+    reference count only, as in the estimator's trace), the ranks meet, and the live bytes when
+    profiling starts (:func:`_live_bytes`) are the baseline of :func:`_replay`.
+
+    Returns:
+        ``peak_bytes`` (the peak of the steps whose replay saw every free; all steps' when none did),
+        ``phase_peaks``, ``step_peaks``, ``raw_step_peaks``, ``suspect_steps``, ``baseline_bytes``,
+        ``residual_bytes`` (replayed level at the end minus the live bytes then) and ``seconds``.
+    """
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def step():
+        with record_function(_PREFIX + "step"):
+            with record_function(_PREFIX + "forward"):
+                loss = forward()
+            with record_function(_PREFIX + "backward"):
+                loss.backward()
+            with record_function(_PREFIX + "optimizer"):
+                optimizer.step()
+            with record_function(_PREFIX + "zero_grad"):
+                optimizer.zero_grad(set_to_none=True)
+
+    step()
+    gc.collect()
+    gc.disable()
+    dist.barrier()
+    baseline = _live_bytes(model, batch, optimizer)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(steps):
+            step()
+    seconds = time.perf_counter() - t0
+    end = _live_bytes(model, batch, optimizer)
+    gc.enable()
+    level, phase_peaks, step_peaks, raw_peaks, suspect = _replay(prof, baseline)
+    peak = max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)
+    return {"peak_bytes": peak, "phase_peaks": phase_peaks, "step_peaks": step_peaks, "raw_step_peaks": raw_peaks,
+            "suspect_steps": suspect, "baseline_bytes": baseline, "residual_bytes": level - end,
+            "seconds": round(seconds, 2)}
+
+
 def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.profiler import ProfilerActivity, profile
 
     from memguard.estimator._blocks import apply_activation_checkpointing
     from memguard.estimator._fsdp2 import FSDP2Layout, shard_model
     from memguard.vocab import ALL_BLOCKS
 
     torch.set_num_threads(1)
-    # every collective waited on, then a 20 ms pause (2 ms was not enough on a loaded machine): gloo's worker thread lets go of the collective's
-    # buffers before the main thread does, so their frees are seen (unsettled, a loaded machine left one
-    # rank ~2.5 MB high at random)
+    # every collective waited on, then a 20 ms pause (2 ms was not enough on a loaded machine): gloo's worker
+    # thread lets go of the collective's buffers before the main thread does, so their frees are seen
+    # (unsettled, a loaded machine left one rank ~2.5 MB high at random)
     settle_collectives(pause_s=0.02)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -184,42 +224,9 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     shard_model(model, FSDP2Layout(world_size=case.world_size, zero_stage=case.zero_stage, mp_dtype=mp), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch(case)
-
-    from torch.profiler import record_function
-
-    def step():
-        with record_function(_PREFIX + "step"):
-            one_step()
-
-    def one_step():
-        with record_function(_PREFIX + "forward"):
-            loss = model(**batch).loss
-        with record_function(_PREFIX + "backward"):
-            loss.backward()
-        with record_function(_PREFIX + "optimizer"):
-            optimizer.step()
-        with record_function(_PREFIX + "zero_grad"):
-            optimizer.zero_grad(set_to_none=True)
-
-    step()  # warm-up: FSDP2's lazy init and the optimizer's state
-    gc.collect()
-    gc.disable()  # frees by reference count only, as in the estimator's trace
-    dist.barrier()
-    baseline = _live_bytes(model, batch, optimizer)
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for _ in range(steps):
-            step()
-    seconds = time.perf_counter() - t0
-    end = _live_bytes(model, batch, optimizer)
-    gc.enable()
-    level, phase_peaks, step_peaks, raw_peaks, suspect = _replay(prof, baseline)
-    # the peak of the steps whose replay saw every free (all steps when none did)
-    peak = max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)
+    result = profiled_steps(model, batch, optimizer, lambda: model(**batch).loss, steps)
     dist.destroy_process_group()
-    return {"rank": rank, "peak_bytes": peak, "phase_peaks": phase_peaks, "step_peaks": step_peaks,
-            "raw_step_peaks": raw_peaks, "suspect_steps": suspect, "baseline_bytes": baseline,
-            "residual_bytes": level - end, "seconds": round(seconds, 2)}
+    return {"rank": rank, **result}
 
 
 #: A block freed unseen makes the steps it spans suspect from this size on: smaller ones move the peak of
@@ -307,42 +314,9 @@ def _replay(prof: Any, baseline: int) -> tuple[int, dict[str, int], list[int], l
     return level, phase_peaks, step_peaks, raw_peaks, sorted(suspect)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(case: Case, *, steps: int = 3, timeout: float = 300.0) -> list[dict[str, Any]]:
     """One real run of ``case``: ``world_size`` rank processes; each rank's measurement (or an error)."""
-    port = _free_port()
-    procs = []
-    for rank in range(case.world_size):
-        env = dict(os.environ)
-        env.update(RANK=str(rank), WORLD_SIZE=str(case.world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   MALLOC_ARENA_MAX="1")  # glibc arenas per gloo thread make memory erratic otherwise
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-m", "benchmarks.fsdp2_cpu", "--worker", json.dumps(asdict(case)),
-               "--steps", str(steps)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    deadline = time.monotonic() + timeout
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            return [{"error": f"timed out after {timeout:.0f} s"}]
-        line = next((ln for ln in out.splitlines() if ln.startswith(_MARKER)), None)
-        if line is None:
-            tail = " | ".join(err.strip().splitlines()[-3:])
-            results.append({"error": f"exit {p.returncode}: {tail}"})
-        else:
-            results.append(json.loads(line[len(_MARKER):]))
-    return results
+    return launch_ranks("fsdp2_cpu", case, case.world_size, ["--steps", str(steps)], timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,67 +406,40 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _merge(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[list, dict] | None:
+    """``--merge``: the rows of earlier result files (a later file's row replaces an error row), re-summarised."""
+    if args.merge is None:
+        return None
+    rows_by_case: dict[str, dict[str, Any]] = {}
+    meta = None
+    for path in args.merge:
+        data = json.loads(Path(path).read_text())
+        meta = meta or data["meta"]
+        for row in data["rows"]:
+            if "error" not in row or row["case"] not in rows_by_case:
+                rows_by_case[row["case"]] = summarise(row) if "error" not in row else row
+    rows = list(rows_by_case.values())
+    meta = dict(meta or {}, cases_done=f"{sum('error' not in r for r in rows)} of {len(all_cases())}",
+                merged_files=len(args.merge))
+    return rows, meta
+
+
+def _describe(row: dict[str, Any]) -> str:
+    return f"{row['error_pct']:+.2f}% (ZeRO-3 stand-in {row['zero3_error_pct']:+.2f}%)"
+
+
+BENCHMARK = MultiRankBenchmark(
+    name="fsdp2_cpu", doc=__doc__, case_type=Case, cases=all_cases,
+    worker=lambda case, args: _rank_worker(case, args.steps),
+    measure=lambda case, args: measure(case, runs=args.runs, steps=args.steps, timeout=args.timeout),
+    render_markdown=render_markdown, describe=_describe, mode=_merge,
+    add_arguments=lambda ap: ap.add_argument(
+        "--merge", nargs="*", default=None, help="re-summarise the rows of these fsdp2_cpu.json files (later files "
+        "replace earlier rows of the same case) into --out, without running anything"))
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
-    ap.add_argument("--runs", type=int, default=3, help="real runs per case (fresh processes each)")
-    ap.add_argument("--steps", type=int, default=2, help="profiled steps per run, after one warm-up step")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    ap.add_argument("--merge", nargs="*", default=None,
-                    help="re-summarise the rows of these fsdp2_cpu.json files (later files replace earlier "
-                         "rows of the same case) into --out, without running anything")
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.merge is not None:
-        rows_by_case: dict[str, dict[str, Any]] = {}
-        meta = None
-        for path in args.merge:
-            data = json.loads(Path(path).read_text())
-            meta = meta or data["meta"]
-            for row in data["rows"]:
-                if "error" not in row or row["case"] not in rows_by_case:
-                    rows_by_case[row["case"]] = summarise(row) if "error" not in row else row
-        rows = list(rows_by_case.values())
-        meta = dict(meta or {}, cases_done=f"{sum('error' not in r for r in rows)} of {len(all_cases())}",
-                    merged_files=len(args.merge))
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "fsdp2_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-        (out / "fsdp2_cpu.md").write_text(render_markdown(rows, meta))
-        print(render_markdown(rows, meta))
-        return 0
-    if args.worker is not None:
-        case = Case(**json.loads(args.worker))
-        print(_MARKER + json.dumps(_rank_worker(case, args.steps)), flush=True)
-        return 0
-    cases = all_cases()
-    names = [n for n in args.cases.split(",") if n] or list(cases)
-    unknown = [n for n in names if n not in cases]
-    if unknown:
-        ap.error(f"unknown cases {unknown}; known: {', '.join(cases)}")
-    meta = {
-        "command": "python benchmarks/fsdp2_cpu.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_description(gpu=False, torch_threads=1),
-        "runs": args.runs, "steps": args.steps,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in names:
-        t0 = time.perf_counter()
-        row = measure(cases[name], runs=args.runs, steps=args.steps, timeout=args.timeout)
-        rows.append(row)
-        msg = (f"{row['error_pct']:+.2f}% (ZeRO-3 stand-in {row['zero3_error_pct']:+.2f}%)" if "error_pct" in row
-               else row.get("error"))
-        print(f"{name}: {msg}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-        # written after every case, so an interrupted run keeps what it measured
-        meta["cases_done"] = f"{len(rows)} of {len(names)}"
-        (out / "fsdp2_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-        (out / "fsdp2_cpu.md").write_text(render_markdown(rows, meta))
-    print(render_markdown(rows, meta))
-    return 0
+    return BENCHMARK.main(argv)
 
 
 if __name__ == "__main__":

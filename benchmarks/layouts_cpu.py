@@ -37,13 +37,7 @@ Writes ``layouts_cpu.json`` and ``layouts_cpu.md`` to ``--out`` (default ``bench
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
 import gc
-import json
-import os
-import shlex
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -53,10 +47,15 @@ from typing import Any
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # `benchmarks` from this checkout when run by path
-from benchmarks.common import REPO, machine_description, settle_collectives  # noqa: E402
-from benchmarks.fsdp2_cpu import _PREFIX, _free_port, _live_bytes, _replay  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    MultiRankBenchmark,
+    launch_ranks,
+    merge_argument,
+    merge_mode,
+    settle_collectives,
+)
+from benchmarks.fsdp2_cpu import _PREFIX, _live_bytes, _replay, profiled_steps  # noqa: E402
 
-_MARKER = "@@LAYOUTS_CPU_RESULT@@ "
 _MIB = 1 << 20
 _VOCAB = 2048
 
@@ -284,7 +283,6 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     from memguard.batch import compute_loss
     from memguard.estimator._fsdp2 import FSDP2Layout, shard_model
@@ -314,37 +312,17 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch(case)
     losses: list[float] = []
-
     autocast = case.precision == "bf16-mixed" and case.dp_shard == 1
 
-    def step():
-        with record_function(_PREFIX + "step"):
-            with record_function(_PREFIX + "forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = compute_loss(model, batch)
-            with record_function(_PREFIX + "backward"):
-                loss.backward()
-            with record_function(_PREFIX + "optimizer"):
-                optimizer.step()
-            with record_function(_PREFIX + "zero_grad"):
-                optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = compute_loss(model, batch)
+        losses.append(float(loss.detach()))
+        return loss
 
-    step()  # warm-up: lazy inits and the optimizer's state
-    gc.collect()
-    gc.disable()  # frees by reference count only, as in the estimator's trace
-    dist.barrier()
-    baseline = _live_bytes(model, batch, optimizer)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for _ in range(steps):
-            step()
-    end = _live_bytes(model, batch, optimizer)
-    gc.enable()
-    level, phase_peaks, step_peaks, raw_peaks, suspect = _replay(prof, baseline)
-    peak = max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)
+    result = profiled_steps(model, batch, optimizer, forward, steps)
     dist.destroy_process_group()
-    return {"rank": rank, "peak_bytes": peak, "phase_peaks": phase_peaks, "step_peaks": step_peaks,
-            "raw_step_peaks": raw_peaks, "suspect_steps": suspect, "baseline_bytes": baseline,
-            "residual_bytes": level - end, "first_loss": losses[0]}
+    return {"rank": rank, **result, "first_loss": losses[0]}
 
 
 def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
@@ -424,34 +402,7 @@ def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
 
 def run_case(case: Case, *, steps: int, timeout: float) -> list[dict[str, Any]]:
     """One real run of ``case``: one process per rank; each rank's measurement (or an error)."""
-    port = _free_port()
-    procs = []
-    for rank in range(case.world_size):
-        env = dict(os.environ)
-        env.update(RANK=str(rank), WORLD_SIZE=str(case.world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   MALLOC_ARENA_MAX="1")  # glibc arenas per gloo thread make memory erratic otherwise
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-m", "benchmarks.layouts_cpu", "--worker", json.dumps(asdict(case)),
-               "--steps", str(steps)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    deadline = time.monotonic() + timeout
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            return [{"error": f"timed out after {timeout:.0f} s"}]
-        line = next((ln for ln in out.splitlines() if ln.startswith(_MARKER)), None)
-        if line is None:
-            tail = " | ".join(err.strip().splitlines()[-3:]).replace(str(REPO), ".")
-            results.append({"error": f"exit {p.returncode}: {tail}"})
-        else:
-            results.append(json.loads(line[len(_MARKER):]))
-    return results
+    return launch_ranks("layouts_cpu", case, case.world_size, ["--steps", str(steps)], timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,66 +474,16 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BENCHMARK = MultiRankBenchmark(
+    name="layouts_cpu", doc=__doc__, case_type=Case, cases=all_cases,
+    worker=lambda case, args: _rank_worker(case, args.steps),
+    measure=lambda case, args: measure(case, runs=args.runs, steps=args.steps, timeout=args.timeout),
+    render_markdown=render_markdown, mode=merge_mode("layouts_cpu", all_cases),
+    describe=lambda row: f"worst rank error {row['worst_error_pct']:+.2f}%", add_arguments=merge_argument("layouts_cpu"))
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
-    ap.add_argument("--runs", type=int, default=3, help="real runs per case (fresh processes each)")
-    ap.add_argument("--steps", type=int, default=2, help="profiled steps per run, after one warm-up step")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    ap.add_argument("--merge", nargs="*", default=None,
-                    help="re-summarise the rows of these layouts_cpu.json files (later files replace earlier "
-                         "rows of the same case) into --out, without running anything")
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.merge is not None:
-        by_case: dict[str, dict[str, Any]] = {}
-        metas = []
-        for path in args.merge:
-            data = json.loads(Path(path).read_text())
-            metas.append(data["meta"])
-            for row in data["rows"]:
-                by_case[row["case"]] = row
-        order = [n for n in all_cases() if n in by_case] + [n for n in by_case if n not in all_cases()]
-        rows = [by_case[n] for n in order]
-        meta = dict(metas[0], command=" ; ".join(m["command"] for m in metas)
-                    + f" ; then --merge of the {len(metas)} layouts_cpu.json files they wrote",
-                    date=" ; ".join(m["date"] for m in metas), cases_done=f"{len(rows)} of {len(all_cases())}")
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "layouts_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-        (out / "layouts_cpu.md").write_text(render_markdown(rows, meta))
-        print(render_markdown(rows, meta))
-        return 0
-    if args.worker is not None:
-        case = Case(**json.loads(args.worker))
-        print(_MARKER + json.dumps(_rank_worker(case, args.steps)), flush=True)
-        return 0
-    cases = all_cases()
-    names = [n for n in args.cases.split(",") if n] or list(cases)
-    unknown = [n for n in names if n not in cases]
-    if unknown:
-        ap.error(f"unknown cases {unknown}; known: {', '.join(cases)}")
-    meta = {
-        "command": "python benchmarks/layouts_cpu.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_description(gpu=False, torch_threads=1),
-        "runs": args.runs, "steps": args.steps,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in names:
-        t0 = time.perf_counter()
-        row = measure(cases[name], runs=args.runs, steps=args.steps, timeout=args.timeout)
-        rows.append(row)
-        msg = f"worst rank error {row['worst_error_pct']:+.2f}%" if "per_rank" in row else row.get("error")
-        print(f"{name}: {msg}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-        meta["cases_done"] = f"{len(rows)} of {len(names)}"
-        (out / "layouts_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-        (out / "layouts_cpu.md").write_text(render_markdown(rows, meta))
-    print(render_markdown(rows, meta))
-    return 0
+    return BENCHMARK.main(argv)
 
 
 if __name__ == "__main__":

@@ -25,13 +25,7 @@ Writes ``powersgd_cpu.json`` and ``powersgd_cpu.md`` to ``--out`` (default ``ben
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
 import gc
-import json
-import os
-import shlex
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -41,10 +35,9 @@ from typing import Any
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
-from benchmarks.common import REPO, machine_description, settle_collectives  # noqa: E402
-from benchmarks.fsdp2_cpu import _PREFIX, _free_port, _replay, _storage_bytes  # noqa: E402
+from benchmarks.common import MultiRankBenchmark, launch_ranks, settle_collectives  # noqa: E402
+from benchmarks.fsdp2_cpu import _PREFIX, _replay, _storage_bytes  # noqa: E402
 
-_MARKER = "@@POWERSGD_CPU_RESULT@@ "
 _MIB = 1 << 20
 _START_ITER = 2  # PowerSGDState: start_powerSGD_iter > 1 with error feedback or warm start
 _WARMUP = _START_ITER + 2  # plain all-reduce steps, the hook's first (allocating) step, one steady step
@@ -201,33 +194,7 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
 
 def run_case(case: Case, *, steps: int = 2, timeout: float = 300.0) -> list[dict[str, Any]]:
     """One real run of ``case``: ``world_size`` rank processes; each rank's measurement (or an error)."""
-    port = _free_port()
-    procs = []
-    for rank in range(case.world_size):
-        env = dict(os.environ)
-        env.update(RANK=str(rank), WORLD_SIZE=str(case.world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="1")
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-m", "benchmarks.powersgd_cpu", "--worker", json.dumps(asdict(case)),
-               "--steps", str(steps)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    deadline = time.monotonic() + timeout
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            return [{"error": f"timed out after {timeout:.0f} s"}]
-        line = next((ln for ln in out.splitlines() if ln.startswith(_MARKER)), None)
-        if line is None:
-            said = [ln for ln in err.splitlines() if "Error" in ln] or err.strip().splitlines()[-3:]
-            results.append({"error": f"exit {p.returncode}: " + " | ".join(said[-3:])})
-        else:
-            results.append(json.loads(line[len(_MARKER):]))
-    return results
+    return launch_ranks("powersgd_cpu", case, case.world_size, ["--steps", str(steps)], timeout=timeout)
 
 
 def measure(case: Case, *, runs: int, steps: int, timeout: float) -> dict[str, Any]:
@@ -294,38 +261,16 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BENCHMARK = MultiRankBenchmark(
+    name="powersgd_cpu", doc=__doc__, case_type=Case, cases=all_cases,
+    worker=lambda case, args: _rank_worker(case, args.steps),
+    measure=lambda case, args: measure(case, runs=args.runs, steps=args.steps, timeout=args.timeout),
+    render_markdown=render_markdown, describe=lambda row: str(row["error_pct"]),
+    steps_help="profiled steady-state steps per run")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
-    ap.add_argument("--runs", type=int, default=3, help="real runs per case (fresh processes each)")
-    ap.add_argument("--steps", type=int, default=2, help="profiled steady-state steps per run")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker is not None:
-        print(_MARKER + json.dumps(_rank_worker(Case(**json.loads(args.worker)), args.steps)), flush=True)
-        return 0
-    cases = all_cases()
-    names = [n for n in args.cases.split(",") if n] or list(cases)
-    unknown = [n for n in names if n not in cases]
-    if unknown:
-        ap.error(f"unknown cases {unknown}; known: {', '.join(cases)}")
-    meta = {"command": "python benchmarks/powersgd_cpu.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": machine_description(gpu=False, torch_threads=1), "runs": args.runs, "steps": args.steps}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in names:
-        t0 = time.perf_counter()
-        row = measure(cases[name], runs=args.runs, steps=args.steps, timeout=args.timeout)
-        rows.append(row)
-        print(f"{name}: {row.get('error_pct', row.get('error'))}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-        (out / "powersgd_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-        (out / "powersgd_cpu.md").write_text(render_markdown(rows, meta))
-    print(render_markdown(rows, meta))
-    return 0
+    return BENCHMARK.main(argv)
 
 
 if __name__ == "__main__":
