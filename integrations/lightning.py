@@ -672,22 +672,26 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         ``training_step``, so that an OOM on any rank is recovered on every rank."""
         from memguard.guard._fsdp2_frameworks import framework_rank_group
 
+        self._arm_group(trainer, sharding, framework_rank_group(pl_module), "fsdp2",
+                        lambda: self._patch_module(trainer, pl_module))
+
+    def _arm_group(self, trainer: Any, sharding: _Sharding, rg: Any, kind: str, patch: Any) -> None:
+        """Guard training with the sharded rank group ``rg`` of ``kind`` ("fsdp1"/"fsdp2"; None: say why not),
+        ``patch()`` standing in for Lightning's step."""
         guard = self._guard
         assert guard is not None  # planned in setup()
-        rg = framework_rank_group(pl_module)
         if rg is None:
             if trainer.is_global_zero:
                 logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
-                            _UNGUARDED_WHY["fsdp2"])
+                            _UNGUARDED_WHY[kind])
             return
         guard.rank_group = rg
         guard.on_undo(rg.uninstall)
-        self._patch_module(trainer, pl_module)
+        patch()
         if trainer.is_global_zero:
             logger.info("memguard recovers from out-of-memory errors under %s: an agreement of the %d ranks runs "
-                        "before each FSDP2 all-gather and reduce-scatter, so all ranks halve the micro-batch and "
-                        "redo the same samples together", sharding.name, rg.world_size)
-
+                        "before each %s all-gather and reduce-scatter, so all ranks halve the micro-batch and "
+                        "redo the same samples together", sharding.name, rg.world_size, kind.upper())
 
     def _arm_fsdp1(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> None:
         """Under ``FSDPStrategy``, once the strategy wrapped the module in FSDP1 (``FSDPStrategy.setup`` ->
@@ -698,21 +702,8 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         (:meth:`_patch_strategy_step`), so that each micro-batch runs through the FSDP1 root's forward."""
         from memguard.guard._fsdp1 import fsdp1_rank_group
 
-        guard = self._guard
-        assert guard is not None  # planned in setup()
         rg = fsdp1_rank_group(trainer.strategy.model)  # every rank: it may create a gloo group
-        if rg is None:
-            if trainer.is_global_zero:
-                logger.info("memguard does not recover from out-of-memory errors under %s: %s", sharding.name,
-                            _UNGUARDED_WHY["fsdp1"])
-            return
-        guard.rank_group = rg
-        guard.on_undo(rg.uninstall)
-        self._patch_strategy_step(trainer, pl_module)
-        if trainer.is_global_zero:
-            logger.info("memguard recovers from out-of-memory errors under %s: an agreement of the %d ranks runs "
-                        "before each FSDP1 all-gather and reduce-scatter, so all ranks halve the micro-batch and "
-                        "redo the same samples together", sharding.name, rg.world_size)
+        self._arm_group(trainer, sharding, rg, "fsdp1", lambda: self._patch_strategy_step(trainer, pl_module))
 
     def _arm_deepspeed(self, trainer: Any, pl_module: Any, sharding: _Sharding) -> None:
         """Under ``DeepSpeedStrategy``, once the strategy built the engine (``DeepSpeedStrategy.setup`` ->

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from memguard.errors import ConfigError
-from memguard.guard._sharded import ShardedRankGroup, _fsdp_state_of, _param_groups, fsdp_states, sharded_rank_group
+from memguard.guard._sharded import (ShardedRankGroup, _fsdp_state_of, _param_groups, drop_partial_grads, fsdp_states,
+                                     sharded_rank_group)
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,15 +50,7 @@ class FrameworkShardedRankGroup(ShardedRankGroup):
         :meth:`ShardedRankGroup.reset`.
         """
         self.reset_forward_state()
-        for pg in _param_groups(self.states):
-            for fp in pg.fsdp_params:
-                fp.unsharded_accumulated_grad = None
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
-                fp.sharded_param.grad = None
-        for p in params:
-            p.grad = None
+        drop_partial_grads(self.states, params)
 
     def reset_forward_state(self) -> None:
         """After a failed forward-only attempt: every state that became a root reset with

@@ -284,15 +284,7 @@ class ShardedRankGroup(RankGroup):
         else:  # forward never reached the root's lazy init: nothing ran yet
             for pg in _param_groups(self.states):
                 pg._reset_iter_state()
-        for pg in _param_groups(self.states):
-            for fp in pg.fsdp_params:
-                fp.unsharded_accumulated_grad = None
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
-                fp.sharded_param.grad = None
-        for p in params:
-            p.grad = None
+        drop_partial_grads(self.states, params)
         if self.model is not None and self.sync_last_only:
             self.model.set_requires_gradient_sync(True)
 
@@ -370,6 +362,20 @@ class ShardedRankGroup(RankGroup):
         if payload["type"] == "OOMRecoveryError":
             return OOMRecoveryError(payload["message"], micro_batch_size=self._mbs)
         return PeerFailedError(payload["message"], rank=int(payload["rank"]))
+
+
+def drop_partial_grads(states: Sequence[Any], params: Sequence[nn.Parameter] = ()) -> None:
+    """Drop the partial gradients of a failed attempt: each FSDP2 parameter's unsharded accumulated gradient
+    (a no-sync micro-batch's), its unsharded ``.grad`` and its sharded ``.grad``, and ``params``' ``.grad``."""
+    for pg in _param_groups(states):
+        for fp in pg.fsdp_params:
+            fp.unsharded_accumulated_grad = None
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            fp.sharded_param.grad = None
+    for p in params:
+        p.grad = None
 
 
 def _abort_all() -> None:
