@@ -455,6 +455,13 @@ def strategy_for(plan: Plan, *, package: str | ModuleType | None = None, fsdp_ve
                                   :func:`memguard.integrations.deepspeed.to_config`, without
                                   ``gradient_accumulation_steps`` and ``train_batch_size`` (Lightning
                                   sets the accumulation from the Trainer and refuses it in the config)
+    a ``plan.layout`` with TP     ``ModelParallelStrategy(data_parallel_size=dp_shard,
+                                  tensor_parallel_size=tp)``
+                                  (:func:`memguard.integrations.parallel.lightning_strategy_kwargs`):
+                                  ``configure_model()`` applies TP over
+                                  ``self.device_mesh["tensor_parallel"]`` and FSDP2 over
+                                  ``"data_parallel"``; :class:`MemguardCallback` does not recover
+                                  from OOM under TP yet
     ============================  ===============================================================
 
     The Trainer must also get ``precision=plan.precision``, ``devices``/``num_nodes`` giving
@@ -498,9 +505,18 @@ def strategy_for(plan: Plan, *, package: str | ModuleType | None = None, fsdp_ve
             config = to_config(plan)
         except ConfigError as exc:
             problems += exc.problems
+    layout = getattr(plan, "layout", None)
+    tensor_parallel = layout is not None and (layout.tp > 1 or layout.pp > 1)
+    if tensor_parallel and fsdp_version == 1:
+        problems.append("the plan's layout has tensor or pipeline parallelism, which Lightning's FSDPStrategy "
+                        "(FSDP1) cannot run; use fsdp_version=2 (ModelParallelStrategy)")
     if problems:
         raise ConfigError(problems)
     strategies = pkg.strategies
+    if tensor_parallel:
+        from memguard.integrations.parallel import lightning_strategy_kwargs
+
+        return strategies.ModelParallelStrategy(**lightning_strategy_kwargs(plan))
     if planned == "ddp":
         return "auto" if plan.world_size == 1 else strategies.DDPStrategy()
     if planned == "fsdp2":

@@ -389,6 +389,22 @@ def test_strategy_for_fsdp2_plans(stage: int, fsdp1: str) -> None:
     assert strategy_for(plan, fsdp_version=1).sharding_strategy.name == fsdp1
 
 
+def test_strategy_for_a_tensor_parallel_layout_is_model_parallel_with_its_sizes() -> None:
+    from memguard import Layout
+
+    # 4 data-parallel replicas of 4 x 2 samples
+    plan = _plan(strategy="fsdp2", zero_stage=3, world_size=8, global_batch_size=32, layout=Layout(dp_shard=4, tp=2))
+    mp = strategy_for(plan)
+    assert isinstance(mp, pl.strategies.ModelParallelStrategy)
+    assert (mp._data_parallel_size, mp._tensor_parallel_size) == (4, 2)
+    with pytest.raises(ConfigError, match="FSDPStrategy"):
+        strategy_for(plan, fsdp_version=1)
+    # Lightning's mesh has no replica dimension: a layout with data-parallel replicas is refused with what works
+    with pytest.raises(ConfigError, match="dp_shard=4"):
+        strategy_for(_plan(strategy="fsdp2", zero_stage=3, world_size=8, global_batch_size=32,
+                           layout=Layout(dp_replicate=2, dp_shard=2, tp=2)))
+
+
 def test_batch_keys_in_a_deepspeed_config_follow_the_plan_and_are_restored() -> None:
     from memguard.integrations.lightning import _apply_to_deepspeed_config
 
