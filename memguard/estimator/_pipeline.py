@@ -11,17 +11,19 @@ flight is what the schedule's own action order keeps (``schedules.py``, ``_get_p
 the stage's parameters, gradients and optimizer state and the stage's p2p receive buffers
 (``stage.py``, ``_prepare_forward_infra`` / ``_prepare_backward_infra``, made on a warm-up step, as
 in a running job). The last stage's loss is the model's own (``loss_function``: transformers'
-``ForCausalLMLoss``) on each micro-batch's logits; it keeps no outputs.
+``ForCausalLMLoss``) on each micro-batch's logits; it keeps no outputs. Under the trace the
+stage's causal mask is made as on real tensors (:func:`unpacked_positions`) and every sent tensor
+lives as long as its send's work (:func:`held_sends`).
 
 Known limitations:
     Only transformers decoder models are split (a base model under ``base_model_prefix`` with
     ``layers``, ``embed_tokens`` and ``norm``, called with ``inputs_embeds`` on later stages, and an
     ``lm_head``; Llama, Mistral, Qwen2 and the like); ``loss_fn`` must be None. Only ``GPipe`` and
     ``1F1B`` (one stage per rank); pipeline stages are not combined with data or tensor parallelism
-    yet. Not yet within 3% everywhere: on real 2- and 4-rank gloo runs (``benchmarks/layouts_cpu.py``,
-    its ``llama-pp*`` cases) every rank's estimate is 0.9-4.6% above that rank's real peak (7 of 12
-    ranks within 3%); the excess grows with the micro-batches a rank keeps in flight (0.375 MiB per
-    micro-batch on the 4-stage Llama) and is not explained yet.
+    yet. On real 2- and 4-rank gloo runs (``benchmarks/layouts_cpu.py``, its ``llama-pp*`` cases)
+    every rank's estimate equals that rank's real peak of live tensor bytes; two things the fake
+    run does differently from a real one are undone for that (:func:`unpacked_positions`: the
+    stage's causal mask; :func:`held_sends`: send works keep what they send).
     Every rank holds the replica's batch (the first stage reads its ``input_ids``, the last
     its ``labels``). The trace's ``forward`` phase holds the whole schedule, backward included.
 """
@@ -155,6 +157,76 @@ def causal_lm_loss(model: nn.Module) -> Any:
 
 
 @contextlib.contextmanager
+def unpacked_positions() -> Iterator[None]:
+    """The stage's causal mask as a real run makes it.
+
+    A stage calls the base model with ``use_cache=False`` and no ``position_ids``, so transformers
+    makes ``arange(seq)`` positions and, with no cache, asks whether they pack several sequences
+    (``masking_utils.py``, ``_preprocess_mask_arguments`` -> ``find_packed_sequence_indices``, 5.x).
+    On real tensors the answer is read from the data (``arange``: one sequence, ``None``), so
+    ``create_causal_mask`` may skip the mask (``_ignore_causal_mask_sdpa``) and SDPA takes the
+    grouped key/value heads as they are (``sdpa_attention.py``, ``use_gqa_in_sdpa``: no mask). On
+    fake tensors the data cannot be read (``is_tracing``), so the positions count as packed, a
+    ``(seq, seq)`` mask is made and ``repeat_kv`` copies every layer's keys and values to all
+    query heads, kept for backward: the trace held those copies where the real step does not.
+    Here a fake call answers what the real one does for the positions the stage makes."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers: no decoder to cut
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import is_fake
+
+    def find(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if is_fake(position_ids) else original(position_ids)
+
+    masking_utils.find_packed_sequence_indices = find
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+class _HeldWorks(list):
+    """The works of one p2p batch, holding the tensors they send (see :func:`held_sends`)."""
+
+    held: tuple[torch.Tensor, ...] = ()
+
+
+@contextlib.contextmanager
+def held_sends() -> Iterator[None]:
+    """Sent tensors live as long as their send's work, as on a real process group.
+
+    A real backend's send work keeps the tensor it sends until the work is destroyed, waited or
+    not (``ProcessGroupGloo.cpp``: ``SendWork`` holds ``tensor_``; NCCL stashes a work's tensors
+    for the caching allocator), and the schedules keep their send works until they wait on them,
+    some until the end of the step (``schedules.py``, ``ScheduleGPipe._step_microbatches``:
+    ``fwd_sends_to_wait``/``bwd_sends_to_wait``; ``Schedule1F1B``: ``send_work``). The fake
+    process group's works hold nothing, so an input gradient the stage sends (popped from
+    ``bwd_cache`` by ``get_bwd_send_ops``) died in the trace as soon as the schedule dropped its
+    ops. Here every batch of p2p ops (``schedules._batch_p2p``, through which every schedule
+    sends) returns its works with the sent tensors attached."""
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops, desc=None):
+        works = _HeldWorks(original(p2p_ops, desc=desc))
+        works.held = tuple(op.tensor for op in p2p_ops if op.op is torch.distributed.isend)
+        return works
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
+
+
+@contextlib.contextmanager
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     """A fake default process group of ``world_size`` ranks in which this process is ``rank``
     (:func:`~memguard.estimator._fsdp2.fake_world` makes rank 0 only)."""
@@ -183,7 +255,7 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with quiet_fake_tensor_log(), fake_rank(rank, stages):
+        with quiet_fake_tensor_log(), fake_rank(rank, stages), unpacked_positions(), held_sends():
             return PipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages, schedule=schedule,
                                   microbatches=microbatches).run()
     finally:
