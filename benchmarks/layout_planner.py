@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import sys
 import time
@@ -103,10 +104,24 @@ def run_case(name: str) -> dict:
     session = TraceSession.for_request(model, batch, request)
     start = time.perf_counter()
     error = None
+    misses: list[str] = []  # the planner's "predicted X but verified at Y" lines: what verification corrected
+
+    class Misses(logging.Handler):
+        def emit(self, record):
+            if "but verified at" in record.getMessage():
+                misses.append(record.getMessage().removeprefix("memguard: "))
+
+    handler, logger = Misses(), logging.getLogger("memguard")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
         plan = plan_request(model, batch, request, session=session)
     except memguard.InfeasiblePlanError as exc:
         plan, error = exc.closest, str(exc)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     seconds = time.perf_counter() - start
     space = request.resolve()
     t1 = time.perf_counter()
@@ -150,6 +165,7 @@ def run_case(name: str) -> dict:
             "peak_gib": round(plan.estimate.peak_bytes / GiB, 2),
             "verified": plan.reasons.get("estimate", ""), "why": plan.reasons.get("layout", "")},
         "error": error,
+        "verification_misses": misses,
         "published_rank": (matches[0] + 1) if matches else None,
         "published_rank_with_its_micro_batch": (exact[0] + 1) if exact else None,
         "published_layout_rank": layouts_seen.index(pub_key) + 1 if pub_key in layouts_seen else None,
@@ -191,6 +207,10 @@ def _markdown(results: list[dict], meta: dict) -> str:
             f"{r['published_rank']} of {r['configurations']} / {r['published_layout_rank']} of {r['layouts']} | "
             f"{pub.get('configuration')}: {pub.get('predicted_peak_gib')} GiB, "
             f"{'fits' if pub.get('fits') else 'does not fit'} | {r['planning_seconds']} s |")
+    misses = [f"- {r['case']}: {m}" for r in results for m in r.get("verification_misses", [])]
+    if misses:
+        lines += ["", "Verifications that found the layout model short (the planner then sized the next candidate "
+                  "with that shortfall):", "", *misses]
     lines += ["", "Each case's `plan.explain()`:", ""]
     for r in results:
         lines += [f"## {r['case']}", "", "```", r["explain"] or "", "```", ""]

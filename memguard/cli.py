@@ -73,7 +73,7 @@ CLI_OPTIONS = {
     "max_shape": "--max-seq-len", "strategy": "--strategy", "finetune": "--finetune", "train": "--eval",
     "torch_version": "--torch-version", "cuda_version": "--cuda-version", "cudnn_version": "--cudnn-version",
     "gradient_compression": "--gradient-compression", "powersgd": "--powersgd-rank",
-    "gpus_per_node": "--gpus-per-node",
+    "gpus_per_node": "--gpus-per-node", "verify_budget_s": "--verify-budget",
 }
 
 #: memguard.plan's options that take Python objects, so the command line has no flag for them.
@@ -173,6 +173,17 @@ def _positive_int(text: str) -> int:
     value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1; write e.g. 8")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """``--verify-budget``: seconds >= 0, or ``inf``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; write e.g. 20, 0 or inf") from None
+    if value != value or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number of seconds >= 0; write e.g. 20, 0 or inf")
     return value
 
 
@@ -325,6 +336,9 @@ def _target_options(parser: argparse.ArgumentParser, *, budget_help: str) -> arg
                    help="search parallel layouts of --world-size GPUs in nodes of K: tensor parallelism inside a "
                         "node, pipeline stages across nodes, FSDP2/DDP/HSDP over the rest (default: --world-size "
                         "data-parallel ranks)")
+    g.add_argument("--verify-budget", type=_seconds, default=None, metavar="SECONDS",
+                   help="with --gpus-per-node: verify the chosen layout with a full trace when it is predicted "
+                        "(from the model's op count) to take at most SECONDS (default 20; 0: never; inf: always)")
     g.add_argument("--budget", type=_bytes_arg, metavar="SIZE", help=budget_help)
     return g
 
@@ -829,6 +843,7 @@ def plan_request(args: argparse.Namespace, loaded: "LoadedModel | None" = None) 
         cuda_version=args.cuda_version, cudnn_version=args.cudnn_version,
         gradient_compression=args.gradient_compression, powersgd=args.powersgd_rank,
         gpus_per_node=getattr(args, "gpus_per_node", None),
+        verify_budget_s=getattr(args, "verify_budget", None),
         strategy=_restrict(getattr(args, "strategy", None)), finetune=getattr(args, "finetune", None),
         train=not getattr(args, "eval", False),
         optimizer=loaded.optimizer if loaded else None, loss_fn=loaded.loss_fn if loaded else None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import memguard
 from memguard.cli import EXIT_USAGE, main
 
@@ -22,6 +24,18 @@ def test_gpus_per_node_plans_a_layout_as_the_api_does(capsys):
     assert cli["layout"] == {k: getattr(api.layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp",
                                                                "pp_schedule", "pp_microbatches")}
     assert cli["micro_batch_size"] == api.micro_batch_size and cli["layout_report"] == list(api.layout_report)
+
+
+def test_verify_budget_flag_reaches_the_plan(capsys):
+    args = ["plan", *TINY, *FIXED, "--gpu", "A100-40GB", "--global-batch-size", "8", "--world-size", "2",
+            "--gpus-per-node", "2", "--verify-budget", "0", "--json", "-q"]
+    assert main(args) == 0
+    assert "verify_budget_s=0" in json.loads(capsys.readouterr().out)["reasons"]["estimate"]
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error
+        main(["plan", *TINY, *FIXED, "--gpu", "A100-40GB", "--global-batch-size", "8", "--world-size", "2",
+              "--gpus-per-node", "2", "--verify-budget", "-3"])
+    assert exc.value.code == EXIT_USAGE
+    assert "number of seconds >= 0" in capsys.readouterr().err
 
 
 def test_a_world_size_that_is_not_whole_nodes_is_a_usage_error(capsys):

@@ -44,7 +44,9 @@ loss). A rank's peak is then counted analytically for its stage:
 These are allocated bytes (no CUDA allocator model) plus the target's BLAS workspaces; the winner is
 verified with a real ``memguard.estimate(..., layout=...)`` where that estimates the layout (no
 pipeline stages combined with data or tensor parallelism) and a full trace is predicted to take at
-most :data:`VERIFY_BUDGET_S`; a verification that finds the model short sizes the next candidate
+most ``verify_budget_s`` (default :data:`VERIFY_BUDGET_S`). The prediction is the model's op count
+(counted on the probes) times :data:`SECONDS_PER_OP` and :func:`trace_seconds`' DTensor factor, not a
+clock reading, so the same request gets the same plan on an idle and on a loaded host; a verification that finds the model short sizes the next candidate
 with that shortfall (:data:`_MAX_VERIFY` at most). ``Plan.reasons["estimate"]`` says which it is.
 
 Known limitations:
@@ -106,10 +108,27 @@ log = logging.getLogger("memguard")
 SEARCHED_SCHEDULES = ("1F1B", "GPipe")
 #: Full verifications at most (each traces the whole model under its layout).
 _MAX_VERIFY = 2
-#: A verification predicted to take longer than this is skipped (planning stays a matter of seconds):
-#: its time is the probes' seconds per block times the model's blocks, 3x under FSDP2 or TP (their
-#: traces run DTensor dispatch; measured ~3-4x a plain trace on a 405B block).
+#: A verification predicted (:func:`trace_seconds`) to take longer than this is skipped, so that planning
+#: stays a matter of seconds; ``plan(verify_budget_s=...)`` changes it (0: never verify; ``math.inf``:
+#: always, where ``estimate(layout=...)`` supports the layout).
 VERIFY_BUDGET_S = 20.0
+#: CPU seconds a full trace spends per ATen op of the step (forward, backward, optimizer; views not counted),
+#: measured with ``time.process_time`` on a 2-core AMD EPYC (Zen 4) host: a Llama 3.1 8B-shaped model
+#: (``benchmarks/layout_planner.py``'s shapes, bf16-mixed, H100 target, sequence 8192, micro-batch 1) ran 22,045
+#: ops in 4.26 s of CPU time, 1.93e-4 s per op (the probes: 1.92e-4 for the 2-block one, after torch's warm-up).
+#: A constant, not the probes' clock: what the prediction decides (verify or not) must not depend on host load.
+SECONDS_PER_OP = 2.0e-4
+#: How much longer a trace under FSDP2 or tensor parallelism takes than a plain one (DTensor dispatch and the
+#: fake collectives), measured as above: ``estimate(layout=Layout(dp_shard=8))`` 10.6 s (2.5x),
+#: ``Layout(dp_shard=4, tp=2)`` 13.9 s (3.3x).
+DTENSOR_FACTOR = {"fsdp2": 2.5, "tp": 3.5}
+
+
+def trace_seconds(ops: float, lay: Layout) -> float:
+    """The predicted seconds of a full ``estimate(layout=lay)`` trace of a step of ``ops`` ATen ops, on the host
+    :data:`SECONDS_PER_OP` was measured on (a figure for deciding, not a measurement)."""
+    factor = DTENSOR_FACTOR["tp"] if lay.tp > 1 else DTENSOR_FACTOR["fsdp2"] if lay.dp_shard > 1 else 1.0
+    return ops * SECONDS_PER_OP * factor
 
 
 def _dtype_bytes(precision: str) -> tuple[int, int]:
@@ -146,7 +165,7 @@ class LayoutProfile:
     tp_degrees: tuple[int, ...] = (1,)
     tp_reason: str = ""
     pipeline: bool = False  # the model splits into pipeline stages
-    seconds_per_block: float = 0.0  # the probes' tracing time per block (what a full trace would take)
+    ops_per_step: float = 0.0  # the whole model's ATen ops per micro-batch (counted on the probes)
     fixed_bytes: int = 0  # the target's BLAS workspaces (CUDA), the same on every rank
 
     def block_params(self, tp: int) -> float:
@@ -297,7 +316,6 @@ def build_profile(session: Any, precisions: Iterable[str], spec: Any, gpus_per_n
         ConfigError: the model has no repeated blocks to probe and split.
     """
     model = session.model
-    started, traced = time.perf_counter(), session.trace_count
     precisions = tuple(precisions)
     session._first_precision = session._first_precision or precisions[0]
     if session.probe_points(spec) == [None]:
@@ -346,9 +364,7 @@ def build_profile(session: Any, precisions: Iterable[str], spec: Any, gpus_per_n
             profile.tp_shared = _tp_shared(session, first, spec, plan, profile.acts[(first, False)])
         except ConfigError as exc:
             profile.tp_degrees, profile.tp_reason = (1,), f"tensor parallelism not searched: {exc}"
-    new = session.trace_count - traced
-    if new:  # the probes keep 1 or 2 blocks, 1.5 on average
-        profile.seconds_per_block = (time.perf_counter() - started) / new / 1.5
+    profile.ops_per_step = session.cost_inputs(spec, precisions[0]).ops_per_micro_batch
     return profile
 
 
@@ -611,6 +627,7 @@ def search_layouts(session: Any, space: Any, request: Any) -> Any:
                           f"degrees the layouts of {world} GPUs have ({', '.join(map(str, dps))}): use a multiple "
                           f"of one of them")
     searched = time.perf_counter() - start
+    budget_s = VERIFY_BUDGET_S if request.verify_budget_s is None else float(request.verify_budget_s)
     tried = []
     ratio = 1.0  # how far a verification has found the layout model short (CUDA: the allocator's overhead)
     for _ in range(_MAX_VERIFY):
@@ -619,7 +636,7 @@ def search_layouts(session: Any, space: Any, request: Any) -> Any:
         if not fitting:
             break
         cand = fitting[0]
-        est, verified = _estimate(session, space, cand, profile)
+        est, verified = _estimate(session, space, cand, profile, budget_s=budget_s)
         tried.append((cand, est, verified))
         if est.peak_upper_bytes <= space.usable_bytes:
             return _plan(space, cand, est, verified, ranked, profile, searched, time.perf_counter() - start,
@@ -648,16 +665,18 @@ def verifiable(cand: LayoutCandidate) -> bool:
     return not (lay.dp_replicate > 1 and lay.dp_shard == 1 and lay.tp > 1)
 
 
-def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutProfile, verify: bool = True
-              ) -> tuple[Any, bool]:
-    """The candidate's estimate: a real ``estimate(layout=...)`` where it is affordable and supported,
-    else the layout model's figures (and False)."""
+def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutProfile, verify: bool = True,
+              budget_s: float = VERIFY_BUDGET_S) -> tuple[Any, bool]:
+    """The candidate's estimate: a real ``estimate(layout=...)`` where it is affordable (predicted by
+    :func:`trace_seconds` within ``budget_s``) and supported, else the layout model's figures (and False)."""
     lay = cand.layout
-    cost_s = profile.seconds_per_block * profile.num_blocks * (3 if lay.tp > 1 or lay.dp_shard > 1 else 1)
-    if verify and verifiable(cand) and cost_s > VERIFY_BUDGET_S:
+    # a pipeline estimate traces every stage's share of every micro-batch, the others one micro-batch
+    cost_s = trace_seconds(profile.ops_per_step * (lay.pp_microbatches or 1 if lay.pp > 1 else 1), lay)
+    if verify and verifiable(cand) and cost_s > budget_s:
         verify = False
-        why = (f"not verified: a full trace of this layout would take about {cost_s:.0f} s (over "
-               f"{VERIFY_BUDGET_S:g} s); memguard.estimate(model, batch, layout=plan.layout, ...) verifies it")
+        why = (f"not verified: a full trace of this layout is predicted to take about {cost_s:.0f} s ("
+               f"{profile.ops_per_step:.3g} ATen ops per micro-batch, over verify_budget_s={budget_s:g}); "
+               f"memguard.estimate(model, batch, layout=plan.layout, ...) verifies it")
     else:
         why = ("estimate(layout=...) does not estimate this layout yet" if not verifiable(cand) else
                "not verified")

@@ -20,6 +20,7 @@ imports nothing of the planner above it: the target is resolved once, by the est
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -93,6 +94,9 @@ class PlanRequest:
             layouts of ``world_size`` GPUs in nodes of that many (:mod:`memguard.planner._layouts`):
             tensor parallelism inside a node, pipeline stages across nodes, FSDP2/DDP/HSDP over the
             rest; ``Plan.layout`` records the choice.
+        verify_budget_s: with ``gpus_per_node``: the longest a verification trace of the chosen layout may
+            be predicted to take (:func:`memguard.planner._layouts.trace_seconds`, from the model's op count);
+            None = :data:`memguard.planner._layouts.VERIFY_BUDGET_S`, 0 = never verify, ``math.inf`` = always.
     """
 
     global_batch_size: int
@@ -121,6 +125,7 @@ class PlanRequest:
     gradient_compression: str | None = None
     powersgd: Any = None
     gpus_per_node: int | None = None
+    verify_budget_s: float | None = None
 
     @classmethod
     def from_options(cls, **options: Any) -> "PlanRequest":
@@ -315,7 +320,15 @@ class PlanRequest:
         """Why ``gpus_per_node=`` cannot be searched with the other options (empty when it can, or when unset)."""
         say = say or _speller(None)
         k, world = self.gpus_per_node, self.world_size
+        budget = self.verify_budget_s
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or math.isnan(budget) or budget < 0):
+            return [f"{say('verify_budget_s', budget)} must be a number of seconds >= 0 (0: never verify, "
+                    f"math.inf: always), or None for the default"]
         if k is None:
+            if budget is not None:
+                return [f"{say('verify_budget_s', budget)} bounds the layout search's verification: give "
+                        f"{say('gpus_per_node')} too, or drop it (a plan without layouts is always verified)"]
             return []
         if not _is_int(k) or k < 1:
             return [f"{say('gpus_per_node', k)} must be an integer >= 1 (the GPUs of one node), e.g. 8"]

@@ -95,6 +95,7 @@ def plan(
     gradient_compression: str | None = None,
     powersgd: Any = None,
     gpus_per_node: int | None = None,
+    verify_budget_s: float | None = None,
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing and sharding for a budget.
 
@@ -154,6 +155,10 @@ def plan(
             ``Plan.layout`` is the chosen :class:`memguard.Layout`, ``explain()`` lists the layouts
             tried and why each lost; ``world_size`` is then every GPU and ``global_batch_size``
             need only split over the chosen layout's data-parallel replicas.
+        verify_budget_s: with ``gpus_per_node``: the chosen layout is verified with a full
+            ``memguard.estimate(..., layout=...)`` when that is predicted (from the model's op count, not
+            a clock) to take at most this many seconds; None = 20 s, 0 = never, ``math.inf`` = always.
+            ``Plan.reasons["estimate"]`` says whether it was.
 
     Returns:
         The :class:`~memguard.Plan`, verified with one full trace.
@@ -171,6 +176,7 @@ def plan(
         keep_outputs=keep_outputs, max_shape=max_shape, train=train, finetune=finetune, strategy=strategy,
         cpu=cpu, torch_version=torch_version, cuda_version=cuda_version, cudnn_version=cudnn_version,
         gradient_compression=gradient_compression, powersgd=powersgd, gpus_per_node=gpus_per_node,
+        verify_budget_s=verify_budget_s,
     )
     return plan_request(model, batch, request)
 

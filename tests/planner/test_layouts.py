@@ -195,3 +195,52 @@ def test_a_plan_whose_numbers_disagree_with_its_layout_is_refused(act_model, bud
     plan = _plan(act_model, budgets[1])
     with pytest.raises(ConfigError, match="world_size"):
         plan.replace(layout=Layout(tp=4))
+
+
+# ---------------------------------------------------------------------------------------------- verification
+
+
+def test_whether_the_winner_is_verified_does_not_depend_on_the_clock(act_model, budgets, monkeypatch):
+    """The verification trace is predicted from the op count, so a host that seems 1000x slower (every clock
+    reading a further 1000 s on) gets the same plan, verified the same way."""
+    import time as time_module
+
+    plan = _plan(act_model, budgets[0])
+    clock = [0.0]
+
+    def slow():
+        clock[0] += 1000.0
+        return clock[0]
+
+    monkeypatch.setattr(time_module, "perf_counter", slow)
+    again = _plan(act_model, budgets[0])
+    monkeypatch.undo()
+    assert again.reasons["estimate"] == plan.reasons["estimate"]
+    assert again.layout == plan.layout and again.micro_batch_size == plan.micro_batch_size
+    assert again.estimate.peak_bytes == plan.estimate.peak_bytes
+
+
+def test_verify_budget_zero_keeps_the_layout_models_figure(act_model, budgets):
+    never = _plan(act_model, budgets[1], verify_budget_s=0)
+    always = _plan(act_model, budgets[1], verify_budget_s=float("inf"))
+    assert always.reasons["estimate"].startswith("verified")
+    assert "not verified" in never.reasons["estimate"] and "verify_budget_s=0" in never.reasons["estimate"]
+    assert never.layout == always.layout  # the same winner; only the figure's source differs
+
+
+def test_predicted_trace_seconds_follow_the_op_count_and_dtensor_dispatch():
+    ops = 22_045  # a Llama 3.1 8B step's ATen ops at micro-batch 1 (see SECONDS_PER_OP)
+    plain = _layouts.trace_seconds(ops, Layout(dp_replicate=8))
+    assert plain == pytest.approx(ops * _layouts.SECONDS_PER_OP)
+    assert _layouts.trace_seconds(ops, Layout(dp_shard=8)) == pytest.approx(plain * _layouts.DTENSOR_FACTOR["fsdp2"])
+    assert _layouts.trace_seconds(ops, Layout(dp_shard=4, tp=2)) == pytest.approx(plain * _layouts.DTENSOR_FACTOR["tp"])
+
+
+@pytest.mark.parametrize("options, expect", [
+    (dict(world_size=8, gpus_per_node=8, verify_budget_s=-1), "must be a number of seconds >= 0"),
+    (dict(world_size=8, gpus_per_node=8, verify_budget_s="10"), "must be a number of seconds >= 0"),
+    (dict(world_size=8, verify_budget_s=10), "give gpus_per_node too"),
+])
+def test_verify_budget_is_checked(options, expect):
+    problems = PlanRequest(global_batch_size=16, gpu="H100-80GB", **options).problems()
+    assert any(expect in p for p in problems), problems
