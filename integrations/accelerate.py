@@ -205,9 +205,10 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
     transformers model loaded so (``from_pretrained(..., tp_plan="auto")``, as that error says; transformers 5:
     ``distributed_config=DistributedConfig(tp_size=tp)``), or a plain one after
     ``parallelize_module(model, accelerator.torch_device_mesh["tp"], tp_plan)`` (the plan
-    :func:`memguard.estimator._layout.resolve_tp_plan` gives the estimate) and ``model.tp_size = tp``; with
-    ``dp_shard`` its ``DTensor`` s must be on that mesh, which FSDP2 joins to its own
-    (``_init_sharding_spec_tp`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``). :func:`prepare` and
+    :func:`memguard.estimator._layout.resolve_tp_plan` gives the estimate) and ``model.tp_size = tp``. With
+    ``dp_shard`` too, ``_prepare_tp`` makes the parameters left plain replicated ``DTensor`` s with transformers'
+    ``ReplicateParallel``, which transformers 5.24 no longer has (``accelerator.prepare`` raises ImportError): such a
+    layout is a ConfigError then. :func:`prepare` and
     :func:`step` guard a ``dp_shard`` layout; HSDP and tensor-parallel models they refuse (see the module
     docstring): run those with ``accelerator.prepare`` and your own loop at the plan's micro-batch. On CPU
     Accelerate 1.15 refuses every ``ParallelismConfig`` over several processes
@@ -217,8 +218,8 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
     Raises:
         ConfigError: ``plan`` is not a Plan, or it has no Accelerate equivalent (``"16-true"`` under
             DeepSpeed; ``"*-true"`` or optimizer offload beyond what FSDP2 runs; a layout with pipeline
-            stages, tensor parallelism over replicas alone, or a strategy that is not its own); every problem
-            listed.
+            stages, tensor parallelism over replicas alone, FSDP2 x TP without transformers'
+            ``ReplicateParallel``, or a strategy that is not its own); every problem listed.
         MissingDependencyError: Accelerate is not installed (FSDP2 and DeepSpeed plans build its plugins,
             layouts its ``ParallelismConfig``).
 
@@ -263,6 +264,12 @@ def _layout_kwargs(plan: Plan) -> dict[str, Any]:
     if lay.tp > 1 and lay.dp_replicate > 1 and lay.dp_shard == 1:  # ParallelismConfig.__post_init__ raises
         problems.append(f"Accelerate's ParallelismConfig refuses tensor parallelism over replicas alone "
                         f"({lay.describe()}): use Layout(dp_shard={lay.dp_replicate}, tp={lay.tp}) (FSDP2 x TP)")
+    if lay.tp > 1 and lay.dp_shard > 1 and not _has_replicate_parallel():
+        problems.append(f"Accelerate 1.15 runs FSDP2 x TP ({lay.describe()}) with transformers' ReplicateParallel "
+                        "(Accelerator._prepare_tp imports it from transformers.integrations.tensor_parallel), which the "
+                        "installed transformers does not have, so accelerator.prepare would raise ImportError: install a "
+                        "transformers that has it, plan again without gpus_per_node= (FSDP2 over every rank), or lay the "
+                        "model out without Accelerate (memguard.integrations.parallel.apply)")
     if plan.strategy == "deepspeed":
         problems.append("a DeepSpeed plan does not take a layout (memguard lays out FSDP2, DDP and TP, not ZeRO): build "
                         "plans with memguard.plan()")
@@ -280,6 +287,17 @@ def _layout_kwargs(plan: Plan) -> dict[str, Any]:
     acc = _accelerate()
     # cp_size and sp_size given as 1: else ParallelismConfig.__post_init__ reads PARALLELISM_CONFIG_CP_SIZE / _SP_SIZE
     return {"parallelism_config": acc.ParallelismConfig(**accelerate_parallelism_kwargs(lay), cp_size=1, sp_size=1)}
+
+
+def _has_replicate_parallel() -> bool:
+    """Whether Accelerate's FSDP2 x TP path can run: ``Accelerator._prepare_tp`` (accelerator.py, 1.15) imports
+    ``ReplicateParallel`` from ``transformers.integrations.tensor_parallel`` (transformers 5.24 has none)
+    to make the parameters tensor parallelism left plain replicated ``DTensor`` s before ``fully_shard``."""
+    try:
+        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _fsdp2_kwargs(plan: Plan) -> dict[str, Any]:

@@ -69,6 +69,7 @@ def main() -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     micro, accum, steps = cfg["batch"], cfg["accumulate"], cfg["steps"]
+    layout = Layout(dp_shard=world)
     global_batch = micro * accum * world
     data = Samples(steps * global_batch, cfg["seq"])
     torch.manual_seed(0)
@@ -96,7 +97,7 @@ def main() -> None:
                    zero_stage=3, world_size=world, gpu=None, micro_batch_size=micro)
     plan = Plan(micro_batch_size=micro, grad_accum_steps=accum, world_size=world, global_batch_size=global_batch,
                 precision="32-true", activation_checkpointing=False, zero_stage=3, strategy="fsdp2",
-                block_class="Linear", budget_bytes=1 << 30, estimate=est, device="cpu", layout=Layout(dp_shard=world))
+                block_class="Linear", budget_bytes=1 << 30, estimate=est, device="cpu", layout=layout)
     result: dict = {"error": None, "rank": rank}
     try:
         kwargs = accelerator_kwargs(plan)

@@ -12,10 +12,14 @@ No tensor-parallel run: Accelerate 1.15 does not run a ``ParallelismConfig`` on 
 (``_validate_accelerator`` takes one only for FSDP2, GPU-like ``MULTI_*`` and DeepSpeed Accelerators, and
 ``AcceleratorState`` never makes a CPU Accelerator FSDP2), and tensor parallelism alone must not have an FSDP2
 plugin (the validation's "no dimension for FSDP to shard" refusal, tested below), so on CPU it has no way in.
+FSDP2 x TP does get in with the worker's FSDP2-on-CPU patch (4 gloo ranks), but ``accelerator.prepare`` of a
+tensor-parallel model then fails importing transformers' ``ReplicateParallel``, which transformers 5.24 lacks:
+accelerator_kwargs refuses that layout then (tested below).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -76,12 +80,26 @@ def _sizes(pc: ParallelismConfig) -> tuple[int, ...]:
 # in process
 
 
+def _replicate_parallel() -> bool:
+    """Whether transformers has what Accelerate's FSDP2 x TP path imports (see below)."""
+    try:
+        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_FSDP2_X_TP = [
+    (Layout(dp_shard=4, tp=2), (1, 4, 2, 1, 1), True),  # FSDP2 x TP
+    (Layout(dp_replicate=2, dp_shard=2, tp=2), (2, 2, 2, 1, 1), True),  # HSDP x TP
+]
+
+
 @pytest.mark.parametrize("layout, sizes, plugin", [
     (Layout(dp_shard=2), (1, 2, 1, 1, 1), True),  # FSDP2
-    (Layout(dp_shard=4, tp=2), (1, 4, 2, 1, 1), True),  # FSDP2 x TP
     (Layout(tp=2), (1, 1, 2, 1, 1), False),  # TP alone: no FSDP2 plugin (Accelerate refuses one, below)
     (Layout(dp_replicate=2, dp_shard=2), (2, 2, 1, 1, 1), True),  # HSDP
-    (Layout(dp_replicate=2, dp_shard=2, tp=2), (2, 2, 2, 1, 1), True),  # HSDP x TP
+    *(_FSDP2_X_TP if _replicate_parallel() else []),
 ])
 def test_a_layout_becomes_accelerates_parallelism_config(layout: Layout, sizes: tuple, plugin: bool) -> None:
     plan = _plan(layout)
@@ -99,6 +117,24 @@ def test_a_layout_becomes_accelerates_parallelism_config(layout: Layout, sizes: 
         assert kw == {"mixed_precision": "bf16", "gradient_accumulation_steps": 2}
     # Accelerate's own check of the config against a GPU launch of the layout's ranks passes
     pc._validate_accelerator(_gpu_accelerator(layout.world_size, fsdp2=plugin))
+
+
+@pytest.mark.parametrize("layout", [lay for lay, _, _ in _FSDP2_X_TP])
+def test_fsdp2_x_tp_needs_the_transformers_class_accelerate_imports(layout: Layout) -> None:
+    # Accelerator._prepare_tp (accelerator.py, 1.15) under FSDP2 makes the parameters tensor parallelism left plain
+    # replicated DTensors with transformers' ReplicateParallel, imported there; transformers 5.24 has none, and
+    # accelerator.prepare of a tensor-parallel model then raises ImportError
+    from accelerate import Accelerator
+
+    assert "from transformers.integrations.tensor_parallel import ReplicateParallel" in inspect.getsource(
+        Accelerator._prepare_tp)
+    if _replicate_parallel():
+        pc = accelerator_kwargs(_plan(layout))["parallelism_config"]
+        assert (pc.dp_shard_size, pc.tp_size) == (layout.dp_shard, layout.tp)
+    else:
+        with pytest.raises(ConfigError, match=r"transformers' ReplicateParallel .* install a transformers that has it, "
+                                              r"plan again without gpus_per_node="):
+            accelerator_kwargs(_plan(layout))
 
 
 def test_tensor_parallelism_alone_must_not_get_an_fsdp2_plugin() -> None:
