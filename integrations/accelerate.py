@@ -266,13 +266,13 @@ def _layout_kwargs(plan: Plan) -> dict[str, Any]:
                         f"({lay.describe()}): use Layout(dp_shard={lay.dp_replicate}, tp={lay.tp}) (FSDP2 x TP)")
     if lay.tp > 1 and lay.dp_shard > 1 and not _has_replicate_parallel():
         problems.append(f"Accelerate 1.15 runs FSDP2 x TP ({lay.describe()}) with transformers' ReplicateParallel "
-                        "(Accelerator._prepare_tp imports it from transformers.integrations.tensor_parallel), which the "
-                        "installed transformers does not have, so accelerator.prepare would raise ImportError: install a "
-                        "transformers that has it, plan again without gpus_per_node= (FSDP2 over every rank), or lay the "
-                        "model out without Accelerate (memguard.integrations.parallel.apply)")
+                        "(Accelerator._prepare_tp imports it from transformers.integrations.tensor_parallel), which "
+                        "the installed transformers does not have, so accelerator.prepare would raise ImportError: "
+                        "install a transformers that has it, plan again without gpus_per_node= (FSDP2 over every "
+                        "rank), or lay the model out without Accelerate (memguard.integrations.parallel.apply)")
     if plan.strategy == "deepspeed":
-        problems.append("a DeepSpeed plan does not take a layout (memguard lays out FSDP2, DDP and TP, not ZeRO): build "
-                        "plans with memguard.plan()")
+        problems.append("a DeepSpeed plan does not take a layout (memguard lays out FSDP2, DDP and TP, not ZeRO): "
+                        "build plans with memguard.plan()")
     elif (plan.strategy == "fsdp2") != (lay.dp_shard > 1):
         # dp_shard > 1 is FSDP2 (accelerate.utils.fsdp_utils.fsdp2_prepare_model shards over the mesh's
         # "dp_shard_cp"); ParallelismConfig._validate_accelerator refuses an FSDP2 plugin without dp_shard or cp
@@ -294,10 +294,10 @@ def _has_replicate_parallel() -> bool:
     ``ReplicateParallel`` from ``transformers.integrations.tensor_parallel`` (transformers 5.24 has none)
     to make the parameters tensor parallelism left plain replicated ``DTensor`` s before ``fully_shard``."""
     try:
-        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
+        import transformers.integrations.tensor_parallel as tp
     except ImportError:
         return False
-    return True
+    return hasattr(tp, "ReplicateParallel")
 
 
 def _fsdp2_kwargs(plan: Plan) -> dict[str, Any]:

@@ -83,10 +83,10 @@ def _sizes(pc: ParallelismConfig) -> tuple[int, ...]:
 def _replicate_parallel() -> bool:
     """Whether transformers has what Accelerate's FSDP2 x TP path imports (see below)."""
     try:
-        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
+        import transformers.integrations.tensor_parallel as tp
     except ImportError:
         return False
-    return True
+    return hasattr(tp, "ReplicateParallel")
 
 
 _FSDP2_X_TP = [
