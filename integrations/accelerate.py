@@ -251,7 +251,8 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
 
 def _layout_kwargs(plan: Plan) -> dict[str, Any]:
     """``parallelism_config`` for the plan's layout; none without a layout or for DDP replicas alone (which
-    ``ParallelismConfig``'s docstring calls invalid, Accelerate's DDP over the processes being the same run)."""
+    ``ParallelismConfig``'s docstring calls invalid and ``_validate_accelerator`` refuses on CPU processes;
+    Accelerate's DDP over the processes is the same run)."""
     lay = plan.layout
     if lay is None:
         return {}
@@ -285,8 +286,10 @@ def _layout_kwargs(plan: Plan) -> dict[str, Any]:
     from memguard.integrations.parallel import accelerate_parallelism_kwargs
 
     acc = _accelerate()
-    # cp_size and sp_size given as 1: else ParallelismConfig.__post_init__ reads PARALLELISM_CONFIG_CP_SIZE / _SP_SIZE
-    return {"parallelism_config": acc.ParallelismConfig(**accelerate_parallelism_kwargs(lay), cp_size=1, sp_size=1)}
+    # cp_size and sp_size 1 unless given: else ParallelismConfig.__post_init__ reads PARALLELISM_CONFIG_CP_SIZE
+    # and _SP_SIZE from the environment
+    sizes = {"cp_size": 1, "sp_size": 1, **accelerate_parallelism_kwargs(lay)}
+    return {"parallelism_config": acc.ParallelismConfig(**sizes)}
 
 
 def _has_replicate_parallel() -> bool:
