@@ -7,7 +7,8 @@ PyTorch reference on each full optimizer step (no Accelerate, no memguard). Then
 Accelerate 1.15 on CPU processes refuses that as it comes: ``AcceleratorState.__init__`` (accelerate/state.py)
 turns an ``fsdp_plugin`` into ``DistributedType.FSDP`` only for GPUs and other accelerators, so the state stays
 MULTI_CPU, which ``ParallelismConfig._validate_accelerator`` (accelerate/parallelism_config.py) refuses for any
-config over several processes. :func:`parallelism_on_cpu` sets what the GPU branch of ``AcceleratorState``
+config over several processes (each rank tries, and records the error as ``unpatched``).
+:func:`parallelism_on_cpu` sets what the GPU branch of ``AcceleratorState``
 sets (``accelerate_worker.force_fsdp_on_cpu``) just before that validation, which then runs as on GPUs. The
 model and optimizer go through :func:`memguard.integrations.accelerate.prepare` (``plan=``), which lets
 ``accelerator.prepare`` shard the model over the config's device mesh, and one
@@ -103,6 +104,13 @@ def main() -> None:
         kwargs = accelerator_kwargs(plan)
         pc = kwargs["parallelism_config"]
         result["config"] = [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size, pc.sp_size]
+        try:  # as it comes, Accelerate refuses it on CPU processes (see the module docstring)
+            Accelerator(**kwargs)
+        except ValueError as exc:
+            result["unpatched"] = str(exc)
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state()  # (the process group and PartialState stay)
         with parallelism_on_cpu(kwargs["fsdp_plugin"]):
             accelerator = Accelerator(**kwargs)
         mesh = accelerator.torch_device_mesh

@@ -241,6 +241,8 @@ def test_a_dp_shard_layout_trains_under_accelerate_on_two_ranks(tmp_path: Path) 
     for r in (r0, r1):
         assert r["error"] is None, r["error"]
         assert r["config"] == [1, 2, 1, 1, 1]  # ParallelismConfig(dp_shard_size=2)
+        # unpatched, Accelerate 1.15 refuses it on CPU processes (the FSDP plugin ignored, the state MULTI_CPU)
+        assert "ParallelismConfig is only compatible" in r["unpatched"] and "MULTI_CPU" in r["unpatched"]
         assert r["distributed_type"] == "FSDP" and r["is_fsdp2"] and r["num_processes"] == 2
         assert r["mesh"] == [["dp_shard"], [2]]  # the config's device mesh
         # fully_shard over the config's joint FSDP dimension (ParallelismConfig.fsdp_dim_names)
