@@ -78,9 +78,10 @@ Known limitations:
     :class:`memguard.OOMRecoveryError` (see :mod:`memguard.guard._sharded`), and HSDP (a 2-D mesh)
     (and FSDP1's HYBRID_SHARD) is refused, in training and in evaluation. Of a plan's layout
     (:func:`accelerator_kwargs`' ``parallelism_config``) :func:`step` guards FSDP2 over ``dp_shard``; a
-    tensor-parallel model it refuses (:mod:`memguard.guard._tp`), and pipeline stages Accelerate does not run. Accelerate 1.15 runs an FSDP plugin
-    only on GPUs and other accelerators, not on CPU processes (``AcceleratorState.__init__`` in
-    ``accelerate/state.py`` leaves MULTI_CPU alone). XLA and Megatron-LM Accelerators are not supported. Gradient
+    tensor-parallel model it refuses (:mod:`memguard.guard._tp`), and pipeline stages Accelerate does not
+    run. Accelerate 1.15 runs an FSDP plugin only on GPUs and other accelerators, not on CPU processes
+    (``AcceleratorState.__init__`` in ``accelerate/state.py`` leaves MULTI_CPU alone). XLA and Megatron-LM
+    Accelerators are not supported. Gradient
     clipping must be asked of :func:`prepare` (``max_grad_norm=``, ``clip_grad_value=``), since the
     optimizer steps inside :func:`step`. The loss function runs once per micro-batch (and again on
     a replay). Under DDP, gradient communication does not overlap the backward passes and DDP communication hooks
@@ -207,10 +208,10 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
     ``parallelize_module(model, accelerator.torch_device_mesh["tp"], tp_plan)`` (the plan
     :func:`memguard.estimator._layout.resolve_tp_plan` gives the estimate) and ``model.tp_size = tp``. With
     ``dp_shard`` too, ``_prepare_tp`` makes the parameters left plain replicated ``DTensor`` s with transformers'
-    ``ReplicateParallel``, which transformers 5.24 no longer has (``accelerator.prepare`` raises ImportError): such a
-    layout is a ConfigError then. :func:`prepare` and
-    :func:`step` guard a ``dp_shard`` layout; HSDP and tensor-parallel models they refuse (see the module
-    docstring): run those with ``accelerator.prepare`` and your own loop at the plan's micro-batch. On CPU
+    ``ReplicateParallel``, which transformers 5.24 no longer has (``accelerator.prepare`` raises ImportError):
+    such a layout is a ConfigError then. :func:`prepare` and :func:`step` guard a ``dp_shard`` layout; HSDP
+    and tensor-parallel models they refuse (see the module docstring): run those with ``accelerator.prepare``
+    and your own loop at the plan's micro-batch. On CPU
     Accelerate 1.15 refuses every ``ParallelismConfig`` over several processes
     (``_validate_accelerator``: only FSDP2, GPU-like ``MULTI_*`` and DeepSpeed Accelerators take one, and
     ``AcceleratorState`` runs no FSDP plugin on MULTI_CPU).
@@ -227,7 +228,8 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
         FSDP2's ``activation_checkpointing`` checkpoints every wrapped block; a plan that checkpoints
         only some of them is run with more recomputation than planned (and less memory). Without a
         ``plan.block_class`` the plugin wraps the root only (Accelerate's ``NO_WRAP``), which gathers
-        every parameter at once: more memory than the per-block estimate.
+        every parameter at once: more memory than the per-block estimate. Layout plans have no
+        ``block_class`` yet (``memguard.planner._layouts``), though their estimate shards each block.
     """
     if not isinstance(plan, Plan):
         raise ConfigError(f"accelerator_kwargs needs a memguard.Plan, got {type(plan).__name__}")
