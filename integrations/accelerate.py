@@ -76,9 +76,12 @@ Known limitations:
     ``offload_param`` is refused there), under DDP and ZeRO-0/1/2 each rank splits alone. An out-of-memory error
     inside FSDP's or DeepSpeed's own collectives stops every rank with the same
     :class:`memguard.OOMRecoveryError` (see :mod:`memguard.guard._sharded`), and HSDP (a 2-D mesh)
-    (and FSDP1's HYBRID_SHARD) is refused, in training and in evaluation. Accelerate 1.15 runs an FSDP plugin
-    only on GPUs and other accelerators, not on CPU processes (``AcceleratorState.__init__`` in
-    ``accelerate/state.py`` leaves MULTI_CPU alone). XLA and Megatron-LM Accelerators are not supported. Gradient
+    (and FSDP1's HYBRID_SHARD) is refused, in training and in evaluation. Of a plan's layout
+    (:func:`accelerator_kwargs`' ``parallelism_config``) :func:`step` guards FSDP2 over ``dp_shard``; a
+    tensor-parallel model it refuses (:mod:`memguard.guard._tp`), and pipeline stages Accelerate does not
+    run. Accelerate 1.15 runs an FSDP plugin only on GPUs and other accelerators, not on CPU processes
+    (``AcceleratorState.__init__`` in ``accelerate/state.py`` leaves MULTI_CPU alone). XLA and Megatron-LM
+    Accelerators are not supported. Gradient
     clipping must be asked of :func:`prepare` (``max_grad_norm=``, ``clip_grad_value=``), since the
     optimizer steps inside :func:`step`. The loss function runs once per micro-batch (and again on
     a replay). Under DDP, gradient communication does not overlap the backward passes and DDP communication hooks
@@ -186,22 +189,54 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
     then (``AcceleratorState.__init__``, accelerate/state.py); DeepSpeed picks its own accelerator
     (``DS_ACCELERATOR=cpu`` on a host without GPUs).
 
+    A plan with a layout (``memguard.plan(..., world_size=N, gpus_per_node=K)``, ``plan.layout``) also gets
+    ``parallelism_config=ParallelismConfig(dp_replicate_size, dp_shard_size, tp_size)`` of the layout
+    (:func:`memguard.integrations.parallel.accelerate_parallelism_kwargs`; ``accelerate/parallelism_config.py``,
+    1.15), on whose device mesh (``accelerator.torch_device_mesh``) Accelerate shards the dataloader by
+    data-parallel rank (a tensor-parallel group's ranks get the same batches: ``prepare_data_loader``,
+    ``accelerate/data_loader.py``) and, for ``dp_shard > 1`` (an ``"fsdp2"`` plan: the plugin above),
+    ``fully_shard`` s over ``dp_shard`` (with ``dp_replicate``: HSDP; ``fsdp2_prepare_model``,
+    ``accelerate/utils/fsdp_utils.py``). Tensor parallelism without ``dp_shard`` gets no FSDP plugin
+    (``ParallelismConfig._validate_accelerator`` refuses one with ``dp_shard`` and ``cp`` both 1); DDP replicas
+    alone get no ``ParallelismConfig`` (whose docstring calls ``dp_replicate`` alone invalid: Accelerate's DDP over
+    the processes is that run). Accelerate does not apply tensor parallelism: ``Accelerator.prepare``
+    (``_prepare_tp``) skips a model without ``DTensor`` parameters with a warning, and without FSDP2
+    ``_prepare_one`` raises unless ``accelerate.utils.get_model_tp_size(model)`` (``model.tp_size``, else
+    ``model.config.distributed_config.tp_size``) is the layout's ``tp``. Give it a tensor-parallel model: a
+    transformers model loaded so (``from_pretrained(..., tp_plan="auto")``, as that error says; transformers 5:
+    ``distributed_config=DistributedConfig(tp_size=tp)``), or a plain one after
+    ``parallelize_module(model, accelerator.torch_device_mesh["tp"], tp_plan)`` (the plan
+    :func:`memguard.estimator._layout.resolve_tp_plan` gives the estimate) and ``model.tp_size = tp``. With
+    ``dp_shard`` too, ``_prepare_tp`` makes the parameters left plain replicated ``DTensor`` s with transformers'
+    ``ReplicateParallel``, which transformers 5.24 no longer has (``accelerator.prepare`` raises ImportError):
+    such a layout is a ConfigError then. :func:`prepare` and :func:`step` guard a ``dp_shard`` layout; HSDP
+    and tensor-parallel models they refuse (see the module docstring): run those with ``accelerator.prepare``
+    and your own loop at the plan's micro-batch. On CPU
+    Accelerate 1.15 refuses every ``ParallelismConfig`` over several processes
+    (``_validate_accelerator``: only FSDP2, GPU-like ``MULTI_*`` and DeepSpeed Accelerators take one, and
+    ``AcceleratorState`` runs no FSDP plugin on MULTI_CPU).
+
     Raises:
         ConfigError: ``plan`` is not a Plan, or it has no Accelerate equivalent (``"16-true"`` under
-            DeepSpeed; ``"*-true"`` or optimizer offload beyond what FSDP2 runs); every problem listed.
-        MissingDependencyError: Accelerate is not installed (FSDP2 and DeepSpeed plans build its plugins).
+            DeepSpeed; ``"*-true"`` or optimizer offload beyond what FSDP2 runs; a layout with pipeline
+            stages, tensor parallelism over replicas alone, FSDP2 x TP without transformers'
+            ``ReplicateParallel``, or a strategy that is not its own); every problem listed.
+        MissingDependencyError: Accelerate is not installed (FSDP2 and DeepSpeed plans build its plugins,
+            layouts its ``ParallelismConfig``).
 
     Known limitations:
         FSDP2's ``activation_checkpointing`` checkpoints every wrapped block; a plan that checkpoints
         only some of them is run with more recomputation than planned (and less memory). Without a
         ``plan.block_class`` the plugin wraps the root only (Accelerate's ``NO_WRAP``), which gathers
-        every parameter at once: more memory than the per-block estimate.
+        every parameter at once: more memory than the per-block estimate. Layout plans have no
+        ``block_class`` yet (``memguard.planner._layouts``), though their estimate shards each block.
     """
     if not isinstance(plan, Plan):
         raise ConfigError(f"accelerator_kwargs needs a memguard.Plan, got {type(plan).__name__}")
+    layout = _layout_kwargs(plan)
     strategy = plan.strategy
     if strategy == "fsdp2":
-        return _fsdp2_kwargs(plan)
+        return {**_fsdp2_kwargs(plan), **layout}
     if strategy == "deepspeed":
         return _deepspeed_kwargs(plan)
     problems = plan_problems(plan, _constraints())
@@ -213,7 +248,61 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
                               "gradient_accumulation_steps": plan.grad_accum_steps}
     if plan.device == "cpu":
         kwargs["cpu"] = True
-    return kwargs
+    return {**kwargs, **layout}
+
+
+def _layout_kwargs(plan: Plan) -> dict[str, Any]:
+    """``parallelism_config`` for the plan's layout; none without a layout or for DDP replicas alone (which
+    ``ParallelismConfig``'s docstring calls invalid and ``_validate_accelerator`` refuses on CPU processes;
+    Accelerate's DDP over the processes is the same run)."""
+    lay = plan.layout
+    if lay is None:
+        return {}
+    problems = []
+    if lay.pp > 1:
+        problems.append(f"the plan's layout {lay.describe()} has {lay.pp} pipeline stages, and Accelerate 1.15 has no "
+                        "pipeline dimension (ParallelismConfig has dp_replicate, dp_shard, tp, cp and sp): run the "
+                        "stages with torch.distributed.pipelining, or plan again with gpus_per_node=world_size (one "
+                        "node: memguard puts pipeline stages only across nodes)")
+    if lay.tp > 1 and lay.dp_replicate > 1 and lay.dp_shard == 1:  # ParallelismConfig.__post_init__ raises
+        problems.append(f"Accelerate's ParallelismConfig refuses tensor parallelism over replicas alone "
+                        f"({lay.describe()}): use Layout(dp_shard={lay.dp_replicate}, tp={lay.tp}) (FSDP2 x TP)")
+    if lay.tp > 1 and lay.dp_shard > 1 and not _has_replicate_parallel():
+        problems.append(f"Accelerate 1.15 runs FSDP2 x TP ({lay.describe()}) with transformers' ReplicateParallel "
+                        "(Accelerator._prepare_tp imports it from transformers.integrations.tensor_parallel), which "
+                        "the installed transformers does not have, so accelerator.prepare would raise ImportError: "
+                        "install a transformers that has it, plan again without gpus_per_node= (FSDP2 over every "
+                        "rank), or lay the model out without Accelerate (memguard.integrations.parallel.apply)")
+    if plan.strategy == "deepspeed":
+        problems.append("a DeepSpeed plan does not take a layout (memguard lays out FSDP2, DDP and TP, not ZeRO): "
+                        "build plans with memguard.plan()")
+    elif (plan.strategy == "fsdp2") != (lay.dp_shard > 1):
+        # dp_shard > 1 is FSDP2 (accelerate.utils.fsdp_utils.fsdp2_prepare_model shards over the mesh's
+        # "dp_shard_cp"); ParallelismConfig._validate_accelerator refuses an FSDP2 plugin without dp_shard or cp
+        problems.append(f"the plan's strategy {plan.strategy!r} conflicts with its layout {lay.describe()}: dp_shard > "
+                        "1 is FSDP2 (strategy 'fsdp2'), and FSDP2 needs dp_shard > 1; build plans with memguard.plan()")
+    if problems:
+        raise ConfigError(problems)
+    if lay.dp_shard == lay.tp == 1:
+        return {}
+    from memguard.integrations.parallel import accelerate_parallelism_kwargs
+
+    acc = _accelerate()
+    # cp_size and sp_size 1 unless given: else ParallelismConfig.__post_init__ reads PARALLELISM_CONFIG_CP_SIZE
+    # and _SP_SIZE from the environment
+    sizes = {"cp_size": 1, "sp_size": 1, **accelerate_parallelism_kwargs(lay)}
+    return {"parallelism_config": acc.ParallelismConfig(**sizes)}
+
+
+def _has_replicate_parallel() -> bool:
+    """Whether Accelerate's FSDP2 x TP path can run: ``Accelerator._prepare_tp`` (accelerator.py, 1.15) imports
+    ``ReplicateParallel`` from ``transformers.integrations.tensor_parallel`` (transformers 5.24 has none)
+    to make the parameters tensor parallelism left plain replicated ``DTensor`` s before ``fully_shard``."""
+    try:
+        import transformers.integrations.tensor_parallel as tp
+    except ImportError:
+        return False
+    return hasattr(tp, "ReplicateParallel")
 
 
 def _fsdp2_kwargs(plan: Plan) -> dict[str, Any]:
