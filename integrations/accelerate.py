@@ -228,8 +228,7 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
         FSDP2's ``activation_checkpointing`` checkpoints every wrapped block; a plan that checkpoints
         only some of them is run with more recomputation than planned (and less memory). Without a
         ``plan.block_class`` the plugin wraps the root only (Accelerate's ``NO_WRAP``), which gathers
-        every parameter at once: more memory than the per-block estimate. Layout plans have no
-        ``block_class`` yet (``memguard.planner._layouts``), though their estimate shards each block.
+        every parameter at once: more memory than the per-block estimate.
     """
     if not isinstance(plan, Plan):
         raise ConfigError(f"accelerator_kwargs needs a memguard.Plan, got {type(plan).__name__}")

@@ -167,6 +167,7 @@ class LayoutProfile:
     pipeline: bool = False  # the model splits into pipeline stages
     ops_per_step: float = 0.0  # the whole model's ATen ops per micro-batch (counted on the probes)
     fixed_bytes: int = 0  # the target's BLAS workspaces (CUDA), the same on every rank
+    block_class: str | None = None  # the repeated block's class name (FSDP2 wraps each; Plan.block_class)
 
     def block_params(self, tp: int) -> float:
         return self.p_block_tp / tp + self.p_block_rep
@@ -339,7 +340,10 @@ def build_profile(session: Any, precisions: Iterable[str], spec: Any, gpus_per_n
     p_tp, p_rep, p_first, p_last = _param_counts(model, plan if len(degrees) > 1 else None)
     if len(degrees) == 1:
         p_tp, p_rep = 0, p_tp + p_rep
-    profile = LayoutProfile(num_blocks=session.num_blocks, p_block_tp=p_tp, p_block_rep=p_rep, p_first=p_first,
+    from memguard.estimator._blocks import find_blocks
+
+    blocks = find_blocks(model)
+    profile = LayoutProfile(block_class=type(blocks[0]).__name__ if blocks else None, num_blocks=session.num_blocks, p_block_tp=p_tp, p_block_rep=p_rep, p_first=p_first,
                             p_last=p_last, tp_shared=1.0, tp_degrees=tuple(degrees), tp_reason=reason,
                             pipeline=decoder_parts(model) is not None)
     ckpt = True in tuple(checkpointing)
@@ -750,5 +754,5 @@ def _plan(space: Any, cand: LayoutCandidate, est: Any, verified: bool, ranked: l
                                                      and space.spec.memory_bytes) else None,
         headroom=float(space.headroom), throughput=space.global_batch_size / cand.cost.total,
         reasons=reasons, hidden_size=hidden, strategy="fsdp2" if lay.dp_shard > 1 else "ddp", layout=lay,
-        layout_report=tuple(lines),
+        layout_report=tuple(lines), block_class=profile.block_class,
     )

@@ -199,6 +199,7 @@ def test_a_real_layout_plan_gets_its_layouts_config() -> None:
                          activation_checkpointing=False, optimizer=lambda p: torch.optim.AdamW(p, foreach=False))
     lay = plan.layout
     assert isinstance(lay, Layout) and lay.world_size == 2 and lay.pp == 1  # one node: no pipeline stages
+    assert plan.block_class == "LlamaDecoderLayer"  # so an FSDP2 plugin wraps each block, as the estimate shards
     kw = accelerator_kwargs(plan)
     assert kw["mixed_precision"] == "no" and kw["cpu"] is True
     if lay.dp_shard == lay.tp == 1:  # DDP replicas: Accelerate's plain DDP
