@@ -7,7 +7,9 @@ memguard has a rule (:mod:`memguard.estimator._cuda_rules`, :mod:`memguard.estim
 the rule allocates them; this module lists the rest. While the trace runs under
 :class:`~memguard.estimator._cuda_kernels.CudaKernelModel`, every call of a function registered
 here with :func:`unmodelled` reports an :class:`Unmodelled` entry (the hook is
-:data:`~memguard.estimator._cuda_kernels.UNMODELLED`); the pricing names each in
+:data:`~memguard.estimator._cuda_kernels.UNMODELLED`), and so does every ATen op the trace's recorder
+sees that is registered in :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS` (reductions,
+which autograd also runs itself); the pricing names each in
 ``Estimate.notes`` and adds the largest to ``Estimate.peak_upper_bytes`` (:func:`upper_bound`).
 
 What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless said otherwise):
@@ -58,6 +60,17 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
 * **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True``, and the backward of ``x[index]``
   with integer index tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear
   indices with CUB and keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
+* **Reductions split over blocks** (ATen ops ``sum``, ``nansum``, ``prod``, ``mean``, ``linalg_vector_norm``
+  / ``norm``, ``amax``/``amin``, ``max``/``min`` (full and ``.dim``), ``argmax``/``argmin``,
+  ``var``/``std``/``var_mean``/``std_mean``, registered by ATen overload in
+  :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS`, so that autograd's own reductions, such as
+  a Linear bias gradient's ``sum``, are seen): native/cuda/Reduce.cuh ``gpu_reduce_kernel`` allocates
+  ``ReduceConfig::global_memory_size()`` bytes of staging and ``semaphore_size()`` bytes of semaphores
+  when ``setReduceConfig`` splits each output's inputs over ``ctas_per_output > 1`` blocks, which
+  depends on the SM count (:func:`set_reduce_config`, replayed line by line; without an SM count,
+  the largest split any GPU can choose), plus an ``AccumulationBuffer`` for 16-bit outputs of inputs
+  past 32-bit indexing (:func:`reduce_workspace`). Complex ``var``/``std`` and ``any``/``all``,
+  ``aminmax``, ``logsumexp`` (whose inner reductions the trace does not see) are not listed.
 
 Bounds of CUB's temporary storage follow CCCL's ``cub/device/dispatch/dispatch_radix_sort.cuh``
 (the onesweep ``allocation_sizes``: bins, lookback, an extra key and value buffer when more than
@@ -74,13 +87,10 @@ Not listed, and why: convolutions with ``torch.backends.cudnn.enabled = False`` 
 kernels (``slow_conv2d``'s im2col ``columns`` and the like), not read here; ``nonzero``, ``unique``, boolean masking and other ops whose output size
 depends on values cannot run on fake tensors, so no estimate contains them; ``cross_entropy`` /
 ``nll_loss`` allocate on CUDA what their meta kernels do (see :mod:`memguard.estimator._cuda_rules`).
-Not bounded yet (so not listed, and not in the bound): the global staging buffer and semaphores of
-``native/cuda/Reduce.cuh`` when a reduction splits over blocks (``ReduceConfig::global_memory_size``:
-``element_size * num_outputs * ctas_per_output``, times ``block.x`` without a block-x reduction, where
-``setReduceConfig`` chooses ``ctas_per_output = max(min(ceil(target_grid / grid), ceil(values_per_thread
-/ 16)), ceil(values_per_thread / 256))`` from the block shape and the SM count: read, not replayed),
-``topk``'s radix-select buffers and the sort of its results, and ``scatter``/``index_put_`` under
-``torch.use_deterministic_algorithms`` (their copies of ``value`` and ``self``, and which calls then sort).
+Not bounded yet (so not listed, and not in the bound): ``topk``'s radix-select buffers and the sort
+of its results, ``torch._foreach_norm``'s per-tensor partials (``clip_grad_norm_`` on CUDA), and
+``scatter``/``index_put_`` under ``torch.use_deterministic_algorithms`` (their copies of ``value`` and
+``self``, and which calls then sort).
 """
 
 from __future__ import annotations
@@ -710,7 +720,19 @@ def cumprod(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
 # reduced in parts (``iter.with_32bit_indexing()``), each with its own config and buffers, one after
 # the other; a 16-bit output whose accumulator is wider then also keeps an ``AccumulationBuffer``
 # for the whole call. The fake trace allocates only the outputs, so these buffers are listed here.
-# Paths are those of aten/src/ATen/ in torch 2.13 (Reduce.cuh as installed with torch's headers).
+# Paths are those of aten/src/ATen/ in torch 2.13; line numbers are those of native/cuda/Reduce.cuh as
+# torch 2.13 installs it with its headers (include/ATen/native/cuda/Reduce.cuh): ``mnt_wrapper`` 60-68,
+# ``ReduceConfig`` 74-218 (``set_block_dimension`` 100-108, ``global_memory_size`` 193-202,
+# ``semaphore_size`` 204-209), ``AccumulationBuffer`` 978-1013, ``get_output_vec_size`` 1015-1037,
+# ``setReduceConfig`` 1039-1186 (the split over blocks 1165-1184), ``gpu_reduce_kernel`` 1188-1291
+# (the accumulation buffer 1218-1234, the 32-bit parts 1236-1244, the staging allocations 1257-1267).
+# The iterator follows TensorIterator.cpp (``compute_strides``, ``reorder_dimensions``,
+# ``coalesce_dimensions``, in newer releases as ``detail::ti_build`` functions; ``can_use_32bit_indexing``,
+# ``get_dim_to_split``, ``split``, ``SplitUntil32Bit``). Which ``gpu_reduce_kernel`` instance runs (its
+# ``arg_t``, ``vt0``) follows native/cuda/ReduceSumProdKernel.cu, ReduceMomentKernel.cu,
+# ReduceNormKernel.cu, ReduceMaxValuesKernel.cu, ReduceMinValuesKernel.cu, ReduceArgMaxKernel.cu and
+# ReduceArgMinKernel.cu, read in the PyTorch repository (not at the 2.13 tag: the functors'
+# template arguments, which these use, have been stable across the versions read).
 
 #: Reduce.cuh ``mnt_wrapper<T>::MAX_NUM_THREADS``: 512 threads a block, 256 for ``complex<double>``.
 REDUCE_MAX_THREADS = 512
