@@ -83,6 +83,13 @@ RULES: dict[Callable, Rule] = {}
 #: it (:mod:`memguard.estimator._unmodelled` registers them; :class:`CudaKernelModel` collects them).
 UNMODELLED: dict[Callable, Callable[[CudaTarget, tuple, dict], list]] = {}
 
+#: ATen ops (``torch.ops.aten.*`` overloads) whose CUDA kernels allocate memory no rule replays, seen
+#: below autograd, so that the reductions a backward runs itself (a bias gradient's ``sum``) are seen
+#: too: ``finder(target, op, args, kwargs, outputs)`` lists it. The trace's recorder
+#: (:class:`memguard.estimator._trace.Recorder`) calls it after each such op while it traces for CUDA
+#: (:mod:`memguard.estimator._unmodelled` registers them).
+UNMODELLED_OPS: dict[Any, Callable[..., list]] = {}
+
 
 def cuda_rule(*funcs: Callable) -> Callable[[Rule], Rule]:
     """Register the decorated rule for each of ``funcs`` (torch functions as

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten
 from memguard.batch import LossFn, compute_loss, map_tensors, tensor_leaves
 from memguard.errors import ConfigError
 from memguard.estimator._cpu_kernels import CPU_RULES, CpuTarget, Replay
-from memguard.estimator._cuda_kernels import CUDA_OP_RULES, CudaTarget
+from memguard.estimator._cuda_kernels import CUDA_OP_RULES, UNMODELLED_OPS, CudaTarget
 from memguard.estimator._fake_corrections import CORRECTIONS
 from memguard.estimator._result import Category
 
@@ -196,6 +196,8 @@ class Recorder(TorchDispatchMode):
     also records the buffers that op's CPU kernel allocates and frees inside the call, in order
     around its outputs; with a ``cuda_target`` (the CUDA target traced on CPU fakes), likewise for
     the ATen ops of :data:`~memguard.estimator._cuda_kernels.CUDA_OP_RULES` (CUDA kernels' own buffers).
+    While ``unmodelled_target`` is set (the ``cuda_target``, or the GPU path's target), the ATen ops of
+    :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS` report into ``unmodelled``.
     """
 
     def __init__(self, trace: Trace, cpu_target: CpuTarget | None = None, cuda_target: CudaTarget | None = None) -> None:
@@ -203,6 +205,8 @@ class Recorder(TorchDispatchMode):
         self.trace = trace
         self.cpu_target = cpu_target
         self.cuda_target = cuda_target
+        self.unmodelled_target = cuda_target  # who UNMODELLED_OPS' finders judge by (None: not a CUDA trace)
+        self.unmodelled: list = []  # their entries, in call order
         self._by_key: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
         self.phase = "setup"
@@ -266,6 +270,10 @@ class Recorder(TorchDispatchMode):
             replay = Replay(make=self._kernel_buffer, publish=self._register_leaves, out=out)
             rule(target, args, out, replay)
             replay.close()
+        if self.unmodelled_target is not None:
+            finder = UNMODELLED_OPS.get(func)
+            if finder is not None:
+                self.unmodelled.extend(finder(self.unmodelled_target, func, args, kwargs or {}, out))
         self._register_leaves(out)
         return out
 
@@ -736,6 +744,10 @@ class StepTracer:
             from memguard.estimator._unmodelled import UnmodelledFinder
 
             self.finder = UnmodelledFinder()
+            self.recorder.unmodelled_target = self.finder.target  # fake CUDA tensors: the ATen-level finders too
+        collector = self.kernel_model if self.kernel_model is not None else self.finder
+        if collector is not None:  # one list, in call order, for the function- and the ATen-level finders
+            collector.unmodelled = self.recorder.unmodelled
 
     def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
         """Change the fake copy in place before the optimizer is built (the base changes nothing).

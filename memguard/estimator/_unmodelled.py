@@ -7,7 +7,9 @@ memguard has a rule (:mod:`memguard.estimator._cuda_rules`, :mod:`memguard.estim
 the rule allocates them; this module lists the rest. While the trace runs under
 :class:`~memguard.estimator._cuda_kernels.CudaKernelModel`, every call of a function registered
 here with :func:`unmodelled` reports an :class:`Unmodelled` entry (the hook is
-:data:`~memguard.estimator._cuda_kernels.UNMODELLED`); the pricing names each in
+:data:`~memguard.estimator._cuda_kernels.UNMODELLED`), and so does every ATen op the trace's recorder
+sees that is registered in :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS` (reductions,
+which autograd also runs itself); the pricing names each in
 ``Estimate.notes`` and adds the largest to ``Estimate.peak_upper_bytes`` (:func:`upper_bound`).
 
 What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless said otherwise):
@@ -58,6 +60,17 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
 * **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True``, and the backward of ``x[index]``
   with integer index tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear
   indices with CUB and keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
+* **Reductions split over blocks** (ATen ops ``sum``, ``nansum``, ``prod``, ``mean``, ``linalg_vector_norm``
+  / ``norm``, ``amax``/``amin``, ``max``/``min`` (full and ``.dim``), ``argmax``/``argmin``,
+  ``var``/``std``/``var_mean``/``std_mean``, registered by ATen overload in
+  :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS`, so that autograd's own reductions, such as
+  a Linear bias gradient's ``sum``, are seen): native/cuda/Reduce.cuh ``gpu_reduce_kernel`` allocates
+  ``ReduceConfig::global_memory_size()`` bytes of staging and ``semaphore_size()`` bytes of semaphores
+  when ``setReduceConfig`` splits each output's inputs over ``ctas_per_output > 1`` blocks, which
+  depends on the SM count (:func:`set_reduce_config`, replayed line by line; without an SM count,
+  the largest split any GPU can choose), plus an ``AccumulationBuffer`` for 16-bit outputs of inputs
+  past 32-bit indexing (:func:`reduce_workspace`). Complex ``var``/``std`` and ``any``/``all``,
+  ``aminmax``, ``logsumexp`` (whose inner reductions the trace does not see) are not listed.
 
 Bounds of CUB's temporary storage follow CCCL's ``cub/device/dispatch/dispatch_radix_sort.cuh``
 (the onesweep ``allocation_sizes``: bins, lookback, an extra key and value buffer when more than
@@ -74,13 +87,10 @@ Not listed, and why: convolutions with ``torch.backends.cudnn.enabled = False`` 
 kernels (``slow_conv2d``'s im2col ``columns`` and the like), not read here; ``nonzero``, ``unique``, boolean masking and other ops whose output size
 depends on values cannot run on fake tensors, so no estimate contains them; ``cross_entropy`` /
 ``nll_loss`` allocate on CUDA what their meta kernels do (see :mod:`memguard.estimator._cuda_rules`).
-Not bounded yet (so not listed, and not in the bound): the global staging buffer and semaphores of
-``native/cuda/Reduce.cuh`` when a reduction splits over blocks (``ReduceConfig::global_memory_size``:
-``element_size * num_outputs * ctas_per_output``, times ``block.x`` without a block-x reduction, where
-``setReduceConfig`` chooses ``ctas_per_output = max(min(ceil(target_grid / grid), ceil(values_per_thread
-/ 16)), ceil(values_per_thread / 256))`` from the block shape and the SM count: read, not replayed),
-``topk``'s radix-select buffers and the sort of its results, and ``scatter``/``index_put_`` under
-``torch.use_deterministic_algorithms`` (their copies of ``value`` and ``self``, and which calls then sort).
+Not bounded yet (so not listed, and not in the bound): ``topk``'s radix-select buffers and the sort
+of its results, ``torch._foreach_norm``'s per-tensor partials (``clip_grad_norm_`` on CUDA), and
+``scatter``/``index_put_`` under ``torch.use_deterministic_algorithms`` (their copies of ``value`` and
+``self``, and which calls then sort).
 """
 
 from __future__ import annotations
@@ -94,7 +104,7 @@ import torch.nn.functional as F
 
 from torch.overrides import TorchFunctionMode
 
-from memguard.estimator._cuda_kernels import UNMODELLED, CudaTarget
+from memguard.estimator._cuda_kernels import UNMODELLED, UNMODELLED_OPS, CudaTarget
 
 _MiB = 1 << 20
 
@@ -692,6 +702,615 @@ def cumsum(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
 def cumprod(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
     """``torch.cumprod``/``Tensor.cumprod``: CUB's scan when the tensor is one scan."""
     return _scan_entry("cumprod", target, args, kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Reductions split across blocks: Reduce.cuh's global staging buffer and semaphores
+# --------------------------------------------------------------------------------------------
+#
+# Every ``TensorIterator`` reduction of ATen's CUDA backend (``sum``, ``mean``, ``amax``, ``var_mean``,
+# ``linalg_vector_norm``, ...; the kernels of native/cuda/Reduce*Kernel.cu) runs
+# native/cuda/Reduce.cuh ``gpu_reduce_kernel``. It picks a launch configuration with
+# ``setReduceConfig``; when the reduced dimension is long and the outputs are too few to fill the
+# GPU, that config splits each output's inputs over ``ctas_per_output`` blocks
+# (``config.input_mult[CTA] != 0``, ``should_global_reduce``), and ``gpu_reduce_kernel`` takes a
+# staging buffer of ``config.global_memory_size()`` bytes and ``config.semaphore_size()`` bytes of
+# semaphores from ``c10::cuda::CUDACachingAllocator::get()->allocate`` for the launch; both are
+# ``at::DataPtr`` locals freed when the call returns. An input too large for 32-bit indexing is
+# reduced in parts (``iter.with_32bit_indexing()``), each with its own config and buffers, one after
+# the other; a 16-bit output whose accumulator is wider then also keeps an ``AccumulationBuffer``
+# for the whole call. The fake trace allocates only the outputs, so these buffers are listed here.
+# Paths are those of aten/src/ATen/ in torch 2.13; line numbers are those of native/cuda/Reduce.cuh as
+# torch 2.13 installs it with its headers (include/ATen/native/cuda/Reduce.cuh): ``mnt_wrapper`` 60-68,
+# ``ReduceConfig`` 74-218 (``set_block_dimension`` 100-108, ``global_memory_size`` 193-202,
+# ``semaphore_size`` 204-209), ``AccumulationBuffer`` 978-1013, ``get_output_vec_size`` 1015-1037,
+# ``setReduceConfig`` 1039-1186 (the split over blocks 1165-1184), ``gpu_reduce_kernel`` 1188-1291
+# (the accumulation buffer 1218-1234, the 32-bit parts 1236-1244, the staging allocations 1257-1267).
+# The iterator follows TensorIterator.cpp (``compute_strides``, ``reorder_dimensions``,
+# ``coalesce_dimensions``, in newer releases as ``detail::ti_build`` functions; ``can_use_32bit_indexing``,
+# ``get_dim_to_split``, ``split``, ``SplitUntil32Bit``). Which ``gpu_reduce_kernel`` instance runs (its
+# ``arg_t``, ``vt0``) follows native/cuda/ReduceSumProdKernel.cu, ReduceMomentKernel.cu,
+# ReduceNormKernel.cu, ReduceMaxValuesKernel.cu, ReduceMinValuesKernel.cu, ReduceArgMaxKernel.cu and
+# ReduceArgMinKernel.cu, read in the PyTorch repository (not at the 2.13 tag: the functors'
+# template arguments, which these use, have been stable across the versions read).
+
+#: Reduce.cuh ``mnt_wrapper<T>::MAX_NUM_THREADS``: 512 threads a block, 256 for ``complex<double>``.
+REDUCE_MAX_THREADS = 512
+#: Reduce.cuh ``setReduceConfig``: ``min_values_per_thread`` (16; 128 under ``USE_ROCM``).
+REDUCE_MIN_VALUES_PER_THREAD = {"nvidia": 16, "amd": 128}
+#: Reduce.cuh ``setReduceConfig``: ``max_values_per_thread``.
+REDUCE_MAX_VALUES_PER_THREAD = 256
+#: ``at::cuda::warp_size()``: 32 on NVIDIA GPUs, 64 on the CDNA GPUs (MI200, MI300) of ROCm builds.
+WARP_SIZE = {"nvidia": 32, "amd": 64}
+#: ``cudaDeviceProp::maxThreadsPerMultiProcessor`` (read by ``setReduceConfig``) by compute
+#: capability: the CUDA C++ Programming Guide's "Technical Specifications per Compute Capability",
+#: "Maximum number of resident threads per SM".
+MAX_THREADS_PER_SM = {(7, 0): 2048, (7, 2): 2048, (7, 5): 1024, (8, 0): 2048, (8, 6): 1536, (8, 7): 2048,
+                      (8, 9): 1536, (9, 0): 2048}
+#: The most resident threads any compute capability has (the same table): used for one not listed,
+#: which gives the largest target grid, so the largest split (an upper bound).
+MAX_THREADS_PER_SM_ANY = 2048
+_INT32_MAX = (1 << 31) - 1
+
+
+def _div_up(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _last_pow2(n: int) -> int:
+    """Reduce.cuh ``last_pow2``: the largest power of two <= ``n`` (1 for ``n <= 1``)."""
+    return 1 << (n.bit_length() - 1) if n > 1 else 1
+
+
+@dataclass(frozen=True)
+class ReduceIter:
+    """A reduction's ``TensorIterator`` as its CUDA kernel sees it: after TensorIterator.cpp
+    ``reorder_dimensions`` (reduced dimensions first, then by ascending stride) and
+    ``coalesce_dimensions``; dimension 0 moves fastest. :func:`reduce_iter` builds one.
+
+    Attributes:
+        shape: the iterator's sizes.
+        strides: byte strides of every operand, the outputs first and the input last; an output's
+            stride is 0 along a reduced dimension.
+        input_offset: the input's first element, in bytes past an allocator-aligned address
+            (``get_output_vec_size`` reads its alignment; the caching allocator's blocks are 512-byte aligned).
+    """
+
+    shape: tuple[int, ...]
+    strides: tuple[tuple[int, ...], ...]
+    input_offset: int = 0
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def noutputs(self) -> int:
+        return len(self.strides) - 1
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def num_reduce_dims(self) -> int:
+        """TensorIterator.cpp ``num_reduce_dims``: dimensions where the first output's stride is 0."""
+        return sum(1 for s in self.strides[0] if s == 0)
+
+    def num_output_elements(self) -> int:
+        """TensorIterator.cpp ``num_output_elements``."""
+        return math.prod(n for n, s in zip(self.shape, self.strides[0]) if s != 0 or n == 0)
+
+    def can_use_32bit_indexing(self) -> bool:
+        """TensorIterator.cpp ``can_use_32bit_indexing``: ``numel`` and every operand's largest byte
+        offset (plus one) at most ``INT32_MAX``."""
+        if self.numel() > _INT32_MAX:
+            return False
+        return all(1 + sum((n - 1) * s for n, s in zip(self.shape, st)) <= _INT32_MAX for st in self.strides)
+
+    def split(self) -> tuple["ReduceIter", "ReduceIter"]:
+        """TensorIterator.cpp ``get_dim_to_split`` (the dimension any operand spans most bytes along,
+        the highest on ties) and ``split`` (the first ``size / 2`` as a copy, the rest kept)."""
+        best, dim = -1, -1
+        for d in range(self.ndim - 1, -1, -1):
+            if self.shape[d] == 0:
+                continue
+            for st in self.strides:
+                extent = (self.shape[d] - 1) * abs(st[d])
+                if extent > best:
+                    best, dim = extent, d
+        first = self.shape[dim] // 2
+        head = self.shape[:dim] + (first,) + self.shape[dim + 1:]
+        tail = self.shape[:dim] + (self.shape[dim] - first,) + self.shape[dim + 1:]
+        return (ReduceIter(head, self.strides, self.input_offset),  # narrow(dim, 0, first)
+                ReduceIter(tail, self.strides, self.input_offset + first * self.strides[-1][dim]))
+
+
+def reduce_iter(shape: Iterable[int], dims: Iterable[int], in_bytes: int, strides: Iterable[int] | None = None,
+                out_bytes: Iterable[int] = (4,), out_strides: Iterable[Iterable[int]] | None = None,
+                offset: int = 0) -> ReduceIter:
+    """The :class:`ReduceIter` of reducing a tensor of ``shape`` (element ``strides``, contiguous
+    when None; ``in_bytes`` an element) over ``dims`` into outputs of ``out_bytes`` an element.
+
+    ``out_strides`` gives each output's element stride along every input dimension (any value along
+    a reduced one; None: contiguous outputs of the kept dimensions, as the reductions' meta
+    functions allocate them). As TensorIterator.cpp builds a reduction
+    (``TensorIterator::reduce_op``, ``is_reduction``, outputs not resized): ``compute_strides``
+    (an output's stride is 0 where it has size 1 and the input not: ``review_reduce_result`` gives
+    the reduced dimensions size 1), ``reorder_dimensions`` (start from the reversed order, insertion
+    sort by ``should_swap``: reduced dimensions of an output to the front, then the smaller
+    stride first, ties to the smaller size) and ``coalesce_dimensions``.
+    """
+    shape = tuple(int(n) for n in shape)
+    ndim = len(shape)
+    reduced = {d % ndim for d in dims} if ndim else set()
+    if strides is None:
+        strides = _contiguous_strides(shape)
+    strides = tuple(int(s) for s in strides)
+    out_bytes = tuple(out_bytes)
+    if out_strides is None:
+        kept = _contiguous_strides(tuple(n for d, n in enumerate(shape) if d not in reduced))
+        it = iter(kept)
+        one = tuple(0 if d in reduced else next(it) for d in range(ndim))
+        out_strides = [one] * len(out_bytes)
+    ops = []
+    for elt, ost in zip(out_bytes, out_strides):
+        ost = tuple(ost)
+        ops.append([0 if (d in reduced and shape[d] != 1) else ost[d] * elt for d in range(ndim)])
+    ops.append([s * in_bytes for s in strides])
+    noutputs = len(out_bytes)
+
+    perm = list(range(ndim - 1, -1, -1))
+
+    def should_swap(d0: int, d1: int) -> int:
+        for arg, st in enumerate(ops):
+            s0, s1 = st[d0], st[d1]
+            if arg < noutputs and (s0 == 0) != (s1 == 0):
+                return 1 if s1 == 0 else -1
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 < s1:
+                return -1
+            if s0 > s1:
+                return 1
+            if shape[d0] > shape[d1]:
+                return 1
+        return 0
+
+    if ndim > 1:
+        for i in range(1, ndim):
+            d1 = i
+            for d0 in range(i - 1, -1, -1):
+                c = should_swap(perm[d0], perm[d1])
+                if c > 0:
+                    perm[d0], perm[d1] = perm[d1], perm[d0]
+                    d1 = d0
+                elif c < 0:
+                    break
+    else:
+        perm = list(range(ndim))
+    sh = [shape[p] for p in perm]
+    ops = [[st[p] for p in perm] for st in ops]
+
+    if ndim > 1:  # coalesce_dimensions
+        prev = 0
+        for d in range(1, ndim):
+            if sh[prev] == 1 or sh[d] == 1 or all(sh[prev] * st[prev] == st[d] for st in ops):
+                if sh[prev] == 1:
+                    for st in ops:
+                        st[prev] = st[d]
+                sh[prev] *= sh[d]
+            else:
+                prev += 1
+                if prev != d:
+                    for st in ops:
+                        st[prev] = st[d]
+                    sh[prev] = sh[d]
+        sh = sh[:prev + 1]
+        ops = [st[:prev + 1] for st in ops]
+    return ReduceIter(tuple(sh), tuple(tuple(st) for st in ops), int(offset) * in_bytes)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class ReduceConfig:
+    """The ``ReduceConfig`` Reduce.cuh ``setReduceConfig`` chooses (the fields that size its buffers)."""
+
+    element_size_bytes: int
+    num_outputs: int
+    num_inputs: int
+    block_width: int
+    block_height: int
+    output_vec_size: int
+    input_mult: tuple[int, int, int]
+    step_input: int
+    step_output: int
+    ctas_per_output: int
+
+    @property
+    def should_global_reduce(self) -> bool:
+        return self.input_mult[2] != 0
+
+    @property
+    def grid_x(self) -> int:
+        """``grid().x``: ``div_up(num_outputs / output_vec_size, step_output)``."""
+        return _div_up(self.num_outputs // self.output_vec_size, self.step_output)
+
+    @property
+    def values_per_thread(self) -> int:
+        return _div_up(self.num_inputs, self.step_input)
+
+    def global_memory_size(self) -> int:
+        """``ReduceConfig::global_memory_size``: ``element_size_bytes * num_outputs * ctas_per_output``,
+        times ``block().x * output_vec_size`` without a block-x reduction (``input_mult[BLOCK_X] == 0``)."""
+        if not self.should_global_reduce:
+            return 0
+        size = self.element_size_bytes * self.num_outputs * self.ctas_per_output
+        if self.input_mult[0] == 0:
+            size *= self.block_width * self.output_vec_size
+        return size
+
+    def semaphore_size(self) -> int:
+        """``ReduceConfig::semaphore_size``: ``sizeof(int) * grid().x``."""
+        return 4 * self.grid_x if self.should_global_reduce else 0
+
+
+def _output_vec_size(it: ReduceIter, scalar_bytes: int) -> int:
+    """Reduce.cuh ``get_output_vec_size``: 4, halved until it divides the input's address (in
+    elements), the first kept dimension's size and every other input stride (in elements)."""
+    vec = 4
+
+    def update(n: int) -> None:
+        nonlocal vec
+        while n % vec:
+            vec //= 2
+
+    update(it.input_offset // scalar_bytes)  # the input's address / sizeof(scalar_t)
+    index = it.num_reduce_dims()
+    update(it.shape[index])
+    for j, s in enumerate(it.strides[it.noutputs]):
+        if j != index:
+            update(int(s / scalar_bytes))  # int64 division in C++ (truncating)
+    return vec
+
+
+def set_reduce_config(it: ReduceIter, arg_bytes: int, scalar_bytes: int, *, input_vec_size: int = 4,
+                      max_threads: int = REDUCE_MAX_THREADS, sm_count: int | None = None,
+                      threads_per_sm: int | None = None, vendor: str = "nvidia") -> ReduceConfig:
+    """Reduce.cuh ``setReduceConfig<arg_t, scalar_t, vt0, input_vec_size>(iter)``, line by line.
+
+    ``arg_bytes`` is ``sizeof(arg_t)`` (the accumulator), ``scalar_bytes`` ``sizeof(scalar_t)`` (the
+    input's element). Block shape: ``dim0`` (mapped to ``block.x``) is the reduced extent when the
+    reduction runs along the input's fastest-moving dimension, else the outputs; ``dim0`` is divided
+    by ``input_vec_size`` ("vectorize along input": fastest-dimension reductions of one reduced
+    dimension with ``dim0 >= 128``) or by ``get_output_vec_size`` ("vectorize along output"), both
+    only for a unit-stride fastest dimension; ``set_block_dimension`` (``max_num_threads =
+    MAX_NUM_THREADS / output_vec_size``; ``block_width = min(dim0_pow2, warp_size)``, ``block_height =
+    min(dim1_pow2, max_num_threads / block_width)``, ``block_width = min(dim0_pow2, max_num_threads /
+    block_height)``). Then ``input_mult[0]`` (split over lanes) or ``output_mult[0]``; over warps
+    when ``values_per_thread() >= min(block_height * 16, 256)``; and over blocks when the warps split,
+    ``values_per_thread() >= 256`` and ``grid().x <= target_grid_size = multiProcessorCount *
+    (maxThreadsPerMultiProcessor / num_threads)``: ``ctas_per_output = max(min(div_up(target_grid_size,
+    grid), div_up(values_per_thread, 16)), div_up(values_per_thread, 256))`` (at least 64 on ROCm),
+    kept when above 1.
+
+    With ``sm_count=None`` the target grid is taken as unbounded, which gives the largest split any
+    GPU can choose: ``ctas_per_output = div_up(values_per_thread, min_values_per_thread)``, as the
+    minimum then takes its second term. ``threads_per_sm=None`` with an SM count takes
+    :data:`MAX_THREADS_PER_SM_ANY` (the largest target grid for that SM count).
+    """
+    num_outputs = it.num_output_elements()
+    num_inputs = it.numel() // num_outputs
+    input_strides = it.strides[-1]
+    nred = it.num_reduce_dims()
+    if it.ndim > 0:
+        fastest = nred == it.ndim or input_strides[0] < input_strides[nred]
+        if fastest:
+            dim0, dim1, moving = num_inputs, num_outputs, input_strides[0]
+        else:
+            dim0, dim1, moving = num_outputs, num_inputs, input_strides[nred]
+    else:
+        fastest, moving, dim0, dim1 = True, scalar_bytes, 1, 1
+    output_vec = 1
+    if moving == scalar_bytes:
+        if fastest and dim0 >= 128 and nred == 1:
+            dim0 //= input_vec_size  # Case 1: vectorize along input
+        elif not fastest:
+            output_vec = _output_vec_size(it, scalar_bytes)  # Case 2: vectorize along output
+            dim0 //= output_vec
+    # ReduceConfig::set_block_dimension
+    mnt = max_threads // output_vec
+    warp = WARP_SIZE.get(vendor, 32)
+    dim0_pow2 = _last_pow2(dim0) if dim0 < mnt else mnt
+    dim1_pow2 = _last_pow2(dim1) if dim1 < mnt else mnt
+    width = min(dim0_pow2, warp)
+    height = min(dim1_pow2, mnt // width)
+    width = min(dim0_pow2, mnt // height)
+    num_threads = width * height
+
+    input_mult = [0, 0, 0]
+    step_input = step_output = 1
+    if it.ndim == 0 or fastest:
+        input_mult[0] = step_input  # split_input(block_width)
+        step_input *= width
+    else:
+        step_output *= width  # split_output(block_width)
+    min_values = REDUCE_MIN_VALUES_PER_THREAD.get(vendor, 16)
+    max_values = REDUCE_MAX_VALUES_PER_THREAD
+    if _div_up(num_inputs, step_input) >= min(height * 16, max_values):  # split_across_warps
+        input_mult[1] = step_input
+        step_input *= height
+    else:
+        step_output *= height
+    grid = _div_up(num_outputs // output_vec, step_output)
+    values_per_thread = _div_up(num_inputs, step_input)
+    if sm_count is None:
+        target_grid = None  # unknown: any grid may be below it
+    else:
+        target_grid = sm_count * ((threads_per_sm or MAX_THREADS_PER_SM_ANY) // num_threads)
+    ctas = 1
+    if input_mult[1] != 0 and values_per_thread >= max_values and (target_grid is None or grid <= target_grid):
+        by_values = _div_up(values_per_thread, min_values)
+        by_grid = by_values if target_grid is None else _div_up(target_grid, grid)
+        ctas = max(min(by_grid, by_values), _div_up(values_per_thread, max_values))
+        if ctas > 1:
+            if vendor == "amd":
+                ctas = max(ctas, 64)
+            input_mult[2] = step_input  # split_input(ctas_per_output)
+            step_input *= ctas
+        else:
+            ctas = 1
+    return ReduceConfig(arg_bytes, num_outputs, num_inputs, width, height, output_vec, tuple(input_mult),
+                        step_input, step_output, ctas)
+
+
+def _leaves_32bit(it: ReduceIter) -> list[ReduceIter]:
+    """TensorIterator.cpp ``SplitUntil32Bit``: halve (:meth:`ReduceIter.split`) until each part can use
+    32-bit indexing; the parts run one after another."""
+    if it.numel() == 0 or it.can_use_32bit_indexing():
+        return [it]
+    head, tail = it.split()
+    return _leaves_32bit(head) + _leaves_32bit(tail)
+
+
+@dataclass(frozen=True)
+class ReduceKernel:
+    """The types of one ``gpu_reduce_kernel<scalar_t, out_scalar_t, vt0, input_vec_size>`` instance.
+
+    Attributes:
+        arg_bytes: ``sizeof(arg_t)``, the accumulator (the first argument of ``ops_t::reduce``).
+        scalar_bytes: ``sizeof(scalar_t)``, the input element the kernel reads.
+        out_bytes: ``sizeof(out_scalar_t)`` of each output.
+        can_accumulate_in_output: ``gpu_reduce_kernel``'s constant: ``arg_t`` converts to the output
+            type and the input and output are not both ``Half`` (or ``complex<Half>``), nor both ``BFloat16``.
+        input_vec_size: the template argument (``vt0``: 4 by default, 2 for the Welford kernels).
+        max_threads: ``mnt_wrapper<scalar_t>::MAX_NUM_THREADS``.
+    """
+
+    arg_bytes: int
+    scalar_bytes: int
+    out_bytes: tuple[int, ...] = (4,)
+    can_accumulate_in_output: bool = True
+    input_vec_size: int = 4
+    max_threads: int = REDUCE_MAX_THREADS
+
+
+def reduce_workspace(it: ReduceIter, kernel: ReduceKernel, target: CudaTarget | None = None
+                     ) -> tuple[tuple[int, ...], ReduceConfig | None]:
+    """What ``gpu_reduce_kernel`` allocates beyond its outputs at its largest moment, and the config
+    of the part that allocates most (None when no part splits over blocks).
+
+    The allocations are the ``AccumulationBuffer`` (when the input needs 64-bit indexing and the
+    output cannot accumulate, an output-sized buffer of ``arg_t`` if that is wider than the output:
+    ``output_memory_size * sizeof(arg_t)``, live for the whole call), then the staging buffer and the
+    semaphores of the 32-bit part whose split needs most (:func:`set_reduce_config`; the parts run in turn).
+    """
+    target = target or CudaTarget()
+    sm_count, threads = target.sm_count, None
+    if target.vendor == "nvidia":
+        threads = MAX_THREADS_PER_SM.get(tuple(target.capability), MAX_THREADS_PER_SM_ANY)
+    elif sm_count is not None:
+        sm_count = None  # maxThreadsPerMultiProcessor of AMD GPUs is not tabled here: the largest split
+    if it.numel() == 0:
+        return (), None
+    allocs: tuple[int, ...] = ()
+    if not kernel.can_accumulate_in_output and not it.can_use_32bit_indexing() \
+            and kernel.out_bytes[0] < kernel.arg_bytes:
+        out_elt = kernel.out_bytes[0]
+        size = max([out_elt] + [n * s for n, s in zip(it.shape, it.strides[0])]) // out_elt
+        allocs = (size * kernel.arg_bytes,)
+    best: ReduceConfig | None = None
+    seen: set[tuple] = set()
+    for leaf in _leaves_32bit(it):
+        key = (leaf.shape, leaf.input_offset)
+        if key in seen:
+            continue
+        seen.add(key)
+        cfg = set_reduce_config(leaf, kernel.arg_bytes, kernel.scalar_bytes, input_vec_size=kernel.input_vec_size,
+                                max_threads=kernel.max_threads, sm_count=sm_count, threads_per_sm=threads,
+                                vendor=target.vendor)
+        if cfg.should_global_reduce and (best is None or cfg.global_memory_size() + cfg.semaphore_size()
+                                         > best.global_memory_size() + best.semaphore_size()):
+            best = cfg
+    if best is not None:
+        allocs += (best.global_memory_size(), best.semaphore_size())
+    return allocs, best
+
+
+def reduce_workspace_bytes(shape: Iterable[int], dims: Iterable[int], kernel: ReduceKernel,
+                           target: CudaTarget | None = None, strides: Iterable[int] | None = None,
+                           out_strides: Iterable[Iterable[int]] | None = None, offset: int = 0) -> tuple[int, ...]:
+    """:func:`reduce_workspace` of reducing a tensor of ``shape`` over ``dims`` (see :func:`reduce_iter`)."""
+    it = reduce_iter(shape, dims, kernel.scalar_bytes, strides, kernel.out_bytes, out_strides, offset)
+    return reduce_workspace(it, kernel, target)[0]
+
+
+_LOWP = (torch.float16, torch.bfloat16)
+
+
+def _acc_bytes(dtype: torch.dtype) -> int:
+    """``at::opmath_type`` / ``acc_type<T, true>``: float for 16-bit floats (and ``complex<float>`` for
+    ``complex<Half>``), the type itself otherwise."""
+    if dtype in _LOWP:
+        return 4
+    if dtype == torch.complex32:
+        return 8
+    return dtype.itemsize
+
+
+def reduce_kernel(family: str, in_dtype: torch.dtype, out_dtypes: tuple[torch.dtype, ...]) -> ReduceKernel:
+    """The ``gpu_reduce_kernel`` instance a reduction family runs for these dtypes.
+
+    * ``"sum"`` (sum, nansum, prod, mean, the norms; native/cuda/ReduceSumProdKernel.cu
+      ``reduce_dispatch``, ReduceMomentKernel.cu ``mean_kernel_cuda``, ReduceNormKernel.cu): the kernel
+      reads the output's dtype (ReduceOpsUtils.h ``make_reduction`` casts the input to it) except for a
+      16-bit input into a float output (read as is); ``arg_t`` is the accumulate type of the output's.
+    * ``"values"`` (``amax``/``amin``, full ``max``/``min``; ReduceMaxValuesKernel.cu
+      ``max_values_kernel_cuda_impl``, ReduceMinValuesKernel.cu): ``arg_t = scalar_t``.
+    * ``"index"`` (``max.dim``/``min.dim``: ``MaxOps``, values and indices) and ``"arg"``
+      (``argmax``/``argmin``: ``ArgMaxOps<acc_t>``): ``arg_t = pair<_, int64_t>``, 16 bytes.
+    * ``"welford"`` (var, std, var_mean, std_mean; ReduceMomentKernel.cu ``std_var_kernel_impl``:
+      ``gpu_reduce_kernel<scalar_t, scalar_t, 2>`` with ``WelfordData<acc_scalar_t, int32_t>``:
+      ``mean``, ``m2``, ``n`` (int32), ``nf``: 16 bytes in float, 32 in double).
+    """
+    out_bytes = tuple(d.itemsize for d in out_dtypes)
+    out0 = out_dtypes[0]
+    if family == "sum":
+        scalar = _sum_scalar(in_dtype, out0)
+        both16 = scalar == out0 and out0 in (torch.float16, torch.bfloat16, torch.complex32)
+        return ReduceKernel(_acc_bytes(out0), scalar.itemsize, out_bytes, not both16,
+                            max_threads=256 if scalar == torch.complex128 else REDUCE_MAX_THREADS)
+    if family == "values":
+        return ReduceKernel(in_dtype.itemsize, in_dtype.itemsize, out_bytes, in_dtype not in _LOWP,
+                            max_threads=256 if in_dtype == torch.complex128 else REDUCE_MAX_THREADS)
+    if family in ("index", "arg"):
+        return ReduceKernel(16, in_dtype.itemsize, out_bytes, False)
+    if family == "welford":
+        return ReduceKernel(32 if in_dtype == torch.float64 else 16, in_dtype.itemsize, out_bytes, False,
+                            input_vec_size=2)
+    raise ValueError(f"unknown reduction family {family!r}")
+
+
+def _sum_scalar(in_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.dtype:
+    """ReduceOpsUtils.h ``make_reduction_from_out_ty``: the dtype the ``"sum"`` family's kernel reads:
+    a 16-bit float input into a float output as is (``gpu_lowp_to_f32``), a complex input as the
+    complex type of the output's, otherwise the output's dtype (the input cast to it)."""
+    if in_dtype in _LOWP and out_dtype == torch.float32:
+        return in_dtype
+    if in_dtype.is_complex and not out_dtype.is_complex:
+        return {torch.float16: torch.complex32, torch.float32: torch.complex64}.get(out_dtype, torch.complex128)
+    return out_dtype
+
+
+#: ATen reductions that run ``gpu_reduce_kernel``: overload -> (family, index of ``dim`` or None for
+#: all dimensions, index of ``keepdim``).
+_REDUCTIONS: dict[Any, tuple[str, int | None, int | None]] = {}
+
+
+def _register_reductions() -> None:
+    aten = torch.ops.aten
+    table = [
+        ("sum.default", "sum", None, None), ("sum.dim_IntList", "sum", 1, 2), ("nansum.default", "sum", 1, 2),
+        ("prod.default", "sum", None, None), ("prod.dim_int", "sum", 1, 2),
+        ("mean.default", "sum", None, None), ("mean.dim", "sum", 1, 2),
+        ("linalg_vector_norm.default", "sum", 2, 3), ("norm.Scalar", "sum", None, None),
+        ("norm.ScalarOpt_dim", "sum", 2, 3), ("norm.ScalarOpt_dtype", "sum", None, None),
+        ("norm.ScalarOpt_dim_dtype", "sum", 2, 3),
+        ("amax.default", "values", 1, 2), ("amin.default", "values", 1, 2),
+        ("max.default", "values", None, None), ("min.default", "values", None, None),
+        ("max.dim", "index", 1, 2), ("min.dim", "index", 1, 2),
+        ("argmax.default", "arg", 1, 2), ("argmin.default", "arg", 1, 2),
+        ("var.correction", "welford", 1, None), ("std.correction", "welford", 1, None),
+        ("var_mean.correction", "welford", 1, None), ("std_mean.correction", "welford", 1, None),
+    ]
+    for name, family, dim_at, keep_at in table:
+        packet, overload = name.split(".")
+        op = getattr(getattr(aten, packet), overload, None)
+        if op is not None:
+            _REDUCTIONS[op] = (family, dim_at, keep_at)
+            UNMODELLED_OPS[op] = reduction
+
+
+def _reduced_dims(ndim: int, dim: Any) -> tuple[int, ...]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return tuple(range(ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    return tuple(sorted({int(d) % ndim for d in dims})) if ndim else ()
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Non-overlapping and dense (c10 ``is_non_overlapping_and_dense``): the strides, in increasing
+    order over dimensions of size > 1, are the running products of the sizes."""
+    step = 1
+    for n, st in sorted(((int(n), int(st)) for n, st in zip(x.shape, x.stride()) if n != 1), key=lambda p: p[1]):
+        if st != step:
+            return False
+        step *= n
+    return True
+
+
+def _out_strides(x: torch.Tensor, dims: tuple[int, ...], out: torch.Tensor) -> tuple[int, ...] | None:
+    """An output's element stride along each input dimension (0 along reduced ones), or None when its
+    shape does not line up with the input's."""
+    if out.dim() == x.dim():
+        return tuple(0 if d in dims else int(out.stride(d)) for d in range(x.dim()))
+    if out.dim() != x.dim() - len(dims):
+        return None
+    kept = iter(out.stride())
+    return tuple(0 if d in dims else int(next(kept)) for d in range(x.dim()))
+
+
+_REDUCE_SOURCE = ("aten/src/ATen/native/cuda/Reduce.cuh setReduceConfig / gpu_reduce_kernel "
+                  "(ReduceConfig::global_memory_size, semaphore_size)")
+
+
+def reduction(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: Any) -> list[Unmodelled]:
+    """An ATen reduction (the forward's ``sum``, autograd's ``sum.dim_IntList`` of a bias gradient):
+    Reduce.cuh's staging buffer and semaphores when it splits over blocks."""
+    family, dim_at, keep_at = _REDUCTIONS[func]
+    x = args[0] if args else kwargs.get("self")
+    outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    if not isinstance(x, torch.Tensor) or not outs or x.numel() == 0 or x.is_sparse or (
+            x.is_complex() and family == "welford"):  # complex var/std: not read here
+        return []
+    if family in ("index",):
+        outs = outs[:2]
+    elif family == "welford" and func in (torch.ops.aten.var_mean.correction, torch.ops.aten.std_mean.correction):
+        outs = outs[:2]
+    else:
+        outs = outs[:1]
+    dim = None if dim_at is None else _arg(args, kwargs, dim_at, "dim", None)
+    dims = _reduced_dims(x.dim(), dim)
+    strides = [_out_strides(x, dims, o) for o in outs]
+    kernel = reduce_kernel(family, x.dtype, tuple(o.dtype for o in outs))
+    # make_reduction's self.to(in_dtype): a new tensor, strides kept when dense (preserve_format)
+    cast = family == "sum" and _sum_scalar(x.dtype, outs[0].dtype) != x.dtype
+    in_strides = x.stride() if not cast or _dense(x) else None
+    it = reduce_iter(x.shape, dims, kernel.scalar_bytes, in_strides, kernel.out_bytes,
+                     None if any(s is None for s in strides) else strides, 0 if cast else x.storage_offset())
+    allocs, cfg = reduce_workspace(it, kernel, target)
+    if cfg is None and not allocs:
+        return []
+    name = str(func).replace("aten.", "")
+    op = f"{name} of {_shape(x)} over dims {list(dims)}"
+    if cfg is None:
+        detail = "the 64-bit-indexed input is reduced in 32-bit parts into an accumulation buffer"
+    elif target.sm_count is None:
+        detail = (f"the GPU's SM count is unknown, so this is the largest split setReduceConfig can choose "
+                  f"(ctas_per_output = {cfg.ctas_per_output}, ceil(values per thread / "
+                  f"{REDUCE_MIN_VALUES_PER_THREAD.get(target.vendor, 16)})); with an SM count it is at most that")
+    else:
+        detail = f"ctas_per_output = {cfg.ctas_per_output} at {target.sm_count} SMs"
+    return [Unmodelled("reduction cross-block staging buffer and semaphores", op, allocs, True, _REDUCE_SOURCE,
+                       detail)]
+
+
+_register_reductions()
 
 
 class UnmodelledFinder(TorchFunctionMode):
