@@ -132,8 +132,9 @@ def fold_categories(breakdown: dict[str, int]) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[Any]:
-    """A fake default process group of ``world_size`` ranks (this process is rank 0) and its 1-D mesh.
+def fake_world(world_size: int, rank: int = 0) -> Iterator[Any]:
+    """A fake default process group of ``world_size`` ranks (this process is ``rank``, 0 by default)
+    and its 1-D mesh.
 
     In a running job (a default process group exists, e.g. ``memguard.prepare(..., strategy="fsdp2")``
     planning on the first step), the job's groups are set aside while the fake one is the default and
@@ -153,7 +154,7 @@ def fake_world(world_size: int) -> Iterator[Any]:
 
     running = dist.is_initialized()
     with _job_groups_aside() if running else contextlib.nullcontext():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             yield init_device_mesh("cpu", (world_size,))
         finally:

@@ -19,8 +19,11 @@ How each degree is estimated:
   ``(dp_replicate, dp_shard, tp)`` mesh (FSDP2 x TP, or HSDP x TP, as torchtitan's
   ``parallelize_llama`` applies TP first, then FSDP2); DDP over tensor-parallel shards
   (``dp_replicate`` and ``tp`` without ``dp_shard``) is refused;
-* ``pp > 1`` (alone) traces each pipeline rank's stage under the real ``GPipe`` or ``1F1B`` schedule
-  over a fake process group (:mod:`memguard.estimator._pipeline`); the ranks' peaks differ.
+* ``pp > 1`` traces each pipeline stage under the real ``GPipe`` or ``1F1B`` schedule over a fake
+  process group (:mod:`memguard.estimator._pipeline`); the stages' peaks differ. With ``tp`` and/or
+  ``dp_shard`` as well, the stage is laid out over the ``(pp, dp_replicate, dp_shard, tp)`` mesh
+  first (TP, then FSDP2 with the stage as root, as torchtitan does) and the first rank of each
+  stage is traced; DDP over stages (``dp_replicate`` without ``dp_shard``) is refused.
 
 The tensor-parallel plan (:func:`resolve_tp_plan`): ``Layout(tp_plan=...)`` if given, else the
 model config's ``base_model_tp_plan`` (transformers' own plan: decoder projections colwise and
@@ -74,7 +77,7 @@ class Layout:
         dp_shard: data-parallel shards (FSDP2 ``fully_shard``; its sharding level is the
             estimate's ``zero_stage``, 3 by default).
         tp: tensor-parallel degree (``parallelize_module`` with ColwiseParallel/RowwiseParallel).
-        pp: pipeline stages, one per rank (alone: not combined with data or tensor parallelism yet).
+        pp: pipeline stages, one per rank (with FSDP2 and/or TP inside each stage; not with DDP alone).
         pp_schedule: a name of :data:`PP_SCHEDULES`.
         pp_microbatches: micro-batches the schedule splits one replica's batch into (None: ``pp``).
         tp_plan: the tensor-parallel plan, ``{module name pattern: style}`` as
@@ -133,9 +136,10 @@ def check_layout(layout: Any, *, zero_stage: Any, world_size: Any, strategy: Any
     if layout.pp > 1:
         from memguard.estimator._pipeline import SINGLE_STAGE_SCHEDULES
 
-        if layout.world_size != layout.pp:
-            problems.append(f"Layout(pp={layout.pp}) with data or tensor parallelism is not estimated yet: use pp "
-                            "alone, or drop pp")
+        if layout.dp_replicate > 1 and layout.dp_shard == 1:
+            problems.append(f"Layout(pp={layout.pp}, dp_replicate={layout.dp_replicate}) (DDP over pipeline stages) "
+                            f"is not estimated yet: shard the data-parallel dimension instead (dp_shard="
+                            f"{layout.dp_replicate}), or add dp_shard for HSDP")
         if layout.pp_schedule in PP_SCHEDULES and layout.pp_schedule not in SINGLE_STAGE_SCHEDULES:
             problems.append(f"Layout(pp_schedule={layout.pp_schedule!r}) (several stages per rank) is not estimated "
                             f"yet: use {' or '.join(map(repr, SINGLE_STAGE_SCHEDULES))}")
@@ -315,16 +319,17 @@ def resolve_tp_plan(model: nn.Module, layout: Layout, problems: list[str]) -> tu
 
 
 @contextlib.contextmanager
-def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[Any]:
-    """A fake default process group of ``prod(shape)`` ranks (this process rank 0) and its mesh of
-    ``shape`` with dimension ``names`` (:func:`~memguard.estimator._fsdp2.fake_world` for any mesh)."""
+def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...], rank: int = 0) -> Iterator[Any]:
+    """A fake default process group of ``prod(shape)`` ranks (this process ``rank``, 0 by default) and
+    its mesh of ``shape`` with dimension ``names`` (:func:`~memguard.estimator._fsdp2.fake_world` for any
+    mesh)."""
     import math
 
     from torch.distributed.device_mesh import init_device_mesh
 
     from memguard.estimator._fsdp2 import fake_world
 
-    with fake_world(math.prod(shape)):
+    with fake_world(math.prod(shape), rank=rank):
         yield init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
@@ -466,9 +471,15 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
     from memguard.estimator._targets import Target, check_common, target_cpu, target_gpu, unwrap_model
     from memguard.estimator._tracing import TraceRequest, trace_spec
 
+    from memguard.estimator._fsdp2 import fsdp2_factors
+    from memguard.estimator._targets import traced_precision
+    from memguard.estimator._tracing import fsdp2_layout
+
     device, precision = options.get("device", "cuda"), options.get("precision", "32-true")
     problems: list[str] = []
-    check_common(precision=precision, zero_stage=0, world_size=layout.world_size, device=device, problems=problems)
+    zero_stage = options.get("zero_stage", 0)
+    level = (zero_stage if _is_int(zero_stage) and zero_stage >= 1 else 3) if layout.dp_shard > 1 else 0
+    check_common(precision=precision, zero_stage=level, world_size=layout.world_size, device=device, problems=problems)
     model = unwrap_model(model)
     parts = decoder_parts(model) if isinstance(model, nn.Module) else None
     micro = layout.pp_microbatches or layout.pp
@@ -497,20 +508,42 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
     cpu_target = target_cpu(device, options.get("cpu"), problems)
     if problems:
         raise ConfigError(problems)
-    spec = trace_spec(TraceRequest(device=device, precision=precision, gpu=spec_gpu, cpu=cpu_target))
-    target = Target(device=device, precision=precision, world_size=layout.world_size, gpu=spec_gpu,
-                    strategy="ddp").resolved()
+    plan, source = resolve_tp_plan(model, layout, problems) if layout.tp > 1 else (None, None)
+    if parts is not None:
+        check_model_fits(model, layout, plan, problems)
+    if problems:
+        raise ConfigError(problems)
+    strategy = "fsdp2" if layout.dp_shard > 1 else None
+    fsdp = fsdp2_layout(strategy, precision, level, layout.dp_shard, False, device) if strategy else None
+    spec = trace_spec(TraceRequest(device=device, precision=traced_precision(precision, level, strategy),
+                                   gpu=spec_gpu, cpu=cpu_target))
+    if fsdp is not None and fsdp.mp_dtype is not None:  # FSDP2's policy casts; no autocast (as run_trace)
+        spec = dataclasses.replace(spec, autocast_dtype=None, cuda_autocast=False)
+    target = Target(device=device, precision=precision, zero_stage=level, world_size=layout.world_size, gpu=spec_gpu,
+                    strategy=strategy or "ddp").resolved()
+    factors = fsdp2_factors(False) if fsdp is not None else ShardFactors()
     estimates = []
     for rank in range(layout.pp):
         trace = trace_pipeline_rank(model, batch, spec, rank=rank, stages=layout.pp, schedule=layout.pp_schedule,
-                                    microbatches=micro, optimizer=options.get("optimizer"))
-        est, _ = _estimate_from_factors(trace, ShardFactors(), target, micro_batch_size=int(first_dim(batch) or 0),
+                                    microbatches=micro, optimizer=options.get("optimizer"),
+                                    inner=(layout.dp_replicate, layout.dp_shard, layout.tp), plan=plan, fsdp=fsdp)
+        est, _ = _estimate_from_factors(trace, factors, target, micro_batch_size=int(first_dim(batch) or 0),
                                         checkpointed=0, limit_bytes=None)
         estimates.append(est)
-    peaks = tuple(e.peak_bytes for e in estimates)
-    worst = estimates[peaks.index(max(peaks))]
-    note = (f"layout {layout.describe()}: each pipeline rank traced under torch.distributed.pipelining's "
-            f"{layout.pp_schedule} schedule with {micro} micro-batches over a fake process group; the breakdown is "
-            f"rank {peaks.index(max(peaks))}'s; its forward phase holds the whole schedule, backward included; "
-            "on real 2- and 4-rank gloo CPU runs each rank's estimate equalled its real peak")
+    stage_peaks = tuple(e.peak_bytes for e in estimates)
+    per_stage = layout.world_size // layout.pp  # rank order: pp outermost (rank_order)
+    peaks = tuple(stage_peaks[r // per_stage] for r in range(layout.world_size))
+    worst_stage = stage_peaks.index(max(stage_peaks))
+    worst = estimates[worst_stage]
+    inner = ""
+    if per_stage > 1:
+        inner = f"; within each stage its first rank traced (the stage's {per_stage} ranks hold the same)"
+        if layout.tp > 1:
+            inner += f", tensor parallel with parallelize_module, plan from {source}"
+        if fsdp is not None:
+            inner += (", fully_shard of each block and of the stage as FSDP2's root, so the schedule keeps the "
+                      "stage's parameters unsharded and its gradients unsynchronised until the last micro-batch")
+    note = (f"layout {layout.describe()}: each pipeline stage traced under torch.distributed.pipelining's "
+            f"{layout.pp_schedule} schedule with {micro} micro-batches over a fake process group{inner}; the "
+            f"breakdown is stage {worst_stage}'s; its forward phase holds the whole schedule, backward included")
     return dataclasses.replace(worst, rank_peak_bytes=peaks, notes=worst.notes + (note,))

@@ -19,11 +19,13 @@ Known limitations:
     Only transformers decoder models are split (a base model under ``base_model_prefix`` with
     ``layers``, ``embed_tokens`` and ``norm``, called with ``inputs_embeds`` on later stages, and an
     ``lm_head``; Llama, Mistral, Qwen2 and the like); ``loss_fn`` must be None. Only ``GPipe`` and
-    ``1F1B`` (one stage per rank); pipeline stages are not combined with data or tensor parallelism
-    yet. On real 2- and 4-rank gloo runs (``benchmarks/layouts_cpu.py``, its ``llama-pp*`` cases)
-    every rank's estimate equals that rank's real peak of live tensor bytes; two things the fake
-    run does differently from a real one are undone for that (:func:`unpacked_positions`: the
-    stage's causal mask; :func:`held_sends`: send works keep what they send).
+    ``1F1B`` (one stage per rank). Inside a stage, FSDP2 and tensor parallelism
+    (:class:`ShardedPipelineTracer`); no DDP over stages. On real 2- and 4-rank gloo runs
+    (``benchmarks/layouts_cpu.py``, its ``llama-pp*`` cases, pipeline stages alone and with FSDP2 or
+    TP inside) every rank's estimate equals that rank's real peak of live tensor bytes in every step
+    the replay saw whole; two things the fake run does differently from a real one are undone for
+    that (:func:`unpacked_positions`: the stage's causal mask; :func:`held_sends`: send works keep
+    what they send).
     Every rank holds the replica's batch (the first stage reads its ``input_ids``, the last
     its ``labels``). The trace's ``forward`` phase holds the whole schedule, backward included.
 """
@@ -109,15 +111,26 @@ def split_decoder(model: nn.Module, stage: int, stages: int) -> DecoderStage:
     return DecoderStage(model, first, last)
 
 
-def make_schedule(stage_module: DecoderStage, stage: int, stages: int, schedule: str, microbatches: int,
-                  micro_input: torch.Tensor, micro_output: torch.Tensor, loss_fn: Any, device: Any) -> Any:
+def make_schedule(stage_module: nn.Module, stage: int, stages: int, schedule: str, microbatches: int,
+                  micro_input: torch.Tensor, micro_output: torch.Tensor, loss_fn: Any, device: Any,
+                  group: Any = None) -> Any:
     """The ``PipelineStage`` of ``stage_module`` (its input, output and gradient shapes given, so no
-    shape inference runs over the process group) and its schedule."""
+    shape inference runs over the process group) and its schedule.
+
+    A later stage's input example (floating point: the previous stage's hidden states) is made to
+    require grad: a ``PipelineStage`` makes its receive buffers require grad only when the example
+    does (``stage.py``, ``_retrieve_recv_activations``: ``effective_requires_grad =
+    info.tensor_meta.requires_grad and ...``; ``_utils.py``, ``TensorMeta.from_tensor``), and without it
+    the stage computes no input gradient and sends zeros back (``get_bwd_send_ops``), so every earlier
+    stage would train on zero gradients and hold none of the memory that gradient takes."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    if micro_input.is_floating_point() and not micro_input.requires_grad:
+        micro_input = micro_input.detach().requires_grad_(True)
     grad_in = micro_input if micro_input.is_floating_point() else None
     pstage = PipelineStage(stage_module, stage, stages, device, input_args=(micro_input,),
-                           output_args=(micro_output,), output_grads=(micro_output,), input_grads=(grad_in,))
+                           output_args=(micro_output,), output_grads=(micro_output,), input_grads=(grad_in,),
+                           group=group)
     cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
     return cls(pstage, n_microbatches=microbatches, loss_fn=loss_fn)
 
@@ -246,18 +259,40 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
 
 
 def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: int, stages: int, schedule: str,
-                        microbatches: int, optimizer=None) -> Trace:
+                        microbatches: int, optimizer=None, inner: tuple[int, int, int] = (1, 1, 1),
+                        plan: dict[str, Any] | None = None, fsdp: Any = None) -> Trace:
     """Trace one steady-state step of pipeline rank ``rank`` (see the module's docstring).
+
+    Args:
+        inner: ``(dp_replicate, dp_shard, tp)`` inside each stage; with any above 1 the stage is laid out as
+            :class:`ShardedPipelineTracer` says, and the first rank of stage ``rank`` is traced.
+        plan: the tensor-parallel plan (``tp > 1``).
+        fsdp: the :class:`~memguard.estimator._fsdp2.FSDP2Layout` over ``dp_shard`` (or None).
 
     Raises:
         ConfigError: the model cannot be cut into stages, or the schedule cannot run it.
     """
+    import math
+
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with quiet_fake_tensor_log(), fake_rank(rank, stages), unpacked_positions(), held_sends():
-            return PipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages, schedule=schedule,
-                                  microbatches=microbatches).run()
+        if math.prod(inner) == 1:
+            with quiet_fake_tensor_log(), fake_rank(rank, stages), unpacked_positions(), held_sends():
+                return PipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages,
+                                      schedule=schedule, microbatches=microbatches).run()
+        from memguard.estimator._fsdp2 import FSDP2Layout
+        from memguard.estimator._layout import fake_mesh
+
+        layout = fsdp if fsdp is not None else FSDP2Layout(world_size=1, zero_stage=3,
+                                                           backend="gloo" if spec.cpu_target is not None else "nccl")
+        shape = (stages, *inner)
+        with quiet_fake_tensor_log(), fake_mesh(shape, ("pp", "dp_replicate", "dp_shard", "tp"),
+                                                rank=rank * math.prod(inner)) as mesh, \
+                unpacked_positions(), held_sends():
+            return ShardedPipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages,
+                                         schedule=schedule, microbatches=microbatches, layout=layout, mesh=mesh,
+                                         plan=plan, fsdp=fsdp is not None).run()
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -270,9 +305,9 @@ class PipelineTracer(StepTracer):
     (:meth:`forward`; :meth:`backward` has nothing left to do)."""
 
     def __init__(self, model, batch, optimizer, loss_fn, spec, *, rank: int, stages: int, schedule: str,
-                 microbatches: int) -> None:
+                 microbatches: int, **rest: Any) -> None:
         self.rank, self.stages, self.schedule_name, self.microbatches = rank, stages, schedule, microbatches
-        super().__init__(model, batch, optimizer, loss_fn, spec)
+        super().__init__(model, batch, optimizer, loss_fn, spec, **rest)
 
     def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
         self.loss = causal_lm_loss(fmodel) if self.rank == self.stages - 1 else None
@@ -292,8 +327,8 @@ class PipelineTracer(StepTracer):
             # every rank passes the loss: a schedule without one runs no backward (schedules.py,
             # _has_backward); only the last stage calls it
             loss = self.loss or (lambda output, target: output.sum())
-            self.schedule = make_schedule(self.stage_module, self.rank, self.stages, self.schedule_name,
-                                          self.microbatches, inp, out, loss, torch.device("cpu"))
+            self.schedule = make_schedule(self.pipeline_module(), self.rank, self.stages, self.schedule_name,
+                                          self.microbatches, inp, out, loss, torch.device("cpu"), group=self.pp_group())
             del hidden, logits, inp, out
             with ScalarStub():  # the warm-up step: the stage's p2p buffers, as in a running job
                 try:
@@ -305,6 +340,14 @@ class PipelineTracer(StepTracer):
                                       f"{type(exc).__name__}: {exc}") from exc
             opt.zero_grad(set_to_none=True)
         return opt
+
+    def pipeline_module(self) -> nn.Module:
+        """The module the ``PipelineStage`` runs: the stage."""
+        return self.stage_module
+
+    def pp_group(self) -> Any:
+        """The pipeline's process group: None, the default one (pipeline stages alone)."""
+        return None
 
     def register(self) -> None:
         """The base's state, and the stage's receive buffers (:func:`stage_buffers`): forward inputs as
@@ -335,3 +378,37 @@ class PipelineTracer(StepTracer):
             h = rec.handle_of(p.grad) if p.grad is not None else None
             if h is not None:
                 trace.category[h] = Category.GRADS
+
+
+from memguard.estimator._tp_trace import TPTracer  # noqa: E402 - after PipelineTracer, which it does not need
+
+
+class ShardedPipelineTracer(PipelineTracer, TPTracer):
+    """A pipeline rank whose stage is itself laid out over data- and tensor-parallel ranks, as torchtitan's
+    ``parallelize_llama`` lays out each pipeline stage (``torchtitan/models/llama3/infra/pipeline.py`` cuts the
+    stages, then the same TP and FSDP2 as without pipelining apply to each stage's model chunk):
+
+    * the fake process group has every rank of the layout, over the mesh ``(pp, dp_replicate, dp_shard, tp)``
+      (torchtitan's order, ``parallel_dims.py``), and this process is the first rank of stage ``rank``
+      (within a stage every rank holds the same: the shards divide evenly, ``check_model_fits``);
+    * the copy is cut to the stage (:func:`split_decoder`), then ``parallelize_module`` over the ``tp``
+      dimension and ``fully_shard`` of each of the stage's blocks and of the stage module as root, over
+      ``dp_shard`` (:class:`~memguard.estimator._tp_trace.TPTracer`);
+    * the ``PipelineStage`` runs the FSDP2 root over the ``pp`` dimension's group, so torch's own
+      pipelining keeps the stage's parameters unsharded and its gradients unsynchronised until the last
+      micro-batch (``stage.py``, ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``,
+      ``set_requires_gradient_sync(False)``; ``_PipelineSchedule._step_microbatches`` then
+      ``stage._post_backward``/``scale_grads``), and the trace records what that keeps.
+    """
+
+    def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
+        PipelineTracer.prepare_model(self, fmodel, originals, blocks)
+        kept = getattr(fmodel, fmodel.base_model_prefix).layers  # the stage's blocks (split_decoder kept them)
+        stage_blocks = [b for b in blocks if any(b is k for k in kept)]
+        return TPTracer.prepare_model(self, fmodel, originals, stage_blocks)
+
+    def fsdp_root(self, fmodel: nn.Module) -> nn.Module:
+        return self.stage_module
+
+    def pp_group(self) -> Any:
+        return self.mesh["pp"].get_group()

@@ -130,12 +130,17 @@ class TPTracer(FSDP2Tracer):
             if self.fsdp:
                 try:
                     with _real_mesh_bookkeeping():
-                        shard_model(fmodel, dataclasses.replace(self.layout, offload=False), dp_mesh, blocks)
+                        shard_model(self.fsdp_root(fmodel), dataclasses.replace(self.layout, offload=False), dp_mesh,
+                                    blocks)
                 except Exception as exc:  # noqa: BLE001 - FSDP2 refusing the model is the user's problem
                     raise ConfigError(f"FSDP2 (fully_shard) could not shard the tensor-parallel model: "
                                       f"{type(exc).__name__}: {exc}") from exc
         by_name = dict(self.model.named_parameters())
         return {id(p): by_name[name] for name, p in fmodel.named_parameters() if name in by_name}
+
+    def fsdp_root(self, fmodel: nn.Module) -> nn.Module:
+        """The module FSDP2 shards as its root (after each block): the copy itself."""
+        return fmodel
 
     def build_optimizer(self, originals: dict[int, Any]) -> torch.optim.Optimizer:
         """The FSDP2 tracer's optimizer (its state made by one step on the DTensors): see :meth:`optimizer_step`."""

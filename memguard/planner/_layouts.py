@@ -42,11 +42,12 @@ loss). A rank's peak is then counted analytically for its stage:
 * the optimizer step's own transients, per parameter, from the probes.
 
 These are allocated bytes (no CUDA allocator model) plus the target's BLAS workspaces; the winner is
-verified with a real ``memguard.estimate(..., layout=...)`` where that estimates the layout (no
-pipeline stages combined with data or tensor parallelism) and a full trace is predicted to take at
-most ``verify_budget_s`` (default :data:`VERIFY_BUDGET_S`). The prediction is the model's op count
-(counted on the probes) times :data:`SECONDS_PER_OP` and :func:`trace_seconds`' DTensor factor, not a
-clock reading, so the same request gets the same plan on an idle and on a loaded host; a verification that finds the model short sizes the next candidate
+verified with a real ``memguard.estimate(..., layout=...)`` where that estimates the layout (not DDP
+over pipeline stages or over tensor-parallel shards, no checkpointing under pipelining) and a full
+trace is predicted to take at most ``verify_budget_s`` (default :data:`VERIFY_BUDGET_S`). The
+prediction is the model's op count (counted on the probes) times :data:`SECONDS_PER_OP` and
+:func:`trace_seconds`' DTensor factor, not a clock reading, so the same request gets the same plan on
+an idle and on a loaded host. A verification that finds the model short sizes the next candidate
 with that shortfall (:data:`_MAX_VERIFY` at most). ``Plan.reasons["estimate"]`` says which it is.
 
 Known limitations:
@@ -664,9 +665,10 @@ def search_layouts(session: Any, space: Any, request: Any) -> Any:
 def verifiable(cand: LayoutCandidate) -> bool:
     """Whether ``memguard.estimate(..., layout=...)`` estimates the candidate's layout."""
     lay = cand.layout
-    if lay.pp > 1:
-        return lay.world_size == lay.pp and cand.checkpoint_blocks == 0
-    return not (lay.dp_replicate > 1 and lay.dp_shard == 1 and lay.tp > 1)
+    ddp_only = lay.dp_replicate > 1 and lay.dp_shard == 1
+    if lay.pp > 1:  # stages with FSDP2 and/or TP inside, no checkpointing, no DDP over stages
+        return cand.checkpoint_blocks == 0 and not ddp_only
+    return not (ddp_only and lay.tp > 1)
 
 
 def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutProfile, verify: bool = True,

@@ -95,6 +95,8 @@ def profile(llama):
     (Layout(tp=2), 8, 1, 0),
     (Layout(dp_shard=2, tp=2), 8, 1, 4),
     (Layout(pp=2, pp_microbatches=4), 2, 1, 0),
+    (Layout(pp=2, dp_shard=2, pp_microbatches=4), 2, 1, 0),
+    (Layout(pp=2, tp=2, pp_microbatches=4), 2, 1, 0),
 ])
 def test_layout_model_is_close_to_the_real_layout_estimate(llama, profile, layout, m, accum, k):
     """The analytic per-rank peak (no trace of the layout) against memguard.estimate(layout=...)'s trace.
