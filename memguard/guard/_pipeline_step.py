@@ -92,6 +92,16 @@ class _Drain:
         return self.zeros[key]
 
 
+def _innermost(exc: BaseException) -> BaseException:
+    """The error ``exc`` was raised from, innermost first (the stage wraps its compute's errors:
+    ``stage.py``, ``forward_one_chunk``: ``raise RuntimeError(exc_msg) from e``)."""
+    seen: set[int] = set()
+    while exc.__cause__ is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return exc
+
+
 class PipelineRun:
     """This rank's pipeline stage and the schedules that run it (see the module docstring).
 
@@ -169,24 +179,31 @@ class PipelineRun:
 
     # ---- the drain ---------------------------------------------------------------------------
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, where: str) -> None:
         """Record the first error of this run and drop what the stage holds for the step."""
         if self._drain.error is None:
             self._drain.error, self._drain.oom = exc, is_oom_error(exc)
             if self._drain.oom:
                 release_exception(exc)  # the failed frames' activations and graph
+            else:
+                exc.add_note(f"memguard: raised on pipeline stage {self.rank}, in {where} (of {self.microbatches} "
+                             "micro-batches); the other stages stopped with a PeerFailedError")
         stage = self.stage
         if stage is not None:
-            for chunk, (outputs, _inputs) in list(stage.fwd_cache.items()):
-                stage.fwd_cache[chunk] = (self._placeholder_outputs(len(outputs)), [])
+            # the micro-batches' outputs and graphs: their backward will not run (the wrapped backward
+            # skips them), and the sends already posted hold what they send (stage.py, get_fwd_send_ops)
+            stage.fwd_cache.clear()
             stage.output_chunks.clear()
         for p in self.model.parameters():
             p.grad = None
-        free_memory()
+        free_memory()  # before any placeholder is made
 
-    def _placeholder_outputs(self, n: int = 1) -> tuple[torch.Tensor, ...]:
-        shape = self._shapes["out"]
-        return tuple(self._drain.zeros_like_meta(shape, self._shapes["dtype"], self.device) for _ in range(n))
+    def _placeholder_outputs(self) -> tuple[torch.Tensor]:
+        """A forward's output after a failure: zeros of the output's shape, which the stage sends on; the
+        last stage sends nothing (its output only reaches the loss, which returns zero after a failure)."""
+        if self.last:
+            return (torch.empty(0, device=self.device),)
+        return (self._drain.zeros_like_meta(self._shapes["out"], self._shapes["dtype"], self.device),)
 
     def _guard_stage(self, stage: Any) -> None:
         """Wrap the stage's per-micro-batch compute (instance attributes shadow ``_PipelineStageBase``'s
@@ -198,7 +215,7 @@ class PipelineRun:
                 try:
                     return forward(fwd_chunk_id, args, kwargs, save_forward_output=save_forward_output)
                 except Exception as exc:  # noqa: BLE001 - drained, then raised after the schedule
-                    self._fail(exc)
+                    self._fail(exc, f"the forward of micro-batch {fwd_chunk_id}")
                     del exc
             outputs = self._placeholder_outputs()
             # what forward_one_chunk caches (stage.py): the outputs to send, no inputs to keep
@@ -211,7 +228,7 @@ class PipelineRun:
                     return backward(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                     last_backward=last_backward)
                 except Exception as exc:  # noqa: BLE001 - drained, then raised after the schedule
-                    self._fail(exc)
+                    self._fail(exc, f"the backward of micro-batch {bwd_chunk_id}")
                     del exc
             stage.fwd_cache.pop(bwd_chunk_id, None)
             # what backward_one_chunk caches for get_bwd_send_ops: the input gradients to send back
@@ -227,7 +244,7 @@ class PipelineRun:
             try:
                 return self._loss(logits, labels)
             except Exception as exc:  # noqa: BLE001 - drained, then raised after the schedule
-                self._fail(exc)
+                self._fail(exc, "the loss")
                 del exc
         return self._drain.zeros_like_meta((), torch.float32, self.device)
 
@@ -260,7 +277,10 @@ class PipelineRun:
             losses: list[torch.Tensor] = []
             kwargs = {"target": batch["labels"].to(self.device), "losses": losses} if self.last else {}
             args = (batch["input_ids"].to(self.device),) if self.first else ()
-            self.schedule.step(*args, **kwargs)
+            # return_outputs=False: the last stage keeps no micro-batch's logits for a merged output
+            # (schedules.py, forward_one_chunk(save_forward_output=return_outputs) -> output_chunks);
+            # the step returns the loss only
+            self.schedule.step(*args, return_outputs=False, **kwargs)
             if self.last and self._drain.error is None:
                 loss = float(sum(x.detach().float() for x in losses))
         except Exception as exc:  # noqa: BLE001 - outside the guarded compute: told to the peers, then raised
@@ -294,7 +314,7 @@ class PipelineRun:
             ooms = [r for r in range(self.stages) if status[r, 0]]
             if not ooms:
                 break
-            where = f"this rank: {oom_summary(err)}" if err is not None else "not this rank"
+            where = f"this rank: {oom_summary(_innermost(err))}" if err is not None else "not this rank"
             del err
             for p in self.model.parameters():
                 p.grad = None
@@ -303,14 +323,16 @@ class PipelineRun:
             free_memory()
             micro = rows // self.microbatches
             if micro <= 1 or rows % (2 * self.microbatches):
-                logger.warning("memguard: pipeline rank(s) %s ran out of memory at %d micro-batches of %d rows (%s); "
+                logger.warning("memguard: pipeline rank(s) %s ran out of memory at %d micro-batches of %d row(s) (%s); "
                                "the micro-batch cannot be halved further", ooms, self.microbatches, micro, where)
-                raise OOMRecoveryError(f"pipeline rank(s) {ooms} ran out of memory at {self.microbatches} micro-batches "
-                                       f"of {micro} rows, and the batch's {rows} rows do not split into "
-                                       f"{2 * self.microbatches}: use a smaller batch or more pipeline stages",
-                                       micro_batch_size=micro)
-            logger.warning("memguard: pipeline rank(s) %s ran out of memory at %d micro-batches of %d rows (%s); "
-                           "gradients dropped, running the same batch again as %d micro-batches of %d rows",
+                advice = ("a smaller batch, more pipeline stages, or Layout(pp_schedule='1F1B') (GPipe holds every "
+                          "micro-batch's activations at once, whatever their size)") if self.schedule_name == "GPipe" \
+                    else "a smaller batch or more pipeline stages"
+                raise OOMRecoveryError(f"pipeline rank(s) {ooms} ran out of memory at {self.microbatches} "
+                                       f"micro-batches of {micro} row(s), and the batch's {rows} rows do not split "
+                                       f"into {2 * self.microbatches}: use {advice}", micro_batch_size=micro)
+            logger.warning("memguard: pipeline rank(s) %s ran out of memory at %d micro-batches of %d row(s) (%s); "
+                           "gradients dropped, running the same batch again as %d micro-batches of %d row(s)",
                            ooms, self.microbatches, micro, where, 2 * self.microbatches, micro // 2)
             self.microbatches *= 2
         optimizer.step()

@@ -44,10 +44,11 @@ def _free_port() -> int:
 
 
 def _run(tmp_path: Path, pp: int, **cfg) -> tuple[list[dict], list[dict]]:
-    cfg = {"out": str(tmp_path), "pp": pp, "steps": 3, **cfg}
+    cfg = {"out": str(tmp_path), "pp": pp, "steps": 3, "hang_after_s": TIMEOUT_S - 30, **cfg}
     env = dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(pp), OMP_NUM_THREADS="1",
-               MALLOC_ARENA_MAX="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+               MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps(cfg)], env={**env, "RANK": str(r)}, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(pp)]
     try:
@@ -63,14 +64,14 @@ def _run(tmp_path: Path, pp: int, **cfg) -> tuple[list[dict], list[dict]]:
     return results, weights
 
 
-def _single_process(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _single_process(steps: int, **shape) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The whole model in one process on the same batches: ``model(**batch).loss``, backward, AdamW."""
     w = _worker_module()
     torch.set_num_threads(1)
-    model = w.build_llama()
+    model = w.build_llama(shape.get("vocab", w.VOCAB))
     optimizer = torch.optim.AdamW(model.parameters(), lr=w.LR)
     losses = []
-    for batch in w.make_batches(steps):
+    for batch in w.make_batches(steps, **shape):
         loss = model(**batch).loss
         loss.backward()
         optimizer.step()
@@ -87,8 +88,8 @@ def _global_name(name: str, stage: int, stages: int) -> str:
     return re.sub(r"\.layers\.(\d+)\.", lambda m: f".layers.{int(m.group(1)) + lo}.", name)
 
 
-def _assert_equal_to_one_process(results: list[dict], weights: list[dict], steps: int) -> None:
-    losses, reference = _single_process(steps)
+def _assert_equal_to_one_process(results: list[dict], weights: list[dict], steps: int, **shape) -> None:
+    losses, reference = _single_process(steps, **shape)
     for r in results:  # every rank returns the batch's loss
         assert r["losses"] == pytest.approx(losses, abs=1e-5), (r["rank"], r["losses"], losses)
     seen = set()
@@ -111,3 +112,51 @@ def test_two_stages_train_as_one_process(tmp_path: Path, schedule: str) -> None:
         assert r["schedule"] == {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}[schedule]
         assert r["microbatches"] == [4, 4, 4] and r["log"] == []
     _assert_equal_to_one_process(results, weights, 3)
+
+
+# The OOM runs use a longer sequence and a larger vocabulary, so that the last stage's logits and the
+# loss's temporaries (which halve with the micro-batch) dominate its step's memory: its first step rises
+# about 42 MiB at 4 micro-batches of 2 rows and about 20 MiB at 8 of 1 on this model; the cap (0.7 x the
+# first step's rise) sits between the two. MALLOC_MMAP_THRESHOLD_ fixes glibc's mmap threshold (mallopt(3)),
+# so each large tensor is its own mapping, unmapped when freed, and the address space follows live tensors.
+OOM = {"seq": 256, "vocab": 4096, "cap_rank": 1, "cap_factor": 0.7}
+
+
+def test_an_oom_on_one_rank_halves_the_micro_batch_on_both_and_trains_as_one_process(tmp_path: Path) -> None:
+    results, weights = _run(tmp_path, 2, schedule="1F1B", microbatches=4, **OOM)
+    assert results[1]["capped"] and not results[0]["capped"]
+    for r in results:
+        # the first step ran uncapped at 4 micro-batches; the capped second one ran out of memory on rank 1,
+        # and both ranks ran it again at 8, and stayed there
+        assert r["error"] is None and r["microbatches"] == [4, 8, 8], r
+        (line,) = r["log"]
+        assert "pipeline rank(s) [1] ran out of memory at 4 micro-batches of 2 row(s)" in line
+        assert "running the same batch again as 8 micro-batches of 1 row(s)" in line
+        assert ("this rank: " in line) == (r["rank"] == 1), line
+    assert "can't allocate memory" in results[1]["log"][0]
+    _assert_equal_to_one_process(results, weights, 3, seq=OOM["seq"], vocab=OOM["vocab"])
+
+
+def test_an_oom_at_one_row_per_micro_batch_is_raised_on_both_ranks_under_gpipe(tmp_path: Path) -> None:
+    # GPipe holds every micro-batch's activations until its backward phase, so the last stage's step rises
+    # about as much at 8 micro-batches as at 4 (about 96 and 103 MiB here): under the 0.7 cap the step fails at
+    # one row per micro-batch, which does not halve; both ranks leave the schedule and raise, neither hangs
+    results, _ = _run(tmp_path, 2, schedule="GPipe", microbatches=8, steps=2, **OOM)
+    for r in results:
+        assert r["error"] is not None and r["error"]["type"] == "OOMRecoveryError", r
+        assert "pipeline rank(s) [1] ran out of memory at 8 micro-batches of 1 row(s)" in r["error"]["message"]
+        assert r["losses"] and len(r["losses"]) == 1 and len(r["log"]) == 1
+        assert "cannot be halved further" in r["log"][0]
+
+
+def test_an_error_on_one_rank_is_raised_there_and_a_peer_failure_on_the_other(tmp_path: Path) -> None:
+    results, _ = _run(tmp_path, 2, schedule="1F1B", microbatches=2, steps=2, raise_rank=1)
+    # rank 1 raises the model's error as the stage raised it (stage.py wraps a forward's error in a
+    # RuntimeError raised from it), with memguard's note of where
+    err = results[1]["error"]
+    assert err["type"] == "RuntimeError" and err["cause"] == "ValueError: an error of the model's own", err
+    assert err["notes"] == ["memguard: raised on pipeline stage 1, in the forward of micro-batch 0 (of 2 "
+                            "micro-batches); the other stages stopped with a PeerFailedError"]
+    assert results[0]["error"]["type"] == "PeerFailedError", results[0]
+    assert "pipeline rank 1 failed" in results[0]["error"]["message"]
+    assert all(r["log"] == [] and len(r["losses"]) == 1 for r in results)
