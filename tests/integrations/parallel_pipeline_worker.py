@@ -3,7 +3,8 @@ test_parallel_pipeline.py).
 
 ``python parallel_pipeline_worker.py '<json>'`` with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``
 set. The JSON holds ``"pp"``, ``"schedule"``, ``"microbatches"``, ``"steps"``, ``"out"``, optionally
-``"seq"`` and ``"vocab"``, optionally ``"raise_rank"`` (from the second step on, that rank's base model
+``"seq"`` and ``"vocab"``, optionally ``"measure"`` (then the rank only measures its peak of live tensor
+bytes, :func:`_measure`, and writes it as ``real_peak_bytes``), optionally ``"raise_rank"`` (from the second step on, that rank's base model
 raises a ValueError when called), and optionally ``"cap_rank"`` / ``"cap_factor"``: from the second step on,
 that rank's address space is capped (``RLIMIT_AS``) at its size then plus ``cap_factor`` times the
 first step's rise (``VmPeak`` over ``VmSize`` at its start), and the cap is lifted before the results
@@ -72,6 +73,38 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def _measure(model, optimizer, batch, run) -> int:
+    """The peak of live tensor bytes over two steps of ``parallel.step`` on ``batch``, after a warm-up step, as
+    the layout benchmark measures a pipeline rank (:func:`benchmarks.layouts_cpu._pipeline_worker`: the
+    profiler's allocator events replayed by address over the model, batch, optimizer state and the stage's
+    receive buffers, :func:`benchmarks.fsdp2_cpu._replay`)."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.fsdp2_cpu import _PREFIX, _live_bytes, _replay, _storage_bytes
+    from memguard.estimator._pipeline import stage_buffers
+    from memguard.integrations import parallel
+
+    def step() -> None:
+        with record_function(_PREFIX + "step"), record_function(_PREFIX + "forward"):
+            parallel.step(model, optimizer, batch)
+
+    step()  # warm-up: the stage's receive buffers and the optimizer's state
+    gc.collect()
+    gc.disable()
+    dist.barrier()
+    fwd, grads = stage_buffers(run.schedule)
+    baseline = _live_bytes(model, batch, optimizer) + _storage_bytes(fwd + grads)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(2):
+            step()
+    gc.enable()
+    _, _, step_peaks, _, suspect = _replay(prof, baseline)
+    return max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)
+
+
 def main() -> None:
     import torch
     import torch.distributed as dist
@@ -94,6 +127,12 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     batches = make_batches(cfg["steps"], seq=seq, vocab=vocab)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if cfg.get("measure"):
+        result = {"rank": rank, "real_peak_bytes": _measure(model, optimizer, batches[0], applied.pipeline)}
+        dist.barrier()
+        dist.destroy_process_group()
+        (Path(cfg["out"]) / f"result{rank}.json").write_text(json.dumps(result))
+        return
     losses, micro, capped, growth, error = [], [], False, 0, None
     try:
         for k, batch in enumerate(batches):

@@ -60,7 +60,7 @@ def _run(tmp_path: Path, pp: int, **cfg) -> tuple[list[dict], list[dict]]:
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(pp)]
-    weights = [torch.load(tmp_path / f"weights{r}.pt") for r in range(pp)]
+    weights = [torch.load(tmp_path / f"weights{r}.pt") for r in range(pp)] if not cfg.get("measure") else []
     return results, weights
 
 
@@ -103,11 +103,12 @@ def _assert_equal_to_one_process(results: list[dict], weights: list[dict], steps
     assert seen == set(reference), set(reference) ^ seen  # the stages hold every weight exactly once
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
-def test_two_stages_train_as_one_process(tmp_path: Path, schedule: str) -> None:
-    results, weights = _run(tmp_path, 2, schedule=schedule, microbatches=4)
+@pytest.mark.parametrize(("pp", "schedule"), [(2, "1F1B"), (2, "GPipe"), (4, "1F1B")])
+def test_pipeline_stages_train_as_one_process(tmp_path: Path, pp: int, schedule: str) -> None:
+    # 4 stages: one block each, two of them neither first nor last (they receive and send both ways)
+    results, weights = _run(tmp_path, pp, schedule=schedule, microbatches=4)
     for r in results:
-        assert r["mesh"] == [2, 1, 1, 1] and r["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "tp"]
+        assert r["mesh"] == [pp, 1, 1, 1] and r["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "tp"]
         assert r["stage"] == "PipelineStage"
         assert r["schedule"] == {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}[schedule]
         assert r["microbatches"] == [4, 4, 4] and r["log"] == []
@@ -119,7 +120,8 @@ def test_two_stages_train_as_one_process(tmp_path: Path, schedule: str) -> None:
 # about 42 MiB at 4 micro-batches of 2 rows and about 20 MiB at 8 of 1 on this model; the cap (0.7 x the
 # first step's rise) sits between the two. MALLOC_MMAP_THRESHOLD_ fixes glibc's mmap threshold (mallopt(3)),
 # so each large tensor is its own mapping, unmapped when freed, and the address space follows live tensors.
-OOM = {"seq": 256, "vocab": 4096, "cap_rank": 1, "cap_factor": 0.7}
+OOM_SHAPE = {"seq": 256, "vocab": 4096}
+OOM = {**OOM_SHAPE, "cap_rank": 1, "cap_factor": 0.7}
 
 
 def test_an_oom_on_one_rank_halves_the_micro_batch_on_both_and_trains_as_one_process(tmp_path: Path) -> None:
@@ -160,3 +162,23 @@ def test_an_error_on_one_rank_is_raised_there_and_a_peer_failure_on_the_other(tm
     assert results[0]["error"]["type"] == "PeerFailedError", results[0]
     assert "pipeline rank 1 failed" in results[0]["error"]["message"]
     assert all(r["log"] == [] and len(r["losses"]) == 1 for r in results)
+
+
+_KEEPS_OUTPUTS = pytest.mark.xfail(
+    strict=True, reason="the estimate's schedule keeps every micro-batch's logits on the last stage "
+    "(memguard.estimator._pipeline.run_schedule: return_outputs left True), parallel.step does not; under 1F1B "
+    "they outlive the last backward, so the estimate is above the real peak there")
+
+
+@pytest.mark.parametrize("schedule", [pytest.param("1F1B", marks=_KEEPS_OUTPUTS), "GPipe"])
+def test_the_estimate_is_each_ranks_real_peak(tmp_path: Path, schedule: str) -> None:
+    # the peak of live tensor bytes of each rank's parallel.step (measured as benchmarks/layouts_cpu.py
+    # measures a pipeline rank) against memguard.estimate's rank_peak_bytes for the same layout and batch
+    import memguard
+
+    w = _worker_module()
+    results, _ = _run(tmp_path, 2, schedule=schedule, microbatches=4, measure=True, **OOM_SHAPE)
+    est = memguard.estimate(w.build_llama(OOM_SHAPE["vocab"]), w.make_batches(1, **OOM_SHAPE)[0], device="cpu",
+                            layout=memguard.Layout(pp=2, pp_schedule=schedule, pp_microbatches=4))
+    real = [r["real_peak_bytes"] for r in results]
+    assert list(est.rank_peak_bytes) == pytest.approx(real, rel=1e-3), (list(est.rank_peak_bytes), real)
