@@ -2,16 +2,21 @@
 test_parallel_pipeline.py).
 
 ``python parallel_pipeline_worker.py '<json>'`` with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``
-set. The JSON holds ``"pp"``, ``"schedule"``, ``"microbatches"``, ``"steps"``, ``"out"``, optionally
-``"seq"`` and ``"vocab"``, optionally ``"measure"`` (then the rank only measures its peak of live tensor
-bytes, :func:`_measure`, and writes it as ``real_peak_bytes``), optionally ``"raise_rank"`` (from the second step on, that rank's base model
-raises a ValueError when called), and optionally ``"cap_rank"`` / ``"cap_factor"``: from the second step on,
-that rank's address space is capped (``RLIMIT_AS``) at its size then plus ``cap_factor`` times the
-first step's rise (``VmPeak`` over ``VmSize`` at its start), and the cap is lifted before the results
-are written. Each rank builds the same small Llama (:func:`build_llama`, seed 0), runs ``steps`` steps
-of ``parallel.step`` on :func:`make_batches`, and writes ``result{rank}.json`` (losses, micro-batch
-counts after each step, the error a step raised, the "memguard" log records, the first step's rise)
-and ``weights{rank}.pt`` (its stage's parameters by name, after the last step).
+set. The JSON holds ``"pp"``, ``"schedule"``, ``"microbatches"``, ``"steps"`` and ``"out"``, and optionally:
+
+* ``"seq"``, ``"vocab"``: the batches' length and the model's vocabulary;
+* ``"measure"``: the rank only measures its peak of live tensor bytes (:func:`_measure`) and writes it
+  as ``real_peak_bytes``;
+* ``"raise_rank"``: from the second step on, that rank's base model raises a ValueError when called;
+* ``"cap_rank"``, ``"cap_factor"``: from the second step on, that rank's address space is capped
+  (``RLIMIT_AS``) at its size then plus ``cap_factor`` times the first step's rise (``VmPeak`` over
+  ``VmSize`` at its start); the cap is lifted before the results are written;
+* ``"hang_after_s"``: a rank still running then prints its stacks and exits.
+
+Each rank builds the same small Llama (:func:`build_llama`, seed 0), runs ``steps`` steps of
+``parallel.step`` on :func:`make_batches`, and writes ``result{rank}.json`` (losses, micro-batch counts
+after each step, the error a step raised, the "memguard" log records, the first step's rise) and
+``weights{rank}.pt`` (its stage's parameters by name, after the last step).
 """
 
 from __future__ import annotations
