@@ -160,11 +160,13 @@ class PipelineRun:
         self.stage = self.schedule = None  # the previous shape's receive buffers go
         free_memory()
         micro, dtype = rows // microbatches, self._dtype()
-        hidden = torch.empty(micro, seq, self.hidden_size, dtype=dtype, device=self.device)
+        # the examples are meta tensors: a PipelineStage keeps their shape, stride, dtype and requires_grad
+        # only (_utils.py, TensorMeta.from_tensor) and makes its buffers on its own device
+        hidden = torch.empty(micro, seq, self.hidden_size, dtype=dtype, device="meta")
         # a later stage's input requires grad, or the stage sends zeros back (see the module docstring)
-        inp = (torch.empty(micro, seq, dtype=torch.long, device=self.device) if self.first
+        inp = (torch.empty(micro, seq, dtype=torch.long, device="meta") if self.first
                else hidden.detach().requires_grad_(True))
-        out = (torch.empty(micro, seq, self.vocab_size, dtype=dtype, device=self.device) if self.last
+        out = (torch.empty(micro, seq, self.vocab_size, dtype=dtype, device="meta") if self.last
                else hidden.detach().requires_grad_(True))
         # every rank passes a loss: a schedule without one runs no backward (schedules.py, _has_backward);
         # only the last stage calls it

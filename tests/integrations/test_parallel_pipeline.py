@@ -182,3 +182,42 @@ def test_the_estimate_is_each_ranks_real_peak(tmp_path: Path, schedule: str) -> 
                             layout=memguard.Layout(pp=2, pp_schedule=schedule, pp_microbatches=4))
     real = [r["real_peak_bytes"] for r in results]
     assert list(est.rank_peak_bytes) == pytest.approx(real, rel=1e-3), (list(est.rank_peak_bytes), real)
+
+
+@pytest.fixture
+def one_rank():
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_apply_lists_what_pipeline_stages_cannot_be_built_for(one_rank) -> None:
+    import types
+
+    import memguard
+    from memguard.errors import ConfigError
+    from memguard.integrations import parallel
+
+    w = _worker_module()
+    plan = types.SimpleNamespace(layout=memguard.Layout(pp=8, pp_microbatches=8), precision="bf16-mixed",
+                                 checkpoint_blocks=2)
+    with pytest.raises(ConfigError) as info:
+        parallel.apply(w.build_llama(), plan)
+    problems = info.value.problems
+    assert any("needs at least 8 blocks, the model has 4" in p for p in problems), problems
+    assert any("precision='bf16-mixed'" in p for p in problems), problems
+    assert any("activation checkpointing is not built under Layout(pp=...)" in p for p in problems), problems
+    assert any("needs 8 ranks, but the process group has 1" in p for p in problems), problems
+    with pytest.raises(ConfigError) as info:
+        parallel.apply(torch.nn.Linear(4, 4), memguard.Layout(pp=2))
+    assert any("does not build pipeline stages for Linear" in p for p in info.value.problems)
+
+
+def test_step_refuses_a_model_without_pipeline_stages(one_rank) -> None:
+    import memguard
+    from memguard.errors import ConfigError
+    from memguard.integrations import parallel
+
+    model = parallel.apply(torch.nn.Linear(4, 4), memguard.Layout())
+    with pytest.raises(ConfigError, match=r"call apply\(model, Layout\(pp=...\)\) first"):
+        parallel.step(model, torch.optim.SGD(model.parameters(), lr=0.1), {"input_ids": torch.zeros(2, 2)})
