@@ -255,7 +255,7 @@ def _dtensor_type() -> type:
 
 
 def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] | None = None,
-          device: str | None = None) -> nn.Module:
+          device: str | None = None, batch: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
     """Lay ``model`` out over the ranks as the layout says (see the module docstring); the model.
 
     Call it on every rank, after ``torch.distributed.init_process_group``, before building the
@@ -270,6 +270,9 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
             ``ParallelStyle`` or one of :data:`memguard.estimator._layout.STYLE_NAMES`); overrides the
             layout's ``tp_plan``. Pass the same to :func:`memguard.estimate` (as ``Layout(tp_plan=...)``).
         device: the mesh's device type (``"cpu"``, ``"cuda"``); default: the model's parameters'.
+        batch: under pipeline stages, a batch of the shape the job trains on (``input_ids`` and
+            ``labels``): the ``PipelineStage`` and schedule are built now, for its micro-batch shape,
+            instead of on the first :func:`step`. Ignored without pipeline stages.
 
     Returns:
         ``model``, laid out in place (tensor-parallel ``DTensor`` parameters, an ``FSDPModule``, or cut
@@ -294,6 +297,8 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
         if precision in _TRUE:
             model.to(_TRUE[precision])  # *-true: the weights themselves are 16-bit
         out, mesh, run = _apply_pipeline(model, layout, _device_type(model, device))
+        if batch is not None:
+            run.build_for(batch)
         _APPLIED[out] = AppliedLayout(layout=layout, mesh=mesh, tp_plan_source=None, zero_stage=0,
                                       precision=precision, pipeline=run)
         return out

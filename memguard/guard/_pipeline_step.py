@@ -179,6 +179,16 @@ class PipelineRun:
         self._guard_stage(schedule._stage)
         self.stage, self.schedule, self._built = schedule._stage, schedule, key
 
+    def build_for(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """Build the stage and schedule for ``batch``'s micro-batch shape now (the first :meth:`step` on a
+        batch of that shape then uses them).
+
+        Raises:
+            ConfigError: the batch is not one the schedule can split.
+        """
+        rows, seq = self._check_batch(batch)
+        self._build(rows, seq, self.microbatches)
+
     # ---- the drain ---------------------------------------------------------------------------
 
     def _fail(self, exc: BaseException, where: str) -> None:

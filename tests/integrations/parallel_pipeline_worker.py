@@ -127,10 +127,11 @@ def main() -> None:
     rank = dist.get_rank()
     layout = memguard.Layout(pp=cfg["pp"], pp_schedule=cfg["schedule"], pp_microbatches=cfg["microbatches"])
     vocab, seq = cfg.get("vocab", VOCAB), cfg.get("seq", SEQ)
-    model = parallel.apply(build_llama(vocab), layout)
-    applied = parallel.layout_of(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     batches = make_batches(cfg["steps"], seq=seq, vocab=vocab)
+    model = parallel.apply(build_llama(vocab), layout, batch=batches[0])  # the stage and schedule built now
+    applied = parallel.layout_of(model)
+    built = [type(applied.pipeline.stage).__name__, type(applied.pipeline.schedule).__name__]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if cfg.get("measure"):
         result = {"rank": rank, "real_peak_bytes": _measure(model, optimizer, batches[0], applied.pipeline)}
@@ -160,7 +161,7 @@ def main() -> None:
                  "cause": None if exc.__cause__ is None else f"{type(exc.__cause__).__name__}: {exc.__cause__}"}
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     result = {"rank": rank, "losses": losses, "error": error, "first_step_growth": growth, "microbatches": micro,
-              "capped": capped, "log": records.messages,
+              "capped": capped, "log": records.messages, "built_by_apply": built,
               "mesh": list(applied.mesh.shape), "mesh_dims": list(applied.mesh.mesh_dim_names),
               "stage": type(applied.pipeline.stage).__name__, "schedule": type(applied.pipeline.schedule).__name__}
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, Path(cfg["out"]) / f"weights{rank}.pt")
