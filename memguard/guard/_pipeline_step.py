@@ -54,6 +54,7 @@ Known limitations:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,19 @@ class _Drain:
         return self.zeros[key]
 
 
+#: Each model cut to a stage -> its run, so that ``memguard.step`` can hand a pipeline model to
+#: :meth:`PipelineRun.step` (memguard/ cannot import the integrations that build it).
+_RUNS: "weakref.WeakKeyDictionary[nn.Module, PipelineRun]" = weakref.WeakKeyDictionary()
+
+
+def pipeline_run_of(model: Any) -> "PipelineRun | None":
+    """The :class:`PipelineRun` of a model cut to a pipeline stage by ``parallel.apply``, else None."""
+    try:
+        return _RUNS.get(model)
+    except TypeError:  # not weak-referenceable: not one
+        return None
+
+
 def _innermost(exc: BaseException) -> BaseException:
     """The error ``exc`` was raised from, innermost first (the stage wraps its compute's errors:
     ``stage.py``, ``forward_one_chunk``: ``raise RuntimeError(exc_msg) from e``)."""
@@ -126,6 +140,7 @@ class PipelineRun:
         self._built: tuple | None = None
         self._items: torch.Tensor | None = None
         self._drain = _Drain()
+        _RUNS[model] = self
 
     # ---- building --------------------------------------------------------------------------
 

@@ -115,6 +115,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import memguard
+    from memguard.guard._pipeline_step import pipeline_run_of
     from memguard.integrations import parallel
 
     cfg = json.loads(sys.argv[1])
@@ -162,6 +163,7 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     result = {"rank": rank, "losses": losses, "error": error, "first_step_growth": growth, "microbatches": micro,
               "capped": capped, "log": records.messages, "built_by_apply": built,
+              "run_registered": pipeline_run_of(model) is applied.pipeline,
               "mesh": list(applied.mesh.shape), "mesh_dims": list(applied.mesh.mesh_dim_names),
               "stage": type(applied.pipeline.stage).__name__, "schedule": type(applied.pipeline.schedule).__name__}
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, Path(cfg["out"]) / f"weights{rank}.pt")

@@ -109,6 +109,7 @@ def test_pipeline_stages_train_as_one_process(tmp_path: Path, pp: int, schedule:
     results, weights = _run(tmp_path, pp, schedule=schedule, microbatches=4)
     for r in results:
         assert r["mesh"] == [pp, 1, 1, 1] and r["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "tp"]
+        assert r["run_registered"]  # memguard.guard._pipeline_step.pipeline_run_of finds it
         classes = ["PipelineStage", {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}[schedule]]
         assert r["built_by_apply"] == classes and [r["stage"], r["schedule"]] == classes
         assert r["microbatches"] == [4, 4, 4] and r["log"] == []
