@@ -46,7 +46,13 @@ Known limitations:
     buffer or the zeros it sends for a missing gradient, or in the optimizer step, is not recovered
     (it is raised, and the peers may wait in their next receive). The micro-batch count doubles
     only while it divides the batch's rows; then an :class:`~memguard.errors.OOMRecoveryError` is
-    raised on every rank. The smaller micro-batch is kept for later steps. The batch must be a
+    raised on every rank. The smaller micro-batch is kept for later steps. Under GPipe halving
+    the micro-batch saves little: the schedule holds every micro-batch's activations before its
+    first backward, as many bytes at any split (only the per-micro-batch temporaries shrink), so
+    1F1B is the schedule to recover under. The last stage keeps no micro-batch's outputs
+    (``return_outputs=False``), where the estimate's schedule keeps them
+    (:func:`memguard.estimator._pipeline.run_schedule`): under 1F1B the estimate of the last rank
+    is above its real peak by about those outputs. The batch must be a
     mapping with ``input_ids`` and ``labels`` (no attention mask: the stages run unpadded causal
     attention, as the estimate traces them).
 """
