@@ -23,9 +23,21 @@ code where the estimate has it, so that the real job is the one that was estimat
 
 Build the optimizer after ``apply`` (TP and FSDP2 replace the parameters with ``DTensor`` s).
 
+5. **Pipeline stages** (``pp > 1``, alone, as the estimate takes them): the mesh is
+   ``(pp, dp_replicate, dp_shard, tp)`` = ``(pp, 1, 1, 1)`` with dimensions :data:`PP_MESH_DIMS`
+   (torchtitan's order), and the model, a transformers decoder, is cut in place to this rank's stage
+   by the estimate's own cut (:func:`memguard.estimator._pipeline.split_decoder`: the blocks split
+   evenly, the embeddings on the first stage, the final norm, head and loss on the last). The
+   ``PipelineStage`` and its ``ScheduleGPipe`` / ``Schedule1F1B`` are built by the estimate's
+   :func:`memguard.estimator._pipeline.make_schedule` for the batch's micro-batch shape on the first
+   :func:`step`, and recorded in :class:`AppliedLayout` (``pipeline``: a
+   :class:`memguard.guard._pipeline_step.PipelineRun`). Train it with :func:`step`, which runs the
+   schedule, recovers from an OOM on any rank by halving the micro-batch on every rank, and steps
+   the optimizer; ``model(...)`` itself no longer runs the whole model.
+
 Known limitations:
-    Pipeline parallelism (``pp > 1``) is not built by ``apply`` yet (the estimate's stage split is
-    :func:`memguard.estimator._pipeline.split_decoder`). DDP over tensor-parallel shards
+    Pipeline stages are not combined with data or tensor parallelism, mixed precision or
+    activation checkpointing (the estimate does not take those either). DDP over tensor-parallel shards
     (``dp_replicate`` with ``tp`` but no ``dp_shard``) is refused, as the estimate refuses it.
     :func:`memguard.step` does not recover from an OOM under tensor parallelism yet: it refuses a
     tensor-parallel model with a ``ConfigError`` rather than risk a hang (:mod:`memguard.guard._tp`);
@@ -45,12 +57,15 @@ from torch import nn
 from memguard.errors import ConfigError
 from memguard.estimator._layout import Layout, check_layout, check_model_fits, resolve_tp_plan
 
-__all__ = ["apply", "layout_of", "mesh_of", "AppliedLayout", "lightning_strategy_kwargs",
+__all__ = ["apply", "step", "layout_of", "mesh_of", "AppliedLayout", "lightning_strategy_kwargs",
            "accelerate_parallelism_kwargs"]
 
 #: The mesh dimension names, in torchtitan's order (``parallel_dims.py``), as the estimate's fake mesh
 #: (:func:`memguard.estimator._tp_trace.trace_tp_step`) names them.
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+#: The mesh dimension names under pipeline stages (torchtitan's ``parallel_dims.py``: ``pp`` first).
+PP_MESH_DIMS = ("pp",) + MESH_DIMS
 
 #: The 16-bit dtype FSDP2's ``MixedPrecisionPolicy`` all-gathers in, by precision (the estimate's
 #: :func:`memguard.estimator._tracing.fsdp2_layout` means the same).
@@ -64,10 +79,12 @@ class AppliedLayout:
 
     Attributes:
         layout: the layout applied (with the tensor-parallel plan it used as ``tp_plan``).
-        mesh: the ``DeviceMesh`` of dimensions :data:`MESH_DIMS`.
+        mesh: the ``DeviceMesh`` of dimensions :data:`MESH_DIMS` (:data:`PP_MESH_DIMS` with pipeline stages).
         tp_plan_source: where the tensor-parallel plan came from (None without tensor parallelism).
         zero_stage: the FSDP2 sharding level (0 without ``dp_shard``).
         precision: the precision name the model was laid out for.
+        pipeline: this rank's pipeline stage and its schedules
+            (:class:`memguard.guard._pipeline_step.PipelineRun`; None without pipeline stages).
     """
 
     layout: Layout
@@ -75,6 +92,7 @@ class AppliedLayout:
     tp_plan_source: str | None
     zero_stage: int
     precision: str
+    pipeline: Any = None
 
 
 _APPLIED: "weakref.WeakKeyDictionary[nn.Module, AppliedLayout]" = weakref.WeakKeyDictionary()
@@ -152,9 +170,7 @@ def problems_of(model: Any, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
     if problems:
         return problems, layout, None, None
     if layout.pp > 1:
-        problems.append(f"Layout(pp={layout.pp}): apply() does not build pipeline stages yet; lay out pipeline "
-                        "stages with torch.distributed.pipelining (memguard.estimator._pipeline.split_decoder cuts "
-                        "them as the estimate does), or drop pp")
+        _pipeline_problems(model, plan_or_layout, layout, problems)
     if not (dist.is_available() and dist.is_initialized()):
         problems.append("no process group: call torch.distributed.init_process_group on every rank before apply()")
     elif dist.get_world_size() != layout.world_size:
@@ -168,6 +184,70 @@ def problems_of(model: Any, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
     return problems, layout, plan, source
 
 
+def _pipeline_problems(model: nn.Module, plan_or_layout: Any, layout: Layout, problems: list[str]) -> None:
+    """What pipeline stages cannot be built for (the estimate's own refusals,
+    :func:`memguard.estimator._layout._estimate_pp`, and what :func:`apply` does not combine with them)."""
+    from memguard.estimator._pipeline import decoder_parts
+
+    parts = decoder_parts(model)
+    if parts is None:
+        problems.append(f"apply() does not build pipeline stages for {type(model).__name__}: they are cut from "
+                        "transformers decoder models (a base model with layers, embed_tokens and norm, and an "
+                        "lm_head), as the estimate cuts them; drop Layout(pp=...)")
+    elif len(parts[1]) < layout.pp:
+        problems.append(f"Layout(pp={layout.pp}) needs at least {layout.pp} blocks, the model has {len(parts[1])}: "
+                        f"use pp <= {len(parts[1])}")
+    precision = getattr(plan_or_layout, "precision", "32-true") or "32-true"
+    if precision in _MIXED:
+        problems.append(f"precision={precision!r} (autocast) is not built under Layout(pp=...) yet: use '32-true' or "
+                        "a '*-true' precision")
+    if getattr(plan_or_layout, "checkpoint_blocks", 0):
+        problems.append("activation checkpointing is not built under Layout(pp=...) yet: plan with "
+                        "activation_checkpointing=False")
+
+
+def _apply_pipeline(model: nn.Module, layout: Layout, device_type: str) -> tuple[nn.Module, Any, Any]:
+    """Cut ``model`` to this rank's stage; the model, the ``(pp, 1, 1, 1)`` mesh and the
+    :class:`~memguard.guard._pipeline_step.PipelineRun` (see the module docstring, 5.)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memguard.estimator._pipeline import split_decoder
+    from memguard.guard._pipeline_step import PipelineRun
+
+    mesh = init_device_mesh(device_type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
+                            mesh_dim_names=PP_MESH_DIMS)
+    rank = mesh.get_local_rank("pp")
+    stage_module = split_decoder(model, rank, layout.pp)
+    device = next((p.device for p in model.parameters()), torch.device(device_type))
+    run = PipelineRun(model, stage_module, rank=rank, stages=layout.pp, schedule=layout.pp_schedule,
+                      microbatches=layout.pp_microbatches or layout.pp, device=device,
+                      group=mesh.get_group("pp"))
+    return model, mesh, run
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, torch.Tensor]) -> float:
+    """One training step of a model :func:`apply` laid out in pipeline stages; the batch's loss, on every rank.
+
+    Every rank passes the same batch (a mapping with ``input_ids`` and ``labels``): the first stage
+    reads the ids, the last computes the model's loss on the labels. The schedule runs the
+    micro-batches forward and backward, the optimizer steps and the gradients are set to None. On
+    an out-of-memory error on any rank, every rank logs it and runs the same batch again with twice
+    the micro-batches (:mod:`memguard.guard._pipeline_step`).
+
+    Raises:
+        ConfigError: ``model`` was not laid out in pipeline stages by :func:`apply`, or the batch is not
+            one the schedule can split.
+        OOMRecoveryError: an OOM when the micro-batch cannot be halved further.
+        PeerFailedError: another pipeline rank failed with an error that is not an OOM (that rank
+            raises its own).
+    """
+    applied = layout_of(model)
+    if applied is None or applied.pipeline is None:
+        raise ConfigError("parallel.step runs models laid out in pipeline stages: call "
+                          "apply(model, Layout(pp=...)) first and pass the model it returned")
+    return applied.pipeline.step(optimizer, batch)
+
+
 def _dtensor_type() -> type:
     from torch.distributed.tensor import DTensor
 
@@ -175,7 +255,7 @@ def _dtensor_type() -> type:
 
 
 def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] | None = None,
-          device: str | None = None) -> nn.Module:
+          device: str | None = None, batch: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
     """Lay ``model`` out over the ranks as the layout says (see the module docstring); the model.
 
     Call it on every rank, after ``torch.distributed.init_process_group``, before building the
@@ -190,16 +270,21 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
             ``ParallelStyle`` or one of :data:`memguard.estimator._layout.STYLE_NAMES`); overrides the
             layout's ``tp_plan``. Pass the same to :func:`memguard.estimate` (as ``Layout(tp_plan=...)``).
         device: the mesh's device type (``"cpu"``, ``"cuda"``); default: the model's parameters'.
+        batch: under pipeline stages, a batch of the shape the job trains on (``input_ids`` and
+            ``labels``): the ``PipelineStage`` and schedule are built now, for its micro-batch shape,
+            instead of on the first :func:`step`. Ignored without pipeline stages.
 
     Returns:
-        ``model``, laid out in place (tensor-parallel ``DTensor`` parameters, an ``FSDPModule``), or a
+        ``model``, laid out in place (tensor-parallel ``DTensor`` parameters, an ``FSDPModule``, or cut
+        to this rank's pipeline stage: train that with :func:`step`), or a
         ``DistributedDataParallel`` wrapping it for data-parallel replicas alone.
 
     Raises:
         ConfigError: every problem at once: not a layout, no process group, a world size that is
-            not the layout's product, a layout the estimate refuses (pipeline stages, DDP over
-            tensor-parallel shards), heads or sharded features that tp does not divide, a plan that
-            matches no module, a model already laid out.
+            not the layout's product, a layout the estimate refuses (pipeline stages with other
+            dimensions, a model that is not a decoder it can cut, DDP over tensor-parallel shards),
+            heads or sharded features that tp does not divide, a plan that matches no module, a model
+            already laid out.
     """
     problems, layout, plan, source = problems_of(model, plan_or_layout, tp_plan=tp_plan)
     if problems:
@@ -207,9 +292,18 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
     assert layout is not None
     from torch.distributed.device_mesh import init_device_mesh
 
+    precision = getattr(plan_or_layout, "precision", "32-true") or "32-true"
+    if layout.pp > 1:
+        if precision in _TRUE:
+            model.to(_TRUE[precision])  # *-true: the weights themselves are 16-bit
+        out, mesh, run = _apply_pipeline(model, layout, _device_type(model, device))
+        if batch is not None:
+            run.build_for(batch)
+        _APPLIED[out] = AppliedLayout(layout=layout, mesh=mesh, tp_plan_source=None, zero_stage=0,
+                                      precision=precision, pipeline=run)
+        return out
     mesh = init_device_mesh(_device_type(model, device), (layout.dp_replicate, layout.dp_shard, layout.tp),
                             mesh_dim_names=MESH_DIMS)
-    precision = getattr(plan_or_layout, "precision", "32-true") or "32-true"
     if precision in _TRUE:
         model.to(_TRUE[precision])  # *-true: the weights themselves are 16-bit
     blocks = int(getattr(plan_or_layout, "checkpoint_blocks", 0) or 0)

@@ -1,0 +1,373 @@
+"""One training step of a pipeline stage (``torch.distributed.pipelining``), and its OOM recovery.
+
+:func:`memguard.integrations.parallel.apply` cuts a transformers decoder to this rank's stage with
+the estimate's own cut (:func:`memguard.estimator._pipeline.split_decoder`) and records a
+:class:`PipelineRun`; :meth:`PipelineRun.step` runs one optimizer step of the whole pipeline on one
+batch (every rank holds the replica's batch: the first stage reads ``input_ids``, the last
+``labels``), and returns the batch's loss on every rank.
+
+The stage and its schedule are built as the estimate builds them
+(:func:`memguard.estimator._pipeline.make_schedule`: a ``PipelineStage`` given its input, output
+and gradient shapes, so no shape inference runs over the process group; ``ScheduleGPipe`` or
+``Schedule1F1B``), one per micro-batch shape, when a batch of that shape first arrives. Two things
+differ from the estimate's construction, and both make the real step the single-process one:
+
+* **Received activations require grad.** A ``PipelineStage`` makes its receive buffers require grad
+  only when the input example does (``stage.py``, ``_retrieve_recv_activations``:
+  ``effective_requires_grad = info.tensor_meta.requires_grad and ...``; the meta records the
+  example's ``requires_grad``, ``_utils.py``, ``TensorMeta.from_tensor``). An example made with
+  ``torch.empty`` does not, so a later stage computes no gradient for its input and sends zeros
+  back (``get_bwd_send_ops``: ``elif grad is None: zero_grad = ...``): every earlier stage then
+  trains on zero gradients. Here a later stage's input example requires grad.
+* **The loss is the batch's mean.** The schedule calls the loss once per micro-batch and, by
+  default, divides every gradient by the number of micro-batches afterwards (``schedules.py``,
+  ``perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)`` -> ``stage.scale_grads``):
+  the mean of the micro-batches' means, which is the batch's mean only when every micro-batch has
+  as many counted labels. Here each micro-batch's loss is its summed token loss divided by the
+  whole batch's count of counted labels (transformers' ``ForCausalLMLoss`` with
+  ``num_items_in_batch``, as its Trainer does under gradient accumulation) and ``scale_grads`` is
+  off, so the micro-batches' losses and gradients add up to the batch's, whatever the split.
+
+OOM recovery ("drain"): a pipeline rank cannot leave its schedule when it runs out of memory, since
+its peers would wait forever in a receive. So each micro-batch's forward and backward
+(``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``) and the loss run inside a guard:
+after an OOM (:func:`memguard.guard._oom.is_oom_error`) or any other error on a rank, the rank
+drops what it holds for the step (its cached outputs and their graphs), frees memory and, for the
+rest of the schedule, computes nothing but hands zeros of the known shapes onward (a forward's
+output, a backward's input gradient, the loss), so the schedule still posts every send and receive
+its peers expect. After the schedule, one all-gather of ``[oom, error, loss]`` over the pipeline
+group tells every rank what happened. On an OOM every rank logs it (logger ``"memguard"``), drops
+its gradients, doubles the number of micro-batches (halving the micro-batch) and runs the same
+batch again; any other error is raised on its rank and a :class:`~memguard.errors.PeerFailedError`
+on the others. The optimizer steps once the schedule ran everywhere without a failure.
+
+Known limitations:
+    Only the stage's compute and the loss are guarded: an OOM while the schedule makes a receive
+    buffer or the zeros it sends for a missing gradient, or in the optimizer step, is not recovered
+    (it is raised, and the peers may wait in their next receive). The micro-batch count doubles
+    only while it divides the batch's rows; then an :class:`~memguard.errors.OOMRecoveryError` is
+    raised on every rank. The smaller micro-batch is kept for later steps. Under GPipe halving
+    the micro-batch saves little: the schedule holds every micro-batch's activations before its
+    first backward, as many bytes at any split (only the per-micro-batch temporaries shrink), so
+    1F1B is the schedule to recover under. The last stage keeps no micro-batch's outputs
+    (``return_outputs=False``), where the estimate's schedule keeps them
+    (:func:`memguard.estimator._pipeline.run_schedule`): under 1F1B the estimate of the last rank
+    is above its real peak by about those outputs. The batch must be a
+    mapping with ``input_ids`` and ``labels`` (no attention mask: the stages run unpadded causal
+    attention, as the estimate traces them).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memguard.errors import ConfigError, OOMRecoveryError, PeerFailedError
+from memguard.guard._oom import free_memory, is_oom_error, oom_summary, release_exception
+
+logger = logging.getLogger("memguard")
+
+#: The label transformers' losses ignore (``loss_utils.py``, ``ForCausalLMLoss(ignore_index=-100)``).
+IGNORE_INDEX = -100
+
+
+def counted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """How many labels the causal-LM loss counts in ``labels``: every row's labels after its first
+    (``ForCausalLMLoss`` pads each row with ``ignore_index`` and shifts by one), not ``IGNORE_INDEX``."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+@dataclass
+class _Drain:
+    """What one run of the schedule did on this rank: the first error (None: none) and whether it was an OOM."""
+
+    error: BaseException | None = None
+    oom: bool = False
+    zeros: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def zeros_like_meta(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One zero tensor per shape, shared by every placeholder (it is only ever sent, never written)."""
+        key = (shape, dtype, str(device))
+        if key not in self.zeros:
+            self.zeros[key] = torch.zeros(shape, dtype=dtype, device=device)
+        return self.zeros[key]
+
+
+#: Each model cut to a stage -> its run, so that ``memguard.step`` can hand a pipeline model to
+#: :meth:`PipelineRun.step` (memguard/ cannot import the integrations that build it).
+_RUNS: "weakref.WeakKeyDictionary[nn.Module, PipelineRun]" = weakref.WeakKeyDictionary()
+
+
+def pipeline_run_of(model: Any) -> "PipelineRun | None":
+    """The :class:`PipelineRun` of a model cut to a pipeline stage by ``parallel.apply``, else None."""
+    try:
+        return _RUNS.get(model)
+    except TypeError:  # not weak-referenceable: not one
+        return None
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    """The error ``exc`` was raised from, innermost first (the stage wraps its compute's errors:
+    ``stage.py``, ``forward_one_chunk``: ``raise RuntimeError(exc_msg) from e``)."""
+    seen: set[int] = set()
+    while exc.__cause__ is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return exc
+
+
+class PipelineRun:
+    """This rank's pipeline stage and the schedules that run it (see the module docstring).
+
+    Attributes:
+        model: the model, cut in place to this rank's stage (its parameters are the stage's).
+        stage_module: the :class:`~memguard.estimator._pipeline.DecoderStage` the ``PipelineStage`` runs.
+        rank, stages: this rank's stage index and the number of stages.
+        schedule_name: ``"GPipe"`` or ``"1F1B"``.
+        microbatches: micro-batches per step now (doubled after each OOM).
+        stage, schedule: the ``PipelineStage`` and schedule of the last step (None before the first).
+    """
+
+    def __init__(self, model: nn.Module, stage_module: nn.Module, *, rank: int, stages: int, schedule: str,
+                 microbatches: int, device: torch.device, group: Any = None) -> None:
+        self.model, self.stage_module = model, stage_module
+        self.rank, self.stages, self.schedule_name, self.microbatches = rank, stages, schedule, microbatches
+        self.device, self.group = torch.device(device), group
+        cfg = model.config
+        self.hidden_size, self.vocab_size = int(cfg.hidden_size), int(cfg.vocab_size)
+        self.stage: Any = None
+        self.schedule: Any = None
+        self._built: tuple | None = None
+        self._items: torch.Tensor | None = None
+        self._drain = _Drain()
+        _RUNS[model] = self
+
+    # ---- building --------------------------------------------------------------------------
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.stages - 1
+
+    def _dtype(self) -> torch.dtype:
+        for p in self.model.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return torch.get_default_dtype()
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch: its summed token loss over the batch's counted labels
+        (transformers' ``ForCausalLMLoss``, the model's own ``loss_function``, with ``num_items_in_batch``)."""
+        return self.model.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                        num_items_in_batch=self._items)
+
+    def _build(self, rows: int, seq: int, microbatches: int) -> None:
+        """The stage and schedule for micro-batches of ``rows // microbatches`` rows of ``seq`` tokens,
+        made by the estimate's :func:`~memguard.estimator._pipeline.make_schedule`."""
+        from memguard.estimator._pipeline import make_schedule
+
+        key = (rows, seq, microbatches)
+        if self._built == key:
+            return
+        self.stage = self.schedule = None  # the previous shape's receive buffers go
+        free_memory()
+        micro, dtype = rows // microbatches, self._dtype()
+        # the examples are meta tensors: a PipelineStage keeps their shape, stride, dtype and requires_grad
+        # only (_utils.py, TensorMeta.from_tensor) and makes its buffers on its own device
+        hidden = torch.empty(micro, seq, self.hidden_size, dtype=dtype, device="meta")
+        # a later stage's input requires grad, or the stage sends zeros back (see the module docstring)
+        inp = (torch.empty(micro, seq, dtype=torch.long, device="meta") if self.first
+               else hidden.detach().requires_grad_(True))
+        out = (torch.empty(micro, seq, self.vocab_size, dtype=dtype, device="meta") if self.last
+               else hidden.detach().requires_grad_(True))
+        # every rank passes a loss: a schedule without one runs no backward (schedules.py, _has_backward);
+        # only the last stage calls it
+        loss = self._guarded_loss if self.last else (lambda output, target: output.sum())
+        schedule = make_schedule(self.stage_module, self.rank, self.stages, self.schedule_name, microbatches,
+                                 inp, out, loss, self.device)
+        schedule.scale_grads = False  # the losses already sum to the batch's mean (module docstring)
+        self._shapes = {"in": tuple(inp.shape), "out": tuple(out.shape), "dtype": dtype}
+        del hidden, inp, out
+        self._guard_stage(schedule._stage)
+        self.stage, self.schedule, self._built = schedule._stage, schedule, key
+
+    def build_for(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """Build the stage and schedule for ``batch``'s micro-batch shape now (the first :meth:`step` on a
+        batch of that shape then uses them).
+
+        Raises:
+            ConfigError: the batch is not one the schedule can split.
+        """
+        rows, seq = self._check_batch(batch)
+        self._build(rows, seq, self.microbatches)
+
+    # ---- the drain ---------------------------------------------------------------------------
+
+    def _fail(self, exc: BaseException, where: str) -> None:
+        """Record the first error of this run and drop what the stage holds for the step."""
+        if self._drain.error is None:
+            self._drain.error, self._drain.oom = exc, is_oom_error(exc)
+            if self._drain.oom:
+                release_exception(exc)  # the failed frames' activations and graph
+            else:
+                exc.add_note(f"memguard: raised on pipeline stage {self.rank}, in {where} (of {self.microbatches} "
+                             "micro-batches); the other stages stopped with a PeerFailedError")
+        stage = self.stage
+        if stage is not None:
+            # the micro-batches' outputs and graphs: their backward will not run (the wrapped backward
+            # skips them), and the sends already posted hold what they send (stage.py, get_fwd_send_ops)
+            stage.fwd_cache.clear()
+            stage.output_chunks.clear()
+        for p in self.model.parameters():
+            p.grad = None
+        free_memory()  # before any placeholder is made
+
+    def _placeholder_outputs(self) -> tuple[torch.Tensor]:
+        """A forward's output after a failure: zeros of the output's shape, which the stage sends on; the
+        last stage sends nothing (its output only reaches the loss, which returns zero after a failure)."""
+        if self.last:
+            return (torch.empty(0, device=self.device),)
+        return (self._drain.zeros_like_meta(self._shapes["out"], self._shapes["dtype"], self.device),)
+
+    def _guard_stage(self, stage: Any) -> None:
+        """Wrap the stage's per-micro-batch compute (instance attributes shadow ``_PipelineStageBase``'s
+        ``forward_one_chunk`` / ``backward_one_chunk``, which every single-stage schedule calls)."""
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def forward_one_chunk(fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+            if self._drain.error is None:
+                try:
+                    return forward(fwd_chunk_id, args, kwargs, save_forward_output=save_forward_output)
+                except Exception as exc:  # noqa: BLE001 - drained, then raised after the schedule
+                    self._fail(exc, f"the forward of micro-batch {fwd_chunk_id}")
+                    del exc
+            outputs = self._placeholder_outputs()
+            # what forward_one_chunk caches (stage.py): the outputs to send, no inputs to keep
+            stage.fwd_cache[fwd_chunk_id] = (outputs, [])
+            return outputs[0]
+
+        def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            if self._drain.error is None:
+                try:
+                    return backward(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                    last_backward=last_backward)
+                except Exception as exc:  # noqa: BLE001 - drained, then raised after the schedule
+                    self._fail(exc, f"the backward of micro-batch {bwd_chunk_id}")
+                    del exc
+            stage.fwd_cache.pop(bwd_chunk_id, None)
+            # what backward_one_chunk caches for get_bwd_send_ops: the input gradients to send back
+            stage.bwd_cache[bwd_chunk_id] = ((None,) if self.first else
+                                             (self._drain.zeros_like_meta(self._shapes["in"], self._shapes["dtype"],
+                                                                          self.device),))
+            return None
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+
+    def _guarded_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self._drain.error is None:
+            try:
+                return self._loss(logits, labels)
+            except Exception as exc:  # noqa: BLE001 - drained, then raised after the schedule
+                self._fail(exc, "the loss")
+                del exc
+        return self._drain.zeros_like_meta((), torch.float32, self.device)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def _check_batch(self, batch: Any) -> tuple[int, int]:
+        if not (isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor)
+                and isinstance(batch.get("labels"), torch.Tensor)):
+            raise ConfigError("a pipeline step takes a mapping with 'input_ids' and 'labels' tensors (the first stage "
+                              "reads the ids, the last computes the model's loss on the labels), on every rank")
+        ids = batch["input_ids"]
+        if ids.dim() != 2 or tuple(batch["labels"].shape) != tuple(ids.shape):
+            raise ConfigError(f"input_ids must be (rows, seq) and labels the same shape; got {tuple(ids.shape)} and "
+                              f"{tuple(batch['labels'].shape)}")
+        rows, seq = ids.shape
+        if rows % self.microbatches:
+            raise ConfigError(f"the batch's {rows} rows do not split into {self.microbatches} micro-batches: use a "
+                              f"batch that is a multiple of {self.microbatches}, or set Layout(pp_microbatches=...) to "
+                              f"a divisor of {rows}")
+        return int(rows), int(seq)
+
+    def _run_once(self, batch: Mapping[str, torch.Tensor], rows: int, seq: int) -> torch.Tensor:
+        """One run of the schedule over the batch; ``[oom, error, loss]`` of every rank (one all-gather)."""
+        import torch.distributed as dist
+
+        self._drain = _Drain()
+        loss = 0.0
+        try:
+            self._build(rows, seq, self.microbatches)
+            losses: list[torch.Tensor] = []
+            kwargs = {"target": batch["labels"].to(self.device), "losses": losses} if self.last else {}
+            args = (batch["input_ids"].to(self.device),) if self.first else ()
+            # return_outputs=False: the last stage keeps no micro-batch's logits for a merged output
+            # (schedules.py, forward_one_chunk(save_forward_output=return_outputs) -> output_chunks);
+            # the step returns the loss only
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+            if self.last and self._drain.error is None:
+                loss = float(sum(x.detach().float() for x in losses))
+        except Exception as exc:  # noqa: BLE001 - outside the guarded compute: told to the peers, then raised
+            if self._drain.error is None:
+                self._drain.error, self._drain.oom = exc, is_oom_error(exc)
+        err = self._drain.error
+        mine = torch.tensor([float(err is not None and self._drain.oom), float(err is not None and not self._drain.oom),
+                             loss], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.stages)]
+        dist.all_gather(everyone, mine, group=self.group)
+        return torch.stack(everyone)
+
+    def step(self, optimizer: torch.optim.Optimizer, batch: Mapping[str, torch.Tensor]) -> float:
+        """One optimizer step of the pipeline on ``batch`` (the same batch on every rank); the batch's
+        loss on every rank. On an OOM on any rank, every rank reruns the batch with twice the
+        micro-batches (see the module docstring)."""
+        rows, seq = self._check_batch(batch)
+        self._items = counted_labels(batch["labels"]).to(self.device)
+        for p in self.model.parameters():
+            p.grad = None
+        while True:
+            status = self._run_once(batch, rows, seq)
+            err, self._drain.error = self._drain.error, None
+            errors = [r for r in range(self.stages) if status[r, 1]]
+            if errors:
+                if err is not None and not self._drain.oom:
+                    raise err
+                raise PeerFailedError(f"pipeline rank {errors[0]} failed in the pipeline step with an error that is "
+                                      "not an out-of-memory error (that rank raises it); this rank stops too",
+                                      rank=errors[0])
+            ooms = [r for r in range(self.stages) if status[r, 0]]
+            if not ooms:
+                break
+            where = f"this rank: {oom_summary(_innermost(err))}" if err is not None else "not this rank"
+            del err
+            for p in self.model.parameters():
+                p.grad = None
+            self.stage = self.schedule = self._built = None
+            self._drain = _Drain()
+            free_memory()
+            micro = rows // self.microbatches
+            if micro <= 1 or rows % (2 * self.microbatches):
+                logger.warning("memguard: pipeline rank(s) %s ran out of memory at %d micro-batches of %d row(s) (%s); "
+                               "the micro-batch cannot be halved further", ooms, self.microbatches, micro, where)
+                advice = ("a smaller batch, more pipeline stages, or Layout(pp_schedule='1F1B') (GPipe holds every "
+                          "micro-batch's activations at once, whatever their size)") if self.schedule_name == "GPipe" \
+                    else "a smaller batch or more pipeline stages"
+                raise OOMRecoveryError(f"pipeline rank(s) {ooms} ran out of memory at {self.microbatches} "
+                                       f"micro-batches of {micro} row(s), and the batch's {rows} rows do not split "
+                                       f"into {2 * self.microbatches}: use {advice}", micro_batch_size=micro)
+            logger.warning("memguard: pipeline rank(s) %s ran out of memory at %d micro-batches of %d row(s) (%s); "
+                           "gradients dropped, running the same batch again as %d micro-batches of %d row(s)",
+                           ooms, self.microbatches, micro, where, 2 * self.microbatches, micro // 2)
+            self.microbatches *= 2
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(status[self.stages - 1, 2])
