@@ -1,0 +1,188 @@
+"""One rank of a 2-rank gloo tensor-parallel run under ``memguard.step``, for test_tp_recovery.py.
+
+Run as ``python tp_worker.py '<json config>'``. Both ranks build the same small Llama
+(``transformers.LlamaConfig``, built from the config, nothing downloaded) from the same seed; rank 0
+also trains a plain single-process copy on the same batches (what the tensor-parallel, guarded run
+must reproduce). Then, ``repeats`` times, both ranks lay a fresh copy out with
+``memguard.integrations.parallel.apply(model, Layout(tp=2))``, ``memguard.prepare`` it with a fixed
+micro-batch and train ``steps`` steps with ``memguard.step``. Both ranks get the whole batch (tensor
+parallelism splits the model, not the samples).
+
+In ``"recover"`` mode, before training: one uncapped forward/backward at micro-batch ``planned // 4``
+and one at ``planned`` on both ranks (tensor parallelism needs both), sampling the address space
+(VmSize) at every module's forward entry and exit and after backward; ``d_small`` and ``d_big`` are
+the growths over the VmSize before each. The ranks in ``cap_ranks`` then cap their address space
+with ``RLIMIT_AS`` at VmSize + (d_small + d_big) / 2, so the planned micro-batch fails for real and
+a quarter of it fits. The cap is lifted after training, before the weights are gathered.
+
+Each repeat writes ``result{rank}_{i}.json`` (losses, the memguard log, the sample indices each
+micro-batch saw, the final micro-batch, the retries) and, on rank 0, ``guarded_{i}.pt`` (the full
+weights, gathered with ``DTensor.full_tensor``); rank 0 writes ``reference.pt`` and
+``reference_losses.json``.
+
+Config keys: ``out``, ``port``, ``rank``, ``mode`` ("plain" or "recover"), ``steps``, ``batch``,
+``seq``, ``planned``, ``repeats``, ``cap_ranks``.
+"""
+
+from __future__ import annotations
+
+import copy
+import faulthandler
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+VOCAB = 1024  # the logits (replicated, outside tensor parallelism) dominate the activations
+
+
+def make_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      attn_implementation="eager")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def vm_size() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def make_batches(cfg: dict) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for s in range(cfg["steps"]):
+        ids = torch.randint(0, VOCAB, (cfg["batch"], cfg["seq"]), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone(),
+                    "idx": torch.arange(s * cfg["batch"], (s + 1) * cfg["batch"])})
+    return out
+
+
+def forward_loss(model: torch.nn.Module, b: dict) -> torch.Tensor:
+    return model(input_ids=b["input_ids"], labels=b["labels"]).loss
+
+
+def reference(model: torch.nn.Module, batches: list[dict]) -> tuple[torch.nn.Module, list[float]]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for b in batches:
+        loss = forward_loss(model, b)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, losses
+
+
+def calibrate(model: torch.nn.Module, batch: dict, sizes: list[int]) -> list[int]:
+    """Address-space growth of one uncapped forward/backward at each micro-batch size (both ranks together)."""
+    samples: list[int] = []
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(lambda *a: samples.append(vm_size())))
+        handles.append(m.register_forward_hook(lambda *a: samples.append(vm_size())))
+    out = []
+    for k in sizes:
+        base = vm_size()
+        samples.clear()
+        loss = forward_loss(model, {key: v[:k] for key, v in batch.items()})
+        samples.append(vm_size())
+        loss.backward()
+        samples.append(vm_size())
+        del loss
+        out.append(max(samples) - base)
+    for h in handles:
+        h.remove()
+    for p in model.parameters():
+        p.grad = None
+    return out
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    faulthandler.dump_traceback_later(cfg.get("hang_after_s", 100), exit=True)  # a hang prints its stacks, fails
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import memguard
+    from memguard.guard import guard_status
+    from memguard.guard._core import guard_of
+    from memguard.integrations.parallel import apply
+
+    rank = cfg["rank"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    out = Path(cfg["out"])
+    messages: list[str] = []
+    events: list = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(f"{record.levelname}:{record.getMessage()}")
+            if record.levelno == logging.WARNING:
+                events.append("RETRY")
+
+    logging.getLogger("memguard").addHandler(Recorder())
+    logging.getLogger("memguard").setLevel(logging.INFO)
+
+    base = make_model()
+    batches = make_batches(cfg)
+    if rank == 0:
+        ref, losses = reference(copy.deepcopy(base), batches)
+        torch.save(ref.state_dict(), out / "reference.pt")
+        (out / "reference_losses.json").write_text(json.dumps(losses))
+
+    def loss_fn(model: torch.nn.Module, micro: dict) -> torch.Tensor:
+        events.append(micro["idx"].tolist())
+        return forward_loss(model, micro)
+
+    for i in range(cfg.get("repeats", 1)):
+        messages.clear()
+        events.clear()
+        model = apply(copy.deepcopy(base), memguard.Layout(tp=2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        memguard.prepare(model, opt, micro_batch_size=cfg["planned"], loss_fn=loss_fn, verbose=False)
+        result: dict = {"rank": rank, "losses": [], "error": None}
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        budget = None
+        if cfg["mode"] == "recover":
+            d_small, d_big = calibrate(model, batches[0], [cfg["planned"] // 4, cfg["planned"]])
+            budget = (d_small + d_big) // 2
+            result["calibration"] = {"d_small": d_small, "d_big": d_big}
+        dist.barrier()
+        if rank in cfg.get("cap_ranks", []) and budget is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (vm_size() + budget, hard))
+        try:
+            for b in batches:
+                events.append("STEP")
+                result["losses"].append(memguard.step(model, opt, b))
+        except Exception as exc:  # reported to the test
+            result["error"] = {"type": type(exc).__name__, "message": str(exc), "rank": getattr(exc, "rank", None)}
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        status = guard_status(model)
+        result.update(messages=list(messages), events=list(events), micro_batch_size=status.micro_batch_size,
+                      oom_retries=status.oom_retries, agreements=guard_of(model, "").rank_group.agreements)
+        if result["error"] is None:
+            full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                    for k, v in model.state_dict().items()}
+            if rank == 0:
+                torch.save(full, out / f"guarded_{i}.pt")
+        (out / f"result{rank}_{i}.json").write_text(json.dumps(result))
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: gloo's threads can deadlock at exit (see oom_worker.py)
+
+
+if __name__ == "__main__":
+    main()
