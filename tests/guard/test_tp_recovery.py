@@ -91,3 +91,31 @@ def test_a_real_oom_on_one_tensor_parallel_rank_is_recovered_on_both(tmp_path: P
     for r in (r0, r1):
         _check_samples(r, 32)  # no sample lost or seen twice
     _check_reference(tmp_path, 0, r0, r1)
+
+
+@pytest.mark.parametrize(("mode", "where"), [
+    ("inside", "tensor parallelism's output redistribution of model.layers.0.self_attn.o_proj"),
+    ("inside_backward", "the backward of tensor parallelism's input redistribution of model.layers.1.mlp.up_proj"),
+], ids=["forward", "backward"])
+def test_an_oom_inside_a_tensor_parallel_collective_stops_every_rank_with_the_same_error(
+        tmp_path: Path, mode: str, where: str) -> None:
+    # Rank 1 fails as the allocator does where TP's all-reduce would allocate, after memguard's agreement at that
+    # boundary passed (tp_worker.py: RowwiseParallel's output all-reduce in forward, a ColwiseParallel input
+    # gradient's all-reduce in backward), while rank 0 goes into the collective: rank 1 cannot join it, so it
+    # records the error and tears the process groups down, and both ranks raise the same OOMRecoveryError.
+    [(r0, r1)] = _run(tmp_path, mode=mode)
+    assert r0["error"]["type"] == r1["error"]["type"] == "OOMRecoveryError"
+    assert r0["error"]["message"] == r1["error"]["message"]
+    assert f"out of memory inside {where} on rank 1" in r0["error"]["message"]
+    assert "DefaultCPUAllocator" in r0["error"]["message"]
+    # bounded: rank 0 leaves the collective as soon as rank 1 tears the process groups down
+    assert r0["train_s"] < 30 and r0["losses"] == r1["losses"] == []
+
+
+def test_a_bug_on_one_tensor_parallel_rank_stops_both_without_a_hang(tmp_path: Path) -> None:
+    # rank 1 raises a KeyError entering layer 1 (compute, not an OOM, not inside a boundary); rank 0, which goes
+    # on to layer 1's first TP boundary, leaves forward at the agreement there and raises PeerFailedError
+    [(r0, r1)] = _run(tmp_path, mode="bug")
+    assert r1["error"]["type"] == "KeyError" and "rank 1" in r1["error"]["message"]
+    assert r0["error"]["type"] == "PeerFailedError" and r0["error"]["rank"] == 1
+    assert r0["losses"] == r1["losses"] == [] and r0["train_s"] < 30

@@ -20,7 +20,10 @@ micro-batch saw, the final micro-batch, the retries) and, on rank 0, ``guarded_{
 weights, gathered with ``DTensor.full_tensor``); rank 0 writes ``reference.pt`` and
 ``reference_losses.json``.
 
-Config keys: ``out``, ``port``, ``rank``, ``mode`` ("plain" or "recover"), ``steps``, ``batch``,
+Config keys: ``out``, ``port``, ``rank``, ``mode`` ("plain", "recover", "inside": rank 1's first
+all-reducing ``DTensor.redistribute`` fails as an OOM would, see :func:`inject_oom_in_redistribute`;
+"inside_backward": as :func:`inject_oom_in_from_local_backward` says; "bug": rank 1 raises a KeyError
+entering layer 1, a bug in user code, not an OOM), ``steps``, ``batch``,
 ``seq``, ``planned``, ``repeats``, ``cap_ranks``.
 """
 
@@ -33,6 +36,7 @@ import logging
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -107,6 +111,43 @@ def calibrate(model: torch.nn.Module, batch: dict, sizes: list[int]) -> list[int
     return out
 
 
+def inject_oom_in_redistribute() -> None:
+    """From now on ``DTensor.redistribute`` fails as the CPU allocator does when it cannot allocate (its message,
+    ``c10/core/impl/alloc_cpu.cpp``), before any collective is issued: what a real OOM allocating the output of
+    tensor parallelism's all-reduce does, after memguard's agreement at that boundary passed. The first call is
+    the all-reduce of the first RowwiseParallel output (``self_attn.o_proj`` of layer 0)."""
+    from torch.distributed.tensor import DTensor
+
+    original = DTensor.redistribute
+
+    def redistribute(self: DTensor, *args: object, **kwargs: object) -> DTensor:
+        if not any(p.is_partial() for p in self.placements):  # a local one (Shard(2) -> Shard(-1)): no collective
+            return original(self, *args, **kwargs)
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           f"you tried to allocate {self.to_local().nbytes} bytes. Error code 12 (Cannot allocate "
+                           "memory)")
+
+    DTensor.redistribute = redistribute  # type: ignore[method-assign]
+
+
+def inject_oom_in_from_local_backward() -> None:
+    """From now on the backward of ``DTensor.from_local`` (``_FromTorchTensor.backward``,
+    ``torch/distributed/tensor/_api.py``) fails as the CPU allocator does when its gradient is ``Partial``, before
+    the all-reduce to ``Replicate`` that it would issue: the first is a ColwiseParallel input gradient of layer 1."""
+    from torch.distributed.tensor import _api
+
+    original = _api._FromTorchTensor.backward
+
+    def backward(ctx: object, grad_output: object) -> object:
+        if grad_output is None or not any(p.is_partial() for p in grad_output.placements):
+            return original(ctx, grad_output)
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           f"you tried to allocate {grad_output.to_local().nbytes} bytes. Error code 12 (Cannot "
+                           "allocate memory)")
+
+    _api._FromTorchTensor.backward = staticmethod(backward)  # type: ignore[method-assign]
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     faulthandler.dump_traceback_later(cfg.get("hang_after_s", 100), exit=True)  # a hang prints its stacks, fails
@@ -158,9 +199,19 @@ def main() -> None:
             d_small, d_big = calibrate(model, batches[0], [cfg["planned"] // 4, cfg["planned"]])
             budget = (d_small + d_big) // 2
             result["calibration"] = {"d_small": d_small, "d_big": d_big}
+        if cfg["mode"] == "inside" and rank == 1:
+            inject_oom_in_redistribute()
+        if cfg["mode"] == "inside_backward" and rank == 1:
+            inject_oom_in_from_local_backward()
+        if cfg["mode"] == "bug" and rank == 1:  # a bug in user code, in compute between two TP boundaries
+            def user_bug(*args: object) -> None:
+                raise KeyError("a bug in user code on rank 1")
+
+            model.model.layers[1].register_forward_pre_hook(user_bug)
         dist.barrier()
         if rank in cfg.get("cap_ranks", []) and budget is not None:
             resource.setrlimit(resource.RLIMIT_AS, (vm_size() + budget, hard))
+        t0 = time.perf_counter()
         try:
             for b in batches:
                 events.append("STEP")
@@ -169,6 +220,7 @@ def main() -> None:
             result["error"] = {"type": type(exc).__name__, "message": str(exc), "rank": getattr(exc, "rank", None)}
         finally:
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        result["train_s"] = time.perf_counter() - t0
         status = guard_status(model)
         result.update(messages=list(messages), events=list(events), micro_batch_size=status.micro_batch_size,
                       oom_retries=status.oom_retries, agreements=guard_of(model, "").rank_group.agreements)
@@ -178,6 +230,8 @@ def main() -> None:
             if rank == 0:
                 torch.save(full, out / f"guarded_{i}.pt")
         (out / f"result{rank}_{i}.json").write_text(json.dumps(result))
+        if result["error"] is not None and cfg["mode"].startswith("inside"):
+            break  # the process groups are torn down
         dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
