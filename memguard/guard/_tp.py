@@ -45,9 +45,15 @@ methods. While a guarded attempt runs (:meth:`ShardedRankGroup.armed`):
    this rank never joins. The error then leaves forward/backward with the rank still marked inside;
    :meth:`TensorParallelRankGroup.armed` sees the mark and stops every rank as
    :meth:`ShardedRankGroup.stop` does: the failing rank records its error in the store and aborts
-   the process groups, the peers' collectives fail at once and every rank raises the same
-   :class:`memguard.OOMRecoveryError`. That is the worst case: the job must be restarted with a
-   smaller micro-batch; it does not hang. (A boundary's mark covers TP's hook and any hook
+   the process groups, its peers' collectives fail and every rank raises the same
+   :class:`memguard.OOMRecoveryError` (read from the store; a :class:`memguard.PeerFailedError` on a
+   rank that reads it only after the store's host, rank 0, has exited). That is the worst case: the
+   job must be restarted with a smaller micro-batch; it does not hang as long as the processes that
+   raised exit. (Measured with gloo on torch 2.13: aborting a ``ProcessGroupGloo`` fails this rank's
+   own pending work but leaves its connections open, so a peer blocked in a collective with it is
+   released when the failing process exits, not at the abort; a rank that catches the error and goes
+   on keeps its peers waiting until it exits. Under FSDP2 x TP the ranks that share no group with
+   the failing rank are released in turn, as the ranks between them exit.) (A boundary's mark covers TP's hook and any hook
    registered after it on the same module, e.g. FSDP2's pre-forward hook on a block that is also a
    ``PrepareModuleInput`` target: an OOM there stops every rank too, where it might have been
    recovered.)

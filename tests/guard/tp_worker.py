@@ -1,12 +1,13 @@
-"""One rank of a 2-rank gloo tensor-parallel run under ``memguard.step``, for test_tp_recovery.py.
+"""One rank of a gloo tensor-parallel run (TP 2, or FSDP2 x TP 2) under ``memguard.step``, for test_tp_recovery.py.
 
 Run as ``python tp_worker.py '<json config>'``. Both ranks build the same small Llama
 (``transformers.LlamaConfig``, built from the config, nothing downloaded) from the same seed; rank 0
 also trains a plain single-process copy on the same batches (what the tensor-parallel, guarded run
 must reproduce). Then, ``repeats`` times, both ranks lay a fresh copy out with
-``memguard.integrations.parallel.apply(model, Layout(tp=2))``, ``memguard.prepare`` it with a fixed
-micro-batch and train ``steps`` steps with ``memguard.step``. Both ranks get the whole batch (tensor
-parallelism splits the model, not the samples).
+``memguard.integrations.parallel.apply(model, Layout(dp_shard=dp_shard, tp=2))``, ``memguard.prepare``
+it with a fixed micro-batch (``strategy="fsdp2"`` when ``dp_shard > 1``) and train ``steps`` steps
+with ``memguard.step``. The two TP ranks of a shard get the same samples (tensor parallelism splits
+the model, not the samples); each FSDP2 shard its own part of the batch.
 
 In ``"recover"`` mode, before training: one uncapped forward/backward at micro-batch ``planned // 4``
 and one at ``planned`` on both ranks (tensor parallelism needs both), sampling the address space
@@ -24,7 +25,7 @@ Config keys: ``out``, ``port``, ``rank``, ``mode`` ("plain", "recover", "inside"
 all-reducing ``DTensor.redistribute`` fails as an OOM would, see :func:`inject_oom_in_redistribute`;
 "inside_backward": as :func:`inject_oom_in_from_local_backward` says; "bug": rank 1 raises a KeyError
 entering layer 1, a bug in user code, not an OOM), ``steps``, ``batch``,
-``seq``, ``planned``, ``repeats``, ``cap_ranks``.
+``seq``, ``planned``, ``repeats``, ``cap_ranks``, ``dp_shard`` (default 1; ``2 * dp_shard`` ranks).
 """
 
 from __future__ import annotations
@@ -159,9 +160,9 @@ def main() -> None:
     from memguard.guard._core import guard_of
     from memguard.integrations.parallel import apply
 
-    rank = cfg["rank"]
+    rank, dp = cfg["rank"], cfg.get("dp_shard", 1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2 * dp)
     out = Path(cfg["out"])
     messages: list[str] = []
     events: list = []
@@ -182,6 +183,11 @@ def main() -> None:
         torch.save(ref.state_dict(), out / "reference.pt")
         (out / "reference_losses.json").write_text(json.dumps(losses))
 
+    # Layout(dp_shard=dp, tp=2) puts rank r at shard r // 2 (memguard.integrations.parallel: dims dp_shard, tp):
+    # the two TP ranks of a shard see the same samples, the shards each their own part of the batch.
+    local = cfg["batch"] // dp
+    shards = [{k: v[(rank // 2) * local:(rank // 2 + 1) * local] for k, v in b.items()} for b in batches]
+
     def loss_fn(model: torch.nn.Module, micro: dict) -> torch.Tensor:
         events.append(micro["idx"].tolist())
         return forward_loss(model, micro)
@@ -189,14 +195,15 @@ def main() -> None:
     for i in range(cfg.get("repeats", 1)):
         messages.clear()
         events.clear()
-        model = apply(copy.deepcopy(base), memguard.Layout(tp=2))
+        model = apply(copy.deepcopy(base), memguard.Layout(dp_shard=dp, tp=2))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        memguard.prepare(model, opt, micro_batch_size=cfg["planned"], loss_fn=loss_fn, verbose=False)
+        memguard.prepare(model, opt, micro_batch_size=cfg["planned"], loss_fn=loss_fn, verbose=False,
+                         **({"strategy": "fsdp2"} if dp > 1 else {}))
         result: dict = {"rank": rank, "losses": [], "error": None}
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         budget = None
         if cfg["mode"] == "recover":
-            d_small, d_big = calibrate(model, batches[0], [cfg["planned"] // 4, cfg["planned"]])
+            d_small, d_big = calibrate(model, shards[0], [cfg["planned"] // 4, cfg["planned"]])
             budget = (d_small + d_big) // 2
             result["calibration"] = {"d_small": d_small, "d_big": d_big}
         if cfg["mode"] == "inside" and rank == 1:
@@ -213,7 +220,7 @@ def main() -> None:
             resource.setrlimit(resource.RLIMIT_AS, (vm_size() + budget, hard))
         t0 = time.perf_counter()
         try:
-            for b in batches:
+            for b in shards:
                 events.append("STEP")
                 result["losses"].append(memguard.step(model, opt, b))
         except Exception as exc:  # reported to the test
@@ -230,8 +237,11 @@ def main() -> None:
             if rank == 0:
                 torch.save(full, out / f"guarded_{i}.pt")
         (out / f"result{rank}_{i}.json").write_text(json.dumps(result))
-        if result["error"] is not None and cfg["mode"].startswith("inside"):
-            break  # the process groups are torn down
+        if result["error"] is not None:
+            # the process groups may be torn down: no barrier; rank 0 hosts the store that the peers read the
+            # stopping rank's error from, so it stays a little longer
+            time.sleep(5 if rank == 0 else 0)
+            break
         dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
