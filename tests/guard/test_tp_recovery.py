@@ -119,3 +119,63 @@ def test_a_bug_on_one_tensor_parallel_rank_stops_both_without_a_hang(tmp_path: P
     assert r1["error"]["type"] == "KeyError" and "rank 1" in r1["error"]["message"]
     assert r0["error"]["type"] == "PeerFailedError" and r0["error"]["rank"] == 1
     assert r0["losses"] == r1["losses"] == [] and r0["train_s"] < 30
+
+
+def _run_ranks(tmp_path: Path, world: int, **cfg) -> list[dict]:
+    """Every rank's result of a ``world``-rank run (one repeat), each bounded by the timeout."""
+    import os
+    import subprocess
+
+    from two_ranks import ROOT
+
+    cfg = {"out": str(tmp_path), "port": free_port(), "steps": 3, "batch": 32, "seq": 64, "repeats": 1,
+           "cap_ranks": [1], "hang_after_s": 2 * TIMEOUT_S - 20, **cfg}
+    env = dict(os.environ, MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps({**cfg, "rank": r})], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=2 * TIMEOUT_S)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.communicate()
+        pytest.fail(f"a rank did not finish within {2 * TIMEOUT_S} s: the ranks hung")
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return [json.loads((tmp_path / f"result{r}_0.json").read_text()) for r in range(world)]
+
+
+def test_fsdp2_x_tensor_parallel_recovers_a_real_oom_on_one_of_four_ranks(tmp_path: Path) -> None:
+    # Layout(dp_shard=2, tp=2): ranks 0, 1 are shard 0's TP pair, ranks 2, 3 shard 1's; one agreement group over
+    # all four, at FSDP2's collectives and TP's. Only rank 1 is capped; every rank halves with it.
+    results = _run_ranks(tmp_path, 4, mode="recover", dp_shard=2, planned=8, seq=128)
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    r1 = results[1]
+    assert r1["calibration"]["d_big"] > 2 * r1["calibration"]["d_small"]
+    assert _retries(r1) and all("DefaultCPUAllocator" in m for m in _retries(r1))
+    for r in results:
+        assert len(_retries(r)) == r["oom_retries"] == r1["oom_retries"] >= 1
+        assert r is r1 or all("on rank 1;" in m for m in _retries(r))
+        assert r["micro_batch_size"] == 8 >> r1["oom_retries"] >= 2
+        assert r["agreements"] == r1["agreements"]
+        # each shard's 16 samples of every step, each exactly once after the last retry
+        steps: list[list[list[int]]] = []
+        for e in r["events"]:
+            if e == "STEP":
+                steps.append([[]])
+            elif e == "RETRY":
+                steps[-1].append([])
+            else:
+                steps[-1][-1].extend(e)
+        start = (r["rank"] // 2) * 16
+        assert [sorted(s[-1]) for s in steps] == [list(range(32 * i + start, 32 * i + start + 16)) for i in range(3)]
+    # the mean over the two shards' losses is the whole batch's (equal shards); weights as the unsplit run's
+    losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[2]["losses"])]
+    torch.testing.assert_close(losses, json.loads((tmp_path / "reference_losses.json").read_text()), rtol=1e-5,
+                               atol=1e-6)
+    ref, guarded = torch.load(tmp_path / "reference.pt"), torch.load(tmp_path / "guarded_0.pt")
+    assert guarded.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(guarded[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
