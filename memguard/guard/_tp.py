@@ -76,7 +76,9 @@ What stays unguarded (:func:`unguarded_tensor_parallel` refuses those it can see
     outside FSDP2 and TP (DDP over tensor-parallel shards, a replicated DTensor mesh); HSDP x TP
     (FSDP2 over a 2-D data-parallel mesh, refused as under FSDP2 alone); front-ends that do not
     install the TP agreements (the Lightning, Trainer and Accelerate adapters: only
-    :func:`memguard.step` after :func:`memguard.prepare` does). It cannot see: collectives that
+    :func:`memguard.step` after :func:`memguard.prepare` does; ``memguard.evaluate`` runs a TP model's
+    forwards under the agreements of the group :func:`memguard.prepare` installed, and a TP model that
+    was not prepared unguarded, as before). It cannot see: collectives that
     DTensor dispatch starts between two boundaries, which only happens when a style keeps DTensor
     outputs (``use_local_output=False``) and later ops need another placement; ``loss_parallel``
     (``parallel/loss.py``); and the collectives of ``clip_grad_norm_`` over DTensor gradients
@@ -188,13 +190,22 @@ def is_tensor_parallel(module: nn.Module) -> bool:
     return any(_tp_size(p.device_mesh) > 1 for p in _dtensor_params(module))
 
 
+def prepared_tensor_parallel_group(module: nn.Module) -> "TensorParallelRankGroup | None":
+    """The installed :class:`TensorParallelRankGroup` of a tensor-parallel model :func:`memguard.prepare` laid
+    its agreements on (``memguard.evaluate`` runs its forwards under it), or None."""
+    try:
+        group = _GUARDED.get(module)
+    except TypeError:  # not weakly referenceable: cannot have been prepared
+        return None
+    return group if group is not None and group._installed else None
+
+
 def unguarded_tensor_parallel(module: nn.Module) -> str | None:
     """Why the guard must not run ``module``: its DTensor collectives carry no memguard agreement, so an OOM on
     one rank would leave its peers waiting in one (see the module docstring for what stays unguarded). None when
     the guard may run it: no DTensor parameters on a mesh larger than 1, FSDP2 alone, or a tensor-parallel model
     prepared with :func:`memguard.prepare` (its :class:`TensorParallelRankGroup` is installed)."""
-    group = _GUARDED.get(module)
-    if group is not None and group._installed:
+    if prepared_tensor_parallel_group(module) is not None:
         return None
     problem = tensor_parallel_problem(module)
     if problem is not None:

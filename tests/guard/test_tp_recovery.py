@@ -76,6 +76,11 @@ def test_a_tensor_parallel_model_trains_guarded_as_the_unsplit_model_three_times
         for r in (r0, r1):
             _check_samples(r, 32)
         _check_reference(tmp_path, i, r0, r1)
+        # memguard.evaluate of the trained model, in 4 micro-batches of 8 under the same agreements (every TP
+        # forward boundary of each), equals the unsplit trained model's loss
+        assert r0["eval_agreements"] == r1["eval_agreements"] >= 4 * 28
+        ref_eval = json.loads((tmp_path / "reference_eval.json").read_text())
+        assert r0["eval_loss"] == pytest.approx(ref_eval, rel=1e-5) and r1["eval_loss"] == r0["eval_loss"]
 
 
 def test_a_real_oom_on_one_tensor_parallel_rank_is_recovered_on_both(tmp_path: Path) -> None:

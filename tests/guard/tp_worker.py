@@ -17,9 +17,10 @@ with ``RLIMIT_AS`` at VmSize + (d_small + d_big) / 2, so the planned micro-batch
 a quarter of it fits. The cap is lifted after training, before the weights are gathered.
 
 Each repeat writes ``result{rank}_{i}.json`` (losses, the memguard log, the sample indices each
-micro-batch saw, the final micro-batch, the retries) and, on rank 0, ``guarded_{i}.pt`` (the full
-weights, gathered with ``DTensor.full_tensor``); rank 0 writes ``reference.pt`` and
-``reference_losses.json``.
+micro-batch saw, the final micro-batch, the retries; in "plain" mode the loss ``memguard.evaluate`` gives on the first batch,
+in micro-batches of ``planned // 2``) and, on rank 0, ``guarded_{i}.pt`` (the full
+weights, gathered with ``DTensor.full_tensor``); rank 0 writes ``reference.pt``,
+``reference_losses.json`` and ``reference_eval.json`` (the trained copy's loss on the first batch).
 
 Config keys: ``out``, ``port``, ``rank``, ``mode`` ("plain", "recover", "inside": rank 1's first
 all-reducing ``DTensor.redistribute`` fails as an OOM would, see :func:`inject_oom_in_redistribute`;
@@ -180,6 +181,11 @@ def main() -> None:
     batches = make_batches(cfg)
     if rank == 0:
         ref, losses = reference(copy.deepcopy(base), batches)
+        with torch.no_grad():
+            ref.eval()
+            local = cfg["batch"] // dp
+            (out / "reference_eval.json").write_text(json.dumps(forward_loss(ref, {k: v[:local] for k, v in
+                                                                               batches[0].items()}).item()))
         torch.save(ref.state_dict(), out / "reference.pt")
         (out / "reference_losses.json").write_text(json.dumps(losses))
 
@@ -231,6 +237,12 @@ def main() -> None:
         status = guard_status(model)
         result.update(messages=list(messages), events=list(events), micro_batch_size=status.micro_batch_size,
                       oom_retries=status.oom_retries, agreements=guard_of(model, "").rank_group.agreements)
+        if result["error"] is None and cfg["mode"] == "plain":  # memguard.evaluate under the same agreements
+            rg = guard_of(model, "").rank_group
+            before = rg.agreements
+            with torch.no_grad():
+                evaluated = memguard.evaluate(model, shards[0], forward_loss, micro_batch_size=cfg["planned"] // 2)
+            result["eval_loss"], result["eval_agreements"] = float(evaluated), rg.agreements - before
         if result["error"] is None:
             full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
                     for k, v in model.state_dict().items()}
