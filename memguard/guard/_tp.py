@@ -53,10 +53,10 @@ methods. While a guarded attempt runs (:meth:`ShardedRankGroup.armed`):
    own pending work but leaves its connections open, so a peer blocked in a collective with it is
    released when the failing process exits, not at the abort; a rank that catches the error and goes
    on keeps its peers waiting until it exits. Under FSDP2 x TP the ranks that share no group with
-   the failing rank are released in turn, as the ranks between them exit.) (A boundary's mark covers TP's hook and any hook
-   registered after it on the same module, e.g. FSDP2's pre-forward hook on a block that is also a
-   ``PrepareModuleInput`` target: an OOM there stops every rank too, where it might have been
-   recovered.)
+   the failing rank are released in turn, as the ranks between them exit.) A boundary's mark
+   covers TP's hook and any hook registered after it on the same module, e.g. FSDP2's pre-forward
+   hook on a block that is also a ``PrepareModuleInput`` target: an OOM there stops every rank too,
+   where it might have been recovered.
 
 The agreements run on a gloo group of their own over every rank of the model's mesh (TP ranks,
 and under FSDP2 x TP the data-parallel shards too), created with ``torch.distributed.new_group``:
@@ -67,8 +67,12 @@ gloo's worker thread needed the GIL to free them while the main thread held it w
 worker.) Under FSDP2 x TP the same group wraps FSDP2's param-group methods as
 :class:`ShardedRankGroup` does: every rank runs one sequence of agreements, FSDP2's and TP's.
 
-Cost. Four agreements per TP module per micro-batch with a backward (two in forward, one per
-conversion node in backward), plus FSDP2's under FSDP2 x TP, plus one that ends the attempt.
+Cost. Per micro-batch, two agreements per TP module in forward and one per conversion node in
+backward (two for a ``ColwiseParallel`` Linear, three for a ``RowwiseParallel`` one), plus FSDP2's
+under FSDP2 x TP, plus one that ends the attempt: for the 2-layer Llama of
+``tests/guard/tp_worker.py`` (14 TP Linears) 427 agreements in 3 steps of 2 micro-batches on 2 gloo
+ranks, about 71 per micro-batch, each a host all-reduce of 3 int32 values. Their time was not
+measured separately (the host running the tests was shared and busy).
 
 What stays unguarded (:func:`unguarded_tensor_parallel` refuses those it can see):
     DTensor parameters that ``parallelize_module`` did not lay out (no ParallelStyle hook found:
@@ -174,6 +178,15 @@ def tensor_parallel_problem(module: nn.Module) -> str | None:
                 "a ParallelStyle's hooks (parallelize_module installs them): memguard cannot find where their "
                 "collectives run, and a rank that ran out of memory would leave its peers waiting in one; lay the "
                 "model out with parallelize_module (memguard.integrations.parallel.apply(model, Layout(tp=...)))")
+    if not fsdp:
+        sizes = {id(m): m.size() for m in meshes.values()}
+        roots = [getattr(m, "_get_root_mesh", lambda m=m: m)() for m in meshes.values()]
+        if any(r.size() > max(sizes.values()) for r in roots):
+            return ("the model is tensor-parallel on a mesh that also has data-parallel ranks, without FSDP2 "
+                    "(DDP over tensor-parallel shards, or replicas the model does not know of): memguard's "
+                    "tensor-parallel agreements cover the tensor-parallel ranks only; shard the data-parallel "
+                    "dimension with FSDP2 (memguard.integrations.parallel.apply(model, Layout(dp_shard=N, tp=M))) "
+                    "or train with a plain loop")
     if fsdp:
         groups = _param_groups(fsdp_states(module))
         from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, HSDPMeshInfo

@@ -17,8 +17,8 @@ with ``RLIMIT_AS`` at VmSize + (d_small + d_big) / 2, so the planned micro-batch
 a quarter of it fits. The cap is lifted after training, before the weights are gathered.
 
 Each repeat writes ``result{rank}_{i}.json`` (losses, the memguard log, the sample indices each
-micro-batch saw, the final micro-batch, the retries; in "plain" mode the loss ``memguard.evaluate`` gives on the first batch,
-in micro-batches of ``planned // 2``) and, on rank 0, ``guarded_{i}.pt`` (the full
+micro-batch saw, the final micro-batch, the retries; in "plain" mode the loss ``memguard.evaluate``
+gives on the first batch, in micro-batches of ``planned // 2``) and, on rank 0, ``guarded_{i}.pt`` (the full
 weights, gathered with ``DTensor.full_tensor``); rank 0 writes ``reference.pt``,
 ``reference_losses.json`` and ``reference_eval.json`` (the trained copy's loss on the first batch).
 

@@ -2,7 +2,8 @@
 (run by test_parallel_recovery.py): ``memguard.step`` must run the tensor-parallel model guarded on every rank.
 
 ``python parallel_refusal_worker.py '<json>'`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set; the JSON holds
-``dp_shard``, ``tp`` and ``out``. Writes ``result{rank}.json`` with the step's loss or what it raised, and the guard's rank group.
+``dp_shard``, ``tp`` and ``out``. Writes ``result{rank}.json`` with the step's loss or what it raised, and the
+guard's rank group.
 """
 
 from __future__ import annotations
