@@ -26,7 +26,8 @@ Config keys: ``out``, ``port``, ``rank``, ``mode`` ("plain", "recover", "inside"
 all-reducing ``DTensor.redistribute`` fails as an OOM would, see :func:`inject_oom_in_redistribute`;
 "inside_backward": as :func:`inject_oom_in_from_local_backward` says; "bug": rank 1 raises a KeyError
 entering layer 1, a bug in user code, not an OOM), ``steps``, ``batch``,
-``seq``, ``planned``, ``repeats``, ``cap_ranks``, ``dp_shard`` (default 1; ``2 * dp_shard`` ranks).
+``seq``, ``planned``, ``repeats``, ``cap_ranks``, ``dp_shard``, ``time_steps`` (then only: that many
+uncapped steps timed with and without the agreements, interleaved, written to ``timing{rank}.json``) (default 1; ``2 * dp_shard`` ranks).
 """
 
 from __future__ import annotations
@@ -206,6 +207,25 @@ def main() -> None:
         memguard.prepare(model, opt, micro_batch_size=cfg["planned"], loss_fn=loss_fn, verbose=False,
                          **({"strategy": "fsdp2"} if dp > 1 else {}))
         result: dict = {"rank": rank, "losses": [], "error": None}
+        if cfg.get("time_steps"):  # the agreements' cost: memguard.step with and without them, interleaved
+            rg = guard_of(model, "").rank_group
+            memguard.step(model, opt, shards[0])  # warm-up
+            with_s, without_s = [], []
+            for _ in range(cfg["time_steps"]):
+                start = rg.agreements
+                t0 = time.perf_counter()
+                memguard.step(model, opt, shards[0])
+                with_s.append(time.perf_counter() - t0)
+                result["agreements_per_step"] = rg.agreements - start
+                rg._boundary = lambda: None  # the same step, TP's collectives without their agreements
+                t0 = time.perf_counter()
+                memguard.step(model, opt, shards[0])
+                without_s.append(time.perf_counter() - t0)
+                del rg._boundary
+            result["step_s"] = sorted(with_s)[len(with_s) // 2]  # medians: the machine is shared
+            result["step_without_agreements_s"] = sorted(without_s)[len(without_s) // 2]
+            (out / f"timing{rank}.json").write_text(json.dumps(result))
+            break
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         budget = None
         if cfg["mode"] == "recover":
