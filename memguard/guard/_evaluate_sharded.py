@@ -304,7 +304,10 @@ def eval_rank_group(model: nn.Module) -> ShardedRankGroup | None:
         rg = _fsdp1._GROUPS.get(id(_fsdp1._fsdp1_states(model)[0])) or _fsdp1.fsdp1_rank_group(model)
         return rg if rg is not None and rg.world_size > 1 else None
     if not is_fsdp_model(model):
-        return None
+        from memguard.guard._tp import prepared_tensor_parallel_group
+
+        tp = prepared_tensor_parallel_group(model)  # memguard.prepare's TP agreements (memguard.guard._tp)
+        return tp if tp is not None and tp.world_size > 1 else None
     from memguard.guard._core import _GUARDS
 
     try:

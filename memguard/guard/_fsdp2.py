@@ -253,7 +253,14 @@ class FSDP2Guard(Guard):
             self._install(sync_last_only=False)
 
     def _install(self, *, sync_last_only: bool) -> None:
-        rg = sharded_rank_group(self.module, sync_last_only=sync_last_only)
+        from memguard.guard._tp import tensor_parallel_rank_group
+
+        # FSDP2 x TP: one agreement group over every rank, at FSDP2's collectives and TP's (memguard.guard._tp)
+        rg = tensor_parallel_rank_group(self.module, sync_last_only=sync_last_only)
+        if rg is not None:
+            self.world_size = rg.data_parallel_size  # the TP ranks of a shard see the same samples
+        else:
+            rg = sharded_rank_group(self.module, sync_last_only=sync_last_only)
         self.rank_group = rg
         self.on_undo(rg.uninstall)
 

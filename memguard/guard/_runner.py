@@ -36,6 +36,7 @@ batch (the framework integrations open one window per optimizer step of several 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -211,6 +212,13 @@ def prepare(
         trainable = list(dict.fromkeys(p for p in inner.parameters() if p.requires_grad))
         rg.comm_hook = PowerSGDSync(rg.group, trainable, compression)
     world = rg.world_size if rg is not None else _world_size()
+    if rg is None:  # tensor parallelism: agreements at its boundaries (memguard.guard._tp); TP shards need no averaging
+        from memguard.guard._tp import tensor_parallel_rank_group
+
+        tp_group = tensor_parallel_rank_group(inner)
+        if tp_group is not None:
+            rg, world = tp_group, tp_group.data_parallel_size
+            options = dataclasses.replace(options, sync_gradients=False)
     forget(model)  # preparing again undoes the previous call's checkpointing
     guard = Guard(inner, CONSTRAINTS, options, world_size=world, rank_group=rg,
                   grad_scaler=grad_scaler)

@@ -1,8 +1,9 @@
 """One rank of a job laid out by ``memguard.integrations.parallel.apply`` and prepared by ``memguard.prepare``
-(run by test_parallel_recovery.py): ``memguard.step`` must refuse the tensor-parallel model on every rank.
+(run by test_parallel_recovery.py): ``memguard.step`` must run the tensor-parallel model guarded on every rank.
 
 ``python parallel_refusal_worker.py '<json>'`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set; the JSON holds
-``dp_shard``, ``tp`` and ``out``. Writes ``result{rank}.json`` with what ``memguard.step`` raised.
+``dp_shard``, ``tp`` and ``out``. Writes ``result{rank}.json`` with the step's loss or what it raised, and the
+guard's rank group.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ def main() -> None:
                      **({"strategy": "fsdp2"} if cfg["dp_shard"] > 1 else {}))
     result: dict = {"rank": dist.get_rank(), "error": None}
     try:
-        memguard.step(model, optimizer, {"input_ids": ids, "labels": ids})
+        result["loss"] = memguard.step(model, optimizer, {"input_ids": ids, "labels": ids})
     except Exception as exc:  # reported to the test
         result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    from memguard.guard._core import guard_of
+
+    result["rank_group"] = type(guard_of(model, "").rank_group).__name__
     dist.barrier()  # every rank got here: none is left waiting in a collective
     (Path(cfg["out"]) / f"result{result['rank']}.json").write_text(json.dumps(result))
     sys.stdout.flush()

@@ -1,8 +1,8 @@
-"""memguard.step refuses a tensor-parallel model (TP, FSDP2 x TP) on every rank instead of risking a hang.
+"""memguard.step runs a tensor-parallel model (TP, FSDP2 x TP) guarded on every rank, without a hang.
 
-memguard cannot yet put an agreement before tensor parallelism's collectives (memguard.guard._tp says
-why), so a rank that ran out of memory would leave its peers waiting in the next one. Each test starts
-the ranks of parallel_refusal_worker.py, bounded by a timeout: a hang fails the test.
+memguard puts an agreement at every boundary of tensor parallelism's collectives (memguard.guard._tp), so
+memguard.step no longer refuses these layouts. Each test starts the ranks of parallel_refusal_worker.py,
+bounded by a timeout: a hang fails the test.
 """
 
 from __future__ import annotations
@@ -52,9 +52,14 @@ def _run(tmp_path: Path, world: int, **cfg) -> list[dict]:
 
 
 # tp2: TP 2 on 2 ranks (memguard.prepare); dp2tp2: FSDP2 2 x TP 2 on 4 ranks (memguard.prepare(strategy="fsdp2"),
-# whose FSDP2 agreements alone would not cover the TP collectives)
+# one agreement group over all four ranks, at FSDP2's collectives and TP's)
 @pytest.mark.parametrize(("dp_shard", "tp"), [(1, 2), (2, 2)], ids=["tp2", "dp2tp2"])
-def test_memguard_step_refuses_a_tensor_parallel_model_on_every_rank(tmp_path: Path, dp_shard: int, tp: int) -> None:
-    for r in _run(tmp_path, dp_shard * tp, dp_shard=dp_shard, tp=tp):
-        assert r["error"] is not None and r["error"]["type"] == "ConfigError", r
-        assert "does not recover from an OOM under tensor parallelism yet" in r["error"]["message"]
+def test_memguard_step_runs_a_tensor_parallel_model_guarded_on_every_rank(tmp_path: Path, dp_shard: int,
+                                                                         tp: int) -> None:
+    results = _run(tmp_path, dp_shard * tp, dp_shard=dp_shard, tp=tp)
+    for r in results:
+        assert r["error"] is None, r
+        assert r["rank_group"] == "TensorParallelRankGroup"
+    # the TP ranks of a shard saw the same samples: the same loss
+    for shard in range(dp_shard):
+        assert len({results[shard * tp + i]["loss"] for i in range(tp)}) == 1
