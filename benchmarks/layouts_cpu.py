@@ -389,7 +389,8 @@ def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
             with record_function(_PREFIX + "forward"):
                 if rank == stages - 1:
                     mb_losses: list = []
-                    schedule.step(target=batch["labels"], losses=mb_losses)
+                    # no outputs kept, as memguard's run_schedule and parallel.step run it
+                    schedule.step(target=batch["labels"], losses=mb_losses, return_outputs=False)
                     # equal micro-batches, every label counted: the mean of their means is the batch's loss
                     losses.append(float(sum(x.detach() for x in mb_losses) / len(mb_losses)))
                 else:
@@ -406,10 +407,9 @@ def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
     fwd, grads = stage_buffers(schedule)
 
     def live(chunks: bool) -> int:
-        # the last stage keeps its micro-batches' outputs until the next step starts (stage.py,
-        # output_chunks, cleared by clear_runtime_states): the warm-up's are freed inside the first
-        # profiled step, and the replay counts only frees of blocks it saw allocated, so they stay out
-        # of the baseline; the last profiled step's are live at the end
+        # with return_outputs=True the last stage would keep its micro-batches' outputs until the next step
+        # (stage.py, output_chunks, cleared by clear_runtime_states); with False it keeps none, and any it did
+        # keep would be live at the end, not in the baseline
         kept = [t for t in schedule._stage.output_chunks if isinstance(t, torch.Tensor)] if chunks else []
         return _live_bytes(model, batch, optimizer) + _storage_bytes(fwd + grads + kept)
 

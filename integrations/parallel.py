@@ -35,13 +35,18 @@ Build the optimizer after ``apply`` (TP and FSDP2 replace the parameters with ``
    schedule, recovers from an OOM on any rank by halving the micro-batch on every rank, and steps
    the optimizer; ``model(...)`` itself no longer runs the whole model.
 
+:func:`memguard.step` runs every layout ``apply`` builds and recovers from an OOM on any rank: under
+tensor parallelism and FSDP2 x TP with agreements at every ``ParallelStyle`` boundary
+(:mod:`memguard.guard._tp`; prepare the model with ``memguard.prepare`` first, ``strategy="fsdp2"``
+with ``dp_shard``), and for a model cut into pipeline stages by dispatching to its
+:class:`~memguard.guard._pipeline_step.PipelineRun` (the same as :func:`step`).
+
 Known limitations:
-    Pipeline stages are not combined with data or tensor parallelism, mixed precision or
-    activation checkpointing (the estimate does not take those either). DDP over tensor-parallel shards
-    (``dp_replicate`` with ``tp`` but no ``dp_shard``) is refused, as the estimate refuses it.
-    :func:`memguard.step` does not recover from an OOM under tensor parallelism yet: it refuses a
-    tensor-parallel model with a ``ConfigError`` rather than risk a hang (:mod:`memguard.guard._tp`);
-    train a laid-out model with a plain loop and a micro-batch that fits (the estimate says which).
+    Pipeline stages are not built together with data or tensor parallelism, mixed precision or
+    activation checkpointing, although the estimate takes FSDP2 and TP inside stages: a rank that
+    drains its schedule after an OOM would also have to join its data- and tensor-parallel peers'
+    collectives, which the drain does not do yet. DDP over tensor-parallel shards (``dp_replicate``
+    with ``tp`` but no ``dp_shard``) is refused, as the estimate refuses it.
 """
 
 from __future__ import annotations

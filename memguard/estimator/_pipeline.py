@@ -152,10 +152,13 @@ def stage_buffers(schedule: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]
 
 def run_schedule(schedule: Any, stage: int, stages: int, batch: dict[str, torch.Tensor]) -> None:
     """One step of ``schedule`` on pipeline rank ``stage``: the first stage feeds ``input_ids``, the
-    last the ``labels`` as the loss's target."""
+    last the ``labels`` as the loss's target. The last stage keeps no outputs (``return_outputs=False``:
+    ``schedules.py`` then runs ``forward_one_chunk(..., save_forward_output=False)``, so the stage's
+    ``output_chunks`` do not hold every micro-batch's logits until the next step), as a training loop that
+    wants the losses only runs it."""
     args = (batch["input_ids"],) if stage == 0 else ()
     kwargs = {"target": batch["labels"], "losses": []} if stage == stages - 1 else {}
-    schedule.step(*args, **kwargs)
+    schedule.step(*args, return_outputs=False, **kwargs)
 
 
 def causal_lm_loss(model: nn.Module) -> Any:

@@ -285,6 +285,13 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn
         OOM while averaging gradients is not recovered (the averaging allocates nothing: its bucket
         is reserved before the first micro-batch).
     """
+    from memguard.guard._pipeline_step import pipeline_run_of
+
+    run = pipeline_run_of(model)
+    if run is not None:  # a stage cut by parallel.apply: its own schedule, drained and rerun on an OOM
+        if loss_fn is not None:
+            raise ConfigError("a pipeline stage computes the model's own loss on its last stage: drop loss_fn")
+        return run.step(optimizer, batch)
     guard = guard_of(model, _HOW_TO_PREPARE)
     loss_fn = loss_fn if loss_fn is not None else guard.options.loss_fn
     dim = guard.options.batch_dim

@@ -568,8 +568,13 @@ def same_layout(a: Layout, b: Layout) -> bool:
         b.dp_replicate, b.dp_shard, b.tp, b.pp, b.pp_schedule if b.pp > 1 else "")
 
 
-def report_lines(ranked: list[LayoutCandidate], winner: LayoutCandidate, usable: int, limit: int = 12) -> list[str]:
-    """One line per layout tried (its best configuration), and why it lost or won."""
+def report_lines(ranked: list[LayoutCandidate], winner: LayoutCandidate, usable: int, limit: int = 12,
+                 traced: dict[int, int] | None = None, ratio: float = 1.0) -> list[str]:
+    """One line per layout tried (its best configuration), and why it lost or won.
+
+    ``traced``: the full traces' peaks of the candidates verified (by ``id``); ``ratio``: the shortfall they
+    found in the layout model, with which the search sized the candidates after them."""
+    traced = traced or {}
     best: dict = {}
     for c in ranked:
         key = (c.layout.dp_replicate, c.layout.dp_shard, c.layout.tp, c.layout.pp,
@@ -580,6 +585,12 @@ def report_lines(ranked: list[LayoutCandidate], winner: LayoutCandidate, usable:
     for c in items[:limit]:
         if same_layout(c.layout, winner.layout) and c is winner:
             why = f"chosen: {c.cost.describe()}"
+        elif id(c) in traced and traced[id(c)] > usable:
+            why = (f"does not fit: predicted {format_bytes(c.predicted_bytes)}, but a full trace found "
+                   f"{format_bytes(traced[id(c)])} (of {format_bytes(usable)} usable)")
+        elif c.fits and c.predicted_bytes * ratio > usable:
+            why = (f"does not fit once sized with the shortfall a full trace found ({format_bytes(c.predicted_bytes)} "
+                   f"x {ratio:.3g} = {format_bytes(int(c.predicted_bytes * ratio))})")
         elif c.fits:
             why = (f"fits ({format_bytes(c.predicted_bytes)}) but slower: {c.cost.total:.3g} s/step vs "
                    f"{winner.cost.total:.3g}")
@@ -588,7 +599,8 @@ def report_lines(ranked: list[LayoutCandidate], winner: LayoutCandidate, usable:
                    "usable)")
         lines.append(f"{c.describe()}: {why}")
     if len(items) > limit:
-        fit = sum(1 for c in items[limit:] if c.fits)
+        fit = sum(1 for c in items[limit:] if c.fits and c.predicted_bytes * ratio <= usable
+                  and traced.get(id(c), 0) <= usable)
         lines.append(f"... {len(items) - limit} more layouts ({fit} fit, all slower)")
     return lines
 
@@ -645,14 +657,14 @@ def search_layouts(session: Any, space: Any, request: Any) -> Any:
         tried.append((cand, est, verified))
         if est.peak_upper_bytes <= space.usable_bytes:
             return _plan(space, cand, est, verified, ranked, profile, searched, time.perf_counter() - start,
-                         hidden_size(session.model))
+                         hidden_size(session.model), tried=tried, ratio=ratio)
         ratio = max(ratio, est.peak_upper_bytes / max(cand.predicted_bytes, 1))
         log.info("memguard: %s predicted %s but verified at %s; the next is sized with that shortfall",
                  cand.describe(), format_bytes(cand.predicted_bytes), format_bytes(est.peak_upper_bytes))
     closest = min(ranked, key=lambda c: c.predicted_bytes)
     est, verified = _estimate(session, space, closest, profile, verify=False)
     closest_plan = _plan(space, closest, est, verified, ranked, profile, searched, time.perf_counter() - start,
-                         hidden_size(session.model), fits=False)
+                         hidden_size(session.model), fits=False, tried=tried, ratio=ratio)
     need = tried[0][1].peak_upper_bytes if tried else closest.predicted_bytes
     raise InfeasiblePlanError(
         f"no layout of {world} GPUs ({K} per node) fits {format_bytes(space.usable_bytes)} usable per rank; the "
@@ -682,7 +694,11 @@ def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutPr
         verify = False
         why = (f"not verified: a full trace of this layout is predicted to take about {cost_s:.0f} s ("
                f"{profile.ops_per_step:.3g} ATen ops per micro-batch, over verify_budget_s={budget_s:g}); "
-               f"memguard.estimate(model, batch, layout=plan.layout, ...) verifies it")
+               f"memguard.estimate(model, batch, layout=plan.layout, ...) verifies it"
+               + ("; on CUDA verify before trusting it: the layout model counts allocated bytes, not the caching "
+                  "allocator's overhead, and on torchtitan's Llama 3.1 8B and 70B layouts full traces found it "
+                  "16-20% short (plan(..., verify_budget_s=math.inf) verifies within the search)"
+                  if space.device == "cuda" else ""))
     else:
         why = ("estimate(layout=...) does not estimate this layout yet" if not verifiable(cand) else
                "not verified")
@@ -727,12 +743,15 @@ def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutPr
 
 
 def _plan(space: Any, cand: LayoutCandidate, est: Any, verified: bool, ranked: list[LayoutCandidate],
-          profile: LayoutProfile, searched_s: float, total_s: float, hidden: int | None, fits: bool = True) -> Any:
+          profile: LayoutProfile, searched_s: float, total_s: float, hidden: int | None, fits: bool = True,
+          tried: list | None = None, ratio: float = 1.0) -> Any:
     from memguard.planner._plan import Plan
 
     lay = cand.layout
-    fitting = [c for c in ranked if c.fits]
-    lines = report_lines(ranked, cand, space.usable_bytes)
+    traced = {id(c): e.peak_upper_bytes for c, e, ok in (tried or []) if ok}
+    usable = space.usable_bytes
+    fitting = [c for c in ranked if c.fits and c.predicted_bytes * ratio <= usable and traced.get(id(c), 0) <= usable]
+    lines = report_lines(ranked, cand, usable, traced=traced, ratio=ratio)
     if profile.tp_reason:
         lines.append(profile.tp_reason)
     k_total = min(cand.checkpoint_blocks * lay.pp, profile.num_blocks)

@@ -153,7 +153,9 @@ def main() -> None:
                     raise ValueError("an error of the model's own")
                 model.model.register_forward_pre_hook(fail)
             before = vm()
-            losses.append(parallel.step(model, optimizer, batch))
+            # memguard.step dispatches a stage cut by parallel.apply to the same PipelineRun
+            step = memguard.step if cfg.get("via") == "memguard" else parallel.step
+            losses.append(step(model, optimizer, batch))
             if k == 0:
                 growth = vm("VmPeak") - before
             micro.append(applied.pipeline.microbatches)

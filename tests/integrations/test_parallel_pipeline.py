@@ -126,7 +126,7 @@ OOM = {**OOM_SHAPE, "cap_rank": 1, "cap_factor": 0.7}
 
 
 def test_an_oom_on_one_rank_halves_the_micro_batch_on_both_and_trains_as_one_process(tmp_path: Path) -> None:
-    results, weights = _run(tmp_path, 2, schedule="1F1B", microbatches=4, **OOM)
+    results, weights = _run(tmp_path, 2, schedule="1F1B", microbatches=4, via="memguard", **OOM)
     assert results[1]["capped"] and not results[0]["capped"]
     for r in results:
         # the first step ran uncapped at 4 micro-batches; the capped second one ran out of memory on rank 1,
@@ -165,13 +165,7 @@ def test_an_error_on_one_rank_is_raised_there_and_a_peer_failure_on_the_other(tm
     assert all(r["log"] == [] and len(r["losses"]) == 1 for r in results)
 
 
-_KEEPS_OUTPUTS = pytest.mark.xfail(
-    strict=True, reason="the estimate's schedule keeps every micro-batch's logits on the last stage "
-    "(memguard.estimator._pipeline.run_schedule: return_outputs left True), parallel.step does not; under 1F1B "
-    "they outlive the last backward, so the estimate is above the real peak there")
-
-
-@pytest.mark.parametrize("schedule", [pytest.param("1F1B", marks=_KEEPS_OUTPUTS), "GPipe"])
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
 def test_the_estimate_is_each_ranks_real_peak(tmp_path: Path, schedule: str) -> None:
     # the peak of live tensor bytes of each rank's parallel.step (measured as benchmarks/layouts_cpu.py
     # measures a pipeline rank) against memguard.estimate's rank_peak_bytes for the same layout and batch

@@ -246,3 +246,29 @@ def test_predicted_trace_seconds_follow_the_op_count_and_dtensor_dispatch():
 def test_verify_budget_is_checked(options, expect):
     problems = PlanRequest(global_batch_size=16, gpu="H100-80GB", **options).problems()
     assert any(expect in p for p in problems), problems
+
+
+def test_a_candidate_a_full_trace_rejects_is_reported_so(act_model, budgets, monkeypatch):
+    """When verification finds the first choice over the budget, explain() says so for it (not "fits but
+    slower"), and the layouts after it are sized with the shortfall."""
+    import dataclasses
+
+    original = _layouts._estimate
+    calls = []
+
+    def short_first(session, space, cand, profile, verify=True, budget_s=_layouts.VERIFY_BUDGET_S):
+        est, verified = original(session, space, cand, profile, verify=verify, budget_s=budget_s)
+        calls.append(cand)
+        if len(calls) == 1:  # a full trace of the first choice, 30% over the budget
+            big = int(space.usable_bytes * 1.3)
+            est = dataclasses.replace(est, peak_bytes=big, peak_upper_bytes=big,
+                                      rank_peak_bytes=(big,) * len(est.rank_peak_bytes))
+            verified = True
+        return est, verified
+
+    monkeypatch.setattr(_layouts, "_estimate", short_first)
+    plan = _plan(act_model, budgets[1], verify_budget_s=float("inf"))
+    first = calls[0]
+    assert plan.layout != first.layout or plan.micro_batch_size != first.micro_batch_size
+    line = next(line for line in plan.layout_report if line.startswith(first.describe()))
+    assert "but a full trace found" in line and "does not fit" in line, line
