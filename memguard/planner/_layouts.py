@@ -575,11 +575,16 @@ def report_lines(ranked: list[LayoutCandidate], winner: LayoutCandidate, usable:
     ``traced``: the full traces' peaks of the candidates verified (by ``id``); ``ratio``: the shortfall they
     found in the layout model, with which the search sized the candidates after them."""
     traced = traced or {}
+
+    def still_fits(c: LayoutCandidate) -> bool:  # by the layout model sized with the shortfall, and by any trace
+        return c.fits and c.predicted_bytes * ratio <= usable and traced.get(id(c), 0) <= usable
+
     best: dict = {}
-    for c in ranked:
+    for c in ranked:  # each layout's fastest configuration that still fits, else its first
         key = (c.layout.dp_replicate, c.layout.dp_shard, c.layout.tp, c.layout.pp,
                c.layout.pp_schedule if c.layout.pp > 1 else "")
-        best.setdefault(key, c)
+        if key not in best or (not still_fits(best[key]) and still_fits(c)) or c is winner:
+            best[key] = c
     lines = []
     items = list(best.values())
     for c in items[:limit]:
@@ -599,8 +604,7 @@ def report_lines(ranked: list[LayoutCandidate], winner: LayoutCandidate, usable:
                    "usable)")
         lines.append(f"{c.describe()}: {why}")
     if len(items) > limit:
-        fit = sum(1 for c in items[limit:] if c.fits and c.predicted_bytes * ratio <= usable
-                  and traced.get(id(c), 0) <= usable)
+        fit = sum(1 for c in items[limit:] if still_fits(c))
         lines.append(f"... {len(items) - limit} more layouts ({fit} fit, all slower)")
     return lines
 
