@@ -573,7 +573,8 @@ def layer_norm_partial_bytes(m: int, n: int, grads: int, grad_bytes: int) -> tup
     weight gradients (2 for layer norm with a bias, 1 for RMS norm) of an ``[m, n]`` input when the
     SM count is unknown: native/cuda/layer_norm_kernel.cu takes them when ``m > 64 * 1024`` (and
     ``n / 32 < sm_count / 2``), ``[min(32768 / ceil(n / 32), ceil(m / 32)), n]`` in the weight's
-    dtype each, all live together (see :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`)."""
+    dtype each, all live together (see :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`);
+    the finder adds the ``.sum(0)`` that reduces them (its outputs and Reduce.cuh staging)."""
     if m <= 64 * 1024:
         return ()
     rows = min((64 * 1024 // 2) // -(-n // 32), -(-m // 32))
@@ -593,6 +594,14 @@ def _norm_entry(target: CudaTarget, x: Any, shape: Any, params: list, what: str)
     allocs = layer_norm_partial_bytes(m, n, len(grads), grads[0].element_size())
     if not allocs:
         return []
+    # then ``dgamma_blocks.sum(0)`` (and dbeta's) while both buffers live: each sum's output, and the
+    # Reduce.cuh staging of one (they run in turn; the largest split, as the SM count is not used),
+    # which the trace sees when the rule runs the sums itself (with an SM count)
+    rows = allocs[0] // (n * grads[0].element_size())
+    kernel = reduce_kernel("sum", grads[0].dtype, (grads[0].dtype,))
+    staging = reduce_workspace_bytes((rows, n), (0,), kernel, CudaTarget(capability=target.capability,
+                                                                          vendor=target.vendor))
+    allocs += (n * grads[0].element_size(),) * len(grads) + staging
     why = ("the GPU's SM count is unknown, so the rule cannot decide" if target.sm_count is None
            else "ROCm's launch is not replayed")
     return [Unmodelled(f"weight-gradient partial buffers ({why})",
