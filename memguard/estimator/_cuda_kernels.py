@@ -36,9 +36,11 @@ class CudaTarget:
         torch_version: the target's torch ``(major, minor)``, whose kernels are modelled (the
             trace runs the installed torch; rules that changed between releases follow this one).
         vendor: ``"nvidia"`` or ``"amd"`` (ROCm builds choose other attention kernels).
-        sm_count: streaming multiprocessors, where a kernel's choice depends on them (layer-norm
-            weight gradients, :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`);
-            None when unknown (the SM-dependent paths are then not modelled).
+        sm_count: streaming multiprocessors (``multiProcessorCount``; AMD: compute units), where a
+            kernel's choice depends on them (layer-norm weight gradients,
+            :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`; a reduction's split over
+            blocks, :func:`memguard.estimator._unmodelled.set_reduce_config`); None when unknown (the
+            SM-dependent paths are then bounded: :mod:`memguard.estimator._unmodelled`).
         conv_workspace_bytes: a bound on each cuDNN convolution workspace, or None to read
             ``CUDNN_CONV_WSCAP_DBG`` (see :func:`memguard.estimator._cuda_rules.conv_workspace_cap_bytes`);
             it bounds ``Estimate.peak_upper_bytes`` (:func:`memguard.estimator._unmodelled.conv_workspace`).
@@ -59,8 +61,9 @@ class CudaTarget:
     def for_spec(cls, spec: Any = None, **overrides: Any) -> "CudaTarget":
         """The target for a catalog GPU (``memguard.estimator.gpus.GPUSpec``, or None for the
         generic one) and its software stack (``spec.stack``; None: the installed torch and its
-        default wheel's CUDA and cuDNN, :func:`memguard.estimator._targets.stack_of`);
-        ``overrides`` replace single fields."""
+        default wheel's CUDA and cuDNN, :func:`memguard.estimator._targets.stack_of`), with its
+        ``sm_count`` (None for a spec without one, such as ``GENERIC`` or a user's spec made before
+        the field existed); ``overrides`` replace single fields."""
         from memguard.estimator._targets import stack_of
 
         stack = stack_of(spec)
@@ -69,6 +72,7 @@ class CudaTarget:
         if spec is not None:
             fields["capability"] = tuple(spec.compute_capability)
             fields["vendor"] = spec.vendor
+            fields["sm_count"] = getattr(spec, "sm_count", None)
         fields.update(overrides)
         return cls(**fields)
 

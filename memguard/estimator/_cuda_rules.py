@@ -221,7 +221,9 @@ def layer_norm_partial_rows(m: int, n: int, sm_count: int | None) -> int:
 def _weight_grads(target: CudaTarget, m: int, n: int, params: list[torch.Tensor | None], need: list[bool]) -> list:
     """``dgamma``/``dbeta`` as the CUDA kernel leaves them: ``empty_like`` each, or, on the
     partial-buffer path, the partial buffers (all of them live together) reduced by ``sum(0)``."""
-    rows = layer_norm_partial_rows(m, n, target.sm_count)
+    # ROCm's launch is not replayed (its block width differs in newer releases): bounded there instead
+    # (memguard.estimator._unmodelled.layer_norm_partial_bytes), as without an SM count
+    rows = layer_norm_partial_rows(m, n, target.sm_count if target.vendor == "nvidia" else None)
     grads: list = [torch.empty_like(p) if (p is not None and nd) else None for p, nd in zip(params, need)]
     if rows and grads[0] is not None:
         partials = [torch.empty((rows, n), dtype=g.dtype, device=g.device) if g is not None else None for g in grads]

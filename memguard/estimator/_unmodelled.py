@@ -45,8 +45,10 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   ``native/cuda/EmbeddingBackwardKernel.cu`` (:func:`embedding_backward_workspace_bytes`).
 * **Layer/RMS-norm weight-gradient partial buffers** when the GPU's SM count is unknown: the rule
   (:func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`) allocates them only when it can
-  evaluate ``native/cuda/layer_norm_kernel.cu``'s ``N / 32 < sm_count / 2``; without an SM count
-  the largest buffers the condition allows are listed (:func:`layer_norm_partial_bytes`).
+  evaluate ``native/cuda/layer_norm_kernel.cu``'s ``N / 32 < sm_count / 2`` (the catalog's NVIDIA
+  GPUs carry their SM counts, :attr:`memguard.estimator.gpus.GPUSpec.sm_count`); without an SM count
+  (a spec without one, ``GENERIC``, fake CUDA tensors on a GPU) or on ROCm, whose launch is not
+  replayed, the largest buffers the condition allows are listed (:func:`layer_norm_partial_bytes`).
 * **Group-norm backward's scratch**: ``native/cuda/group_norm_kernel.cu``
   ``GroupNormBackwardKernelImplInternal`` allocates ``ds``, ``db`` (``[N, C]``), ``c1`` (``[N, C]``)
   and ``c2``, ``c3`` (``[N, G]``), all in the accumulate type, for a contiguous input; no rule
@@ -67,8 +69,8 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   a Linear bias gradient's ``sum``, are seen): native/cuda/Reduce.cuh ``gpu_reduce_kernel`` allocates
   ``ReduceConfig::global_memory_size()`` bytes of staging and ``semaphore_size()`` bytes of semaphores
   when ``setReduceConfig`` splits each output's inputs over ``ctas_per_output > 1`` blocks, which
-  depends on the SM count (:func:`set_reduce_config`, replayed line by line; without an SM count,
-  the largest split any GPU can choose), plus an ``AccumulationBuffer`` for 16-bit outputs of inputs
+  depends on the SM count (:func:`set_reduce_config`, replayed line by line with the GPU's SM count,
+  which the catalog's GPUs carry; without an SM count, or on ROCm, the largest split any GPU can choose), plus an ``AccumulationBuffer`` for 16-bit outputs of inputs
   past 32-bit indexing (:func:`reduce_workspace`). Complex ``var``/``std`` and ``any``/``all``,
   ``aminmax``, ``logsumexp`` (whose inner reductions the trace does not see) are not listed.
 
@@ -571,7 +573,8 @@ def layer_norm_partial_bytes(m: int, n: int, grads: int, grad_bytes: int) -> tup
     weight gradients (2 for layer norm with a bias, 1 for RMS norm) of an ``[m, n]`` input when the
     SM count is unknown: native/cuda/layer_norm_kernel.cu takes them when ``m > 64 * 1024`` (and
     ``n / 32 < sm_count / 2``), ``[min(32768 / ceil(n / 32), ceil(m / 32)), n]`` in the weight's
-    dtype each, all live together (see :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`)."""
+    dtype each, all live together (see :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`);
+    the finder adds the ``.sum(0)`` that reduces them (its outputs and Reduce.cuh staging)."""
     if m <= 64 * 1024:
         return ()
     rows = min((64 * 1024 // 2) // -(-n // 32), -(-m // 32))
@@ -579,8 +582,9 @@ def layer_norm_partial_bytes(m: int, n: int, grads: int, grad_bytes: int) -> tup
 
 
 def _norm_entry(target: CudaTarget, x: Any, shape: Any, params: list, what: str) -> list[Unmodelled]:
-    if target.sm_count is not None or not isinstance(x, torch.Tensor) or shape is None:
-        return []  # with an SM count the rule allocates the buffers itself
+    evaluated = target.sm_count is not None and target.vendor == "nvidia"
+    if evaluated or not isinstance(x, torch.Tensor) or shape is None:
+        return []  # with an NVIDIA GPU's SM count the rule allocates the buffers itself
     grads = [p for p in params if isinstance(p, torch.Tensor) and _backward_runs(p)]
     if not grads:
         return []
@@ -590,7 +594,17 @@ def _norm_entry(target: CudaTarget, x: Any, shape: Any, params: list, what: str)
     allocs = layer_norm_partial_bytes(m, n, len(grads), grads[0].element_size())
     if not allocs:
         return []
-    return [Unmodelled("weight-gradient partial buffers (the GPU's SM count is unknown, so the rule cannot decide)",
+    # then ``dgamma_blocks.sum(0)`` (and dbeta's) while both buffers live: each sum's output, and the
+    # Reduce.cuh staging of one (they run in turn; the largest split, as the SM count is not used),
+    # which the trace sees when the rule runs the sums itself (with an SM count)
+    rows = allocs[0] // (n * grads[0].element_size())
+    kernel = reduce_kernel("sum", grads[0].dtype, (grads[0].dtype,))
+    staging = reduce_workspace_bytes((rows, n), (0,), kernel, CudaTarget(capability=target.capability,
+                                                                          vendor=target.vendor))
+    allocs += (n * grads[0].element_size(),) * len(grads) + staging
+    why = ("the GPU's SM count is unknown, so the rule cannot decide" if target.sm_count is None
+           else "ROCm's launch is not replayed")
+    return [Unmodelled(f"weight-gradient partial buffers ({why})",
                        f"{what} of {_shape(x)}", allocs, True,
                        "aten/src/ATen/native/cuda/layer_norm_kernel.cu LaunchGammaBetaBackwardCUDAKernel")]
 

@@ -11,6 +11,16 @@ figures are those PyTorch prints in its out-of-memory message ("GPU 0 has a tota
 and vary by a few tens of MiB with driver version, ECC and board, so the lowest commonly
 reported value is used. :func:`current_gpu` replaces it with the real figure on a device.
 
+``sm_count`` is the number of streaming multiprocessors (AMD: compute units), which
+``torch.cuda.get_device_properties(i).multi_processor_count`` reports and CUDA kernels read as
+``multiProcessorCount`` to choose their launch: the CUDA target passes it to the rules whose
+choice depends on it (:class:`~memguard.estimator._cuda_kernels.CudaTarget`). Where one entry
+stands for parts with different counts (the alias ``"a10"``, an H100 PCIe's device name), it
+holds the largest, because both SM-dependent choices modelled (layer/RMS-norm weight-gradient
+partial buffers, :func:`memguard.estimator._cuda_rules.layer_norm_partial_rows`; a reduction's
+split over blocks, :func:`memguard.estimator._unmodelled.set_reduce_config`) allocate at least
+as much with more SMs. A spec without one (None) keeps those choices bounded instead.
+
 Throughput figures are dense (no structured sparsity) tensor-core peaks from the vendor
 datasheets; ``interconnect_gbps`` is the per-direction bandwidth to peers in GB/s (half the
 bidirectional figure vendors quote): NVLink / Infinity Fabric where the part has it in its
@@ -78,6 +88,9 @@ class GPUSpec:
             parallelism inside it.
         p2p_caveat: a known problem of NCCL's peer-to-peer / InfiniBand transports on this part,
             with its source, or ``""``; :mod:`memguard.planner._notes` turns it into a plan note.
+        sm_count: streaming multiprocessors (AMD: compute units) as ``multi_processor_count``
+            reports them (the datasheets and whitepapers in ``source``); None when unknown, as for
+            :data:`GENERIC` (the SM-dependent kernel choices are then bounded, not evaluated).
         stack: the torch, CUDA and cuDNN versions the target runs
             (:class:`~memguard.estimator._targets.CudaStack`), set by ``torch_version=``,
             ``cuda_version=`` and ``cudnn_version=``; None (every catalog entry) means the installed
@@ -104,6 +117,7 @@ class GPUSpec:
     stack: Any = None
     network_gbps: float = 0.0
     nvlink_domain: int = 1
+    sm_count: int | None = None
 
     @property
     def scale_out_gbps(self) -> float:
@@ -146,25 +160,32 @@ _SPECS = (
         memory_bandwidth_gbps=900.0, interconnect_gbps=150.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA V100 Tensor Core GPU datasheet (SXM2: 125 TFLOPS tensor, 15.7 FP32, "
         "900 GB/s, NVLink 300 GB/s); total_memory 15.75-15.78 GiB in PyTorch OOM reports "
-        "(e.g. Morizeyao/GPT2-Chinese#215)",
+        "(e.g. Morizeyao/GPT2-Chinese#215); 80 SMs (NVIDIA Tesla V100 GPU architecture whitepaper, "
+        "Table 1: SXM2 and PCIe)",
         interconnect="nvlink",
         network_gbps=6.25, nvlink_domain=8,
+        sm_count=80,
     ),
     GPUSpec(
         name="V100-32GB", memory_bytes=_gib(31.74), compute_capability=(7, 0), bf16=False,
         tensor_cores=True, fp16_tflops=125.0, bf16_tflops=0.0, tf32_tflops=0.0, fp32_tflops=15.7,
         memory_bandwidth_gbps=900.0, interconnect_gbps=150.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA V100 Tensor Core GPU datasheet (SXM2 32GB); total_memory 31.74-31.75 GiB in "
-        "PyTorch OOM reports (haotian-liu/LLaVA#812, hiyouga/LlamaFactory#182)",
+        "PyTorch OOM reports (haotian-liu/LLaVA#812, hiyouga/LlamaFactory#182); 80 SMs (NVIDIA Tesla "
+        "V100 GPU architecture whitepaper, Table 1)",
         interconnect="nvlink",
         network_gbps=6.25, nvlink_domain=8,
+        sm_count=80,
     ),
     GPUSpec(
         name="T4", memory_bytes=_gib(14.75), compute_capability=(7, 5), bf16=False,
         tensor_cores=True, fp16_tflops=65.0, bf16_tflops=0.0, tf32_tflops=0.0, fp32_tflops=8.1,
         memory_bandwidth_gbps=320.0, interconnect_gbps=_PCIE3, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA T4 Tensor Core GPU datasheet (65 TFLOPS FP16 mixed precision, 8.1 FP32, "
-        "320 GB/s, PCIe 3.0 x16); total_memory 14.75-14.76 GiB in PyTorch OOM reports",
+        "320 GB/s, PCIe 3.0 x16); total_memory 14.75-14.76 GiB in PyTorch OOM reports; 40 SMs (the "
+        "datasheet's 2,560 CUDA cores and 320 tensor cores, 64 and 8 per Turing SM: NVIDIA Turing "
+        "GPU architecture whitepaper)",
+        sm_count=40,
     ),
     GPUSpec(
         name="A10G", memory_bytes=_gib(21.99), compute_capability=(8, 6), bf16=True,
@@ -172,7 +193,11 @@ _SPECS = (
         memory_bandwidth_gbps=600.0, interconnect_gbps=_PCIE4, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA A10 Tensor Core GPU datasheet (A10G is AWS's variant of A10, no separate "
         "datasheet; its tensor throughput is reportedly lower); total_memory 21.99-22.06 GiB in "
-        "PyTorch OOM reports on A10/A10G (zai-org/CogVLM#236)",
+        "PyTorch OOM reports on A10/A10G (zai-org/CogVLM#236); 80 SMs on the A10G "
+        "(torch.cuda.get_device_properties prints multi_processor_count=80 in TorchCodec's CUDA "
+        "decoding tutorial); the A10 has 72 (the A10 datasheet's 72 RT cores, one per Ampere SM), "
+        "the larger count is kept",
+        sm_count=80,
     ),
     GPUSpec(
         name="L4", memory_bytes=_gib(22.03), compute_capability=(8, 9), bf16=True,
@@ -180,7 +205,9 @@ _SPECS = (
         memory_bandwidth_gbps=300.0, interconnect_gbps=_PCIE4, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA L4 Tensor Core GPU datasheet (242 TFLOPS FP16/BF16 and 120 TF32 with "
         "sparsity, halved here; 30.3 FP32; 300 GB/s; PCIe 4.0 x16); total_memory 22.03 GiB in "
-        "PyTorch OOM reports",
+        "PyTorch OOM reports; 58 SMs (7,424 CUDA cores, 128 per Ada SM (NVIDIA Ada GPU architecture "
+        "whitepaper): the datasheet's 30.3 FP32 TFLOPS at the L4's 2,040 MHz boost clock)",
+        sm_count=58,
     ),
     GPUSpec(
         name="L40S", memory_bytes=_gib(44.39), compute_capability=(8, 9), bf16=True,
@@ -189,11 +216,13 @@ _SPECS = (
         context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA L40S GPU datasheet (733 TFLOPS FP16/BF16 and 366 TF32 with sparsity, halved "
         "here; 91.6 FP32; 864 GB/s; PCIe 4.0 x16); total_memory 44.39-44.52 GiB in PyTorch OOM "
-        "reports",
+        "reports; 142 SMs (the datasheet's 18,176 CUDA cores, 568 tensor cores and 142 RT cores: "
+        "128, 4 and 1 per Ada SM)",
         # axolotl/utils/environment.py check_cuda_p2p_ib_support: 2-7 L40S (or RTX 6000 Ada) GPUs
         p2p_caveat="2 to 7 L40S GPUs in one machine have unreliable NCCL P2P transfers over PCIe: "
         "axolotl sets NCCL_P2P_DISABLE=1 for them (axolotl/utils/environment.py, "
         "check_cuda_p2p_ib_support); check with nvidia-smi topo -p2p n",
+        sm_count=142,
     ),
     GPUSpec(
         name="RTX-3090", memory_bytes=_gib(23.55), compute_capability=(8, 6), bf16=True,
@@ -201,7 +230,8 @@ _SPECS = (
         memory_bandwidth_gbps=936.0, interconnect_gbps=_PCIE4, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090: 71 TFLOPS FP16/BF16 "
         "tensor with FP32 accumulate, 35.6 TF32 and FP32, 936 GB/s, PCIe 4.0 x16); total_memory "
-        "23.55-23.69 GiB in PyTorch OOM reports",
+        "23.55-23.69 GiB in PyTorch OOM reports; 82 SMs (the same whitepaper's RTX 3090 column)",
+        sm_count=82,
     ),
     GPUSpec(
         name="RTX-4090", memory_bytes=_gib(23.64), compute_capability=(8, 9), bf16=True,
@@ -209,7 +239,7 @@ _SPECS = (
         memory_bandwidth_gbps=1008.0, interconnect_gbps=_PCIE4, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA Ada GPU architecture whitepaper (RTX 4090: 165.2 TFLOPS FP16/BF16 tensor "
         "with FP32 accumulate, 82.6 TF32 and FP32, 1008 GB/s, PCIe 4.0 x16); total_memory "
-        "23.64-23.65 GiB in PyTorch OOM reports",
+        "23.64-23.65 GiB in PyTorch OOM reports; 128 SMs (the same whitepaper's RTX 4090 column)",
         # accelerate/utils/environment.py check_cuda_p2p_ib_support: several "RTX 40" GPUs with a
         # driver older than 550.40.07 have broken P2P/IB transports; accelerate's launcher then
         # sets NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1
@@ -217,6 +247,7 @@ _SPECS = (
         "NCCL's P2P or InfiniBand transports (hangs or wrong results): set NCCL_P2P_DISABLE=1 and "
         "NCCL_IB_DISABLE=1, as accelerate launch does (accelerate/utils/environment.py, "
         "check_cuda_p2p_ib_support), or update the driver",
+        sm_count=128,
     ),
     GPUSpec(
         name="A100-40GB", memory_bytes=_gib(39.50), compute_capability=(8, 0), bf16=True,
@@ -225,9 +256,11 @@ _SPECS = (
         memory_bandwidth_gbps=1555.0, interconnect_gbps=300.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB: 312 TFLOPS FP16/BF16, 156 TF32, "
         "19.5 FP32, 1555 GB/s, NVLink 600 GB/s); total_memory 39.50-39.59 GiB in PyTorch OOM "
-        "reports (TianheWu/CoSeR#10, raoyongming/DenseCLIP#52)",
+        "reports (TianheWu/CoSeR#10, raoyongming/DenseCLIP#52); 108 SMs (NVIDIA A100 Tensor Core "
+        "GPU architecture whitepaper)",
         interconnect="nvlink",
         network_gbps=_NIC200, nvlink_domain=8,
+        sm_count=108,
     ),
     GPUSpec(
         name="A100-80GB", memory_bytes=_gib(79.14), compute_capability=(8, 0), bf16=True,
@@ -236,9 +269,11 @@ _SPECS = (
         memory_bandwidth_gbps=2039.0, interconnect_gbps=300.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: 312 TFLOPS FP16/BF16, 156 TF32, "
         "19.5 FP32, 2039 GB/s, NVLink 600 GB/s); total_memory 79.14-79.25 GiB in PyTorch OOM "
-        "reports (lianqi1008/Control-GIC#6, levihsu/OOTDiffusion#235)",
+        "reports (lianqi1008/Control-GIC#6, levihsu/OOTDiffusion#235); 108 SMs (NVIDIA A100 Tensor "
+        "Core GPU architecture whitepaper)",
         interconnect="nvlink",
         network_gbps=_NIC200, nvlink_domain=8,
+        sm_count=108,
     ),
     GPUSpec(
         name="H100-80GB", memory_bytes=_gib(79.11), compute_capability=(9, 0), bf16=True,
@@ -247,9 +282,12 @@ _SPECS = (
         memory_bandwidth_gbps=3350.0, interconnect_gbps=450.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 1979 TFLOPS FP16/BF16 and 989 TF32 "
         "with sparsity, halved here; 67 FP32; 3.35 TB/s; NVLink 900 GB/s); total_memory 79.11 GiB "
-        "in PyTorch OOM reports (vllm-project/vllm#27508)",
+        "in PyTorch OOM reports (vllm-project/vllm#27508); 132 SMs on the SXM5, 114 on the PCIe "
+        "card, whose device name maps here too, the larger count is kept (NVIDIA H100 Tensor Core "
+        "GPU architecture whitepaper)",
         interconnect="nvlink",
         network_gbps=_NIC400, nvlink_domain=8,
+        sm_count=132,
     ),
     GPUSpec(
         name="H200", memory_bytes=_gib(139.72), compute_capability=(9, 0), bf16=True,
@@ -257,9 +295,12 @@ _SPECS = (
         fp32_tflops=67.0,
         memory_bandwidth_gbps=4800.0, interconnect_gbps=450.0, context_bytes=_CTX, vendor="nvidia",
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, NVLink "
-        "900 GB/s, compute as H100 SXM); total_memory 139.72-139.81 GiB in PyTorch OOM reports",
+        "900 GB/s, compute as H100 SXM); total_memory 139.72-139.81 GiB in PyTorch OOM reports; "
+        "132 SMs, the H100 SXM5's (NVIDIA H100 Tensor Core GPU architecture whitepaper; "
+        "torch.cuda.get_device_properties on an H200 prints multi_processor_count=132)",
         interconnect="nvlink",
         network_gbps=_NIC400, nvlink_domain=8,
+        sm_count=132,
     ),
     GPUSpec(
         name="MI300X", memory_bytes=_gib(191.69), compute_capability=(9, 4), bf16=True,
@@ -268,9 +309,11 @@ _SPECS = (
         context_bytes=_CTX, vendor="amd",
         source="AMD Instinct MI300X accelerator datasheet (1307.4 TFLOPS FP16/BF16 dense, 653.7 "
         "TF32, 163.4 FP32, 5.3 TB/s, 7 Infinity Fabric links totalling 896 GB/s); total_memory "
-        "191.69-191.98 GiB in PyTorch (ROCm) OOM reports",
+        "191.69-191.98 GiB in PyTorch (ROCm) OOM reports; 304 compute units (the datasheet; "
+        "torch.cuda.get_device_properties prints multi_processor_count=304 in ROCm/ROCm#4203)",
         interconnect="infinity-fabric",
         network_gbps=_NIC400, nvlink_domain=8,
+        sm_count=304,
     ),
 )
 
@@ -279,11 +322,13 @@ GPUS: Mapping[str, GPUSpec] = MappingProxyType({s.name: s for s in _SPECS})
 
 #: Used when ``gpu=None`` and no device is present. Memory is unknown (0): pass a budget.
 #: Compute capability and throughput are those of an A100 (the most common training GPU in
-#: public cloud fleets), so workspaces and the cost model get plausible values.
+#: public cloud fleets), so workspaces and the cost model get plausible values. Its SM count is
+#: unknown (None), so the SM-dependent kernel choices stay bounded rather than taken for an A100.
 GENERIC = replace(
     GPUS["A100-80GB"],
     name="generic",
     memory_bytes=0,
+    sm_count=None,
     source="placeholder: A100-80GB figures with unknown memory; pass gpu= or budget_bytes=",
 )
 
@@ -376,7 +421,7 @@ def current_gpu(index: int = 0) -> GPUSpec | None:
 
     The device name is matched against the catalog; a match whose catalog memory is within
     10% of the device's ``total_memory`` is returned with ``memory_bytes`` (and compute
-    capability) replaced by the device's own. Otherwise a spec named after the device is
+    capability and SM count, ``multi_processor_count``) replaced by the device's own. Otherwise a spec named after the device is
     built from its properties, with :data:`GENERIC` throughput figures as placeholders.
 
     Args:
@@ -401,10 +446,11 @@ def current_gpu(index: int = 0) -> GPUSpec | None:
     props = torch.cuda.get_device_properties(index)
     total = int(props.total_memory)
     cc = (int(props.major), int(props.minor))
+    sms = int(props.multi_processor_count) if getattr(props, "multi_processor_count", 0) else None
     vendor: Literal["nvidia", "amd"] = "amd" if getattr(torch.version, "hip", None) else "nvidia"
     spec = lookup_gpu(props.name)
     if spec is not None and abs(total - spec.memory_bytes) <= 0.10 * spec.memory_bytes:
-        return replace(spec, memory_bytes=total, compute_capability=cc)
+        return replace(spec, memory_bytes=total, compute_capability=cc, sm_count=sms or spec.sm_count)
     if spec is not None:
         logger.info(
             "device %r matches catalog entry %s by name but has %d bytes, not ~%d; using a "
@@ -421,6 +467,7 @@ def current_gpu(index: int = 0) -> GPUSpec | None:
         tf32_tflops=GENERIC.tf32_tflops if cc >= (8, 0) else 0.0,
         tensor_cores=vendor == "amd" or cc >= (7, 0),  # tensor cores arrived with Volta (sm70).
         vendor=vendor,
+        sm_count=sms,
         source="torch.cuda.get_device_properties; throughput figures are GENERIC placeholders",
     )
 

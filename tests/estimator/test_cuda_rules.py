@@ -241,6 +241,11 @@ def test_layer_norm_backward_allocates_the_partial_buffers():
     partial = 2188 * n * 4  # dgamma_blocks and dbeta_blocks, weight dtype (fp32)
     assert partial in cuda.allocations
     assert cuda.allocations.count(partial) == 2
+    # ROCm's launch is not replayed: no partial buffers there even with a compute-unit count (the
+    # unmodelled finder bounds them instead)
+    rocm = modelled_op_memory(lambda x, w, b: F.layer_norm(x, (n,), w, b), make,
+                              CudaTarget(capability=(9, 4), vendor="amd", sm_count=304))
+    assert partial not in rocm.allocations
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,11 +451,66 @@ def test_every_rule_module_registers_and_rules_are_callables():
 
 
 def test_target_for_a_catalog_gpu():
-    from memguard.estimator.gpus import get_gpu
+    import dataclasses
+
+    from memguard.estimator.gpus import GENERIC, get_gpu
 
     spec = get_gpu("H100-80GB")
-    target = CudaTarget.for_spec(spec, sm_count=132)
+    target = CudaTarget.for_spec(spec)  # the catalog's SM count (H100 SXM5: 132)
     assert target.capability == (9, 0) and target.vendor == "nvidia" and target.sm_count == 132
+    assert CudaTarget.for_spec(spec, sm_count=114).sm_count == 114  # an override still wins
+    assert CudaTarget.for_spec(GENERIC).sm_count is None  # the generic GPU's count is unknown
+    assert CudaTarget.for_spec(dataclasses.replace(spec, name="mine", sm_count=None)).sm_count is None
+
+
+def _estimate_as(spec, monkeypatch, *args, **kwargs):
+    """``memguard.estimate(..., device="cuda")`` with ``spec`` as the CUDA target's GPU (a spec
+    that is not in the catalog, as a user may build one)."""
+    import importlib
+
+    import memguard
+
+    api = importlib.import_module("memguard.estimator.api")
+    with monkeypatch.context() as m:
+        m.setattr(api, "target_gpu", lambda device, gpu, problems, **kw: spec)
+        return memguard.estimate(*args, device="cuda", **kwargs)
+
+
+class _Norm(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(n)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def test_h100_estimate_allocates_the_layer_norm_partial_buffers(monkeypatch):
+    import dataclasses
+
+    import memguard
+    from memguard.estimator.gpus import get_gpu
+
+    m, n = 100_000, 768
+    x = torch.randn(m, n)
+
+    def loss(model, batch):  # sum: an expanded gradient, made contiguous by the backward (no dX)
+        return model(batch).sum()
+
+    h100 = memguard.estimate(_Norm(n), x, loss_fn=loss, device="cuda", gpu="H100-80GB")
+    unknown = _estimate_as(dataclasses.replace(get_gpu("H100-80GB"), name="my-h100", sm_count=None), monkeypatch,
+                           _Norm(n), x, loss_fn=loss)
+    # 132 SMs: N / 32 = 24 < 66 and M > 64 Ki, blocks.y = min(32768 // 24, ceil(M / 32)) = 1365 rows
+    rows = layer_norm_partial_rows(m, n, 132)
+    assert rows == 1365
+    # the two [1365, 768] fp32 buffers (4,193,280 B, already 512-byte multiples) and the [768] results of
+    # their .sum(0), live with the gradients empty_like made, at the backward's peak
+    assert h100.allocated_peak_bytes - unknown.allocated_peak_bytes == 2 * rows * n * 4 + 2 * n * 4
+    # the two 4 MiB requests share one new 20 MiB segment (CUDACachingAllocator: 1-10 MiB requests)
+    assert h100.peak_bytes - unknown.peak_bytes == 20 * MiB
+    assert not any("weight-gradient partial buffers" in note for note in h100.notes)
+    assert any("weight-gradient partial buffers (the GPU's SM count is unknown" in note for note in unknown.notes)
+    assert unknown.peak_upper_bytes >= h100.peak_upper_bytes  # the bound covers what the rule allocates
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,9 +59,70 @@ ARCH = {
     "MI300X": (9, 4),
 }
 
+# Streaming multiprocessors (AMD: compute units), as multi_processor_count reports them.
+SM_COUNTS = {
+    "V100-16GB": 80,  # Volta whitepaper, Table 1 (SXM2 and PCIe)
+    "V100-32GB": 80,
+    "T4": 40,  # T4 datasheet: 2,560 CUDA cores, 64 per Turing SM
+    "A10G": 80,  # the A10G's count; the A10 (alias "a10") has 72: the larger is kept
+    "L4": 58,  # 7,424 CUDA cores, 128 per Ada SM
+    "L40S": 142,  # L40S datasheet: 18,176 CUDA cores, 142 RT cores
+    "RTX-3090": 82,  # GA102 whitepaper
+    "RTX-4090": 128,  # Ada whitepaper
+    "A100-40GB": 108,  # A100 whitepaper
+    "A100-80GB": 108,
+    "H100-80GB": 132,  # H100 whitepaper: SXM5 132, PCIe 114: the larger is kept
+    "H200": 132,  # as H100 SXM5
+    "MI300X": 304,  # MI300X datasheet: 304 compute units
+}
+
 
 def test_catalog_has_the_required_entries():
     assert set(NOMINAL_GIB) <= set(GPUS)
+
+
+@pytest.mark.parametrize("name", sorted(GPUS))
+def test_every_entry_has_its_sm_count_cited(name):
+    s = GPUS[name]
+    assert s.sm_count == SM_COUNTS[name]
+    unit = "compute units" if s.vendor == "amd" else "SMs"
+    assert f"{s.sm_count} {unit}" in s.source  # cited beside the other figures
+
+
+def test_sm_count_is_optional():
+    # a spec built without one (a user's GPU) has none; the generic GPU's is unknown
+    spec = dataclasses.replace(GPUS["H100-80GB"], name="mine")
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(GPUSpec) if f.name != "sm_count"}
+    assert GPUSpec(**fields).sm_count is None
+    assert GENERIC.sm_count is None
+
+
+def test_an_entry_standing_for_several_parts_holds_the_largest_count():
+    # the SM-dependent kernel choices allocate at least as much with more SMs, so the larger is safe
+    assert get_gpu("a10") is GPUS["A10G"] and GPUS["A10G"].sm_count >= 72  # A10: 72 SMs
+    assert get_gpu("NVIDIA H100 PCIe") is GPUS["H100-80GB"] and GPUS["H100-80GB"].sm_count >= 114  # PCIe: 114
+
+
+def _fake_device(monkeypatch, name, total, major, minor, sms):
+    import types
+
+    props = types.SimpleNamespace(name=name, total_memory=total, major=major, minor=minor,
+                                  multi_processor_count=sms)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props)
+    monkeypatch.setattr(torch.version, "hip", None)
+
+
+def test_current_gpu_takes_the_devices_sm_count(monkeypatch):
+    # an H100 PCIe matches the H100-80GB entry by name and memory; its own 114 SMs replace the SXM5's
+    _fake_device(monkeypatch, "NVIDIA H100 PCIe", 85_029_158_912, 9, 0, 114)
+    spec = current_gpu(0)
+    assert spec.name == "H100-80GB" and spec.sm_count == 114
+    # a device not in the catalog: a spec named after it, with its SM count
+    _fake_device(monkeypatch, "NVIDIA RTX A6000", 50_925_535_232, 8, 6, 84)
+    spec = current_gpu(0)
+    assert spec.name == "NVIDIA RTX A6000" and spec.sm_count == 84
 
 
 @pytest.mark.parametrize("name", sorted(GPUS))
@@ -113,6 +174,7 @@ def test_generic():
     assert GENERIC.name == "generic"
     assert GENERIC.memory_bytes == 0  # unknown: callers must pass a budget
     assert GENERIC.fp16_tflops > 0 and GENERIC.context_bytes == DEFAULT_CONTEXT_BYTES
+    assert GENERIC.sm_count is None  # not the A100's: the SM-dependent choices stay bounded
 
 
 # ------------------------------------------------------------------------------ names
@@ -196,6 +258,7 @@ def test_current_gpu_on_device():
     assert spec is not None
     assert spec.memory_bytes == props.total_memory
     assert spec.compute_capability == (props.major, props.minor)
+    assert spec.sm_count == props.multi_processor_count
     # current_gpu's rule: a catalogue entry matched by name and within 10% of the memory wins,
     # otherwise the spec is named after the device
     catalogued = lookup_gpu(props.name)

@@ -219,12 +219,14 @@ def _loss(m, b):
 def test_estimate_names_a_bias_gradient_and_bounds_it(monkeypatch):
     x = torch.randn(4096, 1024)
     est = memguard.estimate(nn.Linear(1024, 256), x, loss_fn=_loss, device="cuda", gpu="H100-80GB")
-    # the catalog has no SM count: the largest splits. Bias gradient: [4096, 256] over dim 0, grid
-    # div_up(64, 32) = 2, 1024 values a thread: ctas 64 -> 4 x 256 x 64 x 32 x 4 = 8 MiB (a large
+    # the catalog's 132 SMs (2048 threads an SM). Bias gradient: [4096, 256] over dim 0, a 32 x 16
+    # block, grid div_up(64, 32) = 2, 1024 values a thread: ctas = min(div_up(132 x 4, 2) = 264,
+    # div_up(1024, 16) = 64) = 64, the largest split too -> 4 x 256 x 64 x 32 x 4 = 8 MiB (a large
     # request under 10 MiB: a new 20 MiB segment) and 8 B of semaphores (a 2 MiB small segment).
     # The loss's mean of 1,048,576 values: 2048 a thread, ctas 128: 512 B and 4 B (two 2 MiB segments)
     bias = [n for n in est.notes if "sum.dim_IntList of [4096, 256] float32 over dims [0]" in n]
     assert len(bias) == 1 and "8.00 MiB requested (22.00 MiB of new segments)" in bias[0]
+    assert "ctas_per_output = 64 at 132 SMs" in bias[0]
     assert "in peak_upper_bytes" in bias[0] and "Reduce.cuh" in bias[0]
     assert any("mean.default of [4096, 256] float32" in n for n in est.notes)
     assert est.peak_upper_bytes == est.peak_bytes + 22 * MiB
@@ -235,17 +237,26 @@ def test_estimate_names_a_bias_gradient_and_bounds_it(monkeypatch):
 
 
 def test_estimate_with_an_sm_count_takes_the_gpus_split(monkeypatch):
+    import dataclasses
+
     from memguard.estimator.gpus import get_gpu
 
-    spec = get_gpu("H100-80GB")
-    monkeypatch.setattr(_tracing, "cuda_target", lambda gpu=None: CudaTarget.for_spec(spec, sm_count=132))
     x = torch.randn(16384, 64)
     est = memguard.estimate(nn.Linear(64, 4096), x, loss_fn=_loss, device="cuda", gpu="H100-80GB")
-    # the bias gradient is sum(0) of [16384, 4096]: 138,412,032 B at 132 SMs (a 132 MiB segment,
-    # rounded to 2 MiB) with 128 B of semaphores (a 2 MiB segment)
+    # the catalog's 132 SMs: the bias gradient is sum(0) of [16384, 4096]: 138,412,032 B (a 132 MiB
+    # segment, rounded to 2 MiB) with 128 B of semaphores (a 2 MiB segment)
     assert any("sum.dim_IntList of [16384, 4096] float32 over dims [0]" in n and "ctas_per_output = 66" in n
                for n in est.notes)
     assert est.peak_upper_bytes == est.peak_bytes + 132 * MiB + 2 * MiB
+    # a spec without an SM count (a user's GPU) keeps the largest split, the bound
+    spec = dataclasses.replace(get_gpu("H100-80GB"), name="my-h100", sm_count=None)
+    monkeypatch.setattr(_tracing, "cuda_target", lambda gpu=None: CudaTarget.for_spec(spec))
+    unknown = memguard.estimate(nn.Linear(64, 4096), x, loss_fn=_loss, device="cuda", gpu="H100-80GB")
+    bias = [n for n in unknown.notes if "sum.dim_IntList of [16384, 4096] float32 over dims [0]" in n]
+    # ctas_per_output = div_up(4096 values a thread, 16) = 256: 4 x 4096 x 256 x 32 x 4 = 512 MiB
+    assert len(bias) == 1 and "SM count is unknown" in bias[0] and "ctas_per_output = 256" in bias[0]
+    assert unknown.peak_bytes == est.peak_bytes
+    assert unknown.peak_upper_bytes == unknown.peak_bytes + 512 * MiB + 2 * MiB
 
 
 def test_cpu_estimates_list_no_reductions():

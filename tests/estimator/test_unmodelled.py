@@ -132,7 +132,19 @@ def test_layer_norm_reports_only_without_an_sm_count():
     finder = UNMODELLED[F.layer_norm]
     assert finder(CudaTarget(sm_count=132), (x, (64,), w, b), {}) == []
     (entry,) = finder(CudaTarget(sm_count=None), (x, (64,), w, b), {})
-    assert entry.bound_bytes == 2 * 2188 * 64 * 4
+    # two [2188, 64] fp32 partial buffers, then the two .sum(0) that reduce them: their [64] outputs
+    # and the staging of one (Reduce.cuh, the largest split: 4-wide output vectors, a 16 x 8 block,
+    # div_up(2188, 8) = 274 values a thread -> ctas_per_output = div_up(274, 16) = 18; staging
+    # 4 B x 64 outputs x 18 x 16 lanes x 4, one 4-byte semaphore)
+    assert entry.allocations == (2188 * 64 * 4,) * 2 + (64 * 4,) * 2 + (4 * 64 * 18 * 16 * 4, 4)
+    assert "SM count is unknown" in entry.mechanism
+
+
+def test_layer_norm_on_rocm_lists_the_bound_with_a_compute_unit_count():
+    # ROCm's launch is not replayed (the rule takes no SM count there): the bound, as without a count
+    x, w, b = _fake(70_000, 64), _fake(64, grad=True), _fake(64, grad=True)
+    (entry,) = UNMODELLED[F.layer_norm](CudaTarget(capability=(9, 4), vendor="amd", sm_count=304), (x, (64,), w, b), {})
+    assert entry.allocations[:2] == (2188 * 64 * 4,) * 2 and "ROCm" in entry.mechanism
 
 
 def test_embedding_reports_only_on_the_sorting_path():
