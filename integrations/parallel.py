@@ -202,6 +202,11 @@ def _pipeline_problems(model: nn.Module, plan_or_layout: Any, layout: Layout, pr
     elif len(parts[1]) < layout.pp:
         problems.append(f"Layout(pp={layout.pp}) needs at least {layout.pp} blocks, the model has {len(parts[1])}: "
                         f"use pp <= {len(parts[1])}")
+    if layout.world_size != layout.pp:
+        problems.append(f"{layout.describe()}: apply() builds pipeline stages alone, not yet with FSDP2 or tensor "
+                        "parallelism inside them (memguard.estimate(..., layout=...) estimates those; a drained rank "
+                        "would have to join its data- and tensor-parallel peers' collectives): lay the stages out "
+                        "with torchtitan, or use Layout(pp=...) alone")
     precision = getattr(plan_or_layout, "precision", "32-true") or "32-true"
     if precision in _MIXED:
         problems.append(f"precision={precision!r} (autocast) is not built under Layout(pp=...) yet: use '32-true' or "
