@@ -39,8 +39,8 @@ def _retries(result: dict) -> list[str]:
     return [m for m in result["messages"] if m.startswith("WARNING:out of memory")]
 
 
-def _check_samples(result: dict, batch: int) -> None:
-    """In every step, the attempt after the last retry saw each sample of the batch exactly once."""
+def _last_attempts(result: dict) -> list[list[int]]:
+    """Each step's samples in its attempt after the last retry."""
     steps: list[list[list[int]]] = []
     for e in result["events"]:
         if e == "STEP":
@@ -49,8 +49,13 @@ def _check_samples(result: dict, batch: int) -> None:
             steps[-1].append([])
         else:
             steps[-1][-1].extend(e)
-    for s, attempts in enumerate(steps):
-        assert sorted(attempts[-1]) == list(range(s * batch, (s + 1) * batch)), f"step {s}"
+    return [sorted(attempts[-1]) for attempts in steps]
+
+
+def _check_samples(result: dict, batch: int) -> None:
+    """In every step, the attempt after the last retry saw each sample of the batch exactly once."""
+    for s, seen in enumerate(_last_attempts(result)):
+        assert seen == list(range(s * batch, (s + 1) * batch)), f"step {s}"
 
 
 def _check_reference(tmp_path: Path, i: int, r0: dict, r1: dict) -> None:
@@ -128,27 +133,9 @@ def test_a_bug_on_one_tensor_parallel_rank_stops_both_without_a_hang(tmp_path: P
 
 def _run_ranks(tmp_path: Path, world: int, **cfg) -> list[dict]:
     """Every rank's result of a ``world``-rank run (one repeat), each bounded by the timeout."""
-    import os
-    import subprocess
-
-    from two_ranks import ROOT
-
     cfg = {"out": str(tmp_path), "port": free_port(), "steps": 3, "batch": 32, "seq": 64, "repeats": 1,
            "cap_ranks": [1], "hang_after_s": 2 * TIMEOUT_S - 20, **cfg}
-    env = dict(os.environ, MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps({**cfg, "rank": r})], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=2 * TIMEOUT_S)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.communicate()
-        pytest.fail(f"a rank did not finish within {2 * TIMEOUT_S} s: the ranks hung")
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    run_two_ranks(WORKER, cfg, timeout=2 * TIMEOUT_S, mmap_threshold=True, world=world)
     return [json.loads((tmp_path / f"result{r}_0.json").read_text()) for r in range(world)]
 
 
@@ -166,16 +153,8 @@ def test_fsdp2_x_tensor_parallel_recovers_a_real_oom_on_one_of_four_ranks(tmp_pa
         assert r["micro_batch_size"] == 8 >> r1["oom_retries"] >= 2
         assert r["agreements"] == r1["agreements"]
         # each shard's 16 samples of every step, each exactly once after the last retry
-        steps: list[list[list[int]]] = []
-        for e in r["events"]:
-            if e == "STEP":
-                steps.append([[]])
-            elif e == "RETRY":
-                steps[-1].append([])
-            else:
-                steps[-1][-1].extend(e)
         start = (r["rank"] // 2) * 16
-        assert [sorted(s[-1]) for s in steps] == [list(range(32 * i + start, 32 * i + start + 16)) for i in range(3)]
+        assert _last_attempts(r) == [list(range(32 * i + start, 32 * i + start + 16)) for i in range(3)]
     # the mean over the two shards' losses is the whole batch's (equal shards); weights as the unsplit run's
     losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[2]["losses"])]
     torch.testing.assert_close(losses, json.loads((tmp_path / "reference_losses.json").read_text()), rtol=1e-5,

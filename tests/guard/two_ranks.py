@@ -28,8 +28,8 @@ def free_port() -> int:
 
 
 def run_two_ranks(worker: Path, cfg: dict[str, Any], *, timeout: float, mmap_threshold: bool = False,
-                  **env_extra: str) -> list[str]:
-    """Run ``worker`` as ranks 0 and 1 with ``cfg`` (plus ``rank``); their outputs.
+                  world: int = 2, **env_extra: str) -> list[str]:
+    """Run ``worker`` as ranks 0 and 1 (``world`` ranks in all) with ``cfg`` (plus ``rank``); their outputs.
 
     ``mmap_threshold`` fixes glibc's mmap threshold at 64 KiB, so that freed tensors leave the address
     space and an RLIMIT_AS cap tracks live memory. The test fails if a rank does not finish within
@@ -41,7 +41,7 @@ def run_two_ranks(worker: Path, cfg: dict[str, Any], *, timeout: float, mmap_thr
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     procs = [subprocess.Popen([sys.executable, str(worker), json.dumps({**cfg, "rank": r})], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     except subprocess.TimeoutExpired:
