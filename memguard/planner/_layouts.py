@@ -121,7 +121,7 @@ VERIFY_BUDGET_S = 20.0
 SECONDS_PER_OP = 2.0e-4
 #: How much longer a trace under FSDP2 or tensor parallelism takes than a plain one (DTensor dispatch and the
 #: fake collectives), measured as above: ``estimate(layout=Layout(dp_shard=8))`` 10.6 s (2.5x),
-#: ``Layout(dp_shard=4, tp=2)`` 13.9 s (3.3x).
+#: ``Layout(dp_shard=4, tp=2)`` 13.9 s (3.3x, taken as 3.5: a TP trace's cost grows with the plan's boundaries).
 DTENSOR_FACTOR = {"fsdp2": 2.5, "tp": 3.5}
 
 
@@ -344,9 +344,10 @@ def build_profile(session: Any, precisions: Iterable[str], spec: Any, gpus_per_n
     from memguard.estimator._blocks import find_blocks
 
     blocks = find_blocks(model)
-    profile = LayoutProfile(block_class=type(blocks[0]).__name__ if blocks else None, num_blocks=session.num_blocks, p_block_tp=p_tp, p_block_rep=p_rep, p_first=p_first,
+    profile = LayoutProfile(num_blocks=session.num_blocks, p_block_tp=p_tp, p_block_rep=p_rep, p_first=p_first,
                             p_last=p_last, tp_shared=1.0, tp_degrees=tuple(degrees), tp_reason=reason,
-                            pipeline=decoder_parts(model) is not None)
+                            pipeline=decoder_parts(model) is not None,
+                            block_class=type(blocks[0]).__name__ if blocks else None)
     ckpt = True in tuple(checkpointing)
     if session.device == "cuda":
         from memguard.estimator._pricing import estimate_from_trace
