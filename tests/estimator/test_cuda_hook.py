@@ -74,12 +74,12 @@ def _estimate(**kw):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA target traces CUDA's own kernels")
 def test_rules_see_the_target_gpu_and_autocast_inputs(calls):
     _estimate(device="cuda", gpu="H100-80GB", precision="bf16-mixed")
-    # three blocks, one linear each, in forward; the H100 is compute capability 9.0 (catalog)
+    # three blocks, one linear each, in forward; the H100 is compute capability 9.0 with 132 SMs (catalog)
     assert len(calls) == 3
     # with the installed torch and its default wheel's CUDA and cuDNN (no torch_version= given)
     host = usual_stack(parse_torch_version(None), "nvidia", (9, 0))
     assert {t for t, _ in calls} == {CudaTarget(capability=(9, 0), torch_version=host.torch, vendor="nvidia",
-                                                cuda_version=host.cuda, cudnn_version=host.cudnn)}
+                                                cuda_version=host.cuda, cudnn_version=host.cudnn, sm_count=132)}
     # linear is on CUDA autocast's lower-precision list: the kernel receives bf16 inputs
     assert {d for _, d in calls} == {torch.bfloat16}
 
