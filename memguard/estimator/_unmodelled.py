@@ -59,9 +59,25 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   (:func:`scan_workspace_bytes`); other shapes run ATen's block scans, which allocate nothing. Under
   deterministic algorithms newer releases take ``inclusive_deterministic_scan`` for floating sums,
   not read: **unbounded** there.
-* **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True``, and the backward of ``x[index]``
-  with integer index tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear
-  indices with CUB and keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
+* **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True`` or under
+  ``torch.use_deterministic_algorithms(True)``, and the backward of ``x[index]`` with integer index
+  tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear indices with CUB and
+  keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
+* **``topk``** (ATen ``topk``, registered in :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS`):
+  native/cuda/TensorTopK.cu ``launch_gather_topk_kernel`` copies a non-contiguous input and, when
+  ``should_use_multiblock(num_slices, slice_size)``, runs ``mbtopk::launch``, whose ``kthValues``,
+  ``ks_to_find``, ``desired``, ``counts``, ``digit_cum_sum``, ``withinKCounts`` and ``kthCounts`` come from
+  the caching allocator, with two CUB scans by key (:func:`topk_multiblock_bytes`; ``num_blocks``
+  follows ``get_items_per_thread`` with the GPU's SM count, without one the most blocks); the
+  single-block kernel allocates nothing. native/cuda/TensorTopK.cpp ``topk_out_cuda`` then sorts
+  results of ``k > 4096`` with two result-sized buffers, Sort.cu's sort and a gather
+  (:func:`topk_workspace_bytes`); on ROCm ``should_use_sort`` sorts a long 1-D input whole instead.
+* **Scatter under deterministic algorithms** (ATen ``scatter``/``scatter_`` with a ``src`` tensor,
+  ``scatter_add(_)``, ``scatter_reduce(_)`` with a sum or mean, ``scatter(_).reduce`` with ``"add"``,
+  only while ``torch.use_deterministic_algorithms(True)`` is set; so the backward of ``gather`` too):
+  native/TensorAdvancedIndexing.cpp ``_scatter_via_index_put`` runs the sorting ``index_put_`` on the
+  index's (or, for a broadcast index, its one dimension's) linear indices, plus copies of a
+  non-contiguous ``self`` and of a ``src`` not dense as viewed (:func:`deterministic_scatter_bytes`).
 * **Reductions split over blocks** (ATen ops ``sum``, ``nansum``, ``prod``, ``mean``, ``linalg_vector_norm``
   / ``norm``, ``amax``/``amin``, ``max``/``min`` (full and ``.dim``), ``argmax``/``argmin``,
   ``var``/``std``/``var_mean``/``std_mean``, registered by ATen overload in
@@ -89,10 +105,10 @@ Not listed, and why: convolutions with ``torch.backends.cudnn.enabled = False`` 
 kernels (``slow_conv2d``'s im2col ``columns`` and the like), not read here; ``nonzero``, ``unique``, boolean masking and other ops whose output size
 depends on values cannot run on fake tensors, so no estimate contains them; ``cross_entropy`` /
 ``nll_loss`` allocate on CUDA what their meta kernels do (see :mod:`memguard.estimator._cuda_rules`).
-Not bounded yet (so not listed, and not in the bound): ``topk``'s radix-select buffers and the sort
-of its results, ``torch._foreach_norm``'s per-tensor partials (``clip_grad_norm_`` on CUDA), and
-``scatter``/``index_put_`` under ``torch.use_deterministic_algorithms`` (their copies of ``value`` and
-``self``, and which calls then sort).
+Not bounded yet (so not listed, and not in the bound): ``torch._foreach_norm``'s per-tensor partials
+(``clip_grad_norm_`` on CUDA); ``x[index] = v`` (ATen ``index_put_`` below any torch function) under
+deterministic algorithms; ``index_add``/``index_copy`` under deterministic algorithms (not read here);
+the copies ``index_put_with_sort_kernel`` makes of ``self`` and ``value`` for ``index_put(_)`` itself.
 """
 
 from __future__ import annotations
@@ -575,13 +591,14 @@ def topk(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: Any) -> 
                                   x.is_contiguous(), target.sm_count, target.vendor)
     if not allocs:
         return []
+    slice_size = int(x.shape[d]) if x.dim() else 1
+    detail = ""
     if target.vendor == "nvidia" and target.sm_count is None and topk_should_use_multiblock(
-            x.numel() // max(int(x.shape[d]) if x.dim() else 1, 1), int(x.shape[d]) if x.dim() else 1):
-        detail = "the GPU's SM count is unknown, so this takes 4 items a thread (the most blocks); with one it is at most that"
-    else:
-        detail = ""
-    return [Unmodelled("topk's radix-select buffers and the sort of its results", f"topk k={k} of {_shape(x)} along dim {d}",
-                       allocs, True, _TOPK_SOURCE, detail)]
+            x.numel() // max(slice_size, 1), slice_size):
+        detail = ("the GPU's SM count is unknown, so this takes 4 items a thread (the most blocks); "
+                  "with one it is at most that")
+    return [Unmodelled("topk's radix-select buffers and the sort of its results",
+                       f"topk k={k} of {_shape(x)} along dim {d}", allocs, True, _TOPK_SOURCE, detail)]
 
 
 UNMODELLED_OPS[torch.ops.aten.topk.default] = topk
@@ -684,7 +701,8 @@ def getitem(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
 @unmodelled(torch.index_put, torch.Tensor.index_put, torch._C.TensorBase.index_put, torch.Tensor.index_put_,
             torch._C.TensorBase.index_put_)
 def index_put(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
-    """``index_put(_)(input, indices, values, accumulate=False)``: the sorting kernel when accumulating."""
+    """``index_put(_)(input, indices, values, accumulate=False)``: the sorting kernel when accumulating or
+    under deterministic algorithms (native/TensorAdvancedIndexing.cpp ``_index_put_impl_``)."""
     x = args[0] if args else kwargs.get("input", kwargs.get("self"))
     indices = _arg(args, kwargs, 1, "indices", None)
     accumulate = bool(_arg(args, kwargs, 3, "accumulate", False))

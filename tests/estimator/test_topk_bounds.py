@@ -210,3 +210,32 @@ def test_estimate_bounds_a_deterministic_scatter_add():
     # 153,616,896 B (a 148 MiB segment): 348 MiB
     assert index_put_sort_bytes(6_400_000) == (51_200_000,) * 4 + (153_616_896,)
     assert det.peak_upper_bytes == det.peak_bytes + 348 * MiB
+
+
+def test_gathers_backward_scatters_deterministically_only_with_the_flag():
+    def step():
+        w = torch.zeros(64, 1000, requires_grad=True)
+        w.gather(1, torch.zeros(64, 100, dtype=torch.long)).sum().backward()
+
+    assert not any("scatter" in e.mechanism for e in _record(H100, step))
+    torch.use_deterministic_algorithms(True)
+    try:
+        entries = [e for e in _record(H100, step) if "scatter" in e.mechanism]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # gather_backward: zeros [64, 1000] scatter_add_ of the [64, 100] gradient (ones expanded: strides 0, 0,
+    # not dense as viewed, so copied): 6400 linear indices
+    assert [e.allocations for e in entries] == [(6400 * 4,) + index_put_sort_bytes(6400)]
+
+
+def test_index_put_without_accumulate_sorts_only_under_deterministic_algorithms():
+    from memguard.estimator._unmodelled import index_put
+
+    x, idx, v = torch.zeros(1000, 8), torch.zeros(300, dtype=torch.long), torch.ones(300, 8)
+    assert index_put(H100, (x, (idx,), v), {}) == []
+    torch.use_deterministic_algorithms(True)
+    try:
+        (entry,) = index_put(H100, (x, (idx,), v), {})
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert entry.allocations == index_put_sort_bytes(300) and "deterministic" in entry.op
