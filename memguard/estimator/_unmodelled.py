@@ -9,7 +9,7 @@ the rule allocates them; this module lists the rest. While the trace runs under
 here with :func:`unmodelled` reports an :class:`Unmodelled` entry (the hook is
 :data:`~memguard.estimator._cuda_kernels.UNMODELLED`), and so does every ATen op the trace's recorder
 sees that is registered in :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS` (reductions,
-which autograd also runs itself); the pricing names each in
+``topk`` and scatters, which autograd also runs itself); the pricing names each in
 ``Estimate.notes`` and adds the largest to ``Estimate.peak_upper_bytes`` (:func:`upper_bound`).
 
 What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless said otherwise):
@@ -71,7 +71,8 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   follows ``get_items_per_thread`` with the GPU's SM count, without one the most blocks); the
   single-block kernel allocates nothing. native/cuda/TensorTopK.cpp ``topk_out_cuda`` then sorts
   results of ``k > 4096`` with two result-sized buffers, Sort.cu's sort and a gather
-  (:func:`topk_workspace_bytes`); on ROCm ``should_use_sort`` sorts a long 1-D input whole instead.
+  (:func:`topk_workspace_bytes`); on ROCm ``should_use_sort`` sorts a long 1-D input whole instead
+  (newer sources not for float32 past 500000 elements: the larger of the two paths is taken).
 * **Scatter under deterministic algorithms** (ATen ``scatter``/``scatter_`` with a ``src`` tensor,
   ``scatter_add(_)``, ``scatter_reduce(_)`` with a sum or mean, ``scatter(_).reduce`` with ``"add"``,
   only while ``torch.use_deterministic_algorithms(True)`` is set; so the backward of ``gather`` too):
@@ -542,7 +543,9 @@ def topk_workspace_bytes(shape: tuple[int, ...], dim: int, k: int, elem_bytes: i
 
     native/cuda/TensorTopK.cpp ``topk_out_cuda``: on ROCm, a 1-D input of at least 10000 elements
     (``should_use_sort``) is sorted whole (``topk_out_with_sort``: ``at::cuda::sort``'s values and int64
-    indices of ``n`` and :func:`sort_workspace_bytes`); on CUDA ``should_use_sort`` is false. Otherwise
+    indices of ``n`` and :func:`sort_workspace_bytes`); newer sources keep float32 inputs past 500000 on
+    the selection, so for such inputs the larger of the two is returned. On CUDA ``should_use_sort`` is
+    false. Otherwise
     (``k > 0``) ``launch_gather_topk_kernel`` makes the input contiguous (a copy when it is not), and runs
     ``mbtopk::launch`` when ``should_use_multiblock(num_slices, slice)`` (:func:`topk_multiblock_bytes`),
     else ``sbtopk::launch``, which allocates nothing. Then, if ``sorted`` and ``k`` exceeds
@@ -556,10 +559,11 @@ def topk_workspace_bytes(shape: tuple[int, ...], dim: int, k: int, elem_bytes: i
         return ()
     nslice = int(shape[dim]) if shape else 1
     slices = n // nslice
+    whole_sort: tuple[int, ...] = ()
     if vendor == "amd" and n >= 10000 and n == nslice:
-        return (n * elem_bytes, n * 8) + sort_workspace_bytes(tuple(shape), dim, elem_bytes, True)
+        whole_sort = (n * elem_bytes, n * 8) + sort_workspace_bytes(tuple(shape), dim, elem_bytes, True)
     if k == 0:
-        return ()
+        return whole_sort
     select = () if contiguous else (n * elem_bytes,)
     if topk_should_use_multiblock(slices, nslice):
         select += topk_multiblock_bytes(slices, nslice, elem_bytes, sm_count, vendor)
@@ -571,7 +575,7 @@ def topk_workspace_bytes(shape: tuple[int, ...], dim: int, k: int, elem_bytes: i
         sort_phase = (m * 8, m * elem_bytes) + (ws if sum(ws) >= m * 8 else (m * 8,))
         if sum(sort_phase) > sum(phase):
             phase = sort_phase
-    return phase
+    return whole_sort if sum(whole_sort) >= sum(phase) else phase
 
 
 _TOPK_SOURCE = ("aten/src/ATen/native/cuda/TensorTopK.cpp topk_out_cuda; aten/src/ATen/native/cuda/TensorTopK.cu "
