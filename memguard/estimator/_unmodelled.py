@@ -741,16 +741,20 @@ def deterministic_scatter_bytes(self_shape: tuple[int, ...], dim: int, index_sha
     ``index``'s shape), ``index.numel()`` linear indices. ``_index_put_impl_`` takes the sorting kernel
     (deterministic), :func:`index_put_sort_bytes` of those indices, plus the copies
     native/cuda/Indexing.cu ``index_put_with_sort_kernel`` makes: of ``self`` when it is not contiguous,
-    and of the values (``expandedValue.contiguous()``) when ``src_view`` is not dense (all counted live
-    with the sort: a bound).
+    and of the values (``expandedValue.contiguous()``) when ``src_view`` is not dense, both also for a
+    broadcast index along a dimension other than 0 (``makeLinearIndex`` moves it to the front, so
+    ``self`` is permuted), all counted live with the sort: a bound.
     """
     m = math.prod(index_shape)
     if m == 0:
         return ()
     broadcast = all(index_strides[i] == 0 for i in range(len(index_shape)) if i != dim)
     num = int(index_shape[dim]) if broadcast and len(index_shape) > 1 else m
-    copies = () if self_contiguous else (math.prod(self_shape) * self_bytes,)
-    if not src_is_view_dense:
+    # one index along a dim other than 0: makeLinearIndex moves it to the front (transposeToFront), and
+    # index_put_with_sort_kernel copies the permuted self (``src.contiguous()``); the values are counted too
+    front = broadcast and len(index_shape) > 1 and dim != 0
+    copies = () if self_contiguous and not front else (math.prod(self_shape) * self_bytes,)
+    if not src_is_view_dense or front:
         copies += (m * src_bytes,)
     return copies + index_put_sort_bytes(num)
 

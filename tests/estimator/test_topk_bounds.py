@@ -177,7 +177,8 @@ def test_deterministic_scatter_is_bounded_only_when_the_flag_is_set():
     assert [(e.op.split(" into")[0], e.allocations) for e in entries] == [
         ("scatter_add.default", sort6400),
         ("scatter_add.default", (6400 * 4,) + sort6400),
-        ("scatter_add.default", index_put_sort_bytes(100)),  # one index along dim 1: 100 of them
+        # one index along dim 1 (100 of them), moved to the front: copies of self (64000 x 4) and values
+        ("scatter_add.default", (256_000, 25_600) + index_put_sort_bytes(100)),
         ("scatter.src", sort6400),
     ]
     assert all("deterministic" in e.mechanism and "_scatter_via_index_put" in e.source for e in entries)
