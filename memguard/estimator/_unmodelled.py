@@ -9,7 +9,7 @@ the rule allocates them; this module lists the rest. While the trace runs under
 here with :func:`unmodelled` reports an :class:`Unmodelled` entry (the hook is
 :data:`~memguard.estimator._cuda_kernels.UNMODELLED`), and so does every ATen op the trace's recorder
 sees that is registered in :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS` (reductions,
-which autograd also runs itself); the pricing names each in
+``topk`` and scatters, which autograd also runs itself); the pricing names each in
 ``Estimate.notes`` and adds the largest to ``Estimate.peak_upper_bytes`` (:func:`upper_bound`).
 
 What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless said otherwise):
@@ -59,9 +59,26 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   (:func:`scan_workspace_bytes`); other shapes run ATen's block scans, which allocate nothing. Under
   deterministic algorithms newer releases take ``inclusive_deterministic_scan`` for floating sums,
   not read: **unbounded** there.
-* **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True``, and the backward of ``x[index]``
-  with integer index tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear
-  indices with CUB and keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
+* **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True`` or under
+  ``torch.use_deterministic_algorithms(True)``, and the backward of ``x[index]`` with integer index
+  tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear indices with CUB and
+  keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
+* **``topk``** (ATen ``topk``, registered in :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS`):
+  native/cuda/TensorTopK.cu ``launch_gather_topk_kernel`` copies a non-contiguous input and, when
+  ``should_use_multiblock(num_slices, slice_size)``, runs ``mbtopk::launch``, whose ``kthValues``,
+  ``ks_to_find``, ``desired``, ``counts``, ``digit_cum_sum``, ``withinKCounts`` and ``kthCounts`` come from
+  the caching allocator, with two CUB scans by key (:func:`topk_multiblock_bytes`; ``num_blocks``
+  follows ``get_items_per_thread`` with the GPU's SM count, without one the most blocks); the
+  single-block kernel allocates nothing. native/cuda/TensorTopK.cpp ``topk_out_cuda`` then sorts
+  results of ``k > 4096`` with two result-sized buffers, Sort.cu's sort and a gather
+  (:func:`topk_workspace_bytes`); on ROCm ``should_use_sort`` sorts a long 1-D input whole instead
+  (newer sources not for float32 past 500000 elements: the larger of the two paths is taken).
+* **Scatter under deterministic algorithms** (ATen ``scatter``/``scatter_`` with a ``src`` tensor,
+  ``scatter_add(_)``, ``scatter_reduce(_)`` with a sum or mean, ``scatter(_).reduce`` with ``"add"``,
+  only while ``torch.use_deterministic_algorithms(True)`` is set; so the backward of ``gather`` too):
+  native/TensorAdvancedIndexing.cpp ``_scatter_via_index_put`` runs the sorting ``index_put_`` on the
+  index's (or, for a broadcast index, its one dimension's) linear indices, plus copies of a
+  non-contiguous ``self`` and of a ``src`` not dense as viewed (:func:`deterministic_scatter_bytes`).
 * **Reductions split over blocks** (ATen ops ``sum``, ``nansum``, ``prod``, ``mean``, ``linalg_vector_norm``
   / ``norm``, ``amax``/``amin``, ``max``/``min`` (full and ``.dim``), ``argmax``/``argmin``,
   ``var``/``std``/``var_mean``/``std_mean``, registered by ATen overload in
@@ -89,10 +106,10 @@ Not listed, and why: convolutions with ``torch.backends.cudnn.enabled = False`` 
 kernels (``slow_conv2d``'s im2col ``columns`` and the like), not read here; ``nonzero``, ``unique``, boolean masking and other ops whose output size
 depends on values cannot run on fake tensors, so no estimate contains them; ``cross_entropy`` /
 ``nll_loss`` allocate on CUDA what their meta kernels do (see :mod:`memguard.estimator._cuda_rules`).
-Not bounded yet (so not listed, and not in the bound): ``topk``'s radix-select buffers and the sort
-of its results, ``torch._foreach_norm``'s per-tensor partials (``clip_grad_norm_`` on CUDA), and
-``scatter``/``index_put_`` under ``torch.use_deterministic_algorithms`` (their copies of ``value`` and
-``self``, and which calls then sort).
+Not bounded yet (so not listed, and not in the bound): ``torch._foreach_norm``'s per-tensor partials
+(``clip_grad_norm_`` on CUDA); ``x[index] = v`` (ATen ``index_put_`` below any torch function) under
+deterministic algorithms; ``index_add``/``index_copy`` under deterministic algorithms (not read here);
+the copies ``index_put_with_sort_kernel`` makes of ``self`` and ``value`` for ``index_put(_)`` itself.
 """
 
 from __future__ import annotations
@@ -454,6 +471,144 @@ def msort(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
 
 
 # --------------------------------------------------------------------------------------------
+# topk
+# --------------------------------------------------------------------------------------------
+
+#: native/cuda/TensorTopK.cu ``mbtopk``: ``BLOCK_THREADS`` and ``RADIX_DIGITS`` (8 radix bits a pass).
+TOPK_BLOCK_THREADS = 256
+TOPK_RADIX_DIGITS = 256
+#: native/cuda/TensorTopK.cu ``mbtopk``: ``MIN_ITEMS_PER_THREAD`` (the most blocks a slice).
+TOPK_MIN_ITEMS_PER_THREAD = 4
+#: native/cuda/TensorTopK.cu ``mbtopk``: ``MAX_ITEMS_PER_THREAD`` on CUDA.
+TOPK_MAX_ITEMS_PER_THREAD = 64
+#: native/cuda/TensorTopK.cu ``get_items_per_thread``: ``REGS_PER_THREAD`` on CUDA.
+TOPK_REGS_PER_THREAD = 40
+#: ``regsPerMultiprocessor``: 64K 32-bit registers an SM on every NVIDIA capability from 5.0 (CUDA C++
+#: Programming Guide, "Technical Specifications per Compute Capability"); with 40 registers a thread,
+#: ``get_items_per_thread``'s ``blocks_per_mp = min(65536 / (40 * 256), maxBlocksPerMultiProcessor)`` is 6
+#: (``maxBlocksPerMultiProcessor`` is at least 16 there).
+REGS_PER_SM = 65536
+
+
+def topk_should_use_multiblock(num_slices: int, slice_size: int) -> bool:
+    """native/cuda/TensorTopK.cu ``should_use_multiblock`` (the CUDA heuristic of pytorch#74267)."""
+    if num_slices > 0xFFFFFFFF or slice_size > 0xFFFFFFFF:
+        return False
+    s, n = num_slices, slice_size
+    return ((s <= 20 and n >= 20000) or (20 < s <= 40 and n >= 10000) or (40 < s <= 80 and n >= 8000)
+            or (80 < s < 200 and n >= 5000) or (200 <= s < 800 and n >= 3000)
+            or (800 <= s <= 4000 and n >= 800) or (s > 4000 and n >= 400))
+
+
+def topk_items_per_thread(num_slices: int, slice_size: int, sm_count: int | None) -> int:
+    """native/cuda/TensorTopK.cu ``get_items_per_thread`` on CUDA: ``ceil(n / (sm_count * blocks_per_mp *
+    256))`` clamped to [4, 64], ``blocks_per_mp`` 6 (:data:`REGS_PER_SM`); without an SM count the fewest
+    items a thread, :data:`TOPK_MIN_ITEMS_PER_THREAD`, which gives the most blocks (the bound)."""
+    if not sm_count:
+        return TOPK_MIN_ITEMS_PER_THREAD
+    blocks_per_mp = REGS_PER_SM // (TOPK_REGS_PER_THREAD * TOPK_BLOCK_THREADS)
+    ipt = -(-(num_slices * slice_size) // (sm_count * blocks_per_mp * TOPK_BLOCK_THREADS))
+    return max(TOPK_MIN_ITEMS_PER_THREAD, min(ipt, TOPK_MAX_ITEMS_PER_THREAD))
+
+
+def topk_multiblock_bytes(num_slices: int, slice_size: int, elem_bytes: int, sm_count: int | None = None,
+                          vendor: str = "nvidia") -> tuple[int, ...]:
+    """The buffers ``mbtopk::launch`` (native/cuda/TensorTopK.cu) takes from the caching allocator, all
+    live until it returns: ``kthValues`` (``S`` values), ``ks_to_find`` (``2 S`` uint32), ``desired``
+    (``2 S`` of the radix type: 8 bytes for 8-byte types, else 4, ``TopKTypeConfig``), ``counts``
+    (``num_blocks * 256`` shorts), on CUDA ``digit_cum_sum`` (``S * 256`` uint32), ``withinKCounts`` and
+    ``kthCounts`` (``num_blocks`` uint32 each), with ``num_blocks = S * ceil(slice / (items_per_thread *
+    256))``; then, on CUDA, two ``cuda::cub::inclusive_sum_by_key`` over ``num_blocks`` counts, one at a
+    time: a scan's tile status (:func:`cub_scan_bytes`, key-value pairs of 8 bytes) and one uint32 key a
+    tile (cub/device/dispatch/dispatch_scan_by_key.cuh; one item a tile at least). ROCm's launch has no
+    ``digit_cum_sum`` nor CUB scans, and larger ``items_per_thread``; it is bounded with 4 items a thread.
+    """
+    s = num_slices
+    ipt = topk_items_per_thread(s, slice_size, sm_count if vendor == "nvidia" else None)
+    blocks = s * -(-slice_size // (ipt * TOPK_BLOCK_THREADS))
+    radix = 8 if elem_bytes == 8 else 4
+    allocs = [s * elem_bytes, 2 * s * 4, 2 * s * radix, blocks * TOPK_RADIX_DIGITS * 2]
+    if vendor == "nvidia":
+        allocs.append(s * TOPK_RADIX_DIGITS * 4)
+    allocs += [blocks * 4, blocks * 4]
+    if vendor == "nvidia":
+        allocs.append(cub_scan_bytes(blocks, 8) + _aligned(4 * (blocks + 1)))
+    return tuple(allocs)
+
+
+def topk_workspace_bytes(shape: tuple[int, ...], dim: int, k: int, elem_bytes: int, sorted: bool = True,
+                         contiguous: bool = True, sm_count: int | None = None, vendor: str = "nvidia"
+                         ) -> tuple[int, ...]:
+    """The memory ``topk`` on CUDA allocates beyond its outputs, at its worst moment.
+
+    native/cuda/TensorTopK.cpp ``topk_out_cuda``: on ROCm, a 1-D input of at least 10000 elements
+    (``should_use_sort``) is sorted whole (``topk_out_with_sort``: ``at::cuda::sort``'s values and int64
+    indices of ``n`` and :func:`sort_workspace_bytes`); newer sources keep float32 inputs past 500000 on
+    the selection, so for such inputs the larger of the two is returned. On CUDA ``should_use_sort`` is
+    false. Otherwise
+    (``k > 0``) ``launch_gather_topk_kernel`` makes the input contiguous (a copy when it is not), and runs
+    ``mbtopk::launch`` when ``should_use_multiblock(num_slices, slice)`` (:func:`topk_multiblock_bytes`),
+    else ``sbtopk::launch``, which allocates nothing. Then, if ``sorted`` and ``k`` exceeds
+    :data:`SMALL_SORT` (``should_use_small_sort``; shorter slices sort in place), ``sortedIndices`` and
+    ``sortedValues`` (``empty_like``), the sort of the values (:func:`sort_workspace_bytes`, of a
+    contiguous ``[.., k, ..]``) and ``indices.gather(dim, sortedIndices)`` (int64, the values' size), the
+    sort's workspace freed before the gather. The larger phase is returned.
+    """
+    n = math.prod(shape)
+    if n == 0:
+        return ()
+    nslice = int(shape[dim]) if shape else 1
+    slices = n // nslice
+    whole_sort: tuple[int, ...] = ()
+    if vendor == "amd" and n >= 10000 and n == nslice:
+        whole_sort = (n * elem_bytes, n * 8) + sort_workspace_bytes(tuple(shape), dim, elem_bytes, True)
+    if k == 0:
+        return whole_sort
+    select = () if contiguous else (n * elem_bytes,)
+    if topk_should_use_multiblock(slices, nslice):
+        select += topk_multiblock_bytes(slices, nslice, elem_bytes, sm_count, vendor)
+    phase = select
+    if sorted and k > SMALL_SORT and shape:
+        out_shape = tuple(k if d == dim else int(s) for d, s in enumerate(shape))
+        m = slices * k
+        ws = sort_workspace_bytes(out_shape, dim, elem_bytes, dim == len(shape) - 1)
+        sort_phase = (m * 8, m * elem_bytes) + (ws if sum(ws) >= m * 8 else (m * 8,))
+        if sum(sort_phase) > sum(phase):
+            phase = sort_phase
+    return whole_sort if sum(whole_sort) >= sum(phase) else phase
+
+
+_TOPK_SOURCE = ("aten/src/ATen/native/cuda/TensorTopK.cpp topk_out_cuda; aten/src/ATen/native/cuda/TensorTopK.cu "
+                "launch_gather_topk_kernel, mbtopk::launch; aten/src/ATen/native/cuda/Sort.cu")
+
+
+def topk(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: Any) -> list[Unmodelled]:
+    """``aten.topk(self, k, dim=-1, largest=True, sorted=True)`` (``torch.topk`` and ``Tensor.topk``)."""
+    x = args[0] if args else kwargs.get("self")
+    if not isinstance(x, torch.Tensor) or x.is_sparse:
+        return []
+    k = int(_arg(args, kwargs, 1, "k", 0))
+    dim = int(_arg(args, kwargs, 2, "dim", -1))
+    sorted_ = bool(_arg(args, kwargs, 4, "sorted", True))
+    d = dim % x.dim() if x.dim() else 0
+    allocs = topk_workspace_bytes(tuple(int(s) for s in x.shape), d, k, x.element_size(), sorted_,
+                                  x.is_contiguous(), target.sm_count, target.vendor)
+    if not allocs:
+        return []
+    slice_size = int(x.shape[d]) if x.dim() else 1
+    detail = ""
+    if target.vendor == "nvidia" and target.sm_count is None and topk_should_use_multiblock(
+            x.numel() // max(slice_size, 1), slice_size):
+        detail = ("the GPU's SM count is unknown, so this takes 4 items a thread (the most blocks); "
+                  "with one it is at most that")
+    return [Unmodelled("topk's radix-select buffers and the sort of its results",
+                       f"topk k={k} of {_shape(x)} along dim {d}", allocs, True, _TOPK_SOURCE, detail)]
+
+
+UNMODELLED_OPS[torch.ops.aten.topk.default] = topk
+
+
+# --------------------------------------------------------------------------------------------
 # Embedding backward
 # --------------------------------------------------------------------------------------------
 
@@ -550,17 +705,109 @@ def getitem(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
 @unmodelled(torch.index_put, torch.Tensor.index_put, torch._C.TensorBase.index_put, torch.Tensor.index_put_,
             torch._C.TensorBase.index_put_)
 def index_put(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
-    """``index_put(_)(input, indices, values, accumulate=False)``: the sorting kernel when accumulating."""
+    """``index_put(_)(input, indices, values, accumulate=False)``: the sorting kernel when accumulating or
+    under deterministic algorithms (native/TensorAdvancedIndexing.cpp ``_index_put_impl_``)."""
     x = args[0] if args else kwargs.get("input", kwargs.get("self"))
     indices = _arg(args, kwargs, 1, "indices", None)
-    if not isinstance(x, torch.Tensor) or not bool(_arg(args, kwargs, 3, "accumulate", False)):
+    accumulate = bool(_arg(args, kwargs, 3, "accumulate", False))
+    # _index_put_impl_: the sorting kernel for accumulate or under deterministic algorithms
+    if not isinstance(x, torch.Tensor) or not (accumulate or torch.are_deterministic_algorithms_enabled()):
         return []
     n = _index_count(tuple(indices) if indices is not None else ())
     if not n:
         return []
+    how = "with accumulate" if accumulate else "under deterministic algorithms"
     return [Unmodelled("sorting index_put_'s index buffers and CUB radix-sort temporary storage",
-                       f"index_put with accumulate into {_shape(x)} at {n} indices", index_put_sort_bytes(n), True,
+                       f"index_put {how} into {_shape(x)} at {n} indices", index_put_sort_bytes(n), True,
                        _INDEX_SOURCE)]
+
+
+# --------------------------------------------------------------------------------------------
+# scatter under deterministic algorithms
+# --------------------------------------------------------------------------------------------
+
+
+def deterministic_scatter_bytes(self_shape: tuple[int, ...], dim: int, index_shape: tuple[int, ...],
+                                index_strides: tuple[int, ...], src_bytes: int, src_is_view_dense: bool,
+                                self_contiguous: bool, self_bytes: int) -> tuple[int, ...]:
+    """The buffers a CUDA ``scatter``/``scatter_add``/``scatter_reduce`` (sum, mean) takes under
+    ``torch.use_deterministic_algorithms(True)``, at the worst moment.
+
+    native/TensorAdvancedIndexing.cpp ``scatter_impl`` / ``scatter_add`` call ``_scatter_via_index_put``,
+    which runs ``mut_out.index_put_(indices, src_view, accumulate)`` with ``src_view =
+    as_strided(src, index.sizes(), src.strides())``: for a 1-D ``self``, or an ``index`` of stride 0 along
+    every other dimension (``broadcast_index``), one index along ``dim`` (``index.size(dim)`` of them in
+    the broadcast case); otherwise an index for every dimension (``dim``'s, and ``arange``s expanded to
+    ``index``'s shape), ``index.numel()`` linear indices. ``_index_put_impl_`` takes the sorting kernel
+    (deterministic), :func:`index_put_sort_bytes` of those indices, plus the copies
+    native/cuda/Indexing.cu ``index_put_with_sort_kernel`` makes: of ``self`` when it is not contiguous,
+    and of the values (``expandedValue.contiguous()``) when ``src_view`` is not dense, both also for a
+    broadcast index along a dimension other than 0 (``makeLinearIndex`` moves it to the front, so
+    ``self`` is permuted), all counted live with the sort: a bound.
+    """
+    m = math.prod(index_shape)
+    if m == 0:
+        return ()
+    broadcast = all(index_strides[i] == 0 for i in range(len(index_shape)) if i != dim)
+    num = int(index_shape[dim]) if broadcast and len(index_shape) > 1 else m
+    # one index along a dim other than 0: makeLinearIndex moves it to the front (transposeToFront), and
+    # index_put_with_sort_kernel copies the permuted self (``src.contiguous()``); the values are counted too
+    front = broadcast and len(index_shape) > 1 and dim != 0
+    copies = () if self_contiguous and not front else (math.prod(self_shape) * self_bytes,)
+    if not src_is_view_dense or front:
+        copies += (m * src_bytes,)
+    return copies + index_put_sort_bytes(num)
+
+
+#: ATen scatters that take ``_scatter_via_index_put`` under deterministic algorithms: overload ->
+#: index of ``reduce`` (None: always taken; else only for ``"sum"``/``"mean"``/``"add"``).
+_SCATTERS: dict[Any, int | None] = {}
+
+
+def scatter(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: Any) -> list[Unmodelled]:
+    """``scatter(_)`` with a ``src`` tensor, ``scatter_add(_)`` and ``scatter_reduce(_)`` with a sum or mean,
+    only under ``torch.use_deterministic_algorithms(True)`` (``warn_only`` too: ATen checks
+    ``deterministicAlgorithms()`` alone)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return []
+    x = args[0] if args else kwargs.get("self")
+    dim = _arg(args, kwargs, 1, "dim", 0)
+    index = _arg(args, kwargs, 2, "index", None)
+    src = _arg(args, kwargs, 3, "src", None)
+    if not all(isinstance(t, torch.Tensor) for t in (x, index, src)) or x.is_sparse:
+        return []
+    reduce_at = _SCATTERS[func]
+    if reduce_at is not None and _arg(args, kwargs, reduce_at, "reduce", None) not in ("sum", "mean", "add"):
+        return []
+    ndim = max(x.dim(), 1)
+    d = int(dim) % ndim
+    ishape = tuple(int(s) for s in index.shape) or (1,)
+    istrides = tuple(int(s) for s in index.stride()) or (1,)
+    dense = _dense_layout(ishape, tuple(int(s) for s in src.stride()) or (1,))
+    allocs = deterministic_scatter_bytes(tuple(int(s) for s in x.shape) or (1,), d, ishape, istrides,
+                                         src.element_size(), dense, x.is_contiguous(), x.element_size())
+    if not allocs:
+        return []
+    name = str(func).replace("aten.", "")
+    return [Unmodelled("deterministic scatter's sorting index_put_ (index buffers, CUB radix-sort storage, copies)",
+                       f"{name} into {_shape(x)} along dim {d} at {_shape(index)} indices", allocs, True,
+                       "aten/src/ATen/native/TensorAdvancedIndexing.cpp _scatter_via_index_put; " + _INDEX_SOURCE,
+                       "taken because torch.use_deterministic_algorithms(True) is set")]
+
+
+def _register_scatters() -> None:
+    aten = torch.ops.aten
+    for name, reduce_at in [("scatter_add.default", None), ("scatter_add_.default", None), ("scatter.src", None),
+                            ("scatter_.src", None), ("scatter.reduce", 4), ("scatter_.reduce", 4),
+                            ("scatter_reduce.two", 4), ("scatter_reduce_.two", 4)]:
+        packet, overload = name.split(".")
+        op = getattr(getattr(aten, packet, None), overload, None)
+        if op is not None:
+            _SCATTERS[op] = reduce_at
+            UNMODELLED_OPS[op] = scatter
+
+
+_register_scatters()
 
 
 # --------------------------------------------------------------------------------------------
@@ -1260,8 +1507,13 @@ def _reduced_dims(ndim: int, dim: Any) -> tuple[int, ...]:
 def _dense(x: torch.Tensor) -> bool:
     """Non-overlapping and dense (c10 ``is_non_overlapping_and_dense``): the strides, in increasing
     order over dimensions of size > 1, are the running products of the sizes."""
+    return _dense_layout(tuple(x.shape), tuple(x.stride()))
+
+
+def _dense_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """:func:`_dense` of a layout given by its sizes and strides."""
     step = 1
-    for n, st in sorted(((int(n), int(st)) for n, st in zip(x.shape, x.stride()) if n != 1), key=lambda p: p[1]):
+    for n, st in sorted(((int(n), int(st)) for n, st in zip(shape, strides) if n != 1), key=lambda p: p[1]):
         if st != step:
             return False
         step *= n
