@@ -282,15 +282,33 @@ def settle_functional_collectives(pause_s: float) -> None:
             setattr(funcol, name, settled(fn))
 
 
+def lay_out(case: Case, model: Any, root: Any, mesh: Any, blocks: list | None = None) -> None:
+    """Tensor parallelism over ``mesh["tp"]`` with the estimate's plan, then FSDP2 of ``blocks`` (default: the
+    repeated blocks) and ``root`` over the data-parallel dimensions, as the estimate lays a rank out."""
+    import torch
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from memguard.estimator._fsdp2 import FSDP2Layout, shard_model
+    from memguard.estimator._layout import resolve_tp_plan
+
+    if case.tp > 1:
+        problems: list[str] = []
+        plan, _ = resolve_tp_plan(model, layout_of(case), problems)
+        if problems:
+            raise RuntimeError(problems)
+        parallelize_module(model, mesh["tp"], plan)
+    if case.dp_shard > 1:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if case.dp_replicate > 1 else mesh["dp_shard"]
+        mp = torch.bfloat16 if case.precision == "bf16-mixed" else None
+        shard_model(root, FSDP2Layout(world_size=case.dp_shard, zero_stage=3, mp_dtype=mp), dp_mesh, blocks)
+
+
 def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
 
     from memguard.batch import compute_loss
-    from memguard.estimator._fsdp2 import FSDP2Layout, shard_model
-    from memguard.estimator._layout import resolve_tp_plan
 
     torch.set_num_threads(1)
     if case.pp > 1:
@@ -303,16 +321,7 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
                             mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     model = build_model(case.model)
     model.train()
-    if case.tp > 1:
-        problems: list[str] = []
-        plan, _ = resolve_tp_plan(model, layout_of(case), problems)
-        if problems:
-            raise RuntimeError(problems)
-        parallelize_module(model, mesh["tp"], plan)
-    if case.dp_shard > 1:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if case.dp_replicate > 1 else mesh["dp_shard"]
-        mp = torch.bfloat16 if case.precision == "bf16-mixed" else None
-        shard_model(model, FSDP2Layout(world_size=case.dp_shard, zero_stage=3, mp_dtype=mp), dp_mesh)
+    lay_out(case, model, model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch(case)
     losses: list[float] = []
@@ -356,22 +365,8 @@ def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
     model.train()
     loss_fn = causal_lm_loss(model)
     stage_module = split_decoder(model, rank, stages)
-    if case.tp > 1:  # torchtitan's order per stage: TP, then FSDP2 with the stage as root
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from memguard.estimator._layout import resolve_tp_plan
-
-        problems: list[str] = []
-        plan, _ = resolve_tp_plan(model, layout_of(case), problems)
-        if problems:
-            raise RuntimeError(problems)
-        parallelize_module(model, mesh["tp"], plan)
-    if case.dp_shard > 1:
-        from memguard.estimator._fsdp2 import FSDP2Layout, shard_model
-
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if case.dp_replicate > 1 else mesh["dp_shard"]
-        shard_model(stage_module, FSDP2Layout(world_size=case.dp_shard, zero_stage=3), dp_mesh,
-                    list(getattr(model, model.base_model_prefix).layers))
+    # torchtitan's order per stage: TP, then FSDP2 with the stage as root
+    lay_out(case, model, stage_module, mesh, list(getattr(model, model.base_model_prefix).layers))
     batch = make_batch(case)
     micro, cfg = case.batch // case.pp_microbatches, model.config
     hidden = torch.empty(micro, case.seq, cfg.hidden_size)
