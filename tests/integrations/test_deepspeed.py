@@ -363,6 +363,10 @@ _INIT_SCRIPT = textwrap.dedent(
         if rank == 0:
             with open(out, "w") as fh:
                 json.dump(results, fh)
+        # both ranks leave together and close gloo's threads first: a rank that exited with them running was
+        # seen to abort ("terminate called without an active exception", SIGABRT)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
     if __name__ == "__main__":
         import torch.multiprocessing as mp
