@@ -176,12 +176,18 @@ def test_real_two_rank_gloo_run_matches_the_estimate():
     from benchmarks.fsdp2_cpu import Case, estimate_case, run_case
 
     case = Case("gpt2", 2, "32-true", 3, False, batch=2, seq=32)
-    ranks = run_case(case, steps=2, timeout=200)
-    assert all("peak_bytes" in r for r in ranks), ranks
-    # a rank whose profiler replay does not close missed a free gloo made on its own thread (see
-    # benchmarks/fsdp2_cpu.py, summarise): its level is inflated from there on, so it is left out
-    closed = [r for r in ranks if r["residual_bytes"] == 0] or ranks
-    real = max(r["peak_bytes"] for r in closed)
+    for _ in range(3):
+        ranks = run_case(case, steps=2, timeout=200)
+        assert all("peak_bytes" in r for r in ranks), ranks
+        # a rank whose profiler replay does not close missed a free gloo made on its own thread (see
+        # benchmarks/fsdp2_cpu.py, summarise): its level is inflated from there on, so it is left out
+        closed = [r for r in ranks if r["residual_bytes"] == 0] or ranks
+        peaks = [r["peak_bytes"] for r in closed]
+        # both ranks hold even shards, so the same bytes: ranks that disagree mean a free the replay did not see
+        # (one such run in CI read rank 0 5% above rank 1, which equalled the estimate); measure again
+        if max(peaks) - min(peaks) <= 0.005 * max(peaks):
+            break
+    real = max(peaks)
     est = estimate_case(case)["peak_bytes"]
     assert abs(est - real) <= 0.03 * real, (est, real, ranks)
 
