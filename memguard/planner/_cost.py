@@ -60,6 +60,7 @@ class CostInputs:
     device: str
     tflops: dict  # precision -> dense TFLOP/s
     interconnect_gbps: float
+    ops_per_block: float = 0.0  # ATen ops one more repeated block adds per micro-batch (0: not probed)
 
 
 def step_seconds(

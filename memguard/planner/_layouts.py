@@ -47,8 +47,19 @@ over pipeline stages or over tensor-parallel shards, no checkpointing under pipe
 trace is predicted to take at most ``verify_budget_s`` (default :data:`VERIFY_BUDGET_S`). The
 prediction is the model's op count (counted on the probes) times :data:`SECONDS_PER_OP` and
 :func:`trace_seconds`' DTensor factor, not a clock reading, so the same request gets the same plan on
-an idle and on a loaded host. A verification that finds the model short sizes the next candidate
-with that shortfall (:data:`_MAX_VERIFY` at most). ``Plan.reasons["estimate"]`` says which it is.
+an idle and on a loaded host. Where the full trace is over budget but a *short verification* is
+not, the winner is verified on the model cut to a few blocks (:func:`short_points`: a stack of plain
+or of checkpointed blocks at 4 and 8 of them; one with ``k`` of ``n`` checkpointed at (plain,
+checkpointed) = (2, 2), (6, 2) and (2, 6); :func:`memguard.estimator._blocks.kept_blocks`), each a real
+``estimate(..., layout=...)`` with the CUDA allocator model, and every figure extrapolated affinely to
+the whole stack (:func:`extrapolate`): repeated blocks add the same tensors, so allocated bytes are
+affine in the blocks to the byte; the allocator's reserved bytes grow in segment-sized steps, so the
+extrapolated peak is off by the steps the short traces miss (``benchmarks/short_verification.py``:
+-1.6% to 0.0% on Llama 3.1 8B and 70B shapes under FSDP2, FSDP2 x TP and HSDP, against the full traces,
+at a third to a fifth of their time). Pipeline layouts are verified by full traces only (their cost
+is the schedule's micro-batches, not the depth). A verification that finds the model short sizes the
+next candidate with that shortfall (:data:`_MAX_VERIFY` at most). ``Plan.reasons["estimate"]`` says
+which it is.
 
 Known limitations:
     Against real layout estimates of a small Llama (``tests/planner/test_layouts.py``) DDP, FSDP2
@@ -113,6 +124,10 @@ _MAX_VERIFY = 2
 #: stays a matter of seconds; ``plan(verify_budget_s=...)`` changes it (0: never verify; ``math.inf``:
 #: always, where ``estimate(layout=...)`` supports the layout).
 VERIFY_BUDGET_S = 20.0
+#: The short verification's depths (see the module docstring): a stack of plain or of checkpointed blocks is
+#: traced at 4 and at 8 of them; one with some checkpointed at (plain, checkpointed) = (2, 2), (6, 2) and (2, 6).
+SHORT_DEPTHS = (4, 8)
+SHORT_MIXED = ((2, 2), (6, 2), (2, 6))
 #: CPU seconds a full trace spends per ATen op of the step (forward, backward, optimizer; views not counted),
 #: measured with ``time.process_time`` on a 2-core AMD EPYC (Zen 4) host: a Llama 3.1 8B-shaped model
 #: (``benchmarks/layout_planner.py``'s shapes, bf16-mixed, H100 target, sequence 8192, micro-batch 1) ran 22,045
@@ -167,6 +182,7 @@ class LayoutProfile:
     tp_reason: str = ""
     pipeline: bool = False  # the model splits into pipeline stages
     ops_per_step: float = 0.0  # the whole model's ATen ops per micro-batch (counted on the probes)
+    ops_per_block: float = 0.0  # the ops one more block adds per micro-batch (0: not probed)
     fixed_bytes: int = 0  # the target's BLAS workspaces (CUDA), the same on every rank
     block_class: str | None = None  # the repeated block's class name (FSDP2 wraps each; Plan.block_class)
 
@@ -370,7 +386,8 @@ def build_profile(session: Any, precisions: Iterable[str], spec: Any, gpus_per_n
             profile.tp_shared = _tp_shared(session, first, spec, plan, profile.acts[(first, False)])
         except ConfigError as exc:
             profile.tp_degrees, profile.tp_reason = (1,), f"tensor parallelism not searched: {exc}"
-    profile.ops_per_step = session.cost_inputs(spec, precisions[0]).ops_per_micro_batch
+    cost = session.cost_inputs(spec, precisions[0])
+    profile.ops_per_step, profile.ops_per_block = cost.ops_per_micro_batch, cost.ops_per_block
     return profile
 
 
@@ -688,17 +705,100 @@ def verifiable(cand: LayoutCandidate) -> bool:
     return not (ddp_only and lay.tp > 1)
 
 
+def short_points(n: int, k: int) -> list[tuple[int, int]] | None:
+    """The ``(plain, checkpointed)`` block counts of the short verification's traces of a stack of ``n``
+    blocks whose first ``k`` are checkpointed (see the module docstring), or None when they would trace
+    as many blocks as the whole stack."""
+    k = min(k, n)
+    if k == 0:
+        points = [(d, 0) for d in SHORT_DEPTHS]
+    elif k == n:
+        points = [(0, d) for d in SHORT_DEPTHS]
+    else:
+        points = list(SHORT_MIXED)
+    return points if sum(p + c for p, c in points) < n else None
+
+
+def extrapolate(points: list[tuple[int, int]], values: list[float], plain: int, ckpt: int) -> float:
+    """A quantity of the short traces at ``points`` (:func:`short_points`), affine in the plain and the
+    checkpointed blocks, at ``plain`` and ``ckpt`` blocks."""
+    (p0, c0), (p1, c1) = points[0], points[1]
+    v0, v1 = values[0], values[1]
+    if len(points) == 2:  # one axis varies
+        x0, x1, x = (p0, p1, plain) if p1 != p0 else (c0, c1, ckpt)
+        return v0 + (x - x0) * (v1 - v0) / (x1 - x0)
+    (p2, c2), v2 = points[2], values[2]
+    return v0 + (plain - p0) * (v1 - v0) / (p1 - p0) + (ckpt - c0) * (v2 - v0) / (c2 - c0)
+
+
+def short_trace_seconds(profile: LayoutProfile, lay: Layout, points: list[tuple[int, int]]) -> float:
+    """The predicted seconds of the short verification's traces (:func:`trace_seconds` of each cut model)."""
+    n = profile.num_blocks
+    return sum(trace_seconds(max(profile.ops_per_step - (n - p - c) * profile.ops_per_block, 0.0), lay)
+               for p, c in points)
+
+
+class NotAffine(Exception):
+    """The short traces peak in different phases: their peaks are not one affine function of the blocks."""
+
+
+def _short_estimate(session: Any, cand: LayoutCandidate, points: list[tuple[int, int]], rows: int,
+                    kwargs: dict) -> Any:
+    """The candidate's estimate from ``estimate(layout=...)`` of the model cut to each of ``points``'
+    blocks (:func:`memguard.estimator._blocks.kept_blocks`), every figure extrapolated to the whole stack."""
+    from memguard.estimator._blocks import kept_blocks
+    from memguard.estimator.api import estimate
+
+    n = session.num_blocks
+    k = min(cand.checkpoint_blocks, n)
+    ests = []
+    for p, c in points:
+        with kept_blocks(session.model, p + c):
+            ests.append(estimate(session.model, session.batch_of(rows), **{**kwargs, "activation_checkpointing": c}))
+    phases = {e.peak_phase for e in ests}
+    if len(phases) > 1:
+        raise NotAffine(f"the short traces peak in different phases ({', '.join(sorted(phases))})")
+
+    def at(get: Any) -> int:
+        return int(round(extrapolate(points, [float(get(e)) for e in ests], n - k, k)))
+
+    keys = sorted({key for e in ests for key in e.breakdown})
+    phase_keys = sorted({key for e in ests for key in e.phase_peaks})
+    ranks = len(ests[0].rank_peak_bytes)
+    depths = " and ".join(f"{p + c}" + (f" ({c} checkpointed)" if c else "") for p, c in points)
+    note = (f"short verification: memguard.estimate(..., layout=...) of the model cut to {depths} blocks, every "
+            f"figure extrapolated to its {n} blocks ({k} checkpointed): a layout's peak is affine in the number of "
+            "blocks it stacks")
+    return dataclasses.replace(
+        ests[-1], peak_bytes=at(lambda e: e.peak_bytes),
+        breakdown={key: at(lambda e, key=key: e.breakdown.get(key, 0)) for key in keys},
+        allocated_peak_bytes=at(lambda e: e.allocated_peak_bytes),
+        peak_upper_bytes=at(lambda e: e.peak_upper_bytes), model_state_bytes=at(lambda e: e.model_state_bytes),
+        num_params=at(lambda e: e.num_params), num_trainable_params=at(lambda e: e.num_trainable_params),
+        phase_peaks={key: at(lambda e, key=key: e.phase_peaks.get(key, 0)) for key in phase_keys},
+        rank_peak_bytes=tuple(at(lambda e, r=r: e.rank_peak_bytes[r]) for r in range(ranks)),
+        activation_checkpointing=k, notes=ests[-1].notes + (note,))
+
+
 def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutProfile, verify: bool = True,
-              budget_s: float = VERIFY_BUDGET_S) -> tuple[Any, bool]:
-    """The candidate's estimate: a real ``estimate(layout=...)`` where it is affordable (predicted by
-    :func:`trace_seconds` within ``budget_s``) and supported, else the layout model's figures (and False)."""
+              budget_s: float = VERIFY_BUDGET_S) -> tuple[Any, str]:
+    """The candidate's estimate and how it was verified: ``"full"`` (a real ``estimate(layout=...)``, where
+    it is supported and predicted by :func:`trace_seconds` to take at most ``budget_s``), ``"short"`` (the
+    short verification, where the full one is over budget and it is not), or ``""`` (the layout model's
+    figures)."""
     lay = cand.layout
     # a pipeline estimate traces every stage's share of every micro-batch, the others one micro-batch
     cost_s = trace_seconds(profile.ops_per_step * (lay.pp_microbatches or 1 if lay.pp > 1 else 1), lay)
-    if verify and verifiable(cand) and cost_s > budget_s:
+    points = short_points(profile.num_blocks, cand.checkpoint_blocks) if (
+        lay.pp == 1 and profile.ops_per_block > 0) else None
+    short_s = short_trace_seconds(profile, lay, points) if points else math.inf
+    how = "full" if cost_s <= budget_s else "short" if short_s <= budget_s else ""
+    if verify and verifiable(cand) and not how:
         verify = False
         why = (f"not verified: a full trace of this layout is predicted to take about {cost_s:.0f} s ("
-               f"{profile.ops_per_step:.3g} ATen ops per micro-batch, over verify_budget_s={budget_s:g}); "
+               f"{profile.ops_per_step:.3g} ATen ops per micro-batch"
+               + (f"; the short verification about {short_s:.0f} s" if points else "")
+               + f", over verify_budget_s={budget_s:g}); "
                f"memguard.estimate(model, batch, layout=plan.layout, ...) verifies it"
                + ("; on CUDA verify before trusting it: the layout model counts allocated bytes, not the caching "
                   "allocator's overhead, and on torchtitan's Llama 3.1 8B and 70B layouts full traces found it "
@@ -708,8 +808,6 @@ def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutPr
         why = ("estimate(layout=...) does not estimate this layout yet" if not verifiable(cand) else
                "not verified")
     if verify and verifiable(cand):
-        from memguard.estimator.api import estimate
-
         rows = cand.micro_batch_size * (lay.pp_microbatches or 1)
         kwargs = dict(device=space.device, precision=cand.precision, gpu=space.spec if space.device == "cuda" else None,
                       optimizer=session.optimizer, loss_fn=session.loss_fn, keep_outputs=session.keep_outputs,
@@ -720,9 +818,16 @@ def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutPr
             kwargs.update(activation_checkpointing=cand.checkpoint_blocks, grad_accum_steps=cand.grad_accum_steps,
                           zero_stage=3 if lay.dp_shard > 1 else 0)
         try:
-            return estimate(session.model, session.batch_of(rows), **kwargs), True
+            if how == "short":
+                return _short_estimate(session, cand, points, rows, kwargs), "short"
+            from memguard.estimator.api import estimate
+
+            return estimate(session.model, session.batch_of(rows), **kwargs), "full"
         except ConfigError as exc:  # a layout the estimator refuses for this model: the layout model's figure
             log.info("memguard: could not verify %s (%s)", cand.describe(), exc)
+        except NotAffine as exc:
+            log.info("memguard: could not verify %s by short traces (%s)", cand.describe(), exc)
+            why = f"not verified: {exc}; memguard.estimate(model, batch, layout=plan.layout, ...) verifies it"
     from memguard.estimator._result import Estimate
 
     world = lay.world_size
@@ -744,10 +849,10 @@ def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutPr
                    peak_upper_bytes=cand.predicted_bytes, rank_peak_bytes=ranks,
                    notes=(f"layout {lay.describe()}: memguard's layout model (allocated bytes from probe traces, "
                           f"no CUDA allocator model); {why}",))
-    return est, False
+    return est, ""
 
 
-def _plan(space: Any, cand: LayoutCandidate, est: Any, verified: bool, ranked: list[LayoutCandidate],
+def _plan(space: Any, cand: LayoutCandidate, est: Any, verified: str, ranked: list[LayoutCandidate],
           profile: LayoutProfile, searched_s: float, total_s: float, hidden: int | None, fits: bool = True,
           tried: list | None = None, ratio: float = 1.0) -> Any:
     from memguard.planner._plan import Plan
@@ -764,7 +869,8 @@ def _plan(space: Any, cand: LayoutCandidate, est: Any, verified: bool, ranked: l
         "layout": (f"{lay.describe()}: the fastest of {len(fitting)} fitting configurations of {len(ranked)} priced "
                    f"({searched_s:.2g} s to search, {total_s:.2g} s with verification); {cand.cost.describe()}"
                    if fits else f"{lay.describe()}: the smallest predicted peak; nothing fits"),
-        "estimate": ("verified with memguard.estimate(..., layout=...)" if verified else
+        "estimate": ("verified with memguard.estimate(..., layout=...)" if verified == "full" else
+                     "verified by " + est.notes[-1] if verified == "short" else
                      "the layout model's prediction: " + est.notes[-1].split("; ", 1)[-1]),
         "micro_batch_size": cand.describe(),
         "precision": f"{cand.precision}: of {', '.join(space.precisions)}",

@@ -337,12 +337,15 @@ class TraceSession:
                     return a + (self.num_blocks - 1) * (b - a)
                 flops = lin(trs[0].flops, trs[1].flops)
                 ops = lin(trs[0].num_ops, trs[1].num_ops)
+                ops_block = trs[1].num_ops - trs[0].num_ops
                 params = lin(trs[0].num_trainable_params, trs[1].num_trainable_params)
             else:
                 flops, ops, params = trs[0].flops, trs[0].num_ops, trs[0].num_trainable_params
+                ops_block = 0
             self._cost = CostInputs(
                 flops_per_sample=max(flops, 1) / self.m0, ops_per_micro_batch=ops, num_params=int(params),
                 num_blocks=self.num_blocks, device=self.device, tflops={}, interconnect_gbps=0.0,
+                ops_per_block=ops_block,
             )
         c = self._cost
         if self.device == "cpu" or spec is None:
@@ -357,4 +360,4 @@ class TraceSession:
             }
             link = spec.interconnect_gbps
         return CostInputs(c.flops_per_sample, c.ops_per_micro_batch, c.num_params, c.num_blocks, c.device,
-                          tflops, link)
+                          tflops, link, ops_per_block=c.ops_per_block)

@@ -263,7 +263,7 @@ def test_a_candidate_a_full_trace_rejects_is_reported_so(act_model, budgets, mon
             big = int(space.usable_bytes * 1.3)
             est = dataclasses.replace(est, peak_bytes=big, peak_upper_bytes=big,
                                       rank_peak_bytes=(big,) * len(est.rank_peak_bytes))
-            verified = True
+            verified = "full"
         return est, verified
 
     monkeypatch.setattr(_layouts, "_estimate", short_first)
@@ -275,3 +275,98 @@ def test_a_candidate_a_full_trace_rejects_is_reported_so(act_model, budgets, mon
     assert all("but a full trace found" in line and "does not fit" in line
                for line in plan.layout_report if line.startswith(first.describe())), plan.layout_report
     assert any(line.startswith(first.layout.describe()) for line in plan.layout_report), plan.layout_report
+
+
+# ---------------------------------------------------------------------------------------------- short verification
+
+
+def test_short_points_trace_fewer_blocks_than_the_stack():
+    assert _layouts.short_points(32, 0) == [(4, 0), (8, 0)]
+    assert _layouts.short_points(32, 32) == [(0, 4), (0, 8)]
+    assert _layouts.short_points(32, 16) == [(2, 2), (6, 2), (2, 6)]
+    assert _layouts.short_points(12, 0) is None  # 4 + 8 blocks: as many as a full trace
+    assert _layouts.short_points(20, 5) is None  # 4 + 8 + 8
+    assert _layouts.short_points(21, 5) is not None
+
+
+@pytest.mark.parametrize("n, k", [(32, 0), (32, 32), (32, 16), (80, 78)])
+def test_extrapolation_is_exact_for_an_affine_quantity(n, k):
+    def f(p, c):  # 10 GiB fixed, 3 per plain block, 1 per checkpointed one
+        return 10.0 + 3.0 * p + 1.0 * c
+
+    points = _layouts.short_points(n, k)
+    assert _layouts.extrapolate(points, [f(p, c) for p, c in points], n - k, k) == pytest.approx(f(n - k, k))
+
+
+def test_short_trace_seconds_count_the_cut_models_ops():
+    profile = _layouts.LayoutProfile(num_blocks=32, p_block_tp=1, p_block_rep=1, p_first=1, p_last=1, tp_shared=0.5,
+                                     ops_per_step=1000.0 + 32 * 100.0, ops_per_block=100.0)
+    lay = Layout(dp_shard=8)
+    points = _layouts.short_points(32, 0)  # 4 and 8 blocks: 1400 + 1800 ops
+    assert _layouts.short_trace_seconds(profile, lay, points) == pytest.approx(_layouts.trace_seconds(3200.0, lay))
+
+
+def test_kept_blocks_cuts_the_stack_and_always_puts_it_back():
+    from memguard.estimator._blocks import kept_blocks
+
+    model = tiny_llama()
+    layers = list(model.model.layers)
+    with kept_blocks(model, 2):
+        assert list(model.model.layers) == layers[:2]
+    assert list(model.model.layers) == layers
+    with pytest.raises(RuntimeError, match="inside"):
+        with kept_blocks(model, 1):
+            raise RuntimeError("inside")
+    assert list(model.model.layers) == layers
+
+
+def deep_llama(layers=24):
+    cfg = transformers.LlamaConfig(hidden_size=512, num_hidden_layers=layers, num_attention_heads=8,
+                                   num_key_value_heads=4, intermediate_size=1536, vocab_size=32000)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module")
+def deep():
+    return deep_llama()
+
+
+def _deep_batch(n):
+    ids = torch.zeros(n, 2048, dtype=torch.long, device="meta")
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("layout, k", [(Layout(dp_shard=2), 0), (Layout(dp_shard=2), 12), (Layout(dp_shard=2), 24),
+                                       (Layout(dp_shard=2, tp=2), 0)])
+def test_the_short_verification_is_the_full_trace_within_a_percent(deep, layout, k):
+    """On the CUDA target, whose caching allocator makes the peak more than allocated bytes: the short traces'
+    extrapolation against the whole model's estimate (benchmarks/short_verification.py: 8B and 70B shapes)."""
+    from memguard.estimator._blocks import kept_blocks
+
+    kw = dict(device="cuda", gpu="H100-80GB", precision="bf16-mixed", layout=layout)
+    points = _layouts.short_points(24, k)
+    shorts = []
+    for p, c in points:
+        with kept_blocks(deep, p + c):
+            shorts.append(memguard.estimate(deep, _deep_batch(2), activation_checkpointing=c, **kw))
+    full = memguard.estimate(deep, _deep_batch(2), activation_checkpointing=k, **kw)
+    for field in ("peak_bytes", "allocated_peak_bytes", "peak_upper_bytes"):
+        short = _layouts.extrapolate(points, [getattr(e, field) for e in shorts], 24 - k, k)
+        assert short == pytest.approx(getattr(full, field), rel=0.01), field
+    assert len(deep.model.layers) == 24
+
+
+def test_the_planner_verifies_by_short_traces_when_a_full_one_is_over_budget(deep, monkeypatch):
+    monkeypatch.setattr(_layouts, "short_trace_seconds", lambda profile, lay, points: 0.0)
+    plan = memguard.plan(deep, _deep_batch(1), global_batch_size=8, device="cuda", gpu="H100-80GB",
+                         world_size=2, gpus_per_node=2, precision="bf16-mixed", verify_budget_s=1e-9)
+    assert plan.reasons["estimate"].startswith("verified by short verification"), plan.reasons["estimate"]
+    assert "extrapolated to its 24 blocks" in plan.reasons["estimate"]
+    full = memguard.estimate(deep, _deep_batch(plan.micro_batch_size), device="cuda", gpu="H100-80GB",
+                             precision=plan.precision, layout=plan.layout,
+                             activation_checkpointing=plan.checkpoint_blocks, grad_accum_steps=plan.grad_accum_steps,
+                             zero_stage=3 if plan.layout.dp_shard > 1 else 0)
+    assert plan.estimate.peak_bytes == pytest.approx(full.peak_bytes, rel=0.01)
+    assert len(plan.estimate.rank_peak_bytes) == 2 and max(plan.estimate.rank_peak_bytes) == plan.estimate.peak_bytes
+    assert len(deep.model.layers) == 24
