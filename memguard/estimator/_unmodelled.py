@@ -1097,18 +1097,22 @@ _register_deterministic_indexing()
 FOREACH_CHUNK_SIZE = 65536
 #: pytorch#118441 (torch 2.3) added the infinity norm to ``_foreach_norm``'s fast path; before, only 1 and 2.
 FOREACH_NORM_INF_SINCE = (2, 3)
-_FOREACH_SOURCE = ("aten/src/ATen/native/cuda/ForeachReduceOp.cu foreach_tensor_norm_cuda: output_per_tensor "
-                   "(ntensors x max_chunks_per_tensor in the accumulate type)")
+_FOREACH_SOURCE = ("aten/src/ATen/native/cuda/ForeachReduceOp.cu foreach_tensor_norm_cuda / "
+                   "foreach_tensor_norm_cuda_internal: output_per_tensor (ntensors x max_chunks_per_tensor in the "
+                   "accumulate type)")
 
 
 def foreach_norm_partials_bytes(numels: Iterable[int], out_dtype: torch.dtype) -> int:
-    """``output_per_tensor`` of CUDA's ``_foreach_norm`` fast path (native/cuda/ForeachReduceOp.cu
-    ``foreach_tensor_norm_cuda``, in 2.13 and older sources; ``foreach_tensor_norm_cuda_internal`` in some):
-    ``at::zeros({ntensors * max_chunks_per_tensor}, opmath(output dtype))``, ``max_chunks_per_tensor`` the
-    most ``ceil(numel / kChunkSize)`` over the tensors (:data:`FOREACH_CHUNK_SIZE`); live while
-    ``multi_tensor_apply`` (whose tensor lists travel as kernel arguments) and ``lpnorm_cleanup`` run,
-    freed when the op returns. Sources newer than 2.13 also allocate a 320-element ``global_output``
-    (``_foreach_tensor_norm_cuda_impl``), not counted (no target has them)."""
+    """``output_per_tensor`` of CUDA's ``_foreach_norm`` (and ``_foreach_powsum``) fast path
+    (native/cuda/ForeachReduceOp.cu: ``foreach_tensor_norm_cuda_internal`` in the source that has
+    ``_foreach_powsum`` and no ``_foreach_global_norm``, as the installed torch 2.13 does; in older sources
+    ``foreach_tensor_norm_cuda`` itself): ``at::zeros({ntensors * max_chunks_per_tensor},
+    opmath(output dtype))`` (older sources: of the input's dtype, the same without ``dtype``),
+    ``max_chunks_per_tensor`` the most ``ceil(numel / kChunkSize)`` over the tensors
+    (:data:`FOREACH_CHUNK_SIZE`); live while ``multi_tensor_apply`` (whose tensor lists travel as kernel
+    arguments, native/cuda/MultiTensorApply.cuh) and ``lpnorm_cleanup`` run, freed when the op returns.
+    Sources newer than 2.13 (with ``_foreach_global_norm``) also allocate a 320-element ``global_output``
+    (``_foreach_tensor_norm_cuda_impl``), not counted: no target has them."""
     numels = [int(n) for n in numels]
     if not numels:
         return 0
@@ -1117,10 +1121,12 @@ def foreach_norm_partials_bytes(numels: Iterable[int], out_dtype: torch.dtype) -
 
 
 def foreach_norm(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: Any) -> list[Unmodelled]:
-    """ATen ``_foreach_norm(tensors, ord=2, dtype=None)`` (``clip_grad_norm_``'s foreach path).
+    """ATen ``_foreach_norm(tensors, ord=2, dtype=None)`` (``clip_grad_norm_``'s foreach path) and
+    ``_foreach_powsum`` (the same without the root; its fast path only for ``ord`` 1 and 2).
 
-    The fast path (``can_use_fast_route``: one device and dtype, strided, non-overlapping and dense; no
-    integer or complex tensor; ``ord`` 1, 2 or, from :data:`FOREACH_NORM_INF_SINCE`, infinity) allocates
+    The fast path (``can_use_fast_route``, native/ForeachUtils.h: one device and dtype, strided,
+    non-overlapping and dense; no integer or complex tensor; ``ord`` 1, 2 or, from
+    :data:`FOREACH_NORM_INF_SINCE`, infinity) allocates
     :func:`foreach_norm_partials_bytes`. Otherwise ``foreach_tensor_norm_slow`` runs one
     ``linalg_vector_norm`` a tensor, one at a time: the largest of their Reduce.cuh staging buffers
     (:func:`reduce_workspace_bytes`) is listed instead, as the trace does not see those inner reductions.
@@ -1136,22 +1142,27 @@ def foreach_norm(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: 
     if out_dtype.is_complex:
         out_dtype = out_dtype.to_real()
     odd = any(t.dtype.is_complex or not (t.dtype.is_floating_point) for t in tensors)
-    fast_ord = p in (1.0, 2.0) or (p == math.inf and target.torch_version >= FOREACH_NORM_INF_SINCE)
+    powsum = func is getattr(getattr(torch.ops.aten, "_foreach_powsum", None), "Scalar", None)
+    fast_ord = p in (1.0, 2.0) or (not powsum and p == math.inf and target.torch_version >= FOREACH_NORM_INF_SINCE)
     fast = (not odd and fast_ord and all(t.dtype == first.dtype and t.device == first.device and not t.is_sparse
                                          and _dense(t) for t in tensors))
-    what = f"_foreach_norm (ord={ord_:g}) of {len(tensors)} tensors" if isinstance(ord_, (int, float)) else \
-        f"_foreach_norm of {len(tensors)} tensors"
+    name = "_foreach_powsum" if powsum else "_foreach_norm"
+    what = f"{name} (ord={ord_:g}) of {len(tensors)} tensors" if isinstance(ord_, (int, float)) else \
+        f"{name} of {len(tensors)} tensors"
     if fast:
         nbytes = foreach_norm_partials_bytes([t.numel() for t in tensors], out_dtype)
         if not nbytes:
             return []
         largest = max(t.numel() for t in tensors)
-        return [Unmodelled("_foreach_norm's per-tensor partials (output_per_tensor)",
+        return [Unmodelled(f"{name}'s per-tensor partials (output_per_tensor)",
                            f"{what}, the largest of {largest} elements", (nbytes,), True, _FOREACH_SOURCE,
                            f"{len(tensors)} x ceil({largest} / {FOREACH_CHUNK_SIZE}) partials of "
                            f"{_acc_bytes(out_dtype)} bytes")]
     if odd and any(not (t.dtype.is_floating_point or t.dtype.is_complex) for t in tensors):
         return []  # integer tensors: linalg_vector_norm refuses them
+    if powsum:
+        return [Unmodelled("_foreach_powsum's slow path", what, (), False,
+                           "aten/src/ATen/native/ForeachOpsKernels.cpp foreach_tensor_powsum_slow (not read here)")]
     best: tuple[int, ...] = ()
     for t in tensors:
         if t.numel() == 0 or t.is_sparse:
@@ -1163,12 +1174,14 @@ def foreach_norm(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: 
             best = allocs
     if not best:
         return []
-    return [Unmodelled("_foreach_norm's slow path: per-tensor norms' cross-block staging",
+    return [Unmodelled(f"{name}'s slow path: per-tensor norms' cross-block staging",
                        what, best, True, "aten/src/ATen/native/ForeachOpsKernels.cpp foreach_tensor_norm_slow; "
                        + _REDUCE_SOURCE, "the fast path's conditions (can_use_fast_route, ord 1/2/inf) do not hold")]
 
 
 UNMODELLED_OPS[torch.ops.aten._foreach_norm.Scalar] = foreach_norm
+if hasattr(torch.ops.aten, "_foreach_powsum"):  # newer releases (torch 2.13 has it)
+    UNMODELLED_OPS[torch.ops.aten._foreach_powsum.Scalar] = foreach_norm
 
 
 # --------------------------------------------------------------------------------------------

@@ -272,6 +272,13 @@ def test_foreach_norm_entry_follows_the_fast_path():
     # the infinity norm is on the fast path from torch 2.3 (pytorch#118441)
     assert foreach_norm(H100, op, (ts, math.inf), {}, None)[0].allocations == (192,)
     assert UNMODELLED_OPS[op] is foreach_norm
+    # _foreach_powsum (torch 2.13) shares foreach_tensor_norm_cuda_internal: the same partials for ord 1 and 2
+    powsum = torch.ops.aten._foreach_powsum.Scalar
+    (entry,) = foreach_norm(H100, powsum, (ts, 1), {}, None)
+    assert entry.allocations == (192,) and entry.mechanism.startswith("_foreach_powsum's per-tensor partials")
+    assert UNMODELLED_OPS[powsum] is foreach_norm
+    (entry,) = foreach_norm(H100, powsum, (ts, math.inf), {}, None)  # no inf fast path: not read, unbounded
+    assert not entry.bounded
 
 
 def test_foreach_norm_slow_path_lists_the_largest_reduction():
