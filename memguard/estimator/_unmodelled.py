@@ -72,8 +72,8 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   follows ``index_put_with_sort_kernel`` (:func:`sorting_index_put_bytes`: int32 index conversions, the
   linear index with ``wrapIndexOnce``'s range checks, the value's expansion, copies of a non-contiguous or
   permuted ``self``, the sort).
-* **``torch._foreach_norm``** (ATen ``_foreach_norm``, so ``clip_grad_norm_`` with ``foreach=True``):
-  native/cuda/ForeachReduceOp.cu ``foreach_tensor_norm_cuda`` allocates ``output_per_tensor``, one partial
+* **``torch._foreach_norm``** (ATen ``_foreach_norm`` and ``_foreach_powsum``, so ``clip_grad_norm_`` with
+  ``foreach=True``): native/cuda/ForeachReduceOp.cu allocates ``output_per_tensor``, one partial
   in the accumulate type for each 65536-element chunk of the longest tensor, times the tensors
   (:func:`foreach_norm_partials_bytes`); off its fast path, the largest per-tensor norm's Reduce.cuh
   staging. ``clip_grad_norm_`` with ``foreach=None`` takes its per-tensor path in a trace, as
@@ -837,9 +837,9 @@ _register_scatters()
 #: ``accumulate`` only for a value of more than one element (``deterministicAlgorithms() && value_.numel() > 1``;
 #: a one-element value writes the same number to every duplicate, so the order does not matter), older
 #: ones for every value (``accumulate || deterministicAlgorithms()``). The release that changed it was not
-#: pinned down: sources with ``std::optional`` (torch 2.5 on) still lack the condition, a later one with
-#: ``std::string_view`` has it, and every source read after it does. Targets before this version count the
-#: sort for a one-element value too (at worst an over-count for the releases that already skip it).
+#: pinned down: sources already written with ``std::optional`` (mid-2024) still lack the condition, a later
+#: one written with ``std::string_view`` has it, and so does every newer source read. Targets before this
+#: version count the sort for a one-element value too (an over-count for any release that already skips it).
 INDEX_PUT_ONE_VALUE_UNSORTED_SINCE = (2, 9)
 
 
