@@ -59,10 +59,26 @@ What is listed, and why (paths under ``aten/src/ATen/`` of torch 2.13 unless sai
   (:func:`scan_workspace_bytes`); other shapes run ATen's block scans, which allocate nothing. Under
   deterministic algorithms newer releases take ``inclusive_deterministic_scan`` for floating sums,
   not read: **unbounded** there.
-* **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True`` or under
-  ``torch.use_deterministic_algorithms(True)``, and the backward of ``x[index]`` with integer index
-  tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear indices with CUB and
-  keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
+* **Sorting ``index_put_``** (``index_put(_)`` with ``accumulate=True``, and the backward of ``x[index]``
+  with integer index tensors): native/cuda/Indexing.cu ``index_put_with_sort_kernel`` sorts the linear
+  indices with CUB and keeps four int64 index arrays meanwhile (:func:`index_put_sort_bytes`).
+* **``x[index] = v``, ``index_add`` and ``index_copy`` under deterministic algorithms** (ATen ``index_put_``,
+  ``index_put`` and ``_index_put_impl_`` without ``accumulate``, ``index_add(_)`` (so the backward of
+  ``index_select``), ``index_copy(_)``, registered in :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS`,
+  only while ``torch.use_deterministic_algorithms(True)`` is set): native/TensorAdvancedIndexing.cpp
+  ``_index_put_impl_`` takes the sorting kernel (newer sources only for a value of more than one element,
+  :data:`INDEX_PUT_ONE_VALUE_UNSORTED_SINCE`), native/cuda/Indexing.cu ``index_add_cuda_impl`` calls it
+  accumulating on ``source * alpha``, TensorAdvancedIndexing.cpp ``index_copy_out`` without; the bound
+  follows ``index_put_with_sort_kernel`` (:func:`sorting_index_put_bytes`: int32 index conversions, the
+  linear index with ``wrapIndexOnce``'s range checks, the value's expansion, copies of a non-contiguous or
+  permuted ``self``, the sort).
+* **``torch._foreach_norm``** (ATen ``_foreach_norm`` and ``_foreach_powsum``, so ``clip_grad_norm_`` with
+  ``foreach=True``): native/cuda/ForeachReduceOp.cu allocates ``output_per_tensor``, one partial
+  in the accumulate type for each 65536-element chunk of the longest tensor, times the tensors
+  (:func:`foreach_norm_partials_bytes`); off its fast path, the largest per-tensor norm's Reduce.cuh
+  staging. ``clip_grad_norm_`` with ``foreach=None`` takes its per-tensor path in a trace, as
+  ``torch.utils._foreach_utils._has_foreach_support`` refuses fake tensors, so there the trace records
+  per-tensor ``linalg_vector_norm`` calls, not ``_foreach_norm``.
 * **``topk``** (ATen ``topk``, registered in :data:`~memguard.estimator._cuda_kernels.UNMODELLED_OPS`):
   native/cuda/TensorTopK.cu ``launch_gather_topk_kernel`` copies a non-contiguous input and, when
   ``should_use_multiblock(num_slices, slice_size)``, runs ``mbtopk::launch``, whose ``kthValues``,
@@ -106,10 +122,8 @@ Not listed, and why: convolutions with ``torch.backends.cudnn.enabled = False`` 
 kernels (``slow_conv2d``'s im2col ``columns`` and the like), not read here; ``nonzero``, ``unique``, boolean masking and other ops whose output size
 depends on values cannot run on fake tensors, so no estimate contains them; ``cross_entropy`` /
 ``nll_loss`` allocate on CUDA what their meta kernels do (see :mod:`memguard.estimator._cuda_rules`).
-Not bounded yet (so not listed, and not in the bound): ``torch._foreach_norm``'s per-tensor partials
-(``clip_grad_norm_`` on CUDA); ``x[index] = v`` (ATen ``index_put_`` below any torch function) under
-deterministic algorithms; ``index_add``/``index_copy`` under deterministic algorithms (not read here);
-the copies ``index_put_with_sort_kernel`` makes of ``self`` and ``value`` for ``index_put(_)`` itself.
+Not bounded yet (so not listed, and not in the bound): the copies ``index_put_with_sort_kernel`` makes
+of ``self`` and ``value`` for an accumulating ``index_put(_)`` call (:func:`index_put`).
 """
 
 from __future__ import annotations
@@ -705,20 +719,20 @@ def getitem(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
 @unmodelled(torch.index_put, torch.Tensor.index_put, torch._C.TensorBase.index_put, torch.Tensor.index_put_,
             torch._C.TensorBase.index_put_)
 def index_put(target: CudaTarget, args: tuple, kwargs: dict) -> list[Unmodelled]:
-    """``index_put(_)(input, indices, values, accumulate=False)``: the sorting kernel when accumulating or
-    under deterministic algorithms (native/TensorAdvancedIndexing.cpp ``_index_put_impl_``)."""
+    """``index_put(_)(input, indices, values, accumulate=True)``: the sorting kernel
+    (native/TensorAdvancedIndexing.cpp ``_index_put_impl_``). Without ``accumulate`` the kernel sorts only
+    under deterministic algorithms, which the ATen-level :func:`index_put_op` names (it also sees
+    ``x[index] = v``, which calls ``index_put_`` below any torch function)."""
     x = args[0] if args else kwargs.get("input", kwargs.get("self"))
     indices = _arg(args, kwargs, 1, "indices", None)
     accumulate = bool(_arg(args, kwargs, 3, "accumulate", False))
-    # _index_put_impl_: the sorting kernel for accumulate or under deterministic algorithms
-    if not isinstance(x, torch.Tensor) or not (accumulate or torch.are_deterministic_algorithms_enabled()):
+    if not isinstance(x, torch.Tensor) or not accumulate:
         return []
     n = _index_count(tuple(indices) if indices is not None else ())
     if not n:
         return []
-    how = "with accumulate" if accumulate else "under deterministic algorithms"
     return [Unmodelled("sorting index_put_'s index buffers and CUB radix-sort temporary storage",
-                       f"index_put {how} into {_shape(x)} at {n} indices", index_put_sort_bytes(n), True,
+                       f"index_put with accumulate into {_shape(x)} at {n} indices", index_put_sort_bytes(n), True,
                        _INDEX_SOURCE)]
 
 
@@ -808,6 +822,366 @@ def _register_scatters() -> None:
 
 
 _register_scatters()
+
+
+# --------------------------------------------------------------------------------------------
+# index_put_ without accumulate, index_add and index_copy under deterministic algorithms
+# --------------------------------------------------------------------------------------------
+#
+# Read in the PyTorch repository (aten/src/ATen/native/TensorAdvancedIndexing.cpp ``_index_put_impl_``,
+# ``index_copy_out``; native/cuda/Indexing.cu ``index_put_with_sort_kernel``, ``makeLinearIndex``,
+# ``computeLinearIndex``, ``wrapIndexOnce``, ``index_add_cuda_impl``), in versions before and after 2.13,
+# not at release tags: the buffers below are the same in all of them, except where said.
+
+#: native/TensorAdvancedIndexing.cpp ``_index_put_impl_``: newer sources take the sorting kernel without
+#: ``accumulate`` only for a value of more than one element (``deterministicAlgorithms() && value_.numel() > 1``;
+#: a one-element value writes the same number to every duplicate, so the order does not matter), older
+#: ones for every value (``accumulate || deterministicAlgorithms()``). The release that changed it was not
+#: pinned down: sources already written with ``std::optional`` (mid-2024) still lack the condition, a later
+#: one written with ``std::string_view`` has it, and so does every newer source read. Targets before this
+#: version count the sort for a one-element value too (an over-count for any release that already skips it).
+INDEX_PUT_ONE_VALUE_UNSORTED_SINCE = (2, 9)
+
+
+def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """c10 ``is_contiguous``: the strides of the dimensions of size > 1 are the row-major ones."""
+    step = 1
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n != 1 and st != step:
+            return False
+        step *= n
+    return True
+
+
+def _expanded_strides(shape: tuple[int, ...], strides: tuple[int, ...], to: tuple[int, ...]) -> tuple[int, ...]:
+    """``Tensor.expand(to)``'s strides (ExpandUtils.h ``inferExpandGeometry``): 0 where a dimension of
+    size 1 (or a missing leading one) is broadcast."""
+    lead = len(to) - len(shape)
+    out = []
+    for d, n in enumerate(to):
+        i = d - lead
+        out.append(0 if i < 0 or (shape[i] == 1 and n != 1) else strides[i])
+    return tuple(out)
+
+
+def sorting_index_put_bytes(self_shape: tuple[int, ...], self_contiguous: bool, elem_bytes: int,
+                            indices: list, value_numel: int, value_contiguous: bool,
+                            target: CudaTarget | None = None) -> tuple[int, ...]:
+    """The buffers of CUDA's sorting ``index_put_`` (native/cuda/Indexing.cu ``index_put_with_sort_kernel``,
+    reached from ``_index_put_impl_``) at its worst moment, as the source writes them.
+
+    ``indices`` has, for each leading dimension of ``self``, None (not indexed) or ``(shape, strides,
+    itemsize)`` of an integer index tensor (itemsize 4: int32, 8: int64). Two phases, the larger returned:
+
+    1. ``makeLinearIndex``: int32 indices are converted (``i.to(at::kLong)``, an int64 copy of each, live
+       until it returns); non-adjacent indexed dimensions are moved to the front (``transposeToFrontAndInvPerm``,
+       views). ``computeLinearIndex`` then, for each index in turn, runs ``wrapIndexOnce``: ``index.max()``
+       and ``index.min()`` (full reductions of the broadcast index, Reduce.cuh's staging:
+       :func:`reduce_workspace_bytes`, one at a time) and ``index.remainder(dim_size)``, multiplied by the
+       dimension's stride (two int64 tensors of the ``M`` broadcast indices, live together until the
+       statement ends), added into ``linearIndex`` (``M`` int64) from the second index on.
+    2. the sort: ``expandedValue`` (``value.expand(vals_shape).contiguous()``, older sources the same
+       expansion when ``value.numel()`` is short: a copy of ``nElemBefore * M * sliceSize`` elements unless
+       the value is already contiguous and that large), ``src.contiguous()`` of the permuted ``self`` when
+       the indexed dimensions were moved, and :func:`index_put_sort_bytes` of ``M`` (``linearIndex``,
+       ``sorted_indices``, ``orig_indices``, ``range``, CUB's ``radix_sort_pairs``); it runs only when
+       ``M > 0`` and ``sliceSize > 0``.
+
+    Both phases also hold ``self.contiguous()`` of a non-contiguous ``self``. CUDA before 11.3 and ROCm sort
+    fewer than 50000 indices with thrust instead (``index_put_with_sort_kernel_thrust_helper`` in sources
+    that have it); the CUB bound is used there too.
+    """
+    ndim = len(self_shape)
+    idx = list(indices) + [None] * (ndim - len(indices))
+    defined = [d for d in range(ndim) if idx[d] is not None]
+    if not defined:
+        return ()
+    bshape = tuple(int(s) for s in torch.broadcast_shapes(*(tuple(idx[d][0]) for d in defined)))
+    m = math.prod(bshape)
+    self_numel = math.prod(self_shape)
+    self_copy = () if self_contiguous else (self_numel * elem_bytes,)
+    if m == 0:
+        return self_copy
+    adjacent = defined == list(range(defined[0], defined[-1] + 1))
+    if adjacent:
+        before = math.prod(self_shape[:defined[0]])
+        slice_size = math.prod(self_shape[defined[-1] + 1:])
+        permuted = False
+    else:  # transposeToFront: indexed dimensions first, in order, then the others
+        perm = defined + [d for d in range(ndim) if d not in defined]
+        before = 1
+        slice_size = math.prod(self_shape[d] for d in range(ndim) if d not in defined)
+        src_shape = tuple(self_shape[d] for d in perm)
+        base = _contiguous_strides(tuple(self_shape))
+        permuted = not _contiguous(src_shape, tuple(base[d] for d in perm))
+    conversions = tuple(math.prod(idx[d][0]) * 8 for d in defined if idx[d][2] == 4)
+    # phase 1: computeLinearIndex, index after index
+    kernel = reduce_kernel("values", torch.int64, (torch.int64,))
+    linear_phase: tuple[int, ...] = ()
+    for k, d in enumerate(defined):
+        shape, strides, _ = idx[d]
+        shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
+        if idx[d][2] == 4:
+            strides = _contiguous_strides(shape)  # the int64 copy is contiguous
+        ex = _expanded_strides(shape, strides, bshape)
+        staging = reduce_workspace_bytes(bshape, tuple(range(len(bshape))), kernel, target, ex) if bshape else ()
+        held = (m * 8,) if k else ()  # linearIndex from the first index on
+        step = held + (staging if sum(staging) > 2 * m * 8 else (m * 8, m * 8))
+        if sum(step) > sum(linear_phase):
+            linear_phase = step
+    phase1 = self_copy + conversions + linear_phase
+    if slice_size == 0:
+        return phase1
+    needed = before * m * slice_size
+    value_copy = () if value_contiguous and value_numel == needed else (needed * elem_bytes,)
+    src_copy = (self_numel * elem_bytes,) if permuted else ()
+    phase2 = self_copy + value_copy + src_copy + index_put_sort_bytes(m)
+    return phase2 if sum(phase2) >= sum(phase1) else phase1
+
+
+def _index_parts(indices: Any) -> list | None:
+    """``Tensor?[] indices`` as :func:`sorting_index_put_bytes` takes them; None when a boolean or byte
+    mask is among them (``expandTensors`` turns it into ``nonzero()``, whose size depends on values)."""
+    parts: list = []
+    for t in indices or ():
+        if t is None:
+            parts.append(None)
+        elif not isinstance(t, torch.Tensor) or t.dtype in (torch.bool, torch.uint8):
+            return None
+        else:
+            parts.append((tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()), t.element_size()))
+    return parts
+
+
+_DET_INDEX_SOURCE = ("aten/src/ATen/native/TensorAdvancedIndexing.cpp _index_put_impl_; aten/src/ATen/native/cuda/"
+                     "Indexing.cu index_put_with_sort_kernel, makeLinearIndex, computeLinearIndex; "
+                     "cub/device/dispatch/dispatch_radix_sort.cuh")
+_DETERMINISTIC = "taken because torch.use_deterministic_algorithms(True) is set"
+
+
+def _one_value_unsorted(target: CudaTarget, numel: int) -> bool:
+    return numel <= 1 and target.torch_version >= INDEX_PUT_ONE_VALUE_UNSORTED_SINCE
+
+
+def index_put_op(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: Any) -> list[Unmodelled]:
+    """ATen ``index_put_``/``index_put``/``_index_put_impl_`` without ``accumulate`` under deterministic
+    algorithms: ``x[index] = v`` (THPVariable_setitem's ``index_put_``), an explicit ``index_put(_)``.
+
+    With ``accumulate=True`` it reports nothing: :func:`index_put` (explicit calls) and :func:`getitem`
+    (the backward of ``x[index]``) name those at the torch-function level. The out-of-place ``index_put``
+    writes into its clone (``self.clone(at::MemoryFormat::Preserve)``, the op's output), whose layout decides
+    the copy of a non-contiguous ``self``.
+    """
+    if not torch.are_deterministic_algorithms_enabled():
+        return []
+    x = args[0] if args else kwargs.get("self")
+    indices = _arg(args, kwargs, 1, "indices", None)
+    values = _arg(args, kwargs, 2, "values", None)
+    accumulate = bool(_arg(args, kwargs, 3, "accumulate", False))
+    if accumulate or not isinstance(x, torch.Tensor) or not isinstance(values, torch.Tensor) or x.is_sparse:
+        return []
+    parts = _index_parts(indices)
+    if parts is None or all(p is None for p in parts) or _one_value_unsorted(target, values.numel()):
+        return []
+    dest = out if func is torch.ops.aten.index_put.default and isinstance(out, torch.Tensor) else x
+    allocs = sorting_index_put_bytes(tuple(int(s) for s in x.shape), dest.is_contiguous(), x.element_size(),
+                                     parts, values.numel(), values.is_contiguous(), target)
+    if not allocs:
+        return []
+    n = math.prod(torch.broadcast_shapes(*(p[0] for p in parts if p is not None)))
+    name = str(func).replace("aten.", "")
+    detail = _DETERMINISTIC + ("; x[index] = v calls it" if func is torch.ops.aten.index_put_.default else "")
+    if values.numel() <= 1:
+        detail += (f"; a one-element value: newer releases skip the sort for it, counted below torch "
+                   f"{INDEX_PUT_ONE_VALUE_UNSORTED_SINCE[0]}.{INDEX_PUT_ONE_VALUE_UNSORTED_SINCE[1]}")
+    return [Unmodelled("deterministic index_put_'s sort (index buffers, CUB radix-sort storage, copies)",
+                       f"{name} under deterministic algorithms into {_shape(x)} at {n} indices", allocs, True,
+                       _DET_INDEX_SOURCE, detail)]
+
+
+def index_add_op(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: Any) -> list[Unmodelled]:
+    """ATen ``index_add``/``index_add_`` under deterministic algorithms (so the backward of ``index_select``).
+
+    native/cuda/Indexing.cu ``index_add_cuda_impl``: ``result.index_put_(indices, source * alpha, true)``
+    with ``indices`` None for the dimensions before ``dim`` and ``index.to(at::kLong)`` at ``dim``: the int64
+    copy of an int32 index and ``source * alpha`` (a new tensor of ``source``'s size, laid out as ``source``
+    when that is dense, else contiguous) live through the sorting kernel (:func:`sorting_index_put_bytes`,
+    accumulating, so for any size of ``source``).
+    """
+    if not torch.are_deterministic_algorithms_enabled():
+        return []
+    x = args[0] if args else kwargs.get("self")
+    dim = _arg(args, kwargs, 1, "dim", 0)
+    index = _arg(args, kwargs, 2, "index", None)
+    source = _arg(args, kwargs, 3, "source", None)
+    if not all(isinstance(t, torch.Tensor) for t in (x, index, source)) or x.dim() == 0 or x.is_sparse:
+        return []
+    d = int(dim) % x.dim()
+    dest = out if isinstance(out, torch.Tensor) else x
+    ishape = tuple(int(s) for s in index.shape)
+    # index.to(at::kLong): the index itself when int64, else a contiguous int64 copy
+    converted = index.element_size() == 4
+    conversion = (index.numel() * 8,) if converted else ()
+    istrides = _contiguous_strides(ishape) if converted else tuple(int(s) for s in index.stride())
+    scaled = (source.numel() * source.element_size(),)
+    scaled_contiguous = source.is_contiguous() or not _dense(source)
+    parts = [None] * d + [(ishape, istrides, 8)]
+    sort = sorting_index_put_bytes(tuple(int(s) for s in x.shape), dest.is_contiguous(), x.element_size(), parts,
+                                   source.numel(), scaled_contiguous, target)
+    if not sort:
+        return []
+    allocs = conversion + scaled + sort
+    name = str(func).replace("aten.", "")
+    return [Unmodelled("deterministic index_add's sorting index_put_ (index buffers, CUB radix-sort storage, copies)",
+                       f"{name} under deterministic algorithms into {_shape(x)} along dim {d} at "
+                       f"{index.numel()} indices", allocs, True,
+                       "aten/src/ATen/native/cuda/Indexing.cu index_add_cuda_impl; " + _DET_INDEX_SOURCE,
+                       _DETERMINISTIC)]
+
+
+def index_copy_op(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: Any) -> list[Unmodelled]:
+    """ATen ``index_copy``/``index_copy_`` under deterministic algorithms.
+
+    native/TensorAdvancedIndexing.cpp ``index_copy_out`` (``result.is_cuda() &&
+    globalContext().deterministicAlgorithms()``): ``result.index_put_(indices, source, false)`` with the
+    (int64) ``index`` at ``dim``, so :func:`sorting_index_put_bytes` whenever ``_index_put_impl_`` sorts
+    without accumulating (see :data:`INDEX_PUT_ONE_VALUE_UNSORTED_SINCE`).
+    """
+    if not torch.are_deterministic_algorithms_enabled():
+        return []
+    x = args[0] if args else kwargs.get("self")
+    dim = _arg(args, kwargs, 1, "dim", 0)
+    index = _arg(args, kwargs, 2, "index", None)
+    source = _arg(args, kwargs, 3, "source", None)
+    if not all(isinstance(t, torch.Tensor) for t in (x, index, source)) or x.dim() == 0 or x.is_sparse:
+        return []
+    if _one_value_unsorted(target, source.numel()):
+        return []
+    d = int(dim) % x.dim()
+    dest = out if isinstance(out, torch.Tensor) else x
+    ishape = tuple(int(s) for s in index.shape)
+    parts = [None] * d + [(ishape, tuple(int(s) for s in index.stride()), index.element_size())]
+    allocs = sorting_index_put_bytes(tuple(int(s) for s in x.shape), dest.is_contiguous(), x.element_size(), parts,
+                                     source.numel(), source.is_contiguous(), target)
+    if not allocs:
+        return []
+    name = str(func).replace("aten.", "")
+    return [Unmodelled("deterministic index_copy's sorting index_put_ (index buffers, CUB radix-sort storage, copies)",
+                       f"{name} under deterministic algorithms into {_shape(x)} along dim {d} at "
+                       f"{index.numel()} indices", allocs, True,
+                       "aten/src/ATen/native/TensorAdvancedIndexing.cpp index_copy_out; " + _DET_INDEX_SOURCE,
+                       _DETERMINISTIC)]
+
+
+def _register_deterministic_indexing() -> None:
+    aten = torch.ops.aten
+    for name, finder in [("index_put_.default", index_put_op), ("index_put.default", index_put_op),
+                         ("_index_put_impl_.default", index_put_op), ("index_add.default", index_add_op),
+                         ("index_add_.default", index_add_op), ("index_copy.default", index_copy_op),
+                         ("index_copy_.default", index_copy_op)]:
+        packet, overload = name.split(".")
+        op = getattr(getattr(aten, packet, None), overload, None)
+        if op is not None:
+            UNMODELLED_OPS[op] = finder
+
+
+_register_deterministic_indexing()
+
+
+# --------------------------------------------------------------------------------------------
+# torch._foreach_norm: the per-tensor partials
+# --------------------------------------------------------------------------------------------
+
+#: native/cuda/MultiTensorApply.cuh ``kChunkSize`` (torch 2.13's installed header; the same in the older
+#: sources read): the elements one block of ``multi_tensor_apply`` reduces into one partial.
+FOREACH_CHUNK_SIZE = 65536
+#: pytorch#118441 (torch 2.3) added the infinity norm to ``_foreach_norm``'s fast path; before, only 1 and 2.
+FOREACH_NORM_INF_SINCE = (2, 3)
+_FOREACH_SOURCE = ("aten/src/ATen/native/cuda/ForeachReduceOp.cu foreach_tensor_norm_cuda / "
+                   "foreach_tensor_norm_cuda_internal: output_per_tensor (ntensors x max_chunks_per_tensor in the "
+                   "accumulate type)")
+
+
+def foreach_norm_partials_bytes(numels: Iterable[int], out_dtype: torch.dtype) -> int:
+    """``output_per_tensor`` of CUDA's ``_foreach_norm`` (and ``_foreach_powsum``) fast path
+    (native/cuda/ForeachReduceOp.cu: ``foreach_tensor_norm_cuda_internal`` in the source that has
+    ``_foreach_powsum`` and no ``_foreach_global_norm``, as the installed torch 2.13 does; in older sources
+    ``foreach_tensor_norm_cuda`` itself): ``at::zeros({ntensors * max_chunks_per_tensor},
+    opmath(output dtype))`` (older sources: of the input's dtype, the same without ``dtype``),
+    ``max_chunks_per_tensor`` the most ``ceil(numel / kChunkSize)`` over the tensors
+    (:data:`FOREACH_CHUNK_SIZE`); live while ``multi_tensor_apply`` (whose tensor lists travel as kernel
+    arguments, native/cuda/MultiTensorApply.cuh) and ``lpnorm_cleanup`` run, freed when the op returns.
+    Sources newer than 2.13 (with ``_foreach_global_norm``) also allocate a 320-element ``global_output``
+    (``_foreach_tensor_norm_cuda_impl``), not counted: no target has them."""
+    numels = [int(n) for n in numels]
+    if not numels:
+        return 0
+    chunks = max(-(-n // FOREACH_CHUNK_SIZE) for n in numels)
+    return len(numels) * chunks * _acc_bytes(out_dtype)
+
+
+def foreach_norm(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: Any) -> list[Unmodelled]:
+    """ATen ``_foreach_norm(tensors, ord=2, dtype=None)`` (``clip_grad_norm_``'s foreach path) and
+    ``_foreach_powsum`` (the same without the root; its fast path only for ``ord`` 1 and 2).
+
+    The fast path (``can_use_fast_route``, native/ForeachUtils.h: one device and dtype, strided,
+    non-overlapping and dense; no integer or complex tensor; ``ord`` 1, 2 or, from
+    :data:`FOREACH_NORM_INF_SINCE`, infinity) allocates
+    :func:`foreach_norm_partials_bytes`. Otherwise ``foreach_tensor_norm_slow`` runs one
+    ``linalg_vector_norm`` a tensor, one at a time: the largest of their Reduce.cuh staging buffers
+    (:func:`reduce_workspace_bytes`) is listed instead, as the trace does not see those inner reductions.
+    """
+    tensors = [t for t in (args[0] if args else kwargs.get("self", ())) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return []
+    ord_ = _arg(args, kwargs, 1, "ord", 2)
+    dtype = _arg(args, kwargs, 2, "dtype", None)
+    p = float(ord_)
+    first = tensors[0]
+    out_dtype = dtype or first.dtype
+    if out_dtype.is_complex:
+        out_dtype = out_dtype.to_real()
+    odd = any(t.dtype.is_complex or not (t.dtype.is_floating_point) for t in tensors)
+    powsum = func is getattr(getattr(torch.ops.aten, "_foreach_powsum", None), "Scalar", None)
+    fast_ord = p in (1.0, 2.0) or (not powsum and p == math.inf and target.torch_version >= FOREACH_NORM_INF_SINCE)
+    fast = (not odd and fast_ord and all(t.dtype == first.dtype and t.device == first.device and not t.is_sparse
+                                         and _dense(t) for t in tensors))
+    name = "_foreach_powsum" if powsum else "_foreach_norm"
+    what = f"{name} (ord={ord_:g}) of {len(tensors)} tensors" if isinstance(ord_, (int, float)) else \
+        f"{name} of {len(tensors)} tensors"
+    if fast:
+        nbytes = foreach_norm_partials_bytes([t.numel() for t in tensors], out_dtype)
+        if not nbytes:
+            return []
+        largest = max(t.numel() for t in tensors)
+        return [Unmodelled(f"{name}'s per-tensor partials (output_per_tensor)",
+                           f"{what}, the largest of {largest} elements", (nbytes,), True, _FOREACH_SOURCE,
+                           f"{len(tensors)} x ceil({largest} / {FOREACH_CHUNK_SIZE}) partials of "
+                           f"{_acc_bytes(out_dtype)} bytes")]
+    if odd and any(not (t.dtype.is_floating_point or t.dtype.is_complex) for t in tensors):
+        return []  # integer tensors: linalg_vector_norm refuses them
+    if powsum:
+        return [Unmodelled("_foreach_powsum's slow path", what, (), False,
+                           "aten/src/ATen/native/ForeachOpsKernels.cpp foreach_tensor_powsum_slow (not read here)")]
+    best: tuple[int, ...] = ()
+    for t in tensors:
+        if t.numel() == 0 or t.is_sparse:
+            continue
+        kernel = reduce_kernel("sum", t.dtype, (out_dtype,))
+        allocs = reduce_workspace_bytes(tuple(int(s) for s in t.shape), tuple(range(t.dim())), kernel, target,
+                                        tuple(int(s) for s in t.stride()) if _dense(t) else None)
+        if sum(allocs) > sum(best):
+            best = allocs
+    if not best:
+        return []
+    return [Unmodelled(f"{name}'s slow path: per-tensor norms' cross-block staging",
+                       what, best, True, "aten/src/ATen/native/ForeachOpsKernels.cpp foreach_tensor_norm_slow; "
+                       + _REDUCE_SOURCE, "the fast path's conditions (can_use_fast_route, ord 1/2/inf) do not hold")]
+
+
+UNMODELLED_OPS[torch.ops.aten._foreach_norm.Scalar] = foreach_norm
+if hasattr(torch.ops.aten, "_foreach_powsum"):  # newer releases (torch 2.13 has it)
+    UNMODELLED_OPS[torch.ops.aten._foreach_powsum.Scalar] = foreach_norm
 
 
 # --------------------------------------------------------------------------------------------
