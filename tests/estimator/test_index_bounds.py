@@ -18,11 +18,10 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memguard
 from memguard.estimator._cuda_kernels import UNMODELLED_OPS, CudaTarget
-from memguard.estimator._trace import Recorder, Trace, load_rules
+from aten_recording import H100, record_unmodelled as _record  # this folder is on sys.path under pytest
 from memguard.estimator._unmodelled import (
     FOREACH_CHUNK_SIZE,
     cub_radix_sort_bytes,
@@ -36,9 +35,6 @@ from memguard.estimator._unmodelled import (
 
 MiB = 1 << 20
 
-load_rules()
-
-H100 = CudaTarget(capability=(9, 0), sm_count=132)
 OLD = CudaTarget(capability=(8, 0), sm_count=108, torch_version=(2, 4))  # before the one-element skip
 OLDER = CudaTarget(capability=(8, 0), sm_count=108, torch_version=(2, 2))  # before the inf-norm fast path
 
@@ -51,19 +47,6 @@ SORT300 = (2400,) * 4 + (26112,)
 SORT100 = (800,) * 4 + (16384 + 2048 + 1024 + 1024 + 512,)
 # one index: 8 B arrays; bins 16384, lookback 2048, keys and values 8 -> 256 each, counters 512
 SORT1 = (8,) * 4 + (16384 + 2048 + 256 + 256 + 512,)
-
-
-def _record(target, fn, deterministic: bool):
-    rec = Recorder(Trace(), None, None)
-    rec.unmodelled_target = target
-    torch.use_deterministic_algorithms(deterministic)
-    try:
-        with FakeTensorMode():
-            with rec:
-                fn()
-    finally:
-        torch.use_deterministic_algorithms(False)
-    return rec.unmodelled
 
 
 def test_hand_counted_sorts():

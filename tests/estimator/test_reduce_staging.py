@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memguard
 from memguard.estimator import _trace, _tracing
 from memguard.estimator._cuda_kernels import UNMODELLED_OPS, CudaTarget
-from memguard.estimator._trace import Recorder, Trace, load_rules
+from aten_recording import H100, UNKNOWN, record_unmodelled as _record  # this folder is on sys.path under pytest
 from memguard.estimator._unmodelled import (
     MAX_THREADS_PER_SM,
     reduce_iter,
@@ -29,11 +28,7 @@ from memguard.estimator._unmodelled import (
 
 MiB = 1 << 20
 
-load_rules()
-
-H100 = CudaTarget(capability=(9, 0), sm_count=132)  # H100 SXM: 132 SMs, 2048 threads an SM
 T4 = CudaTarget(capability=(7, 5), sm_count=40)  # T4: 40 SMs, 1024 threads an SM
-UNKNOWN = CudaTarget(capability=(9, 0))  # no SM count: the largest split
 SUM32 = reduce_kernel("sum", torch.float32, (torch.float32,))
 
 
@@ -155,16 +150,6 @@ def test_rocm_takes_its_constants_and_no_sm_count():
 # --------------------------------------------------------------------------------------------
 # the ATen-level finder
 # --------------------------------------------------------------------------------------------
-
-
-def _record(target, fn):
-    """Run ``fn`` on fake tensors under a recorder that reports the ATen-level finders for ``target``."""
-    rec = Recorder(Trace(), None, None)
-    rec.unmodelled_target = target
-    with FakeTensorMode():
-        with rec:
-            fn()
-    return rec.unmodelled
 
 
 def test_the_recorder_reports_reductions_by_aten_op():

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memguard
-from memguard.estimator._cuda_kernels import UNMODELLED_OPS, CudaTarget
-from memguard.estimator._trace import Recorder, Trace, load_rules
+from memguard.estimator._cuda_kernels import UNMODELLED_OPS
+from aten_recording import H100, UNKNOWN, record_unmodelled as _record  # this folder is on sys.path under pytest
 from memguard.estimator._unmodelled import (
     cub_radix_sort_bytes,
     index_put_sort_bytes,
@@ -28,20 +27,6 @@ from memguard.estimator._unmodelled import (
 
 MiB = 1 << 20
 
-load_rules()
-
-H100 = CudaTarget(capability=(9, 0), sm_count=132)
-UNKNOWN = CudaTarget(capability=(9, 0))
-AMD = CudaTarget(capability=(9, 4), vendor="amd", sm_count=304)
-
-
-def _record(target, fn):
-    rec = Recorder(Trace(), None, None)
-    rec.unmodelled_target = target
-    with FakeTensorMode():
-        with rec:
-            fn()
-    return rec.unmodelled
 
 
 # --------------------------------------------------------------------------------------------
