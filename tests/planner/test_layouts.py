@@ -320,16 +320,11 @@ def test_kept_blocks_cuts_the_stack_and_always_puts_it_back():
     assert list(model.model.layers) == layers
 
 
-def deep_llama(layers=24):
-    cfg = transformers.LlamaConfig(hidden_size=512, num_hidden_layers=layers, num_attention_heads=8,
-                                   num_key_value_heads=4, intermediate_size=1536, vocab_size=32000)
+def deep_llama(layers):
+    cfg = transformers.LlamaConfig(hidden_size=1024, num_hidden_layers=layers, num_attention_heads=8,
+                                   num_key_value_heads=4, intermediate_size=3072, vocab_size=32000)
     with torch.device("meta"):
         return transformers.LlamaForCausalLM(cfg)
-
-
-@pytest.fixture(scope="module")
-def deep():
-    return deep_llama()
 
 
 def _deep_batch(n):
@@ -337,36 +332,42 @@ def _deep_batch(n):
     return {"input_ids": ids, "labels": ids}
 
 
-@pytest.mark.parametrize("layout, k", [(Layout(dp_shard=2), 0), (Layout(dp_shard=2), 12), (Layout(dp_shard=2), 24),
-                                       (Layout(dp_shard=2, tp=2), 0)])
-def test_the_short_verification_is_the_full_trace_within_a_percent(deep, layout, k):
-    """On the CUDA target, whose caching allocator makes the peak more than allocated bytes: the short traces'
-    extrapolation against the whole model's estimate (benchmarks/short_verification.py: 8B and 70B shapes)."""
+def test_the_short_verification_is_the_full_trace_within_a_percent():
+    """On the CUDA target, whose caching allocator makes the peak more than allocated bytes, FSDP2 x TP with
+    half the blocks checkpointed (three short traces): the extrapolation against the whole model's estimate
+    (benchmarks/short_verification.py has 8B and 70B shapes, plain, checkpointed and mixed)."""
     from memguard.estimator._blocks import kept_blocks
 
-    kw = dict(device="cuda", gpu="H100-80GB", precision="bf16-mixed", layout=layout)
-    points = _layouts.short_points(24, k)
+    deep, n, k = deep_llama(22), 22, 11
+    kw = dict(device="cuda", gpu="H100-80GB", precision="bf16-mixed", layout=Layout(dp_shard=2, tp=2))
+    points = _layouts.short_points(n, k)
+    assert len(points) == 3
     shorts = []
     for p, c in points:
         with kept_blocks(deep, p + c):
             shorts.append(memguard.estimate(deep, _deep_batch(2), activation_checkpointing=c, **kw))
     full = memguard.estimate(deep, _deep_batch(2), activation_checkpointing=k, **kw)
-    for field in ("peak_bytes", "allocated_peak_bytes", "peak_upper_bytes"):
-        short = _layouts.extrapolate(points, [getattr(e, field) for e in shorts], 24 - k, k)
-        assert short == pytest.approx(getattr(full, field), rel=0.01), field
-    assert len(deep.model.layers) == 24
+    def short(field):
+        return _layouts.extrapolate(points, [getattr(e, field) for e in shorts], n - k, k)
+
+    # allocated bytes are affine in the blocks to the byte; the allocator's segments come in steps
+    assert round(short("allocated_peak_bytes")) == full.allocated_peak_bytes
+    assert short("peak_bytes") == pytest.approx(full.peak_bytes, rel=0.01)
+    assert short("peak_upper_bytes") == pytest.approx(full.peak_upper_bytes, rel=0.01)
+    assert len(deep.model.layers) == n
 
 
-def test_the_planner_verifies_by_short_traces_when_a_full_one_is_over_budget(deep, monkeypatch):
+def test_the_planner_verifies_by_short_traces_when_a_full_one_is_over_budget(monkeypatch):
+    deep = deep_llama(14)
     monkeypatch.setattr(_layouts, "short_trace_seconds", lambda profile, lay, points: 0.0)
     plan = memguard.plan(deep, _deep_batch(1), global_batch_size=8, device="cuda", gpu="H100-80GB",
                          world_size=2, gpus_per_node=2, precision="bf16-mixed", verify_budget_s=1e-9)
     assert plan.reasons["estimate"].startswith("verified by short verification"), plan.reasons["estimate"]
-    assert "extrapolated to its 24 blocks" in plan.reasons["estimate"]
+    assert "extrapolated to its 14 blocks" in plan.reasons["estimate"]
     full = memguard.estimate(deep, _deep_batch(plan.micro_batch_size), device="cuda", gpu="H100-80GB",
                              precision=plan.precision, layout=plan.layout,
                              activation_checkpointing=plan.checkpoint_blocks, grad_accum_steps=plan.grad_accum_steps,
                              zero_stage=3 if plan.layout.dp_shard > 1 else 0)
     assert plan.estimate.peak_bytes == pytest.approx(full.peak_bytes, rel=0.01)
     assert len(plan.estimate.rank_peak_bytes) == 2 and max(plan.estimate.rank_peak_bytes) == plan.estimate.peak_bytes
-    assert len(deep.model.layers) == 24
+    assert len(deep.model.layers) == 14
