@@ -338,7 +338,8 @@ def _target_options(parser: argparse.ArgumentParser, *, budget_help: str) -> arg
                         "data-parallel ranks)")
     g.add_argument("--verify-budget", type=_seconds, default=None, metavar="SECONDS",
                    help="with --gpus-per-node: verify the chosen layout with a full trace when it is predicted "
-                        "(from the model's op count) to take at most SECONDS (default 20; 0: never; inf: always)")
+                        "(from the model's op count) to take at most SECONDS, else with traces of the model cut to "
+                        "a few blocks when those fit (default 20; 0: never; inf: always a full trace)")
     g.add_argument("--budget", type=_bytes_arg, metavar="SIZE", help=budget_help)
     return g
 

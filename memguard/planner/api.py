@@ -157,8 +157,10 @@ def plan(
             need only split over the chosen layout's data-parallel replicas.
         verify_budget_s: with ``gpus_per_node``: the chosen layout is verified with a full
             ``memguard.estimate(..., layout=...)`` when that is predicted (from the model's op count, not
-            a clock) to take at most this many seconds; None = 20 s, 0 = never, ``math.inf`` = always.
-            ``Plan.reasons["estimate"]`` says whether it was.
+            a clock) to take at most this many seconds, else by the short verification (the model cut to
+            a few blocks, every figure extrapolated; see :mod:`memguard.planner._layouts`) where that fits;
+            None = 20 s, 0 = never, ``math.inf`` = always a full trace. ``Plan.reasons["estimate"]`` says
+            which it was.
 
     Returns:
         The :class:`~memguard.Plan`, verified with one full trace.
