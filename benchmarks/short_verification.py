@@ -61,7 +61,7 @@ def run_case(name: str) -> dict:
     import torch
 
     import memguard
-    from memguard.estimator._blocks import kept_blocks
+    from memguard.estimator._tracing import keeping_blocks
     from memguard.planner._layouts import extrapolate, short_points
 
     shape, lay, m, k = CASES[name]
@@ -74,7 +74,7 @@ def run_case(name: str) -> dict:
     t0 = time.process_time()
     shorts = []
     for p, c in points:
-        with kept_blocks(model, p + c):
+        with keeping_blocks(p + c):
             shorts.append(memguard.estimate(model, batch, activation_checkpointing=c, **kwargs))
     short_s = time.process_time() - t0
     t1 = time.process_time()

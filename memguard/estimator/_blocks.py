@@ -8,10 +8,8 @@ returns a function that undoes it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
@@ -45,27 +43,6 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     """
     container = find_container(model)
     return list(container.children()) if container is not None else []
-
-
-@contextlib.contextmanager
-def kept_blocks(model: nn.Module, n: int) -> Iterator[nn.Module]:
-    """``model`` with only its first ``n`` repeated blocks while the context lasts (the layout
-    planner's short verification traces, :mod:`memguard.planner._layouts`); the container's blocks
-    are put back on exit, whatever happens. The blocks themselves are not touched (no copy).
-
-    Raises:
-        ValueError: ``n`` is below 1 or the model has no repeated blocks (a programming error: the
-            planner only cuts models it found blocks in).
-    """
-    container = find_container(model)
-    if container is None or n < 1:
-        raise ValueError(f"kept_blocks({type(model).__name__}, {n}): no repeated blocks to keep {n} of")
-    saved = container._modules
-    container._modules = OrderedDict(list(saved.items())[:n])
-    try:
-        yield model
-    finally:
-        container._modules = saved
 
 
 def apply_activation_checkpointing(

@@ -10,9 +10,11 @@ of a real FSDP2 step (:mod:`memguard.estimator._fsdp2_trace`). The trace is pric
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -65,6 +67,24 @@ class TraceRequest:
     fsdp2: Any = None
 
 
+#: The blocks every trace in this context keeps (:func:`keeping_blocks`), or None.
+_KEEP_BLOCKS: contextvars.ContextVar[int | None] = contextvars.ContextVar("memguard_keep_blocks", default=None)
+
+
+@contextlib.contextmanager
+def keeping_blocks(n: int) -> Iterator[None]:
+    """Every step traced in this context keeps only the model's first ``n`` repeated blocks, as the
+    planner's probes do (``TraceRequest.keep_blocks``), whichever public entry point traces it: the
+    layout planner's short verification (:mod:`memguard.planner._layouts`) calls
+    ``memguard.estimate(..., layout=...)`` so. The user's model is not touched: the trace's private
+    copy leaves the other blocks out (:func:`memguard.estimator._trace._fake_model`)."""
+    token = _KEEP_BLOCKS.set(n)
+    try:
+        yield
+    finally:
+        _KEEP_BLOCKS.reset(token)
+
+
 def trace_spec(request: TraceRequest, *, on_gpu: bool = False) -> TraceSpec:
     """The :class:`~memguard.estimator._trace.TraceSpec` that :func:`run_trace` traces ``request`` with
     (its ``fsdp2`` aside).
@@ -80,7 +100,8 @@ def trace_spec(request: TraceRequest, *, on_gpu: bool = False) -> TraceSpec:
     common = dict(
         param_dtype=p.param_dtype, autocast_dtype=p.autocast_dtype, loss_scale=p.loss_scale,
         checkpoint_blocks=request.checkpoint_blocks, grads_present=request.grads_present,
-        keep_blocks=request.keep_blocks, count_flops=request.count_flops, keep_outputs=request.keep_outputs,
+        keep_blocks=request.keep_blocks if request.keep_blocks is not None else _KEEP_BLOCKS.get(),
+        count_flops=request.count_flops, keep_outputs=request.keep_outputs,
     )
     if device != "cuda":
         from memguard.estimator._cpu_kernels import CpuTarget

@@ -50,7 +50,7 @@ prediction is the model's op count (counted on the probes) times :data:`SECONDS_
 an idle and on a loaded host. Where the full trace is over budget but a *short verification* is
 not, the winner is verified on the model cut to a few blocks (:func:`short_points`: a stack of plain
 or of checkpointed blocks at 4 and 8 of them; one with ``k`` of ``n`` checkpointed at (plain,
-checkpointed) = (2, 2), (6, 2) and (2, 6); :func:`memguard.estimator._blocks.kept_blocks`), each a real
+checkpointed) = (2, 2), (6, 2) and (2, 6); :func:`memguard.estimator._tracing.keeping_blocks`), each a real
 ``estimate(..., layout=...)`` with the CUDA allocator model, and every figure extrapolated affinely to
 the whole stack (:func:`extrapolate`). Repeated blocks add the same tensors, so allocated bytes are
 affine in the blocks, to the byte on Llama 3.1 8B and 70B shapes; the caching allocator's overhead
@@ -725,13 +725,14 @@ def short_points(n: int, k: int) -> list[tuple[int, int]] | None:
 
 def extrapolate(points: list[tuple[int, int]], values: list[float], plain: int, ckpt: int) -> float:
     """A quantity of the short traces at ``points`` (:func:`short_points`), affine in the plain and the
-    checkpointed blocks, at ``plain`` and ``ckpt`` blocks."""
+    checkpointed blocks, at ``plain`` and ``ckpt`` blocks. Three points are ``(p0, c0)``, one with more plain
+    blocks ``(p1, c0)`` and one with more checkpointed ones ``(p0, c2)``."""
     (p0, c0), (p1, c1) = points[0], points[1]
     v0, v1 = values[0], values[1]
     if len(points) == 2:  # one axis varies
         x0, x1, x = (p0, p1, plain) if p1 != p0 else (c0, c1, ckpt)
         return v0 + (x - x0) * (v1 - v0) / (x1 - x0)
-    (p2, c2), v2 = points[2], values[2]
+    (_, c2), v2 = points[2], values[2]
     return v0 + (plain - p0) * (v1 - v0) / (p1 - p0) + (ckpt - c0) * (v2 - v0) / (c2 - c0)
 
 
@@ -749,15 +750,15 @@ class NotAffine(Exception):
 def _short_estimate(session: Any, cand: LayoutCandidate, points: list[tuple[int, int]], rows: int,
                     kwargs: dict) -> Any:
     """The candidate's estimate from ``estimate(layout=...)`` of the model cut to each of ``points``'
-    blocks (:func:`memguard.estimator._blocks.kept_blocks`), every figure extrapolated to the whole stack."""
-    from memguard.estimator._blocks import kept_blocks
+    blocks (:func:`memguard.estimator._tracing.keeping_blocks`), every figure extrapolated to the whole stack."""
+    from memguard.estimator._tracing import keeping_blocks
     from memguard.estimator.api import estimate
 
     n = session.num_blocks
     k = min(cand.checkpoint_blocks, n)
     ests = []
     for p, c in points:
-        with kept_blocks(session.model, p + c):
+        with keeping_blocks(p + c):
             ests.append(estimate(session.model, session.batch_of(rows), **{**kwargs, "activation_checkpointing": c}))
     phases = {e.peak_phase for e in ests}
     if len(phases) > 1:

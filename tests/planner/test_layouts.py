@@ -306,18 +306,27 @@ def test_short_trace_seconds_count_the_cut_models_ops():
     assert _layouts.short_trace_seconds(profile, lay, points) == pytest.approx(_layouts.trace_seconds(3200.0, lay))
 
 
-def test_kept_blocks_cuts_the_stack_and_always_puts_it_back():
-    from memguard.estimator._blocks import kept_blocks
+def test_keeping_blocks_traces_fewer_blocks_and_leaves_the_model_alone():
+    from memguard.estimator._tracing import _KEEP_BLOCKS, keeping_blocks
 
-    model = tiny_llama()
+    def llama(layers):
+        cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
+                                       num_key_value_heads=4, intermediate_size=512, vocab_size=1000)
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(cfg)
+
+    model, two = llama(4), llama(2)
     layers = list(model.model.layers)
-    with kept_blocks(model, 2):
-        assert list(model.model.layers) == layers[:2]
+    kw = dict(device="cpu", layout=Layout(dp_shard=2))
+    with keeping_blocks(2):
+        cut = memguard.estimate(model, batch_of(2), **kw)
+    whole = memguard.estimate(two, batch_of(2), **kw)
+    assert (cut.peak_bytes, cut.num_params) == (whole.peak_bytes, whole.num_params)
     assert list(model.model.layers) == layers
     with pytest.raises(RuntimeError, match="inside"):
-        with kept_blocks(model, 1):
+        with keeping_blocks(1):
             raise RuntimeError("inside")
-    assert list(model.model.layers) == layers
+    assert _KEEP_BLOCKS.get() is None
 
 
 def deep_llama(layers):
@@ -336,7 +345,7 @@ def test_the_short_verification_is_the_full_trace_within_a_percent():
     """On the CUDA target, whose caching allocator makes the peak more than allocated bytes, FSDP2 x TP with
     half the blocks checkpointed (three short traces): the extrapolation against the whole model's estimate
     (benchmarks/short_verification.py has 8B and 70B shapes, plain, checkpointed and mixed)."""
-    from memguard.estimator._blocks import kept_blocks
+    from memguard.estimator._tracing import keeping_blocks
 
     deep, n, k = deep_llama(22), 22, 11
     kw = dict(device="cuda", gpu="H100-80GB", precision="bf16-mixed", layout=Layout(dp_shard=2, tp=2))
@@ -344,7 +353,7 @@ def test_the_short_verification_is_the_full_trace_within_a_percent():
     assert len(points) == 3
     shorts = []
     for p, c in points:
-        with kept_blocks(deep, p + c):
+        with keeping_blocks(p + c):
             shorts.append(memguard.estimate(deep, _deep_batch(2), activation_checkpointing=c, **kw))
     full = memguard.estimate(deep, _deep_batch(2), activation_checkpointing=k, **kw)
     def short(field):
