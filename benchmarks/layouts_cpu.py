@@ -350,9 +350,10 @@ def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
     (:func:`memguard.estimator._pipeline.split_decoder`), a ``PipelineStage`` and its schedule
     (:func:`~memguard.estimator._pipeline.make_schedule`), or, under a multi-stage schedule, to its virtual
     stages (:func:`~memguard.estimator._pipeline.split_decoder_stages`, one ``PipelineStage`` each, the
-    schedule over them by :func:`~memguard.estimator._pipeline.make_multi_schedule`); one warm-up step, then ``steps`` profiled
-    steps (schedule, ``optimizer.step()``, ``zero_grad``). The stage's p2p receive buffers, made on
-    the warm-up step and reused, are live when profiling starts and are counted in the baseline."""
+    schedule over them by :func:`~memguard.estimator._pipeline.make_multi_schedule`); one warm-up step, then
+    ``steps`` steps (schedule, ``optimizer.step()``, ``zero_grad``), all under the profiler, the warm-up's
+    peak not counted. The baseline is the parameters and the batch; the stage's p2p receive buffers and the
+    optimizer's state are made on the warm-up step, where the replay sees them allocated."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -428,7 +429,6 @@ def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
             with record_function(_PREFIX + "zero_grad"):
                 optimizer.zero_grad(set_to_none=True)
 
-    step()  # warm-up: the stage's receive buffers and the optimizer's state
     gc.collect()
     gc.disable()
     dist.barrier()
@@ -445,13 +445,21 @@ def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
                 ] if chunks else []
         return _live_bytes(model, batch, optimizer) + _storage_bytes(fwd + grads + kept)
 
+    # The warm-up step (the stage's receive buffers, the optimizer's state) runs under the profiler too, its
+    # peak not counted: the CPU allocator reports a free to the profiler only for a block it saw allocated
+    # while profiling (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter keeps sizes only then), and under
+    # the multi-stage schedules a step frees blocks the previous step made (the V layout's same-rank
+    # buffers; the input buffers' .grad the split backward leaves, see stage_buffers), which the replay
+    # would otherwise count as live for the rest of the step.
     baseline = live(False)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for _ in range(steps):
+        for _ in range(steps + 1):
             step()
     end = live(True)
     gc.enable()
     level, phase_peaks, step_peaks, raw_peaks, suspect = _replay(prof, baseline)
+    step_peaks, raw_peaks = step_peaks[1:], raw_peaks[1:]  # without the warm-up
+    suspect = [k - 1 for k in suspect if k > 0]
     peak = max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)
     dist.barrier()
     dist.destroy_process_group()

@@ -227,9 +227,15 @@ def make_schedule(stage_module: nn.Module, stage: int, stages: int, schedule: st
 
 
 def stage_buffers(schedule: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The persistent p2p receive buffers of a schedule's stage, one per micro-batch: the forward
+    """The persistent p2p receive buffers of a schedule's stages, one per micro-batch: the forward
     inputs' (``args_recv_info``) and the output gradients' (``grad_recv_info``), made by the first step
-    (``stage.py``, ``_prepare_forward_infra``/``_prepare_backward_infra``) and reused by every step."""
+    (``stage.py``, ``_prepare_forward_infra``/``_prepare_backward_infra``) and reused by every step; a stage
+    fed by a stage on the same rank (the V layout) gets new ones each step instead (``stage.py``,
+    ``set_local_fwd_input``/``set_local_bwd_input``), kept until the next step replaces them. With the
+    gradients: an input buffer's ``.grad``, which the split backward of the zero-bubble schedules leaves
+    there until the next step's input-gradient step of that micro-batch replaces it (``_backward.py``,
+    ``stage_backward_input``: ``inp.grad = dinput``; the full backward, ``stage_backward``, clears it:
+    ``val.grad = None``)."""
     out: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for stage in schedule_stages(schedule):
         for k, infos in enumerate((stage.args_recv_info, stage.grad_recv_info)):
@@ -238,6 +244,8 @@ def stage_buffers(schedule: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]
                     buffer = getattr(info, "buffer", None)
                     if isinstance(buffer, torch.Tensor) and not getattr(info, "is_root_arg", False):
                         out[k].append(buffer)
+                        if k == 0 and buffer.is_leaf and buffer.grad is not None:
+                            out[1].append(buffer.grad)
     return out
 
 
