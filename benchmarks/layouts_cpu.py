@@ -21,7 +21,8 @@ rank, ``init_device_mesh("cpu", (dp_replicate, dp_shard, tp), mesh_dim_names=("d
   dimension, sharded over the second).
 
 Every rank runs one warm-up step, then ``--steps`` steps under ``torch.profiler``
-(``profile_memory=True``); its live tensor bytes are replayed by address from the allocator events
+(``profile_memory=True``; a pipeline rank profiles its warm-up step too, not counted, see
+``_pipeline_worker``); its live tensor bytes are replayed by address from the allocator events
 exactly as :mod:`benchmarks.fsdp2_cpu` does (``_replay``), with every collective settled: the
 ``torch.distributed`` calls FSDP2 makes (:func:`benchmarks.common.settle_collectives`) and the
 functional collectives DTensor makes (:func:`settle_functional_collectives`: each waited on, then a

@@ -25,13 +25,14 @@ Known limitations:
     Only transformers decoder models are split (a base model under ``base_model_prefix`` with
     ``layers``, ``embed_tokens`` and ``norm``, called with ``inputs_embeds`` on later stages, and an
     ``lm_head``; Llama, Mistral, Qwen2 and the like); ``loss_fn`` must be None. ``GPipe`` and
-    ``1F1B`` (one stage per rank), and ``Interleaved1F1B`` and ``ZBVZeroBubble`` (several virtual stages
-    per rank, :class:`MultiStagePipelineTracer`, pipeline stages alone). Inside a stage of a single-stage
-    schedule, FSDP2 and tensor parallelism (:class:`ShardedPipelineTracer`); no DDP over stages. On real 2- and 4-rank gloo runs
-    (``benchmarks/layouts_cpu.py``, its ``llama-pp*`` cases, pipeline stages alone and with FSDP2 or
-    TP inside) every rank's estimate equals that rank's real peak of live tensor bytes in every step
-    the replay saw whole; two things the fake run does differently from a real one are undone for
-    that (:func:`unpacked_positions`: the stage's causal mask; :func:`held_sends`: send works keep
+    ``1F1B`` (one stage per rank), and ``Interleaved1F1B`` and ``ZBVZeroBubble`` (several virtual
+    stages per rank, :class:`MultiStagePipelineTracer`, pipeline stages alone). Inside a stage of a
+    single-stage schedule, FSDP2 and tensor parallelism (:class:`ShardedPipelineTracer`); no DDP over
+    stages. On real 2- and 4-rank gloo runs (``benchmarks/layouts_cpu.py``, its ``llama-pp*`` cases,
+    pipeline stages alone and with FSDP2 or TP inside, and 2 ranks of 2 virtual stages each under
+    ``Interleaved1F1B`` and ``ZBVZeroBubble``) every rank's estimate equals that rank's real peak of
+    live tensor bytes in every step the replay saw whole; two things the fake run does differently from
+    a real one are undone for that (:func:`unpacked_positions`: the stage's causal mask; :func:`held_sends`: send works keep
     what they send).
     Every rank holds the replica's batch (the first stage reads its ``input_ids``, the last
     its ``labels``). The trace's ``forward`` phase holds the whole schedule, backward included.
@@ -390,6 +391,9 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
+        if schedule in MULTI_STAGE_SCHEDULES and math.prod(inner) != 1:
+            raise ConfigError(f"pp_schedule={schedule!r} with dp_replicate, dp_shard or tp inside the stages is not "
+                              f"estimated yet: use {' or '.join(map(repr, SINGLE_STAGE_SCHEDULES))} with them")
         if math.prod(inner) == 1:
             multi = {"stages_per_rank": stages_per_rank} if schedule in MULTI_STAGE_SCHEDULES else {}
             tracer = MultiStagePipelineTracer if multi else PipelineTracer
