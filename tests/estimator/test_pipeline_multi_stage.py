@@ -63,6 +63,19 @@ def test_multi_stage_schedules_estimate_every_rank(llama, schedule):
     assert any("2 virtual stages per rank (4 in all)" in n for n in est.notes)
 
 
+def test_interleaved_takes_the_stages_per_rank_it_is_given():
+    # 8 blocks in 2 x 4 virtual stages: each rank holds 4 blocks either way, in 4 stages of 1 instead of 2 of 2
+    model = _llama(layers=8)
+    two = memguard.estimate(model, _batch(), device="cpu",
+                            layout=memguard.Layout(pp=2, pp_schedule="Interleaved1F1B", pp_microbatches=4))
+    four = memguard.estimate(model, _batch(), device="cpu",
+                             layout=memguard.Layout(pp=2, pp_schedule="Interleaved1F1B", pp_microbatches=4,
+                                                    pp_stages_per_rank=4))
+    assert any("4 virtual stages per rank (8 in all)" in n for n in four.notes)
+    assert four.breakdown["params"] == two.breakdown["params"]  # the same blocks per rank, differently cut
+    assert four.rank_peak_bytes != two.rank_peak_bytes  # the schedule keeps different micro-batches in flight
+
+
 def test_zbv_puts_the_head_and_the_embeddings_on_rank_0(llama):
     # the V layout: rank 0 holds stage 0 (embeddings) and stage 3 (final norm, head, loss); rank 1 the middle two
     # blocks only; under the loop layout rank 1 holds the head
