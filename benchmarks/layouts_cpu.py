@@ -236,7 +236,8 @@ def layout_of(case: Case):
 
     return memguard.Layout(dp_replicate=case.dp_replicate, dp_shard=case.dp_shard, tp=case.tp, pp=case.pp,
                            pp_schedule=case.pp_schedule, pp_microbatches=case.pp_microbatches,
-                           pp_stages_per_rank=case.pp_stages_per_rank, tp_plan=sequence_parallel_plan() if case.sp else None)
+                           pp_stages_per_rank=case.pp_stages_per_rank,
+                           tp_plan=sequence_parallel_plan() if case.sp else None)
 
 
 def estimate_case(case: Case) -> dict[str, Any]:

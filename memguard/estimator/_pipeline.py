@@ -32,8 +32,8 @@ Known limitations:
     pipeline stages alone and with FSDP2 or TP inside, and 2 ranks of 2 virtual stages each under
     ``Interleaved1F1B`` and ``ZBVZeroBubble``) every rank's estimate equals that rank's real peak of
     live tensor bytes in every step the replay saw whole; two things the fake run does differently from
-    a real one are undone for that (:func:`unpacked_positions`: the stage's causal mask; :func:`held_sends`: send works keep
-    what they send).
+    a real one are undone for that (:func:`unpacked_positions`: the stage's causal mask;
+    :func:`held_sends`: send works keep what they send).
     Every rank holds the replica's batch (the first stage reads its ``input_ids``, the last
     its ``labels``). The trace's ``forward`` phase holds the whole schedule, backward included.
 """
