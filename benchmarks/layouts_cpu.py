@@ -13,12 +13,16 @@ rank, ``init_device_mesh("cpu", (dp_replicate, dp_shard, tp), mesh_dim_names=("d
   (:func:`memguard.estimator._fsdp2.shard_model`, level 3), as torchtitan's ``parallelize_llama``;
 * pipeline parallel: the Llama cut into ``pp`` stages (:func:`memguard.estimator._pipeline.split_decoder`),
   each rank's ``PipelineStage`` under ``ScheduleGPipe`` or ``Schedule1F1B``; only the last rank has a
-  loss (the mean of its micro-batches' losses);
+  loss (the mean of its micro-batches' losses); or into ``pp * pp_stages_per_rank`` virtual stages
+  (:func:`~memguard.estimator._pipeline.split_decoder_stages`), each rank's stages under
+  ``ScheduleInterleaved1F1B`` (loop layout) or ``ScheduleZBVZeroBubble`` (V layout: rank 0 holds the first
+  and the last stage, and the loss);
 * HSDP: ``fully_shard`` over ``mesh["dp_replicate", "dp_shard"]`` (replicated over the first
   dimension, sharded over the second).
 
 Every rank runs one warm-up step, then ``--steps`` steps under ``torch.profiler``
-(``profile_memory=True``); its live tensor bytes are replayed by address from the allocator events
+(``profile_memory=True``; a pipeline rank profiles its warm-up step too, not counted, see
+``_pipeline_worker``); its live tensor bytes are replayed by address from the allocator events
 exactly as :mod:`benchmarks.fsdp2_cpu` does (``_replay``), with every collective settled: the
 ``torch.distributed`` calls FSDP2 makes (:func:`benchmarks.common.settle_collectives`) and the
 functional collectives DTensor makes (:func:`settle_functional_collectives`: each waited on, then a
@@ -77,6 +81,7 @@ class Case:
     pp: int = 1  # > 1: pipeline stages (alone), under pp_schedule with pp_microbatches micro-batches
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 4
+    pp_stages_per_rank: int | None = None  # under Interleaved1F1B / ZBVZeroBubble (None: the estimate's default, 2)
 
     @property
     def world_size(self) -> int:
@@ -86,7 +91,8 @@ class Case:
     def name(self) -> str:
         if self.pp > 1:
             inner = (f"-dp{self.dp_shard}" if self.dp_shard > 1 else "") + (f"-tp{self.tp}" if self.tp > 1 else "")
-            return f"{self.model}-pp{self.pp}{inner}-{self.pp_schedule.lower()}-mb{self.pp_microbatches}"
+            per_rank = f"-v{self.pp_stages_per_rank}" if self.pp_stages_per_rank is not None else ""
+            return f"{self.model}-pp{self.pp}{inner}-{self.pp_schedule.lower()}{per_rank}-mb{self.pp_microbatches}"
         return (f"{self.model}-" + (f"rep{self.dp_replicate}" if self.dp_replicate > 1 else "")
                 + (f"dp{self.dp_shard}" if self.dp_shard > 1 else "") + (f"tp{self.tp}" if self.tp > 1 else "")
                 + ("-sp" if self.sp else "") + ("-bf16" if self.precision == "bf16-mixed" else ""))
@@ -101,7 +107,9 @@ def all_cases() -> dict[str, Case]:
              Case("llama", 1, pp=4, pp_schedule="GPipe", pp_microbatches=4, batch=8),
              # pipeline stages laid out with FSDP2 and/or TP inside each stage (4 ranks)
              Case("llama", 1, dp_shard=2, pp=2, pp_schedule="1F1B"), Case("llama", 2, pp=2, pp_schedule="1F1B"),
-             Case("llama", 1, dp_shard=2, pp=2, pp_schedule="GPipe")]
+             Case("llama", 1, dp_shard=2, pp=2, pp_schedule="GPipe"),
+             # several virtual stages per rank: the 4 blocks cut into 2 x 2 stages, loop and V layouts
+             Case("llama", 1, pp=2, pp_schedule="Interleaved1F1B"), Case("llama", 1, pp=2, pp_schedule="ZBVZeroBubble")]
     return {c.name: c for c in cases}
 
 
@@ -228,6 +236,7 @@ def layout_of(case: Case):
 
     return memguard.Layout(dp_replicate=case.dp_replicate, dp_shard=case.dp_shard, tp=case.tp, pp=case.pp,
                            pp_schedule=case.pp_schedule, pp_microbatches=case.pp_microbatches,
+                           pp_stages_per_rank=case.pp_stages_per_rank,
                            tp_plan=sequence_parallel_plan() if case.sp else None)
 
 
@@ -341,15 +350,30 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
 def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
     """One pipeline rank: the model cut to its stage as the estimate cuts it
     (:func:`memguard.estimator._pipeline.split_decoder`), a ``PipelineStage`` and its schedule
-    (:func:`~memguard.estimator._pipeline.make_schedule`), one warm-up step, then ``steps`` profiled
-    steps (schedule, ``optimizer.step()``, ``zero_grad``). The stage's p2p receive buffers, made on
-    the warm-up step and reused, are live when profiling starts and are counted in the baseline."""
+    (:func:`~memguard.estimator._pipeline.make_schedule`), or, under a multi-stage schedule, to its virtual
+    stages (:func:`~memguard.estimator._pipeline.split_decoder_stages`, one ``PipelineStage`` each, the
+    schedule over them by :func:`~memguard.estimator._pipeline.make_multi_schedule`); one warm-up step, then
+    ``steps`` steps (schedule, ``optimizer.step()``, ``zero_grad``), all under the profiler, the warm-up's
+    peak not counted. The baseline is the parameters and the batch; the stage's p2p receive buffers and the
+    optimizer's state are made on the warm-up step, where the replay sees them allocated."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from benchmarks.fsdp2_cpu import _storage_bytes
-    from memguard.estimator._pipeline import causal_lm_loss, make_schedule, run_schedule, split_decoder, stage_buffers
+    from memguard.estimator._layout import stages_per_rank
+    from memguard.estimator._pipeline import (
+        MULTI_STAGE_SCHEDULES,
+        causal_lm_loss,
+        make_multi_schedule,
+        make_schedule,
+        rank_stage_indices,
+        run_schedule,
+        schedule_stages,
+        split_decoder,
+        split_decoder_stages,
+        stage_buffers,
+    )
 
     inner = (case.dp_replicate, case.dp_shard, case.tp)
     if inner != (1, 1, 1):
@@ -364,57 +388,80 @@ def _pipeline_worker(case: Case, steps: int) -> dict[str, Any]:
     model = build_model(case.model)
     model.train()
     loss_fn = causal_lm_loss(model)
-    stage_module = split_decoder(model, rank, stages)
-    # torchtitan's order per stage: TP, then FSDP2 with the stage as root
-    lay_out(case, model, stage_module, mesh, list(getattr(model, model.base_model_prefix).layers))
     batch = make_batch(case)
     micro, cfg = case.batch // case.pp_microbatches, model.config
     hidden = torch.empty(micro, case.seq, cfg.hidden_size)
-    inp = torch.empty(micro, case.seq, dtype=torch.long) if rank == 0 else hidden
-    out = torch.empty(micro, case.seq, cfg.vocab_size) if rank == stages - 1 else hidden
-    schedule = make_schedule(stage_module, rank, stages, case.pp_schedule, case.pp_microbatches, inp, out,
-                             loss_fn if rank == stages - 1 else (lambda output, target: output.sum()),
-                             torch.device("cpu"), group=mesh["pp"].get_group())
-    del hidden, inp, out
+    ids, logits = torch.empty(micro, case.seq, dtype=torch.long), torch.empty(micro, case.seq, cfg.vocab_size)
+    dummy = lambda output, target: output.sum()  # noqa: E731 - a schedule without a loss runs no backward
+    if case.pp_schedule in MULTI_STAGE_SCHEDULES:  # the estimate's cut and layout (pipeline stages alone)
+        per_rank = stages_per_rank(layout_of(case))
+        indices = rank_stage_indices(rank, stages, per_rank, MULTI_STAGE_SCHEDULES[case.pp_schedule])
+        modules = split_decoder_stages(model, indices, stages * per_rank)
+        holds_last = stages * per_rank - 1 in indices
+        schedule = make_multi_schedule(modules, indices, stages * per_rank, case.pp_schedule, case.pp_microbatches,
+                                       ids, hidden, logits, loss_fn if holds_last else dummy, torch.device("cpu"),
+                                       group=mesh["pp"].get_group())
+    else:
+        stage_module = split_decoder(model, rank, stages)
+        holds_last = rank == stages - 1
+        # torchtitan's order per stage: TP, then FSDP2 with the stage as root
+        lay_out(case, model, stage_module, mesh, list(getattr(model, model.base_model_prefix).layers))
+        schedule = make_schedule(stage_module, rank, stages, case.pp_schedule, case.pp_microbatches,
+                                 ids if rank == 0 else hidden, logits if holds_last else hidden,
+                                 loss_fn if holds_last else dummy, torch.device("cpu"), group=mesh["pp"].get_group())
+    del hidden, ids, logits
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses: list[float] = []
 
     def step():
         with record_function(_PREFIX + "step"):
             with record_function(_PREFIX + "forward"):
-                if rank == stages - 1:
+                if holds_last:
                     mb_losses: list = []
                     # no outputs kept, as memguard's run_schedule and parallel.step run it
-                    schedule.step(target=batch["labels"], losses=mb_losses, return_outputs=False)
+                    # the V layout's rank 0 holds the first stage as well: it feeds the ids too
+                    args = (batch["input_ids"],) if any(st.is_first for st in schedule_stages(schedule)) else ()
+                    schedule.step(*args, target=batch["labels"], losses=mb_losses, return_outputs=False)
                     # equal micro-batches, every label counted: the mean of their means is the batch's loss
                     losses.append(float(sum(x.detach() for x in mb_losses) / len(mb_losses)))
                 else:
-                    run_schedule(schedule, rank, stages, batch)
+                    run_schedule(schedule, batch)
             with record_function(_PREFIX + "optimizer"):
                 optimizer.step()
             with record_function(_PREFIX + "zero_grad"):
                 optimizer.zero_grad(set_to_none=True)
 
-    step()  # warm-up: the stage's receive buffers and the optimizer's state
     gc.collect()
     gc.disable()
     dist.barrier()
-    fwd, grads = stage_buffers(schedule)
 
     def live(chunks: bool) -> int:
         # with return_outputs=True the last stage would keep its micro-batches' outputs until the next step
         # (stage.py, output_chunks, cleared by clear_runtime_states); with False it keeps none, and any it did
-        # keep would be live at the end, not in the baseline
-        kept = [t for t in schedule._stage.output_chunks if isinstance(t, torch.Tensor)] if chunks else []
+        # keep would be live at the end, not in the baseline. The receive buffers are read when counted, not
+        # held: a stage fed by a stage on the same rank (the V layout's middle) gets a new input and output
+        # gradient tensor every step (stage.py, set_local_fwd_input / set_local_bwd_input), and a list kept
+        # here would keep the old ones alive
+        fwd, grads = stage_buffers(schedule)
+        kept = [t for st in schedule_stages(schedule) for t in st.output_chunks if isinstance(t, torch.Tensor)
+                ] if chunks else []
         return _live_bytes(model, batch, optimizer) + _storage_bytes(fwd + grads + kept)
 
+    # The warm-up step (the stage's receive buffers, the optimizer's state) runs under the profiler too, its
+    # peak not counted: the CPU allocator reports a free to the profiler only for a block it saw allocated
+    # while profiling (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter keeps sizes only then), and under
+    # the multi-stage schedules a step frees blocks the previous step made (the V layout's same-rank
+    # buffers; the input buffers' .grad the split backward leaves, see stage_buffers), which the replay
+    # would otherwise count as live for the rest of the step.
     baseline = live(False)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for _ in range(steps):
+        for _ in range(steps + 1):
             step()
     end = live(True)
     gc.enable()
     level, phase_peaks, step_peaks, raw_peaks, suspect = _replay(prof, baseline)
+    step_peaks, raw_peaks = step_peaks[1:], raw_peaks[1:]  # without the warm-up
+    suspect = [k - 1 for k in suspect if k > 0]
     peak = max([p for k, p in enumerate(step_peaks) if k not in suspect] or step_peaks)
     dist.barrier()
     dist.destroy_process_group()

@@ -20,7 +20,10 @@ How each degree is estimated:
   ``parallelize_llama`` applies TP first, then FSDP2); DDP over tensor-parallel shards
   (``dp_replicate`` and ``tp`` without ``dp_shard``) is refused;
 * ``pp > 1`` traces each pipeline stage under the real ``GPipe`` or ``1F1B`` schedule over a fake
-  process group (:mod:`memguard.estimator._pipeline`); the stages' peaks differ. With ``tp`` and/or
+  process group (:mod:`memguard.estimator._pipeline`); the stages' peaks differ. Under
+  ``Interleaved1F1B`` or ``ZBVZeroBubble`` each pipeline rank holds ``pp_stages_per_rank`` virtual
+  stages (loop or V layout) and its stages are traced together under that schedule, pipeline stages
+  alone (no ``dp_shard`` or ``tp`` inside them yet). With ``tp`` and/or
   ``dp_shard`` as well, the stage is laid out over the ``(pp, dp_replicate, dp_shard, tp)`` mesh
   first (TP, then FSDP2 with the stage as root, as torchtitan does) and the first rank of each
   stage is traced; DDP over stages (``dp_replicate`` without ``dp_shard``) is refused.
@@ -80,6 +83,11 @@ class Layout:
         pp: pipeline stages, one per rank (with FSDP2 and/or TP inside each stage; not with DDP alone).
         pp_schedule: a name of :data:`PP_SCHEDULES`.
         pp_microbatches: micro-batches the schedule splits one replica's batch into (None: ``pp``).
+        pp_stages_per_rank: virtual pipeline stages each rank holds (the decoder cut into
+            ``pp * pp_stages_per_rank`` stages): 1 under ``GPipe`` and ``1F1B``, 2 under ``ZBVZeroBubble``,
+            2 or more under ``Interleaved1F1B``; None: 1 for the single-stage schedules, 2 for the others
+            (torchtitan's default, ``torchtitan/distributed/pipeline_parallel.py``: ``stages_per_rank = 1 if
+            is_single_stage_schedule else 2``).
         tp_plan: the tensor-parallel plan, ``{module name pattern: style}`` as
             ``parallelize_module`` takes it (``*`` matches one name part), a style being a torch
             ``ParallelStyle`` or one of :data:`STYLE_NAMES`; None: the model config's
@@ -93,6 +101,7 @@ class Layout:
     pp: int = 1
     pp_schedule: str = "1F1B"
     pp_microbatches: int | None = None
+    pp_stages_per_rank: int | None = None
     tp_plan: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)
 
     @property
@@ -134,15 +143,17 @@ def check_layout(layout: Any, *, zero_stage: Any, world_size: Any, strategy: Any
     if not degrees_ok:
         return
     if layout.pp > 1:
-        from memguard.estimator._pipeline import SINGLE_STAGE_SCHEDULES
+        from memguard.estimator._pipeline import MULTI_STAGE_SCHEDULES, SINGLE_STAGE_SCHEDULES
 
         if layout.dp_replicate > 1 and layout.dp_shard == 1:
             problems.append(f"Layout(pp={layout.pp}, dp_replicate={layout.dp_replicate}) (DDP over pipeline stages) "
                             f"is not estimated yet: shard the data-parallel dimension instead (dp_shard="
                             f"{layout.dp_replicate}), or add dp_shard for HSDP")
-        if layout.pp_schedule in PP_SCHEDULES and layout.pp_schedule not in SINGLE_STAGE_SCHEDULES:
-            problems.append(f"Layout(pp_schedule={layout.pp_schedule!r}) (several stages per rank) is not estimated "
-                            f"yet: use {' or '.join(map(repr, SINGLE_STAGE_SCHEDULES))}")
+        if layout.pp_schedule in MULTI_STAGE_SCHEDULES and (layout.dp_shard > 1 or layout.tp > 1):
+            problems.append(f"Layout(pp_schedule={layout.pp_schedule!r}) with dp_shard or tp inside the stages is not "
+                            f"estimated yet: use {' or '.join(map(repr, SINGLE_STAGE_SCHEDULES))} with them, or "
+                            "pipeline stages alone (dp_shard=1, tp=1)")
+        _check_multi_stage(layout, problems)
         micro = layout.pp_microbatches or layout.pp
         if layout.pp_schedule == "1F1B" and _is_int(micro) and micro < layout.pp:
             # Schedule1F1B refuses it (schedules.py, Schedule1F1B.__init__)
@@ -167,6 +178,49 @@ def check_layout(layout: Any, *, zero_stage: Any, world_size: Any, strategy: Any
     if _is_int(zero_stage) and zero_stage >= 1 and layout.dp_shard == 1:
         problems.append(f"zero_stage={zero_stage} shards over the layout's dp_shard dimension, which is 1: set "
                         "Layout(dp_shard=N) with N > 1, or pass zero_stage=0")
+
+
+def stages_per_rank(layout: Layout) -> int:
+    """The virtual pipeline stages each rank holds: ``Layout.pp_stages_per_rank``, or its default (1 under
+    the single-stage schedules, 2 under the others)."""
+    from memguard.estimator._pipeline import MULTI_STAGE_SCHEDULES
+
+    if layout.pp_stages_per_rank is not None:
+        return layout.pp_stages_per_rank
+    return 2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def _check_multi_stage(layout: Layout, problems: list[str]) -> None:
+    """``pp_stages_per_rank`` and ``pp_microbatches`` against what the schedule takes (``pp > 1``)."""
+    from memguard.estimator._pipeline import SINGLE_STAGE_SCHEDULES
+
+    sched, given = layout.pp_schedule, layout.pp_stages_per_rank
+    if given is not None and not (_is_int(given) and given >= 1):
+        problems.append(f"Layout(pp_stages_per_rank={given!r}) must be an integer >= 1 or None")
+        return
+    if sched in SINGLE_STAGE_SCHEDULES and given not in (None, 1):
+        problems.append(f"Layout(pp_stages_per_rank={given}) needs a multi-stage schedule: {sched!r} runs one stage "
+                        "per rank; use pp_schedule='Interleaved1F1B' (2 or more per rank) or 'ZBVZeroBubble' (2), "
+                        "or drop pp_stages_per_rank")
+    elif sched == "ZBVZeroBubble" and given not in (None, 2):
+        # schedules.py, ScheduleZBVZeroBubble.__init__: "ZBV requires exactly 2 stages per rank"
+        problems.append(f"Layout(pp_stages_per_rank={given}) under ZBVZeroBubble: the V schedule takes exactly 2 "
+                        "stages per rank; use pp_stages_per_rank=2 (or None), or pp_schedule='Interleaved1F1B'")
+    elif sched == "Interleaved1F1B" and given is not None and given < 2:
+        # torchtitan/distributed/pipeline_parallel.py refuses a multi-stage schedule with one stage per rank
+        # ("Multi-stage schedule requires at least 2 stages per rank"): with one it is 1F1B
+        problems.append(f"Layout(pp_stages_per_rank={given}) under Interleaved1F1B: interleaving takes 2 or more "
+                        "stages per rank; use pp_stages_per_rank=2 or more, or pp_schedule='1F1B'")
+    micro = layout.pp_microbatches or layout.pp
+    if sched == "Interleaved1F1B" and _is_int(micro):
+        # schedules.py, ScheduleInterleaved1F1B.__init__: number_of_rounds = max(1, n_microbatches //
+        # pp_group_size), and n_microbatches must be a multiple of it
+        rounds = max(1, micro // layout.pp)
+        if micro % rounds:
+            ok = [m for m in range(1, 4 * layout.pp + 1) if m % max(1, m // layout.pp) == 0]
+            problems.append(f"Layout(pp_microbatches={micro}) under Interleaved1F1B with pp={layout.pp}: torch's "
+                            f"schedule needs a multiple of max(1, pp_microbatches // pp) = {rounds}; use one of "
+                            f"{', '.join(map(str, ok))}, or any multiple of pp={layout.pp}")
 
 
 def _config_sizes(model: nn.Module) -> dict[str, int]:
@@ -483,13 +537,19 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
     model = unwrap_model(model)
     parts = decoder_parts(model) if isinstance(model, nn.Module) else None
     micro = layout.pp_microbatches or layout.pp
+    per_rank = stages_per_rank(layout)
     if parts is None:
         problems.append(f"pipeline stages are cut from transformers decoder models (a base model with layers, "
                         f"embed_tokens and norm, and an lm_head); {type(model).__name__} is not one: drop "
                         "Layout(pp=...)")
-    elif len(parts[1]) < layout.pp:
-        problems.append(f"Layout(pp={layout.pp}) needs at least {layout.pp} blocks, the model has {len(parts[1])}: "
-                        f"use pp <= {len(parts[1])}")
+    elif len(parts[1]) < layout.pp * per_rank:
+        if per_rank == 1:
+            problems.append(f"Layout(pp={layout.pp}) needs at least {layout.pp} blocks, the model has "
+                            f"{len(parts[1])}: use pp <= {len(parts[1])}")
+        else:  # every virtual stage needs a block (stage_bounds splits them evenly)
+            problems.append(f"Layout(pp={layout.pp}) under {layout.pp_schedule} with {per_rank} stages per rank needs "
+                            f"at least {layout.pp * per_rank} blocks, the model has {len(parts[1])}: use pp * "
+                            f"pp_stages_per_rank <= {len(parts[1])}, or pp_schedule='1F1B'")
     if not (isinstance(batch, _Mapping) and "input_ids" in batch and "labels" in batch):
         problems.append("under Layout(pp=...) the batch must be a mapping with 'input_ids' and 'labels' (the first "
                         "stage reads the ids, the last computes the model's loss on the labels)")
@@ -504,6 +564,9 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
                           ("offload_optimizer", False)):
         if options.get(name, default) not in (default, False, 0):
             problems.append(f"{name}={options[name]!r} is not estimated under Layout(pp=...) yet: drop it")
+    if per_rank > 1 and options.get("activation_checkpointing", 0) not in (0, False, None):
+        problems.append(f"activation_checkpointing is not estimated under Layout(pp_schedule={layout.pp_schedule!r}) "
+                        f"(several stages per rank) yet: drop it, or use pp_schedule='1F1B' or 'GPipe'")
     spec_gpu = target_gpu(device, options.get("gpu"), problems, **_versions(options))
     cpu_target = target_cpu(device, options.get("cpu"), problems)
     if problems:
@@ -526,7 +589,8 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
     for rank in range(layout.pp):
         trace = trace_pipeline_rank(model, batch, spec, rank=rank, stages=layout.pp, schedule=layout.pp_schedule,
                                     microbatches=micro, optimizer=options.get("optimizer"),
-                                    inner=(layout.dp_replicate, layout.dp_shard, layout.tp), plan=plan, fsdp=fsdp)
+                                    inner=(layout.dp_replicate, layout.dp_shard, layout.tp), plan=plan, fsdp=fsdp,
+                                    stages_per_rank=per_rank)
         est, _ = _estimate_from_factors(trace, factors, target, micro_batch_size=int(first_dim(batch) or 0),
                                         checkpointed=0, limit_bytes=None)
         estimates.append(est)
@@ -543,7 +607,9 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
         if fsdp is not None:
             inner += (", fully_shard of each block and of the stage as FSDP2's root, so the schedule keeps the "
                       "stage's parameters unsharded and its gradients unsynchronised until the last micro-batch")
+    stages = (f", {per_rank} virtual stages per rank ({layout.pp * per_rank} in all)" if per_rank > 1 else "")
     note = (f"layout {layout.describe()}: each pipeline stage traced under torch.distributed.pipelining's "
-            f"{layout.pp_schedule} schedule with {micro} micro-batches over a fake process group{inner}; the "
-            f"breakdown is stage {worst_stage}'s; its forward phase holds the whole schedule, backward included")
+            f"{layout.pp_schedule} schedule with {micro} micro-batches{stages} over a fake process group{inner}; the "
+            f"breakdown is {'pipeline rank' if per_rank > 1 else 'stage'} {worst_stage}'s; its forward phase holds "
+            "the whole schedule, backward included")
     return dataclasses.replace(worst, rank_peak_bytes=peaks, notes=worst.notes + (note,))

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (``torch.distributed.pipelining``), traced for real, one stage per rank.
+"""Pipeline parallelism (``torch.distributed.pipelining``), traced for real, one or several stages per rank.
 
 As :mod:`memguard.estimator._tp_trace` runs PyTorch's tensor parallelism on the fake copy, this
 runs PyTorch's own pipeline schedule on it: for each pipeline rank ``r`` of ``pp`` the copy is cut
@@ -15,17 +15,25 @@ in a running job). The last stage's loss is the model's own (``loss_function``: 
 stage's causal mask is made as on real tensors (:func:`unpacked_positions`) and every sent tensor
 lives as long as its send's work (:func:`held_sends`).
 
+Under the multi-stage schedules (``Interleaved1F1B``, ``ZBVZeroBubble``) the copy is cut into ``pp *
+pp_stages_per_rank`` virtual stages, rank ``r`` keeps the ones torch's layout gives it
+(:func:`rank_stage_indices`: ``r, r + pp, ...``; the V layout's ``r`` and ``2 pp - 1 - r``), one
+``PipelineStage`` each, and the real ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble`` runs them
+(:class:`MultiStagePipelineTracer`), so its own action order decides what is in flight.
+
 Known limitations:
     Only transformers decoder models are split (a base model under ``base_model_prefix`` with
     ``layers``, ``embed_tokens`` and ``norm``, called with ``inputs_embeds`` on later stages, and an
-    ``lm_head``; Llama, Mistral, Qwen2 and the like); ``loss_fn`` must be None. Only ``GPipe`` and
-    ``1F1B`` (one stage per rank). Inside a stage, FSDP2 and tensor parallelism
-    (:class:`ShardedPipelineTracer`); no DDP over stages. On real 2- and 4-rank gloo runs
-    (``benchmarks/layouts_cpu.py``, its ``llama-pp*`` cases, pipeline stages alone and with FSDP2 or
-    TP inside) every rank's estimate equals that rank's real peak of live tensor bytes in every step
-    the replay saw whole; two things the fake run does differently from a real one are undone for
-    that (:func:`unpacked_positions`: the stage's causal mask; :func:`held_sends`: send works keep
-    what they send).
+    ``lm_head``; Llama, Mistral, Qwen2 and the like); ``loss_fn`` must be None. ``GPipe`` and
+    ``1F1B`` (one stage per rank), and ``Interleaved1F1B`` and ``ZBVZeroBubble`` (several virtual
+    stages per rank, :class:`MultiStagePipelineTracer`, pipeline stages alone). Inside a stage of a
+    single-stage schedule, FSDP2 and tensor parallelism (:class:`ShardedPipelineTracer`); no DDP over
+    stages. On real 2- and 4-rank gloo runs (``benchmarks/layouts_cpu.py``, its ``llama-pp*`` cases,
+    pipeline stages alone and with FSDP2 or TP inside, and 2 ranks of 2 virtual stages each under
+    ``Interleaved1F1B`` and ``ZBVZeroBubble``) every rank's estimate equals that rank's real peak of
+    live tensor bytes in every step the replay saw whole; two things the fake run does differently from
+    a real one are undone for that (:func:`unpacked_positions`: the stage's causal mask;
+    :func:`held_sends`: send works keep what they send).
     Every rank holds the replica's batch (the first stage reads its ``input_ids``, the last
     its ``labels``). The trace's ``forward`` phase holds the whole schedule, backward included.
 """
@@ -45,6 +53,10 @@ from memguard.estimator._trace import ScalarStub, StepTracer, Trace, TraceSpec, 
 
 #: The schedules traced, by the names of ``Layout.pp_schedule`` (torch.distributed.pipelining.schedules).
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+#: The schedules with several stages per rank, and how they lay the stages out over the ranks
+#: (``_utils.py``, ``generate_stage_to_rank_mapping``: ``"loop"``, stage ``s`` on rank ``s % pp``, as
+#: ``PipelineScheduleMulti.__init__`` maps them; ``"v"``, which ``ScheduleZBVZeroBubble.__init__`` asks for).
+MULTI_STAGE_SCHEDULES = {"Interleaved1F1B": "loop", "ZBVZeroBubble": "v"}
 
 
 def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
@@ -111,6 +123,91 @@ def split_decoder(model: nn.Module, stage: int, stages: int) -> DecoderStage:
     return DecoderStage(model, first, last)
 
 
+def rank_stage_indices(rank: int, pp: int, stages_per_rank: int, style: str) -> list[int]:
+    """The virtual stages rank ``rank`` of ``pp`` holds, ascending, ``stages_per_rank`` of them: under the loop
+    layout ``rank, rank + pp, rank + 2 pp, ...``; under the V layout (two per rank) ``rank`` and
+    ``2 pp - 1 - rank``. The inverse of torch's ``generate_stage_to_rank_mapping(pp, pp * stages_per_rank,
+    style)`` (``_utils.py``), and the stages ``ScheduleZBVZeroBubble._calculate_single_rank_operations`` gives
+    a rank (``stage_id_chunk0 = rank``, ``stage_id_chunk1 = num_stages - 1 - rank``)."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    mapping = generate_stage_to_rank_mapping(pp, pp * stages_per_rank, style=style)
+    return sorted(s for s, r in mapping.items() if r == rank)
+
+
+def split_decoder_stages(model: nn.Module, indices: list[int], stages: int) -> list[DecoderStage]:
+    """The virtual stages ``indices`` of ``stages`` (one rank's, several per rank) of ``model``, each a
+    :class:`DecoderStage` cut as :func:`split_decoder` cuts one, and ``model`` cut in place to what they hold
+    together (their blocks, in stage order; the embeddings if one is the first stage, the final norm and the
+    head if one is the last), so that ``model.parameters()`` are the rank's and each stage's ``parameters()``
+    its own. Each stage's model is a shallow copy of ``model`` (and of its base model) with its own child
+    modules, so the stages share parameters with ``model`` and none with each other.
+
+    Raises:
+        ConfigError: the model is not a decoder :func:`decoder_parts` knows.
+    """
+    import copy
+
+    parts = decoder_parts(model)
+    if parts is None:
+        raise ConfigError(f"pipeline stages are cut from transformers decoder models (a base model with layers, "
+                          f"embed_tokens and norm, and an lm_head); {type(model).__name__} is not one: drop "
+                          "Layout(pp=...)")
+    base, layers = parts
+    prefix = model.base_model_prefix
+    out, kept = [], []
+    for stage in indices:
+        m, b = copy.copy(model), copy.copy(base)
+        m._modules, b._modules = dict(model._modules), dict(base._modules)
+        m._modules[prefix] = b
+        lo, hi = stage_bounds(len(layers), stages, stage)
+        kept += list(layers)[lo:hi]
+        b.layers = nn.ModuleList(list(layers)[lo:hi])
+        first, last = stage == 0, stage == stages - 1
+        if not first:
+            b.embed_tokens = None
+        if not last:
+            b.norm = nn.Identity()
+            m.lm_head = None
+        out.append(DecoderStage(m, first, last))
+    base.layers = nn.ModuleList(kept)
+    if 0 not in indices:
+        base.embed_tokens = None
+    if stages - 1 not in indices:
+        base.norm = nn.Identity()
+        model.lm_head = None
+    return out
+
+
+def _pipeline_stage(stage_module: nn.Module, stage: int, stages: int, micro_input: torch.Tensor,
+                    micro_output: torch.Tensor, device: Any, group: Any) -> Any:
+    """The ``PipelineStage`` of ``stage_module`` with its input, output and gradient shapes given (see
+    :func:`make_schedule`)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if micro_input.is_floating_point() and not micro_input.requires_grad:
+        micro_input = micro_input.detach().requires_grad_(True)
+    grad_in = micro_input if micro_input.is_floating_point() else None
+    return PipelineStage(stage_module, stage, stages, device, input_args=(micro_input,), output_args=(micro_output,),
+                         output_grads=(micro_output,), input_grads=(grad_in,), group=group)
+
+
+def make_multi_schedule(stage_modules: list[nn.Module], indices: list[int], stages: int, schedule: str,
+                        microbatches: int, micro_ids: torch.Tensor, micro_hidden: torch.Tensor,
+                        micro_logits: torch.Tensor, loss_fn: Any, device: Any, group: Any = None) -> Any:
+    """The ``PipelineStage`` of each of one rank's virtual stages ``indices`` (the first stage takes the ids,
+    the others hidden states; the last gives logits, the others hidden states; as :func:`make_schedule`
+    gives them) and the schedule over them: ``ScheduleInterleaved1F1B`` or ``ScheduleZBVZeroBubble``
+    (``schedules.py``: both take the rank's stages as a list, ``(stages, n_microbatches, loss_fn)``)."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+
+    pstages = [_pipeline_stage(module, s, stages, micro_ids if s == 0 else micro_hidden,
+                               micro_logits if s == stages - 1 else micro_hidden, device, group)
+               for module, s in zip(stage_modules, indices)]
+    cls = {"Interleaved1F1B": ScheduleInterleaved1F1B, "ZBVZeroBubble": ScheduleZBVZeroBubble}[schedule]
+    return cls(pstages, n_microbatches=microbatches, loss_fn=loss_fn)
+
+
 def make_schedule(stage_module: nn.Module, stage: int, stages: int, schedule: str, microbatches: int,
                   micro_input: torch.Tensor, micro_output: torch.Tensor, loss_fn: Any, device: Any,
                   group: Any = None) -> Any:
@@ -123,41 +220,53 @@ def make_schedule(stage_module: nn.Module, stage: int, stages: int, schedule: st
     info.tensor_meta.requires_grad and ...``; ``_utils.py``, ``TensorMeta.from_tensor``), and without it
     the stage computes no input gradient and sends zeros back (``get_bwd_send_ops``), so every earlier
     stage would train on zero gradients and hold none of the memory that gradient takes."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-    if micro_input.is_floating_point() and not micro_input.requires_grad:
-        micro_input = micro_input.detach().requires_grad_(True)
-    grad_in = micro_input if micro_input.is_floating_point() else None
-    pstage = PipelineStage(stage_module, stage, stages, device, input_args=(micro_input,),
-                           output_args=(micro_output,), output_grads=(micro_output,), input_grads=(grad_in,),
-                           group=group)
+    pstage = _pipeline_stage(stage_module, stage, stages, micro_input, micro_output, device, group)
     cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
     return cls(pstage, n_microbatches=microbatches, loss_fn=loss_fn)
 
 
 def stage_buffers(schedule: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The persistent p2p receive buffers of a schedule's stage, one per micro-batch: the forward
+    """The persistent p2p receive buffers of a schedule's stages, one per micro-batch: the forward
     inputs' (``args_recv_info``) and the output gradients' (``grad_recv_info``), made by the first step
-    (``stage.py``, ``_prepare_forward_infra``/``_prepare_backward_infra``) and reused by every step."""
-    stage = schedule._stage
+    (``stage.py``, ``_prepare_forward_infra``/``_prepare_backward_infra``) and reused by every step; a stage
+    fed by a stage on the same rank (the V layout) gets new ones each step instead (``stage.py``,
+    ``set_local_fwd_input``/``set_local_bwd_input``), kept until the next step replaces them. With the
+    gradients: an input buffer's ``.grad``, which the split backward of the zero-bubble schedules leaves
+    there until the next step's input-gradient step of that micro-batch replaces it (``_backward.py``,
+    ``stage_backward_input``: ``inp.grad = dinput``; the full backward, ``stage_backward``, clears it:
+    ``val.grad = None``)."""
     out: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-    for k, infos in enumerate((stage.args_recv_info, stage.grad_recv_info)):
-        for recv in infos.values():
-            for info in recv:
-                buffer = getattr(info, "buffer", None)
-                if isinstance(buffer, torch.Tensor) and not getattr(info, "is_root_arg", False):
-                    out[k].append(buffer)
+    for stage in schedule_stages(schedule):
+        for k, infos in enumerate((stage.args_recv_info, stage.grad_recv_info)):
+            for recv in infos.values():
+                for info in recv:
+                    buffer = getattr(info, "buffer", None)
+                    if isinstance(buffer, torch.Tensor) and not getattr(info, "is_root_arg", False):
+                        out[k].append(buffer)
+                        if k == 0 and buffer.is_leaf and buffer.grad is not None:
+                            out[1].append(buffer.grad)
     return out
 
 
-def run_schedule(schedule: Any, stage: int, stages: int, batch: dict[str, torch.Tensor]) -> None:
-    """One step of ``schedule`` on pipeline rank ``stage``: the first stage feeds ``input_ids``, the
-    last the ``labels`` as the loss's target. The last stage keeps no outputs (``return_outputs=False``:
+def schedule_stages(schedule: Any) -> list[Any]:
+    """The pipeline stages a schedule runs on this rank: ``_stages`` of a multi-stage schedule
+    (``PipelineScheduleMulti``), ``_stage`` of a single-stage one (``PipelineScheduleSingle``)."""
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
+
+
+def run_schedule(schedule: Any, batch: dict[str, torch.Tensor]) -> None:
+    """One step of ``schedule`` on this pipeline rank: the rank that holds the first stage feeds
+    ``input_ids``, the one that holds the last the ``labels`` as the loss's target (under the V layout
+    rank 0 holds both). The last stage keeps no outputs (``return_outputs=False``:
     ``schedules.py`` then runs ``forward_one_chunk(..., save_forward_output=False)``, so the stage's
     ``output_chunks`` do not hold every micro-batch's logits until the next step), as a training loop that
     wants the losses only runs it."""
-    args = (batch["input_ids"],) if stage == 0 else ()
-    kwargs = {"target": batch["labels"], "losses": []} if stage == stages - 1 else {}
+    held = schedule_stages(schedule)
+    args = (batch["input_ids"],) if any(s.is_first for s in held) else ()
+    kwargs = {"target": batch["labels"], "losses": []} if any(s.is_last for s in held) else {}
     schedule.step(*args, return_outputs=False, **kwargs)
 
 
@@ -263,7 +372,7 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
 
 def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: int, stages: int, schedule: str,
                         microbatches: int, optimizer=None, inner: tuple[int, int, int] = (1, 1, 1),
-                        plan: dict[str, Any] | None = None, fsdp: Any = None) -> Trace:
+                        plan: dict[str, Any] | None = None, fsdp: Any = None, stages_per_rank: int = 1) -> Trace:
     """Trace one steady-state step of pipeline rank ``rank`` (see the module's docstring).
 
     Args:
@@ -271,6 +380,8 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
             :class:`ShardedPipelineTracer` says, and the first rank of stage ``rank`` is traced.
         plan: the tensor-parallel plan (``tp > 1``).
         fsdp: the :class:`~memguard.estimator._fsdp2.FSDP2Layout` over ``dp_shard`` (or None).
+        stages_per_rank: virtual stages per rank under a schedule of :data:`MULTI_STAGE_SCHEDULES`
+            (:class:`MultiStagePipelineTracer`; ``stages`` is then the number of pipeline ranks); 1 otherwise.
 
     Raises:
         ConfigError: the model cannot be cut into stages, or the schedule cannot run it.
@@ -280,10 +391,15 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
+        if schedule in MULTI_STAGE_SCHEDULES and math.prod(inner) != 1:
+            raise ConfigError(f"pp_schedule={schedule!r} with dp_replicate, dp_shard or tp inside the stages is not "
+                              f"estimated yet: use {' or '.join(map(repr, SINGLE_STAGE_SCHEDULES))} with them")
         if math.prod(inner) == 1:
+            multi = {"stages_per_rank": stages_per_rank} if schedule in MULTI_STAGE_SCHEDULES else {}
+            tracer = MultiStagePipelineTracer if multi else PipelineTracer
             with quiet_fake_tensor_log(), fake_rank(rank, stages), unpacked_positions(), held_sends():
-                return PipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages,
-                                      schedule=schedule, microbatches=microbatches).run()
+                return tracer(model, batch, optimizer, None, spec, rank=rank, stages=stages, schedule=schedule,
+                              microbatches=microbatches, **multi).run()
         from memguard.estimator._fsdp2 import FSDP2Layout
         from memguard.estimator._layout import fake_mesh
 
@@ -325,17 +441,15 @@ class PipelineTracer(StepTracer):
         with self.mode:
             hidden = torch.empty(micro, ids.shape[1], cfg.hidden_size, dtype=self._dtype())
             logits = torch.empty(micro, ids.shape[1], cfg.vocab_size, dtype=self._dtype())
-            inp = torch.empty(micro, ids.shape[1], dtype=ids.dtype) if self.rank == 0 else hidden
-            out = logits if self.rank == self.stages - 1 else hidden
+            micro_ids = torch.empty(micro, ids.shape[1], dtype=ids.dtype)
             # every rank passes the loss: a schedule without one runs no backward (schedules.py,
             # _has_backward); only the last stage calls it
             loss = self.loss or (lambda output, target: output.sum())
-            self.schedule = make_schedule(self.pipeline_module(), self.rank, self.stages, self.schedule_name,
-                                          self.microbatches, inp, out, loss, torch.device("cpu"), group=self.pp_group())
-            del hidden, logits, inp, out
+            self.schedule = self.make_rank_schedule(micro_ids, hidden, logits, loss)
+            del hidden, logits, micro_ids
             with ScalarStub():  # the warm-up step: the stage's p2p buffers, as in a running job
                 try:
-                    run_schedule(self.schedule, self.rank, self.stages, self.fbatch)
+                    run_schedule(self.schedule, self.fbatch)
                 except ConfigError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - a model the schedule cannot run is the user's problem
@@ -344,9 +458,14 @@ class PipelineTracer(StepTracer):
             opt.zero_grad(set_to_none=True)
         return opt
 
-    def pipeline_module(self) -> nn.Module:
-        """The module the ``PipelineStage`` runs: the stage."""
-        return self.stage_module
+    def make_rank_schedule(self, micro_ids: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,
+                           loss: Any) -> Any:
+        """This rank's schedule over its stage (:func:`make_schedule`), given a micro-batch's ids, hidden
+        states and logits."""
+        inp = micro_ids if self.rank == 0 else hidden
+        out = logits if self.rank == self.stages - 1 else hidden
+        return make_schedule(self.stage_module, self.rank, self.stages, self.schedule_name, self.microbatches, inp,
+                             out, loss, torch.device("cpu"), group=self.pp_group())
 
     def pp_group(self) -> Any:
         """The pipeline's process group: None, the default one (pipeline stages alone)."""
@@ -370,7 +489,7 @@ class PipelineTracer(StepTracer):
         trace.phase_starts["forward"] = len(trace.events)
         self.recorder.phase = "forward"
         with self._modes():
-            run_schedule(self.schedule, self.rank, self.stages, self.fbatch)
+            run_schedule(self.schedule, self.fbatch)
         return None
 
     def backward(self, loss: Any) -> None:
@@ -381,6 +500,34 @@ class PipelineTracer(StepTracer):
             h = rec.handle_of(p.grad) if p.grad is not None else None
             if h is not None:
                 trace.category[h] = Category.GRADS
+
+
+class MultiStagePipelineTracer(PipelineTracer):
+    """:class:`PipelineTracer` for a rank that holds several virtual stages (``Interleaved1F1B``,
+    ``ZBVZeroBubble``): the copy cut to the rank's stages (:func:`rank_stage_indices`,
+    :func:`split_decoder_stages`), one ``PipelineStage`` each, and the multi-stage schedule over them
+    (:func:`make_multi_schedule`), whose own action order (``_PipelineScheduleRuntime._step_microbatches``
+    running ``pipeline_order_with_comms``) decides what the rank keeps in flight: interleaved 1F1B's
+    warm-up forwards over the rank's stages, ZBV's split backward (``BACKWARD_INPUT`` keeps what the weight
+    gradient needs until its ``BACKWARD_WEIGHT``, ``stage.py``, ``backward_state``)."""
+
+    def __init__(self, model, batch, optimizer, loss_fn, spec, *, stages_per_rank: int, **rest: Any) -> None:
+        self.stages_per_rank = stages_per_rank
+        super().__init__(model, batch, optimizer, loss_fn, spec, **rest)
+
+    def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
+        self.indices = rank_stage_indices(self.rank, self.stages, self.stages_per_rank,
+                                          MULTI_STAGE_SCHEDULES[self.schedule_name])
+        num_stages = self.stages * self.stages_per_rank
+        self.loss = causal_lm_loss(fmodel) if num_stages - 1 in self.indices else None
+        self.stage_modules = split_decoder_stages(fmodel, self.indices, num_stages)
+        return originals
+
+    def make_rank_schedule(self, micro_ids: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,
+                           loss: Any) -> Any:
+        return make_multi_schedule(self.stage_modules, self.indices, self.stages * self.stages_per_rank,
+                                   self.schedule_name, self.microbatches, micro_ids, hidden, logits, loss,
+                                   torch.device("cpu"), group=self.pp_group())
 
 
 from memguard.estimator._tp_trace import TPTracer  # noqa: E402 - after PipelineTracer, which it does not need

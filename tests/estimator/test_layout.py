@@ -79,11 +79,11 @@ def test_rank_peaks_must_have_the_peak_as_maximum():
 @pytest.mark.parametrize("layout, kwargs, needles", [
     # degrees must be positive integers; schedule names are torch's; both reported at once
     (memguard.Layout(tp=0, pp_schedule="zigzag"), {}, ["Layout(tp=0)", "pp_schedule='zigzag'"]),
-    # no DDP over pipeline stages yet (FSDP2 and TP inside stages are estimated); several stages per rank not
-    # yet; 1F1B needs micro-batches >= stages
+    # no DDP over pipeline stages yet (FSDP2 and TP inside stages are estimated); two stages per rank need
+    # 4 blocks, the model has 2; 1F1B needs micro-batches >= stages
     (memguard.Layout(pp=2, dp_replicate=2), {}, ["(DDP over pipeline stages) is not estimated yet",
                                                  "dp_shard=2"]),
-    (memguard.Layout(pp=2, pp_schedule="Interleaved1F1B"), {}, ["several stages per rank"]),
+    (memguard.Layout(pp=2, pp_schedule="Interleaved1F1B"), {}, ["with 2 stages per rank needs at least 4 blocks"]),
     (memguard.Layout(pp=4, pp_microbatches=2), {}, ["must be >= pp=4 under 1F1B"]),
     # 2 blocks cannot make 3 stages; 2 rows do not split into 3 micro-batches
     (memguard.Layout(pp=3, pp_schedule="GPipe", pp_microbatches=3), {}, ["needs at least 3 blocks",
