@@ -150,7 +150,7 @@ class Plan:
                 raise ConfigError("a plan whose Layout has a custom tp_plan cannot be written as a dict (its styles "
                                   "are Python objects): rebuild the layout after loading")
             d["layout"] = {k: getattr(self.layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule",
-                                                                "pp_microbatches")}
+                                                                "pp_microbatches", "pp_stages_per_rank")}
         d["format_version"] = PLAN_FORMAT_VERSION
         return d
 
