@@ -29,11 +29,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import machine_description, utc_now, write_results  # noqa: E402
+from benchmarks.layout_planner import SEQ, SHAPES, _model  # noqa: E402  (the same Llama 3.1 shapes)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GiB = 2**30
-SEQ = 8192
-SHAPES = {"8b": (4096, 32, 32, 14336), "70b": (8192, 80, 64, 28672)}  # hidden, layers, heads, intermediate
 CASES = {  # name: (shape, layout kwargs, micro-batch, checkpointed blocks)
     "8b-fsdp8": ("8b", dict(dp_shard=8), 2, 0),
     "8b-fsdp8-ckpt16": ("8b", dict(dp_shard=8), 2, 16),
@@ -44,17 +43,6 @@ CASES = {  # name: (shape, layout kwargs, micro-batch, checkpointed blocks)
     "70b-fsdp256": ("70b", dict(dp_shard=256), 1, 0),
     "70b-fsdp256-ckpt78": ("70b", dict(dp_shard=256), 2, 78),
 }
-
-
-def _model(shape: str):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    h, layers, heads, inter = SHAPES[shape]
-    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8,
-                      intermediate_size=inter, vocab_size=128256, max_position_embeddings=SEQ)
-    with torch.device("meta"):
-        return LlamaForCausalLM(cfg)
 
 
 def run_case(name: str) -> dict:

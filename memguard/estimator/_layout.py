@@ -519,7 +519,7 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
     from collections.abc import Mapping as _Mapping
 
     from memguard.batch import first_dim
-    from memguard.estimator._pipeline import decoder_parts, trace_pipeline_rank
+    from memguard.estimator._pipeline import decoder_parts, not_a_decoder, trace_pipeline_rank
     from memguard.estimator._pricing import _estimate_from_factors
     from memguard.estimator._sharding import ShardFactors
     from memguard.estimator._targets import Target, check_common, target_cpu, target_gpu, unwrap_model
@@ -539,9 +539,7 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
     micro = layout.pp_microbatches or layout.pp
     per_rank = stages_per_rank(layout)
     if parts is None:
-        problems.append(f"pipeline stages are cut from transformers decoder models (a base model with layers, "
-                        f"embed_tokens and norm, and an lm_head); {type(model).__name__} is not one: drop "
-                        "Layout(pp=...)")
+        problems.append(not_a_decoder(model))
     elif len(parts[1]) < layout.pp * per_rank:
         if per_rank == 1:
             problems.append(f"Layout(pp={layout.pp}) needs at least {layout.pp} blocks, the model has "

@@ -98,6 +98,19 @@ class DecoderStage(nn.Module):
         return self.model.lm_head(hidden) if self.last else hidden
 
 
+def not_a_decoder(model: nn.Module) -> str:
+    """The problem of a model :func:`decoder_parts` does not know, said once for every refusal."""
+    return (f"pipeline stages are cut from transformers decoder models (a base model with layers, embed_tokens and "
+            f"norm, and an lm_head); {type(model).__name__} is not one: drop Layout(pp=...)")
+
+
+def _decoder_parts_or_raise(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    parts = decoder_parts(model)
+    if parts is None:
+        raise ConfigError(not_a_decoder(model))
+    return parts
+
+
 def split_decoder(model: nn.Module, stage: int, stages: int) -> DecoderStage:
     """Cut ``model`` in place to pipeline stage ``stage`` of ``stages`` (the blocks outside it
     dropped, the embeddings kept on the first stage only, the final norm and the head on the last
@@ -106,12 +119,7 @@ def split_decoder(model: nn.Module, stage: int, stages: int) -> DecoderStage:
     Raises:
         ConfigError: the model is not a decoder :func:`decoder_parts` knows.
     """
-    parts = decoder_parts(model)
-    if parts is None:
-        raise ConfigError(f"pipeline stages are cut from transformers decoder models (a base model with layers, "
-                          f"embed_tokens and norm, and an lm_head); {type(model).__name__} is not one: drop "
-                          "Layout(pp=...)")
-    base, layers = parts
+    base, layers = _decoder_parts_or_raise(model)
     lo, hi = stage_bounds(len(layers), stages, stage)
     base.layers = nn.ModuleList(list(layers)[lo:hi])
     first, last = stage == 0, stage == stages - 1
@@ -148,12 +156,7 @@ def split_decoder_stages(model: nn.Module, indices: list[int], stages: int) -> l
     """
     import copy
 
-    parts = decoder_parts(model)
-    if parts is None:
-        raise ConfigError(f"pipeline stages are cut from transformers decoder models (a base model with layers, "
-                          f"embed_tokens and norm, and an lm_head); {type(model).__name__} is not one: drop "
-                          "Layout(pp=...)")
-    base, layers = parts
+    base, layers = _decoder_parts_or_raise(model)
     prefix = model.base_model_prefix
     out, kept = [], []
     for stage in indices:

@@ -999,6 +999,21 @@ def index_put_op(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: 
                        _DET_INDEX_SOURCE, detail)]
 
 
+def _deterministic_index_args(args: tuple, kwargs: dict, out: Any) -> tuple | None:
+    """``(self, dim, index, source, result)`` of an ``index_add``/``index_copy`` call under deterministic
+    algorithms (``dim`` made non-negative, ``result`` the out tensor or ``self``), or None when the
+    algorithms are not deterministic or the call is not one the sorting kernel runs (sparse, 0-d)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return None
+    x = args[0] if args else kwargs.get("self")
+    dim = _arg(args, kwargs, 1, "dim", 0)
+    index = _arg(args, kwargs, 2, "index", None)
+    source = _arg(args, kwargs, 3, "source", None)
+    if not all(isinstance(t, torch.Tensor) for t in (x, index, source)) or x.dim() == 0 or x.is_sparse:
+        return None
+    return x, int(dim) % x.dim(), index, source, out if isinstance(out, torch.Tensor) else x
+
+
 def index_add_op(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: Any) -> list[Unmodelled]:
     """ATen ``index_add``/``index_add_`` under deterministic algorithms (so the backward of ``index_select``).
 
@@ -1008,16 +1023,10 @@ def index_add_op(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out: 
     when that is dense, else contiguous) live through the sorting kernel (:func:`sorting_index_put_bytes`,
     accumulating, so for any size of ``source``).
     """
-    if not torch.are_deterministic_algorithms_enabled():
+    parsed = _deterministic_index_args(args, kwargs, out)
+    if parsed is None:
         return []
-    x = args[0] if args else kwargs.get("self")
-    dim = _arg(args, kwargs, 1, "dim", 0)
-    index = _arg(args, kwargs, 2, "index", None)
-    source = _arg(args, kwargs, 3, "source", None)
-    if not all(isinstance(t, torch.Tensor) for t in (x, index, source)) or x.dim() == 0 or x.is_sparse:
-        return []
-    d = int(dim) % x.dim()
-    dest = out if isinstance(out, torch.Tensor) else x
+    x, d, index, source, dest = parsed
     ishape = tuple(int(s) for s in index.shape)
     # index.to(at::kLong): the index itself when int64, else a contiguous int64 copy
     converted = index.element_size() == 4
@@ -1047,18 +1056,10 @@ def index_copy_op(target: CudaTarget, func: Any, args: tuple, kwargs: dict, out:
     (int64) ``index`` at ``dim``, so :func:`sorting_index_put_bytes` whenever ``_index_put_impl_`` sorts
     without accumulating (see :data:`INDEX_PUT_ONE_VALUE_UNSORTED_SINCE`).
     """
-    if not torch.are_deterministic_algorithms_enabled():
+    parsed = _deterministic_index_args(args, kwargs, out)
+    if parsed is None or _one_value_unsorted(target, parsed[3].numel()):
         return []
-    x = args[0] if args else kwargs.get("self")
-    dim = _arg(args, kwargs, 1, "dim", 0)
-    index = _arg(args, kwargs, 2, "index", None)
-    source = _arg(args, kwargs, 3, "source", None)
-    if not all(isinstance(t, torch.Tensor) for t in (x, index, source)) or x.dim() == 0 or x.is_sparse:
-        return []
-    if _one_value_unsorted(target, source.numel()):
-        return []
-    d = int(dim) % x.dim()
-    dest = out if isinstance(out, torch.Tensor) else x
+    x, d, index, source, dest = parsed
     ishape = tuple(int(s) for s in index.shape)
     parts = [None] * d + [(ishape, tuple(int(s) for s in index.stride()), index.element_size())]
     allocs = sorting_index_put_bytes(tuple(int(s) for s in x.shape), dest.is_contiguous(), x.element_size(), parts,
