@@ -37,8 +37,10 @@ loss). A rank's peak is then counted analytically for its stage:
   :mod:`memguard.estimator._pipeline` traces), each with the stage's blocks (plain ones with the
   split share divided by ``tp``; checkpointed ones keep only their input, which tensor parallelism
   without sequence parallelism replicates: Korthikanti et al. 2022, arXiv 2205.05198, 2sbh per
-  layer under full recompute), one block's recomputation, the head and loss on the last stage, and
-  the p2p send/receive buffers of one micro-batch;
+  layer under full recompute), one block's recomputation, the head and loss on the last stage, the
+  p2p receive buffers torch's ``PipelineStage`` keeps for every micro-batch (the input's on every
+  stage but the first, the output gradient's on every stage but the last: ``stage.py``,
+  ``_prepare_forward_infra`` / ``_prepare_backward_infra``) and one micro-batch's send;
 * the optimizer step's own transients, per parameter, from the probes.
 
 These are allocated bytes (no CUDA allocator model) plus the target's BLAS workspaces; the winner is
@@ -238,7 +240,11 @@ class LayoutProfile:
         recompute = m * max(plain - a.block_ckpt, 0.0) if k else 0.0
         act += max(rest, recompute)
         if pp > 1:
-            act += 2 * m * a.block_ckpt  # p2p receive and send buffers of one micro-batch
+            # torch's PipelineStage makes a receive buffer per micro-batch, on the first step, and keeps them:
+            # for its input on every stage but the first, for its output's gradient on every stage but the last
+            # (torch/distributed/pipelining/stage.py, _prepare_forward_infra / _prepare_backward_infra: one
+            # _RecvInfo buffer per chunk); plus the send of one micro-batch, which gloo holds until it is waited on
+            act += (n_micro * ((s > 0) + (s < pp - 1)) + 1) * m * a.block_ckpt
         opt = states + p_loc * a.opt_extra_per_param / D
         return {"model_states": states, "buffers": buffers + self.fixed_bytes, "activations": act,
                 "optimizer_step": opt + self.fixed_bytes}
