@@ -111,6 +111,35 @@ def split_decoder(model: nn.Module, stage: int, stages: int) -> DecoderStage:
     return DecoderStage(model, first, last)
 
 
+def checkpoint_stage(stage_module: DecoderStage, per_stage: int) -> Any:
+    """Checkpoint the first ``per_stage`` of the blocks a stage kept (:func:`split_decoder`), in module
+    order: with ``activation_checkpointing=k`` under ``Layout(pp=P)`` every stage checkpoints the first
+    ``k`` of its own blocks (all of them where it has ``k`` or fewer), as the layout planner counts
+    checkpointed blocks per stage (``memguard/planner/_layouts.py``, ``LayoutProfile.rank_bytes``:
+    ``k = min(k, blocks)`` of stage ``s``'s ``blocks``). The estimate (:class:`PipelineTracer`) and
+    ``memguard.integrations.parallel.apply`` both checkpoint through this function, with the plain
+    estimate's mechanism (:func:`~memguard.estimator._blocks.apply_activation_checkpointing`: a
+    non-reentrant ``torch.utils.checkpoint`` call in place of each block's ``forward``, the KV cache
+    off); the function it returns undoes it.
+
+    With FSDP2 and/or TP inside the stage (:class:`ShardedPipelineTracer`) it runs right after the cut,
+    before ``parallelize_module`` and ``fully_shard``. torchtitan's order is TP, then checkpointing, then
+    FSDP2 (``torchtitan/models/llama3/infra/parallelize.py``, ``parallelize_llama``: ``apply_tp``, then
+    ``apply_ac``, then ``apply_fsdp``), because its wrapper replaces each block in ``model.layers`` by a
+    ``ptd_checkpoint_wrapper`` module (``torchtitan/distributed/activation_checkpoint.py``), which renames
+    the block's submodules for a TP plan applied after it. This wrapper overrides the block's ``forward``
+    only: module names, submodules and hooks stay as they are, so ``parallelize_module`` (which shards the
+    submodules by name and hooks their calls) finds the same modules before or after it, and FSDP2's
+    hooks on the block run around the overridden ``forward`` as around the original; the step is
+    torchtitan's.
+    """
+    from memguard.estimator._blocks import apply_activation_checkpointing
+
+    model = stage_module.model
+    layers = list(getattr(model, model.base_model_prefix).layers)
+    return apply_activation_checkpointing(stage_module, per_stage, layers)
+
+
 def make_schedule(stage_module: nn.Module, stage: int, stages: int, schedule: str, microbatches: int,
                   micro_input: torch.Tensor, micro_output: torch.Tensor, loss_fn: Any, device: Any,
                   group: Any = None) -> Any:
@@ -243,6 +272,45 @@ def held_sends() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def saved_rng_states() -> Iterator[None]:
+    """The CPU generator states a checkpointed block saves, as tensors the trace sees (the CPU target).
+
+    Non-reentrant checkpointing with ``preserve_rng_state=True`` (the default,
+    :func:`~memguard.estimator._blocks.apply_activation_checkpointing`) saves the CPU generator's state
+    when a block runs forward and keeps it with the block's frame until the block's backward
+    recomputes it (``torch/utils/checkpoint.py``, ``_checkpoint_without_reentrant_generator``:
+    ``fwd_cpu_state = torch.get_rng_state()``); the recomputation forks the generator, saving its state
+    once more while it runs (``recompute_fn``: ``torch.random.fork_rng``, ``cpu_rng_state =
+    torch.get_rng_state()``). Each state is a new host tensor (the Mersenne Twister's, 5056 bytes in
+    torch 2.13). ``get_rng_state`` is not an operator, so under the fake mode it returns a real tensor the
+    recorder never sees, and a schedule keeps one per checkpointed block of every micro-batch in
+    flight. Here, inside the fake mode, it returns an empty fake tensor of the state's shape and dtype
+    (made and recorded as any allocation of the step) holding the real state, which ``set_rng_state``
+    restores; outside the fake mode both are torch's own. On the CUDA target these states are host
+    memory, so it is not used there."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    get, put = torch.get_rng_state, torch.set_rng_state
+
+    def get_state() -> torch.Tensor:
+        state = get()
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+            return state
+        held = torch.empty(state.shape, dtype=state.dtype)
+        held._memguard_rng_state = state
+        return held
+
+    def set_state(new_state: torch.Tensor) -> None:
+        put(new_state._memguard_rng_state if is_fake(new_state) else new_state)
+
+    torch.get_rng_state, torch.set_rng_state = get_state, set_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state = get, put
+
+
+@contextlib.contextmanager
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     """A fake default process group of ``world_size`` ranks in which this process is ``rank``
     (:func:`~memguard.estimator._fsdp2.fake_world` makes rank 0 only)."""
@@ -263,7 +331,7 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
 
 def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: int, stages: int, schedule: str,
                         microbatches: int, optimizer=None, inner: tuple[int, int, int] = (1, 1, 1),
-                        plan: dict[str, Any] | None = None, fsdp: Any = None) -> Trace:
+                        plan: dict[str, Any] | None = None, fsdp: Any = None, checkpoint_blocks: int = 0) -> Trace:
     """Trace one steady-state step of pipeline rank ``rank`` (see the module's docstring).
 
     Args:
@@ -271,6 +339,8 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
             :class:`ShardedPipelineTracer` says, and the first rank of stage ``rank`` is traced.
         plan: the tensor-parallel plan (``tp > 1``).
         fsdp: the :class:`~memguard.estimator._fsdp2.FSDP2Layout` over ``dp_shard`` (or None).
+        checkpoint_blocks: checkpoint the first this many of the stage's blocks (:func:`checkpoint_stage`;
+            ``spec.checkpoint_blocks`` must be 0).
 
     Raises:
         ConfigError: the model cannot be cut into stages, or the schedule cannot run it.
@@ -281,9 +351,11 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
     gc.disable()
     try:
         if math.prod(inner) == 1:
-            with quiet_fake_tensor_log(), fake_rank(rank, stages), unpacked_positions(), held_sends():
+            with quiet_fake_tensor_log(), fake_rank(rank, stages), unpacked_positions(), held_sends(), \
+                    saved_rng_states() if checkpoint_blocks and spec.cpu_target is not None else contextlib.nullcontext():
                 return PipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages,
-                                      schedule=schedule, microbatches=microbatches).run()
+                                      schedule=schedule, microbatches=microbatches,
+                                      checkpoint_blocks=checkpoint_blocks).run()
         from memguard.estimator._fsdp2 import FSDP2Layout
         from memguard.estimator._layout import fake_mesh
 
@@ -292,10 +364,11 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
         shape = (stages, *inner)
         with quiet_fake_tensor_log(), fake_mesh(shape, ("pp", "dp_replicate", "dp_shard", "tp"),
                                                 rank=rank * math.prod(inner)) as mesh, \
-                unpacked_positions(), held_sends():
+                unpacked_positions(), held_sends(), \
+                saved_rng_states() if checkpoint_blocks and spec.cpu_target is not None else contextlib.nullcontext():
             return ShardedPipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages,
                                          schedule=schedule, microbatches=microbatches, layout=layout, mesh=mesh,
-                                         plan=plan, fsdp=fsdp is not None).run()
+                                         plan=plan, fsdp=fsdp is not None, checkpoint_blocks=checkpoint_blocks).run()
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -308,13 +381,20 @@ class PipelineTracer(StepTracer):
     (:meth:`forward`; :meth:`backward` has nothing left to do)."""
 
     def __init__(self, model, batch, optimizer, loss_fn, spec, *, rank: int, stages: int, schedule: str,
-                 microbatches: int, **rest: Any) -> None:
+                 microbatches: int, checkpoint_blocks: int = 0, **rest: Any) -> None:
         self.rank, self.stages, self.schedule_name, self.microbatches = rank, stages, schedule, microbatches
+        self.checkpoint_blocks = checkpoint_blocks
         super().__init__(model, batch, optimizer, loss_fn, spec, **rest)
 
     def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
+        """Cut the copy to this rank's stage (:func:`split_decoder`) and checkpoint the first
+        ``checkpoint_blocks`` of the stage's blocks (:func:`checkpoint_stage`). The spec's own
+        ``checkpoint_blocks`` counts the whole model's blocks, so a pipeline trace leaves it 0 and
+        passes the stage's count here (:func:`trace_pipeline_rank`)."""
         self.loss = causal_lm_loss(fmodel) if self.rank == self.stages - 1 else None
         self.stage_module = split_decoder(fmodel, self.rank, self.stages)
+        if self.checkpoint_blocks and self.spec.train:
+            checkpoint_stage(self.stage_module, self.checkpoint_blocks)
         return originals
 
     def build_optimizer(self, originals: dict[int, Any]) -> torch.optim.Optimizer:
@@ -405,6 +485,8 @@ class ShardedPipelineTracer(PipelineTracer, TPTracer):
     """
 
     def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
+        """The cut and the stage's checkpointing (:meth:`PipelineTracer.prepare_model`; see
+        :func:`checkpoint_stage` for why it may come before TP), then TP and FSDP2 of the stage."""
         PipelineTracer.prepare_model(self, fmodel, originals, blocks)
         kept = getattr(fmodel, fmodel.base_model_prefix).layers  # the stage's blocks (split_decoder kept them)
         stage_blocks = [b for b in blocks if any(b is k for k in kept)]
