@@ -311,6 +311,43 @@ def saved_rng_states() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def backward_under_modes() -> Iterator[None]:
+    """A stage's backward runs under the trace's function modes, as the plain trace's backward does.
+
+    The schedule's backward (``_backward.py``, ``stage_backward``) calls ``torch.autograd.backward``,
+    which hands the call to an active ``TorchFunctionMode`` (``autograd/__init__.py``:
+    ``has_torch_function`` -> ``handle_torch_function``), and a mode is switched off while it handles a
+    call: a checkpointed block's recomputation then ran without the CUDA target's kernel model and
+    autocast emulation that its forward ran under, saved other tensors, and torch's checkpoint refused
+    it ("A different number of tensors was saved during the original forward and recomputation").
+    Here, while a function mode is active, the call goes straight into the autograd engine, as
+    :func:`~memguard.estimator._trace._engine_backward` takes the plain trace's backward there; with
+    no mode active it is torch's own."""
+    from torch.autograd.variable import Variable
+
+    original = torch.autograd.backward
+
+    def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None, **kwargs):
+        if kwargs or not torch._C._is_torch_function_mode_enabled():
+            return original(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs, **kwargs)
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
+            grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
+        # autograd/__init__.py, _make_grads: an output without a gradient is a scalar's, seeded with ones
+        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grad_tensors))
+        inputs = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+        Variable._execution_engine.run_backward(tensors, grads, bool(create_graph if retain_graph is None
+                                                                     else retain_graph),
+                                                create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
+@contextlib.contextmanager
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     """A fake default process group of ``world_size`` ranks in which this process is ``rank``
     (:func:`~memguard.estimator._fsdp2.fake_world` makes rank 0 only)."""
@@ -327,6 +364,18 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
         finally:
             if not running:
                 dist.destroy_process_group()
+
+
+def checkpointed_stage_trace(spec: TraceSpec, checkpoint_blocks: int) -> contextlib.ExitStack:
+    """What a trace of checkpointed stages runs under: on the CPU target the generator states checkpointing
+    saves (:func:`saved_rng_states`), on any target the recomputation under the trace's modes
+    (:func:`backward_under_modes`); nothing without checkpointing."""
+    stack = contextlib.ExitStack()
+    if checkpoint_blocks and spec.train:
+        if spec.cpu_target is not None:
+            stack.enter_context(saved_rng_states())
+        stack.enter_context(backward_under_modes())
+    return stack
 
 
 def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: int, stages: int, schedule: str,
@@ -352,7 +401,7 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
     try:
         if math.prod(inner) == 1:
             with quiet_fake_tensor_log(), fake_rank(rank, stages), unpacked_positions(), held_sends(), \
-                    saved_rng_states() if checkpoint_blocks and spec.cpu_target is not None else contextlib.nullcontext():
+                    checkpointed_stage_trace(spec, checkpoint_blocks):
                 return PipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages,
                                       schedule=schedule, microbatches=microbatches,
                                       checkpoint_blocks=checkpoint_blocks).run()
@@ -364,8 +413,7 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
         shape = (stages, *inner)
         with quiet_fake_tensor_log(), fake_mesh(shape, ("pp", "dp_replicate", "dp_shard", "tp"),
                                                 rank=rank * math.prod(inner)) as mesh, \
-                unpacked_positions(), held_sends(), \
-                saved_rng_states() if checkpoint_blocks and spec.cpu_target is not None else contextlib.nullcontext():
+                unpacked_positions(), held_sends(), checkpointed_stage_trace(spec, checkpoint_blocks):
             return ShardedPipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages,
                                          schedule=schedule, microbatches=microbatches, layout=layout, mesh=mesh,
                                          plan=plan, fsdp=fsdp is not None, checkpoint_blocks=checkpoint_blocks).run()

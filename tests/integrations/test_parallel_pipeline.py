@@ -294,3 +294,17 @@ def test_apply_refuses_checkpoint_blocks_that_do_not_split_over_the_stages(one_r
         parallel.apply(w.build_llama(), plan)
     assert any("checkpoint_blocks=3 does not split into the same number of checkpointed blocks per stage over "
                "Layout(pp=2) (4 blocks): use one of [2, 4]" in p for p in info.value.problems), info.value.problems
+
+
+def test_the_cuda_targets_checkpointed_stages_recompute_under_its_kernel_model() -> None:
+    # the schedule's backward (torch.autograd.backward) would run the recomputation with the trace's function
+    # modes off, and torch's checkpoint refused the different tensors it saved; the stages now recompute as
+    # they ran forward, and checkpointing lowers the stage's allocated peak
+    import memguard
+
+    w = _worker_module()
+    batch, layout = w.make_batches(1)[0], memguard.Layout(pp=2, pp_microbatches=2)
+    plain = memguard.estimate(w.build_llama(), batch, device="cuda", gpu="H100", layout=layout)
+    one = memguard.estimate(w.build_llama(), batch, device="cuda", gpu="H100", layout=layout, activation_checkpointing=1)
+    assert one.activation_checkpointing == 2
+    assert one.allocated_peak_bytes < plain.allocated_peak_bytes, (one.allocated_peak_bytes, plain.allocated_peak_bytes)
