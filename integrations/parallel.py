@@ -44,9 +44,10 @@ with ``dp_shard``), and for a model cut into pipeline stages by dispatching to i
 :class:`~memguard.guard._pipeline_step.PipelineRun` (the same as :func:`step`).
 
 Known limitations:
-    Pipeline stages are not built together with data or tensor parallelism or mixed precision, although the estimate takes FSDP2 and TP inside stages: a rank that
-    drains its schedule after an OOM would also have to join its data- and tensor-parallel peers'
-    collectives, which the drain does not do yet. DDP over tensor-parallel shards (``dp_replicate``
+    Pipeline stages are not built together with data or tensor parallelism or mixed precision,
+    although the estimate takes FSDP2 and TP inside stages: a rank that drains its schedule after an
+    OOM would also have to join its data- and tensor-parallel peers' collectives, which the drain does
+    not do yet. DDP over tensor-parallel shards (``dp_replicate``
     with ``tp`` but no ``dp_shard``) is refused, as the estimate refuses it.
 """
 

@@ -64,7 +64,8 @@ def _run(tmp_path: Path, pp: int, **cfg) -> tuple[list[dict], list[dict]]:
     return results, weights
 
 
-def _single_process(steps: int, checkpointed: tuple[int, ...] = (), **shape) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _single_process(steps: int, checkpointed: tuple[int, ...] = (),
+                    **shape) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The whole model in one process on the same batches: ``model(**batch).loss``, backward, AdamW
     (the blocks ``checkpointed``, by index in the whole model, checkpointed as memguard checkpoints them)."""
     w = _worker_module()
@@ -305,6 +306,7 @@ def test_the_cuda_targets_checkpointed_stages_recompute_under_its_kernel_model()
     w = _worker_module()
     batch, layout = w.make_batches(1)[0], memguard.Layout(pp=2, pp_microbatches=2)
     plain = memguard.estimate(w.build_llama(), batch, device="cuda", gpu="H100", layout=layout)
-    one = memguard.estimate(w.build_llama(), batch, device="cuda", gpu="H100", layout=layout, activation_checkpointing=1)
+    one = memguard.estimate(w.build_llama(), batch, device="cuda", gpu="H100", layout=layout,
+                            activation_checkpointing=1)
     assert one.activation_checkpointing == 2
     assert one.allocated_peak_bytes < plain.allocated_peak_bytes, (one.allocated_peak_bytes, plain.allocated_peak_bytes)
