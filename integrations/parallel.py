@@ -33,7 +33,9 @@ Build the optimizer after ``apply`` (TP and FSDP2 replace the parameters with ``
    :func:`step`, and recorded in :class:`AppliedLayout` (``pipeline``: a
    :class:`memguard.guard._pipeline_step.PipelineRun`). Train it with :func:`step`, which runs the
    schedule, recovers from an OOM on any rank by halving the micro-batch on every rank, and steps
-   the optimizer; ``model(...)`` itself no longer runs the whole model.
+   the optimizer; ``model(...)`` itself no longer runs the whole model. A plan's ``checkpoint_blocks``
+   (the blocks checkpointed over all stages) checkpoints the first ``ceil(checkpoint_blocks / pp)`` of
+   each stage's blocks, as the planner and the estimate count them per stage.
 
 :func:`memguard.step` runs every layout ``apply`` builds and recovers from an OOM on any rank: under
 tensor parallelism and FSDP2 x TP with agreements at every ``ParallelStyle`` boundary
@@ -42,10 +44,10 @@ with ``dp_shard``), and for a model cut into pipeline stages by dispatching to i
 :class:`~memguard.guard._pipeline_step.PipelineRun` (the same as :func:`step`).
 
 Known limitations:
-    Pipeline stages are not built together with data or tensor parallelism, mixed precision or
-    activation checkpointing, although the estimate takes FSDP2 and TP inside stages: a rank that
-    drains its schedule after an OOM would also have to join its data- and tensor-parallel peers'
-    collectives, which the drain does not do yet. DDP over tensor-parallel shards (``dp_replicate``
+    Pipeline stages are not built together with data or tensor parallelism or mixed precision,
+    although the estimate takes FSDP2 and TP inside stages: a rank that drains its schedule after an
+    OOM would also have to join its data- and tensor-parallel peers' collectives, which the drain does
+    not do yet. DDP over tensor-parallel shards (``dp_replicate``
     with ``tp`` but no ``dp_shard``) is refused, as the estimate refuses it.
 """
 
@@ -211,23 +213,49 @@ def _pipeline_problems(model: nn.Module, plan_or_layout: Any, layout: Layout, pr
     if precision in _MIXED:
         problems.append(f"precision={precision!r} (autocast) is not built under Layout(pp=...) yet: use '32-true' or "
                         "a '*-true' precision")
-    if getattr(plan_or_layout, "checkpoint_blocks", 0):
-        problems.append("activation checkpointing is not built under Layout(pp=...) yet: plan with "
-                        "activation_checkpointing=False")
+    if parts is not None and len(parts[1]) >= layout.pp:
+        _stage_checkpoint_blocks(plan_or_layout, layout, len(parts[1]), problems)
 
 
-def _apply_pipeline(model: nn.Module, layout: Layout, device_type: str) -> tuple[nn.Module, Any, Any]:
-    """Cut ``model`` to this rank's stage; the model, the ``(pp, 1, 1, 1)`` mesh and the
-    :class:`~memguard.guard._pipeline_step.PipelineRun` (see the module docstring, 5.)."""
+def _stage_checkpoint_blocks(plan_or_layout: Any, layout: Layout, num_blocks: int, problems: list[str]) -> int:
+    """The blocks each pipeline stage checkpoints (its first ones) for a plan's ``checkpoint_blocks``.
+
+    A plan's ``checkpoint_blocks`` counts the model's blocks checkpointed over all stages: the layout
+    planner checkpoints ``k`` blocks of each stage and records ``min(k * pp, num_blocks)``
+    (``memguard/planner/_layouts.py``, ``_plan``: ``k_total``), as
+    ``memguard.estimate(..., layout=..., activation_checkpointing=k)`` reports it. Each stage then
+    checkpoints the first ``ceil(checkpoint_blocks / pp)`` of its blocks (all of them where it has
+    fewer), which gives the plan's count back; a count no ``k`` gives is refused."""
+    total = getattr(plan_or_layout, "checkpoint_blocks", 0) or 0
+    if not (isinstance(total, int) and not isinstance(total, bool) and total >= 0):
+        problems.append(f"the plan's checkpoint_blocks={total!r} must be an integer >= 0")
+        return 0
+    per_stage = -(-total // layout.pp)
+    if min(per_stage * layout.pp, num_blocks) != total:
+        fits = sorted({min(k * layout.pp, num_blocks) for k in range(1, num_blocks + 1)})
+        problems.append(f"checkpoint_blocks={total} does not split into the same number of checkpointed blocks per "
+                        f"stage over Layout(pp={layout.pp}) ({num_blocks} blocks): use one of {fits} (k blocks of "
+                        f"each stage: k x pp, or every block)")
+        return 0
+    return per_stage
+
+
+def _apply_pipeline(model: nn.Module, layout: Layout, device_type: str,
+                    checkpoint_blocks: int = 0) -> tuple[nn.Module, Any, Any]:
+    """Cut ``model`` to this rank's stage (its first ``checkpoint_blocks`` blocks checkpointed, as the
+    estimate's :func:`~memguard.estimator._pipeline.checkpoint_stage`); the model, the ``(pp, 1, 1, 1)``
+    mesh and the :class:`~memguard.guard._pipeline_step.PipelineRun` (see the module docstring, 5.)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from memguard.estimator._pipeline import split_decoder
+    from memguard.estimator._pipeline import checkpoint_stage, split_decoder
     from memguard.guard._pipeline_step import PipelineRun
 
     mesh = init_device_mesh(device_type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
                             mesh_dim_names=PP_MESH_DIMS)
     rank = mesh.get_local_rank("pp")
     stage_module = split_decoder(model, rank, layout.pp)
+    if checkpoint_blocks:
+        checkpoint_stage(stage_module, checkpoint_blocks)  # the estimate's own checkpointing, right after the cut
     device = next((p.device for p in model.parameters()), torch.device(device_type))
     run = PipelineRun(model, stage_module, rank=rank, stages=layout.pp, schedule=layout.pp_schedule,
                       microbatches=layout.pp_microbatches or layout.pp, device=device,
@@ -306,7 +334,9 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
     if layout.pp > 1:
         if precision in _TRUE:
             model.to(_TRUE[precision])  # *-true: the weights themselves are 16-bit
-        out, mesh, run = _apply_pipeline(model, layout, _device_type(model, device))
+        stage_ckpt = _stage_checkpoint_blocks(plan_or_layout, layout, len(getattr(
+            model, model.base_model_prefix).layers), [])  # checked by problems_of
+        out, mesh, run = _apply_pipeline(model, layout, _device_type(model, device), checkpoint_blocks=stage_ckpt)
         if batch is not None:
             run.build_for(batch)
         _APPLIED[out] = AppliedLayout(layout=layout, mesh=mesh, tp_plan_source=None, zero_stage=0,

@@ -515,11 +515,16 @@ def _estimate_tp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
 
 def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str, Any]) -> Any:
     """Trace and price every pipeline rank (:func:`~memguard.estimator._pipeline.trace_pipeline_rank`);
-    the estimate is the highest rank's, with every rank's peak in ``rank_peak_bytes``."""
+    the estimate is the highest rank's, with every rank's peak in ``rank_peak_bytes``.
+
+    ``activation_checkpointing=k`` checkpoints the first ``k`` blocks of each stage (True: all of them), as
+    the layout planner counts checkpointed blocks per stage
+    (:func:`~memguard.estimator._pipeline.checkpoint_stage`); the estimate's ``activation_checkpointing`` is
+    then the blocks checkpointed over all stages, as a layout plan's ``checkpoint_blocks``."""
     from collections.abc import Mapping as _Mapping
 
     from memguard.batch import first_dim
-    from memguard.estimator._pipeline import decoder_parts, not_a_decoder, trace_pipeline_rank
+    from memguard.estimator._pipeline import decoder_parts, not_a_decoder, stage_bounds, trace_pipeline_rank
     from memguard.estimator._pricing import _estimate_from_factors
     from memguard.estimator._sharding import ShardFactors
     from memguard.estimator._targets import Target, check_common, target_cpu, target_gpu, unwrap_model
@@ -528,6 +533,7 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
     from memguard.estimator._fsdp2 import fsdp2_factors
     from memguard.estimator._targets import traced_precision
     from memguard.estimator._tracing import fsdp2_layout
+    from memguard.vocab import ALL_BLOCKS
 
     device, precision = options.get("device", "cuda"), options.get("precision", "32-true")
     problems: list[str] = []
@@ -558,8 +564,12 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
                             f"is a multiple of {micro}, or set pp_microbatches to a divisor of {rows}")
     if options.get("loss_fn") is not None:
         problems.append("under Layout(pp=...) the last stage computes the model's own loss: drop loss_fn")
-    for name, default in (("activation_checkpointing", 0), ("grad_accum_steps", 1), ("keep_outputs", False),
-                          ("offload_optimizer", False)):
+    checkpoint = options.get("activation_checkpointing", 0)
+    if not (isinstance(checkpoint, bool) or (_is_int(checkpoint) and checkpoint >= 0)):
+        problems.append(f"activation_checkpointing={checkpoint!r} must be True (every block), False or an integer "
+                        ">= 0 (under Layout(pp=...): the first that many blocks of each stage)")
+        checkpoint = 0
+    for name, default in (("grad_accum_steps", 1), ("keep_outputs", False), ("offload_optimizer", False)):
         if options.get(name, default) not in (default, False, 0):
             problems.append(f"{name}={options[name]!r} is not estimated under Layout(pp=...) yet: drop it")
     if per_rank > 1 and options.get("activation_checkpointing", 0) not in (0, False, None):
@@ -583,14 +593,18 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
     target = Target(device=device, precision=precision, zero_stage=level, world_size=layout.world_size, gpu=spec_gpu,
                     strategy=strategy or "ddp").resolved()
     factors = fsdp2_factors(False) if fsdp is not None else ShardFactors()
+    # activation_checkpointing=k: the first k blocks of each stage (checkpoint_stage, as the layout planner
+    # counts them per stage); the spec's own checkpoint_blocks (the whole model's first blocks) stays 0
+    stage_ckpt = ALL_BLOCKS if checkpoint is True else int(checkpoint or 0)
+    stage_blocks = [hi - lo for lo, hi in (stage_bounds(len(parts[1]), layout.pp, s) for s in range(layout.pp))]
     estimates = []
     for rank in range(layout.pp):
         trace = trace_pipeline_rank(model, batch, spec, rank=rank, stages=layout.pp, schedule=layout.pp_schedule,
                                     microbatches=micro, optimizer=options.get("optimizer"),
                                     inner=(layout.dp_replicate, layout.dp_shard, layout.tp), plan=plan, fsdp=fsdp,
-                                    stages_per_rank=per_rank)
+                                    stages_per_rank=per_rank, checkpoint_blocks=stage_ckpt)
         est, _ = _estimate_from_factors(trace, factors, target, micro_batch_size=int(first_dim(batch) or 0),
-                                        checkpointed=0, limit_bytes=None)
+                                        checkpointed=min(stage_ckpt, stage_blocks[rank]), limit_bytes=None)
         estimates.append(est)
     stage_peaks = tuple(e.peak_bytes for e in estimates)
     per_stage = layout.world_size // layout.pp  # rank order: pp outermost (rank_order)
@@ -605,9 +619,15 @@ def _estimate_pp(model: nn.Module, batch: Any, layout: Layout, options: dict[str
         if fsdp is not None:
             inner += (", fully_shard of each block and of the stage as FSDP2's root, so the schedule keeps the "
                       "stage's parameters unsharded and its gradients unsynchronised until the last micro-batch")
+    checkpointed = sum(min(stage_ckpt, n) for n in stage_blocks)
+    if checkpointed:
+        inner += (f"; the first {min(stage_ckpt, max(stage_blocks))} blocks of each stage checkpointed "
+                  f"({checkpointed} of the model's {len(parts[1])})")
     stages = (f", {per_rank} virtual stages per rank ({layout.pp * per_rank} in all)" if per_rank > 1 else "")
     note = (f"layout {layout.describe()}: each pipeline stage traced under torch.distributed.pipelining's "
             f"{layout.pp_schedule} schedule with {micro} micro-batches{stages} over a fake process group{inner}; the "
             f"breakdown is {'pipeline rank' if per_rank > 1 else 'stage'} {worst_stage}'s; its forward phase holds "
             "the whole schedule, backward included")
-    return dataclasses.replace(worst, rank_peak_bytes=peaks, notes=worst.notes + (note,))
+    # activation_checkpointing: the blocks checkpointed over all stages, as a layout plan's checkpoint_blocks
+    return dataclasses.replace(worst, rank_peak_bytes=peaks, notes=worst.notes + (note,),
+                               activation_checkpointing=checkpointed)

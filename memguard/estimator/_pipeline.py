@@ -211,6 +211,35 @@ def make_multi_schedule(stage_modules: list[nn.Module], indices: list[int], stag
     return cls(pstages, n_microbatches=microbatches, loss_fn=loss_fn)
 
 
+def checkpoint_stage(stage_module: DecoderStage, per_stage: int) -> Any:
+    """Checkpoint the first ``per_stage`` of the blocks a stage kept (:func:`split_decoder`), in module
+    order: with ``activation_checkpointing=k`` under ``Layout(pp=P)`` every stage checkpoints the first
+    ``k`` of its own blocks (all of them where it has ``k`` or fewer), as the layout planner counts
+    checkpointed blocks per stage (``memguard/planner/_layouts.py``, ``LayoutProfile.rank_bytes``:
+    ``k = min(k, blocks)`` of stage ``s``'s ``blocks``). The estimate (:class:`PipelineTracer`) and
+    ``memguard.integrations.parallel.apply`` both checkpoint through this function, with the plain
+    estimate's mechanism (:func:`~memguard.estimator._blocks.apply_activation_checkpointing`: a
+    non-reentrant ``torch.utils.checkpoint`` call in place of each block's ``forward``, the KV cache
+    off); the function it returns undoes it.
+
+    With FSDP2 and/or TP inside the stage (:class:`ShardedPipelineTracer`) it runs right after the cut,
+    before ``parallelize_module`` and ``fully_shard``. torchtitan's order is TP, then checkpointing, then
+    FSDP2 (``torchtitan/models/llama3/infra/parallelize.py``, ``parallelize_llama``: ``apply_tp``, then
+    ``apply_ac``, then ``apply_fsdp``), because its wrapper replaces each block in ``model.layers`` by a
+    ``ptd_checkpoint_wrapper`` module (``torchtitan/distributed/activation_checkpoint.py``), which renames
+    the block's submodules for a TP plan applied after it. This wrapper overrides the block's ``forward``
+    only: module names, submodules and hooks stay as they are, so ``parallelize_module`` (which shards the
+    submodules by name and hooks their calls) finds the same modules before or after it, and FSDP2's
+    hooks on the block run around the overridden ``forward`` as around the original; the step is
+    torchtitan's.
+    """
+    from memguard.estimator._blocks import apply_activation_checkpointing
+
+    model = stage_module.model
+    layers = list(getattr(model, model.base_model_prefix).layers)
+    return apply_activation_checkpointing(stage_module, per_stage, layers)
+
+
 def make_schedule(stage_module: nn.Module, stage: int, stages: int, schedule: str, microbatches: int,
                   micro_input: torch.Tensor, micro_output: torch.Tensor, loss_fn: Any, device: Any,
                   group: Any = None) -> Any:
@@ -355,6 +384,82 @@ def held_sends() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def saved_rng_states() -> Iterator[None]:
+    """The CPU generator states a checkpointed block saves, as tensors the trace sees (the CPU target).
+
+    Non-reentrant checkpointing with ``preserve_rng_state=True`` (the default,
+    :func:`~memguard.estimator._blocks.apply_activation_checkpointing`) saves the CPU generator's state
+    when a block runs forward and keeps it with the block's frame until the block's backward
+    recomputes it (``torch/utils/checkpoint.py``, ``_checkpoint_without_reentrant_generator``:
+    ``fwd_cpu_state = torch.get_rng_state()``); the recomputation forks the generator, saving its state
+    once more while it runs (``recompute_fn``: ``torch.random.fork_rng``, ``cpu_rng_state =
+    torch.get_rng_state()``). Each state is a new host tensor (the Mersenne Twister's, 5056 bytes in
+    torch 2.13). ``get_rng_state`` is not an operator, so under the fake mode it returns a real tensor the
+    recorder never sees, and a schedule keeps one per checkpointed block of every micro-batch in
+    flight. Here, inside the fake mode, it returns an empty fake tensor of the state's shape and dtype
+    (made and recorded as any allocation of the step) holding the real state, which ``set_rng_state``
+    restores; outside the fake mode both are torch's own. On the CUDA target these states are host
+    memory, so it is not used there."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    get, put = torch.get_rng_state, torch.set_rng_state
+
+    def get_state() -> torch.Tensor:
+        state = get()
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+            return state
+        held = torch.empty(state.shape, dtype=state.dtype)
+        held._memguard_rng_state = state
+        return held
+
+    def set_state(new_state: torch.Tensor) -> None:
+        put(new_state._memguard_rng_state if is_fake(new_state) else new_state)
+
+    torch.get_rng_state, torch.set_rng_state = get_state, set_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state = get, put
+
+
+@contextlib.contextmanager
+def backward_under_modes() -> Iterator[None]:
+    """A stage's backward runs under the trace's function modes, as the plain trace's backward does.
+
+    The schedule's backward (``_backward.py``, ``stage_backward``) calls ``torch.autograd.backward``,
+    which hands the call to an active ``TorchFunctionMode`` (``autograd/__init__.py``:
+    ``has_torch_function`` -> ``handle_torch_function``), and a mode is switched off while it handles a
+    call: a checkpointed block's recomputation then ran without the CUDA target's kernel model and
+    autocast emulation that its forward ran under, saved other tensors, and torch's checkpoint refused
+    it ("A different number of tensors was saved during the original forward and recomputation").
+    Here, while a function mode is active, the call goes straight into the autograd engine, as
+    :func:`~memguard.estimator._trace._engine_backward` takes the plain trace's backward there; with
+    no mode active it is torch's own."""
+    from torch.autograd.variable import Variable
+
+    original = torch.autograd.backward
+
+    def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None, **kwargs):
+        if kwargs or not torch._C._is_torch_function_mode_enabled():
+            return original(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs, **kwargs)
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
+            grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
+        # autograd/__init__.py, _make_grads: an output without a gradient is a scalar's, seeded with ones
+        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grad_tensors))
+        inputs = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+        Variable._execution_engine.run_backward(tensors, grads, bool(create_graph if retain_graph is None
+                                                                     else retain_graph),
+                                                create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
+@contextlib.contextmanager
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     """A fake default process group of ``world_size`` ranks in which this process is ``rank``
     (:func:`~memguard.estimator._fsdp2.fake_world` makes rank 0 only)."""
@@ -373,9 +478,22 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
                 dist.destroy_process_group()
 
 
+def checkpointed_stage_trace(spec: TraceSpec, checkpoint_blocks: int) -> contextlib.ExitStack:
+    """What a trace of checkpointed stages runs under: on the CPU target the generator states checkpointing
+    saves (:func:`saved_rng_states`), on any target the recomputation under the trace's modes
+    (:func:`backward_under_modes`); nothing without checkpointing."""
+    stack = contextlib.ExitStack()
+    if checkpoint_blocks and spec.train:
+        if spec.cpu_target is not None:
+            stack.enter_context(saved_rng_states())
+        stack.enter_context(backward_under_modes())
+    return stack
+
+
 def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: int, stages: int, schedule: str,
                         microbatches: int, optimizer=None, inner: tuple[int, int, int] = (1, 1, 1),
-                        plan: dict[str, Any] | None = None, fsdp: Any = None, stages_per_rank: int = 1) -> Trace:
+                        plan: dict[str, Any] | None = None, fsdp: Any = None, stages_per_rank: int = 1,
+                        checkpoint_blocks: int = 0) -> Trace:
     """Trace one steady-state step of pipeline rank ``rank`` (see the module's docstring).
 
     Args:
@@ -385,6 +503,8 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
         fsdp: the :class:`~memguard.estimator._fsdp2.FSDP2Layout` over ``dp_shard`` (or None).
         stages_per_rank: virtual stages per rank under a schedule of :data:`MULTI_STAGE_SCHEDULES`
             (:class:`MultiStagePipelineTracer`; ``stages`` is then the number of pipeline ranks); 1 otherwise.
+        checkpoint_blocks: checkpoint the first this many of the stage's blocks (:func:`checkpoint_stage`;
+            ``spec.checkpoint_blocks`` must be 0).
 
     Raises:
         ConfigError: the model cannot be cut into stages, or the schedule cannot run it.
@@ -397,12 +517,20 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
         if schedule in MULTI_STAGE_SCHEDULES and math.prod(inner) != 1:
             raise ConfigError(f"pp_schedule={schedule!r} with dp_replicate, dp_shard or tp inside the stages is not "
                               f"estimated yet: use {' or '.join(map(repr, SINGLE_STAGE_SCHEDULES))} with them")
+        if schedule in MULTI_STAGE_SCHEDULES and checkpoint_blocks:
+            raise ConfigError(f"activation checkpointing under pp_schedule={schedule!r} (several stages per rank) is "
+                              f"not estimated yet: use {' or '.join(map(repr, SINGLE_STAGE_SCHEDULES))} with it")
         if math.prod(inner) == 1:
-            multi = {"stages_per_rank": stages_per_rank} if schedule in MULTI_STAGE_SCHEDULES else {}
-            tracer = MultiStagePipelineTracer if multi else PipelineTracer
-            with quiet_fake_tensor_log(), fake_rank(rank, stages), unpacked_positions(), held_sends():
-                return tracer(model, batch, optimizer, None, spec, rank=rank, stages=stages, schedule=schedule,
-                              microbatches=microbatches, **multi).run()
+            if schedule in MULTI_STAGE_SCHEDULES:
+                with quiet_fake_tensor_log(), fake_rank(rank, stages), unpacked_positions(), held_sends():
+                    return MultiStagePipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages,
+                                                    schedule=schedule, microbatches=microbatches,
+                                                    stages_per_rank=stages_per_rank).run()
+            with quiet_fake_tensor_log(), fake_rank(rank, stages), unpacked_positions(), held_sends(), \
+                    checkpointed_stage_trace(spec, checkpoint_blocks):
+                return PipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages,
+                                      schedule=schedule, microbatches=microbatches,
+                                      checkpoint_blocks=checkpoint_blocks).run()
         from memguard.estimator._fsdp2 import FSDP2Layout
         from memguard.estimator._layout import fake_mesh
 
@@ -411,10 +539,10 @@ def trace_pipeline_rank(model: nn.Module, batch: Any, spec: TraceSpec, *, rank: 
         shape = (stages, *inner)
         with quiet_fake_tensor_log(), fake_mesh(shape, ("pp", "dp_replicate", "dp_shard", "tp"),
                                                 rank=rank * math.prod(inner)) as mesh, \
-                unpacked_positions(), held_sends():
+                unpacked_positions(), held_sends(), checkpointed_stage_trace(spec, checkpoint_blocks):
             return ShardedPipelineTracer(model, batch, optimizer, None, spec, rank=rank, stages=stages,
                                          schedule=schedule, microbatches=microbatches, layout=layout, mesh=mesh,
-                                         plan=plan, fsdp=fsdp is not None).run()
+                                         plan=plan, fsdp=fsdp is not None, checkpoint_blocks=checkpoint_blocks).run()
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -427,13 +555,20 @@ class PipelineTracer(StepTracer):
     (:meth:`forward`; :meth:`backward` has nothing left to do)."""
 
     def __init__(self, model, batch, optimizer, loss_fn, spec, *, rank: int, stages: int, schedule: str,
-                 microbatches: int, **rest: Any) -> None:
+                 microbatches: int, checkpoint_blocks: int = 0, **rest: Any) -> None:
         self.rank, self.stages, self.schedule_name, self.microbatches = rank, stages, schedule, microbatches
+        self.checkpoint_blocks = checkpoint_blocks
         super().__init__(model, batch, optimizer, loss_fn, spec, **rest)
 
     def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
+        """Cut the copy to this rank's stage (:func:`split_decoder`) and checkpoint the first
+        ``checkpoint_blocks`` of the stage's blocks (:func:`checkpoint_stage`). The spec's own
+        ``checkpoint_blocks`` counts the whole model's blocks, so a pipeline trace leaves it 0 and
+        passes the stage's count here (:func:`trace_pipeline_rank`)."""
         self.loss = causal_lm_loss(fmodel) if self.rank == self.stages - 1 else None
         self.stage_module = split_decoder(fmodel, self.rank, self.stages)
+        if self.checkpoint_blocks and self.spec.train:
+            checkpoint_stage(self.stage_module, self.checkpoint_blocks)
         return originals
 
     def build_optimizer(self, originals: dict[int, Any]) -> torch.optim.Optimizer:
@@ -555,6 +690,8 @@ class ShardedPipelineTracer(PipelineTracer, TPTracer):
     """
 
     def prepare_model(self, fmodel: nn.Module, originals: dict[int, Any], blocks: list[nn.Module]) -> dict[int, Any]:
+        """The cut and the stage's checkpointing (:meth:`PipelineTracer.prepare_model`; see
+        :func:`checkpoint_stage` for why it may come before TP), then TP and FSDP2 of the stage."""
         PipelineTracer.prepare_model(self, fmodel, originals, blocks)
         kept = getattr(fmodel, fmodel.base_model_prefix).layers  # the stage's blocks (split_decoder kept them)
         stage_blocks = [b for b in blocks if any(b is k for k in kept)]

@@ -5,6 +5,8 @@ test_parallel_pipeline.py).
 set. The JSON holds ``"pp"``, ``"schedule"``, ``"microbatches"``, ``"steps"`` and ``"out"``, and optionally:
 
 * ``"seq"``, ``"vocab"``: the batches' length and the model's vocabulary;
+* ``"checkpoint_blocks"``: apply a plan (its ``layout`` and ``checkpoint_blocks``, the blocks checkpointed over
+  all stages) instead of the layout; the result's ``checkpointed`` lists the stage's checkpointed blocks;
 * ``"measure"``: the rank only measures its peak of live tensor bytes (:func:`_measure`) and writes it
   as ``real_peak_bytes``;
 * ``"raise_rank"``: from the second step on, that rank's base model raises a ValueError when called;
@@ -129,13 +131,20 @@ def main() -> None:
     layout = memguard.Layout(pp=cfg["pp"], pp_schedule=cfg["schedule"], pp_microbatches=cfg["microbatches"])
     vocab, seq = cfg.get("vocab", VOCAB), cfg.get("seq", SEQ)
     batches = make_batches(cfg["steps"], seq=seq, vocab=vocab)
-    model = parallel.apply(build_llama(vocab), layout, batch=batches[0])  # the stage and schedule built now
+    plan = layout
+    if cfg.get("checkpoint_blocks"):
+        import types
+
+        plan = types.SimpleNamespace(layout=layout, checkpoint_blocks=cfg["checkpoint_blocks"])
+    model = parallel.apply(build_llama(vocab), plan, batch=batches[0])  # the stage and schedule built now
+    checkpointed = [i for i, b in enumerate(model.model.layers) if getattr(b, "_memguard_checkpointed", False)]
     applied = parallel.layout_of(model)
     built = [type(applied.pipeline.stage).__name__, type(applied.pipeline.schedule).__name__]
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if cfg.get("measure"):
-        result = {"rank": rank, "real_peak_bytes": _measure(model, optimizer, batches[0], applied.pipeline)}
+        result = {"rank": rank, "real_peak_bytes": _measure(model, optimizer, batches[0], applied.pipeline),
+                  "checkpointed": checkpointed}
         dist.barrier()
         dist.destroy_process_group()
         (Path(cfg["out"]) / f"result{rank}.json").write_text(json.dumps(result))
@@ -167,7 +176,8 @@ def main() -> None:
               "capped": capped, "log": records.messages, "built_by_apply": built,
               "run_registered": pipeline_run_of(model) is applied.pipeline,
               "mesh": list(applied.mesh.shape), "mesh_dims": list(applied.mesh.mesh_dim_names),
-              "stage": type(applied.pipeline.stage).__name__, "schedule": type(applied.pipeline.schedule).__name__}
+              "stage": type(applied.pipeline.stage).__name__, "schedule": type(applied.pipeline.schedule).__name__,
+              "checkpointed": checkpointed}
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, Path(cfg["out"]) / f"weights{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

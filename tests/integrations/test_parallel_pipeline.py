@@ -64,11 +64,17 @@ def _run(tmp_path: Path, pp: int, **cfg) -> tuple[list[dict], list[dict]]:
     return results, weights
 
 
-def _single_process(steps: int, **shape) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The whole model in one process on the same batches: ``model(**batch).loss``, backward, AdamW."""
+def _single_process(steps: int, checkpointed: tuple[int, ...] = (),
+                    **shape) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The whole model in one process on the same batches: ``model(**batch).loss``, backward, AdamW
+    (the blocks ``checkpointed``, by index in the whole model, checkpointed as memguard checkpoints them)."""
     w = _worker_module()
     torch.set_num_threads(1)
     model = w.build_llama(shape.get("vocab", w.VOCAB))
+    if checkpointed:
+        from memguard.estimator._blocks import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, len(checkpointed), [model.model.layers[i] for i in checkpointed])
     optimizer = torch.optim.AdamW(model.parameters(), lr=w.LR)
     losses = []
     for batch in w.make_batches(steps, **shape):
@@ -88,8 +94,9 @@ def _global_name(name: str, stage: int, stages: int) -> str:
     return re.sub(r"\.layers\.(\d+)\.", lambda m: f".layers.{int(m.group(1)) + lo}.", name)
 
 
-def _assert_equal_to_one_process(results: list[dict], weights: list[dict], steps: int, **shape) -> None:
-    losses, reference = _single_process(steps, **shape)
+def _assert_equal_to_one_process(results: list[dict], weights: list[dict], steps: int,
+                                 checkpointed: tuple[int, ...] = (), **shape) -> None:
+    losses, reference = _single_process(steps, checkpointed, **shape)
     for r in results:  # every rank returns the batch's loss
         assert r["losses"] == pytest.approx(losses, abs=1e-5), (r["rank"], r["losses"], losses)
     seen = set()
@@ -201,7 +208,6 @@ def test_apply_lists_what_pipeline_stages_cannot_be_built_for(one_rank) -> None:
     problems = info.value.problems
     assert any("needs at least 8 blocks, the model has 4" in p for p in problems), problems
     assert any("precision='bf16-mixed'" in p for p in problems), problems
-    assert any("activation checkpointing is not built under Layout(pp=...)" in p for p in problems), problems
     assert any("needs 8 ranks, but the process group has 1" in p for p in problems), problems
     with pytest.raises(ConfigError) as info:  # stages with FSDP2 inside: estimated, not built yet
         parallel.apply(w.build_llama(), memguard.Layout(pp=2, dp_shard=2, pp_microbatches=2))
@@ -219,3 +225,88 @@ def test_step_refuses_a_model_without_pipeline_stages(one_rank) -> None:
     model = parallel.apply(torch.nn.Linear(4, 4), memguard.Layout())
     with pytest.raises(ConfigError, match=r"call apply\(model, Layout\(pp=...\)\) first"):
         parallel.step(model, torch.optim.SGD(model.parameters(), lr=0.1), {"input_ids": torch.zeros(2, 2)})
+
+
+# Activation checkpointing under pipeline stages: a plan's checkpoint_blocks counts the blocks checkpointed over
+# all stages (the planner's k per stage times pp); each stage checkpoints the first k of its own blocks, in the
+# estimate (activation_checkpointing=k) and in apply alike (memguard.estimator._pipeline.checkpoint_stage).
+# Here 4 blocks over 2 stages, k=1: blocks 0 and 2 of the whole model (each stage's block 0).
+CKPT_TOTAL, CKPT_PER_STAGE, CKPT_GLOBAL = 2, 1, (0, 2)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_checkpointed_pipeline_stages_train_as_one_process(tmp_path: Path, schedule: str) -> None:
+    results, weights = _run(tmp_path, 2, schedule=schedule, microbatches=4, checkpoint_blocks=CKPT_TOTAL)
+    for r in results:
+        assert r["checkpointed"] == [0] and r["error"] is None and r["microbatches"] == [4, 4, 4], r
+    _assert_equal_to_one_process(results, weights, 3, checkpointed=CKPT_GLOBAL)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_the_checkpointed_estimate_is_each_ranks_real_peak(tmp_path: Path, schedule: str) -> None:
+    # as test_the_estimate_is_each_ranks_real_peak, with the first block of each stage checkpointed
+    import memguard
+
+    w = _worker_module()
+    results, _ = _run(tmp_path, 2, schedule=schedule, microbatches=4, measure=True, checkpoint_blocks=CKPT_TOTAL,
+                      **OOM_SHAPE)
+    assert [r["checkpointed"] for r in results] == [[0], [0]]
+    batch, layout = w.make_batches(1, **OOM_SHAPE)[0], memguard.Layout(pp=2, pp_schedule=schedule, pp_microbatches=4)
+    est = memguard.estimate(w.build_llama(OOM_SHAPE["vocab"]), batch, device="cpu", layout=layout,
+                            activation_checkpointing=CKPT_PER_STAGE)
+    real = [r["real_peak_bytes"] for r in results]
+    print(f"pp=2 {schedule}, 4 micro-batches, {CKPT_PER_STAGE} block per stage checkpointed: real {real}, "
+          f"estimate {list(est.rank_peak_bytes)}")
+    assert list(est.rank_peak_bytes) == pytest.approx(real, rel=1e-3), (list(est.rank_peak_bytes), real)
+    assert est.activation_checkpointing == CKPT_TOTAL
+    # checkpointing changed what every rank holds: the unchecked estimate of the same step is higher on each
+    plain = memguard.estimate(w.build_llama(OOM_SHAPE["vocab"]), batch, device="cpu", layout=layout)
+    assert all(c < p for c, p in zip(est.rank_peak_bytes, plain.rank_peak_bytes)), (est.rank_peak_bytes,
+                                                                                     plain.rank_peak_bytes)
+
+
+def test_the_pipeline_estimate_checkpoints_each_stages_first_blocks() -> None:
+    # the stages' checkpointed blocks, in the estimate's result and note; every block (True) is each stage's all
+    import memguard
+    from memguard.errors import ConfigError
+
+    w = _worker_module()
+    batch, layout = w.make_batches(1)[0], memguard.Layout(pp=2, pp_microbatches=2)
+    one = memguard.estimate(w.build_llama(), batch, device="cpu", layout=layout, activation_checkpointing=1)
+    every = memguard.estimate(w.build_llama(), batch, device="cpu", layout=layout, activation_checkpointing=True)
+    two = memguard.estimate(w.build_llama(), batch, device="cpu", layout=layout, activation_checkpointing=2)
+    assert (one.activation_checkpointing, every.activation_checkpointing) == (2, 4)
+    assert "the first 1 blocks of each stage checkpointed (2 of the model's 4)" in one.notes[-1], one.notes
+    assert every.rank_peak_bytes == two.rank_peak_bytes  # 2 blocks a stage: all of them
+    with pytest.raises(ConfigError, match=r"activation_checkpointing=-1 must be True"):
+        memguard.estimate(w.build_llama(), batch, device="cpu", layout=layout, activation_checkpointing=-1)
+
+
+def test_apply_refuses_checkpoint_blocks_that_do_not_split_over_the_stages(one_rank) -> None:
+    import types
+
+    import memguard
+    from memguard.errors import ConfigError
+    from memguard.integrations import parallel
+
+    w = _worker_module()
+    plan = types.SimpleNamespace(layout=memguard.Layout(pp=2), checkpoint_blocks=3)
+    with pytest.raises(ConfigError) as info:
+        parallel.apply(w.build_llama(), plan)
+    assert any("checkpoint_blocks=3 does not split into the same number of checkpointed blocks per stage over "
+               "Layout(pp=2) (4 blocks): use one of [2, 4]" in p for p in info.value.problems), info.value.problems
+
+
+def test_the_cuda_targets_checkpointed_stages_recompute_under_its_kernel_model() -> None:
+    # the schedule's backward (torch.autograd.backward) would run the recomputation with the trace's function
+    # modes off, and torch's checkpoint refused the different tensors it saved; the stages now recompute as
+    # they ran forward, and checkpointing lowers the stage's allocated peak
+    import memguard
+
+    w = _worker_module()
+    batch, layout = w.make_batches(1)[0], memguard.Layout(pp=2, pp_microbatches=2)
+    plain = memguard.estimate(w.build_llama(), batch, device="cuda", gpu="H100", layout=layout)
+    one = memguard.estimate(w.build_llama(), batch, device="cuda", gpu="H100", layout=layout,
+                            activation_checkpointing=1)
+    assert one.activation_checkpointing == 2
+    assert one.allocated_peak_bytes < plain.allocated_peak_bytes, (one.allocated_peak_bytes, plain.allocated_peak_bytes)
