@@ -1,0 +1,117 @@
+"""One rank of pipeline stages with FSDP2 and/or tensor parallelism inside, laid out by
+``memguard.integrations.parallel.apply(model, Layout(pp=..., dp_shard=..., tp=...))`` (run by
+test_parallel_pipeline_mesh.py).
+
+``python parallel_pipeline_mesh_worker.py '<json>'`` with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``
+set. The JSON holds ``"pp"``, ``"dp_shard"``, ``"tp"``, ``"schedule"``, ``"microbatches"``, ``"steps"`` and
+``"out"``, and optionally ``"seq"``, ``"vocab"``, ``"measure"``, ``"raise_rank"``, ``"cap_rank"``,
+``"cap_factor"`` and ``"hang_after_s"``, as parallel_pipeline_worker.py takes them (whose model, batches and
+measurement this reuses).
+
+Each rank builds the same small Llama (seed 0), takes its data-parallel share of each global batch of
+``parallel_pipeline_worker.ROWS`` rows (the rows of its ``dp_shard`` coordinate; the ranks of one stage that
+differ only in their ``tp`` coordinate take the same rows), runs ``steps`` steps of ``memguard.step`` (which
+dispatches to ``parallel.step``) and writes ``result{rank}.json`` (losses, micro-batch counts after each step,
+the error a step raised, the "memguard" log records, the stage and the rank's coordinates, the agreements its
+stage ran) and ``weights{rank}.pt`` (its stage's parameters by name, whole: every DTensor's ``full_tensor()``,
+after the last step).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import resource
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import parallel_pipeline_worker as base  # noqa: E402 - the pp-only worker's model, batches and measurement
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+
+    import memguard
+    from memguard.integrations import parallel
+
+    cfg = json.loads(sys.argv[1])
+    if cfg.get("hang_after_s"):  # a hung rank prints where it waits, then exits (the test then fails)
+        faulthandler.dump_traceback_later(cfg["hang_after_s"], exit=True)
+    torch.set_num_threads(1)
+    if cfg.get("measure"):
+        # every collective (torch.distributed's and DTensor's functional ones) completes and gloo's worker thread
+        # lets go of its tensors before the caller goes on, as the layout benchmark measures a rank
+        from benchmarks.common import settle_collectives
+        from benchmarks.layouts_cpu import settle_functional_collectives
+
+        settle_collectives(pause_s=0.02)
+        settle_functional_collectives(pause_s=0.02)
+    records = base._Records()
+    logging.getLogger("memguard").addHandler(records)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    layout = memguard.Layout(pp=cfg["pp"], dp_shard=cfg.get("dp_shard", 1), tp=cfg.get("tp", 1),
+                             pp_schedule=cfg["schedule"], pp_microbatches=cfg["microbatches"])
+    vocab, seq = cfg.get("vocab", base.VOCAB), cfg.get("seq", base.SEQ)
+    model = parallel.apply(base.build_llama(vocab), layout)
+    applied = parallel.layout_of(model)
+    mesh, run = applied.mesh, applied.pipeline
+    shard, shards = mesh.get_local_rank("dp_shard"), layout.dp_shard
+    share = base.ROWS // shards
+
+    def mine(batch: dict) -> dict:
+        return {k: v[shard * share:(shard + 1) * share] for k, v in batch.items()}
+
+    batches = [mine(b) for b in base.make_batches(cfg["steps"], seq=seq, vocab=vocab)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=base.LR)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    coords = {"stage": run.rank, "dp_shard": shard, "tp": mesh.get_local_rank("tp")}
+    if cfg.get("measure"):
+        result = {"rank": rank, **coords, "real_peak_bytes": base._measure(model, optimizer, batches[0], run)}
+        dist.barrier()
+        dist.destroy_process_group()
+        (Path(cfg["out"]) / f"result{rank}.json").write_text(json.dumps(result))
+        return
+    losses, micro, capped, growth, error = [], [], False, 0, None
+    try:
+        for k, batch in enumerate(batches):
+            if k == 1 and cfg.get("cap_rank") == rank:
+                # the calibration of parallel_pipeline_worker.py: the first step's rise of the address space
+                resource.setrlimit(resource.RLIMIT_AS, (base.vm() + int(cfg["cap_factor"] * growth), hard))
+                capped = True
+            if k == 1 and cfg.get("raise_rank") == rank:
+                def fail(module, args):
+                    raise ValueError("an error of the model's own")
+                model.model.register_forward_pre_hook(fail)
+            before = base.vm()
+            losses.append(memguard.step(model, optimizer, batch))
+            if k == 0:
+                growth = base.vm("VmPeak") - before
+            micro.append(run.microbatches)
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        error = {"type": type(exc).__name__, "message": str(exc), "notes": getattr(exc, "__notes__", []),
+                 "cause": None if exc.__cause__ is None else f"{type(exc.__cause__).__name__}: {exc.__cause__}"}
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    result = {"rank": rank, **coords, "losses": losses, "error": error, "first_step_growth": growth,
+              "microbatches": micro, "capped": capped, "log": records.messages,
+              "mesh": list(mesh.shape), "stage_ranks": run.stage_ranks,
+              "agreements": run.rank_group.agreements if run.rank_group is not None else 0,
+              "rank_group_size": run.rank_group.world_size if run.rank_group is not None else 1}
+    if error is None:
+        from torch.distributed.tensor import DTensor
+
+        # full_tensor() is a collective over the parameter's mesh: every rank of the stage calls it in the same order
+        weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                   for n, p in model.named_parameters()}
+        torch.save(weights, Path(cfg["out"]) / f"weights{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    (Path(cfg["out"]) / f"result{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""parallel.apply(model, Layout(pp=2, dp_shard=2)) and Layout(pp=2, tp=2), trained with memguard.step, on 4 real
+gloo ranks.
+
+Each test starts the ranks of parallel_pipeline_mesh_worker.py, bounded by a timeout (a hang fails the test). The
+losses and every stage's weights after the steps are compared with one process training the whole model on the
+whole batches (test_parallel_pipeline.py's reference); each rank's real peak with memguard.estimate's
+rank_peak_bytes for that rank; an OOM on one rank under an RLIMIT_AS cap must be recovered on every rank, and an
+error of the model's own on one rank must stop the others with a PeerFailedError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integrations.test_parallel_pipeline import (
+    OOM,
+    OOM_SHAPE,
+    ROOT,
+    _free_port,
+    _global_name,
+    _single_process,
+    _worker_module,
+)
+
+WORKER = Path(__file__).with_name("parallel_pipeline_mesh_worker.py")
+TIMEOUT_S = 240
+WORLD = 4
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="multi-rank runs use gloo over localhost"),
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in"),
+]
+
+LAYOUTS = {"pp2-dp_shard2": {"pp": 2, "dp_shard": 2}, "pp2-tp2": {"pp": 2, "tp": 2}}
+
+
+def _run(tmp_path: Path, inner: dict, **cfg) -> tuple[list[dict], list[dict]]:
+    cfg = {"out": str(tmp_path), "steps": 2, "hang_after_s": TIMEOUT_S - 30, **inner, **cfg}
+    env = dict(os.environ)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
+               MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps(cfg)], env={**env, "RANK": str(r)}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"a rank did not finish within {TIMEOUT_S} s: the ranks hung")
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(WORLD)]
+    weights = [torch.load(tmp_path / f"weights{r}.pt") if (tmp_path / f"weights{r}.pt").exists() else None
+               for r in range(WORLD)]
+    return results, weights
+
+
+def _assert_equal_to_one_process(results: list[dict], weights: list[dict], steps: int, **shape) -> None:
+    losses, reference = _single_process(steps, **shape)
+    for r in results:  # every rank returns the global batch's loss
+        assert r["losses"] == pytest.approx(losses, abs=1e-5), (r["rank"], r["losses"], losses)
+    seen = set()
+    for r, rank_weights in zip(results, weights):
+        names = set()
+        for name, value in rank_weights.items():
+            full = _global_name(name, r["stage"], 2)
+            names.add(full)
+            diff = float((value - reference[full]).abs().max())
+            assert diff <= 1e-5, (r["rank"], full, diff)
+        seen |= names
+    assert seen == set(reference), set(reference) ^ seen  # the stages hold every weight
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_stages_with_fsdp2_or_tp_inside_train_as_one_process(tmp_path: Path, name: str) -> None:
+    results, weights = _run(tmp_path, LAYOUTS[name], schedule="1F1B", microbatches=2)
+    for r in results:
+        assert r["error"] is None and r["microbatches"] == [2, 2] and r["log"] == [], r
+        assert r["stage_ranks"] == [[0, 1], [2, 3]] and r["rank_group_size"] == 2
+        assert r["agreements"] > 0  # the stage's ranks agreed at their collectives and after each unit
+    _assert_equal_to_one_process(results, weights, 2)
