@@ -63,8 +63,8 @@ def main() -> None:
     shard, shards = mesh.get_local_rank("dp_shard"), layout.dp_shard
     share = base.ROWS // shards
 
-    def mine(batch: dict) -> dict:
-        return {k: v[shard * share:(shard + 1) * share] for k, v in batch.items()}
+    def mine(batch: dict) -> dict:  # copies: a view would keep the whole batch's storage alive (and measured)
+        return {k: v[shard * share:(shard + 1) * share].clone() for k, v in batch.items()}
 
     batches = [mine(b) for b in base.make_batches(cfg["steps"], seq=seq, vocab=vocab)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=base.LR)
