@@ -31,6 +31,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 import parallel_pipeline_worker as base  # noqa: E402 - the pp-only worker's model, batches and measurement
 
 
+#: SGD's learning rate (``"optimizer": "sgd"``): large enough that a step moves the weights well above the tests'
+#: 1e-5 tolerance.
+SGD_LR = 0.5
+
+
+def make_optimizer(params, name: str):
+    """AdamW at parallel_pipeline_worker's learning rate, or (``"sgd"``) plain SGD, whose update is linear in the
+    gradient: AdamW's first step is ``lr * g / (|g| + eps)`` (``torch/optim/adamw.py``), which turns a rounding
+    difference in a gradient near zero into a difference of up to ``lr`` in the weight."""
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=SGD_LR)
+    return torch.optim.AdamW(params, lr=base.LR)
+
+
 def main() -> None:
     import torch
     import torch.distributed as dist
@@ -67,7 +83,7 @@ def main() -> None:
         return {k: v[shard * share:(shard + 1) * share].clone() for k, v in batch.items()}
 
     batches = [mine(b) for b in base.make_batches(cfg["steps"], seq=seq, vocab=vocab)]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=base.LR)
+    optimizer = make_optimizer(model.parameters(), cfg.get("optimizer", "adamw"))
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     coords = {"stage": run.rank, "dp_shard": shard, "tp": mesh.get_local_rank("tp")}
     if cfg.get("measure"):

@@ -19,15 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integrations.test_parallel_pipeline import (
-    OOM,
-    OOM_SHAPE,
-    ROOT,
-    _free_port,
-    _global_name,
-    _single_process,
-    _worker_module,
-)
+from tests.integrations.test_parallel_pipeline import OOM, OOM_SHAPE, ROOT, _free_port, _global_name, _worker_module
 
 WORKER = Path(__file__).with_name("parallel_pipeline_mesh_worker.py")
 TIMEOUT_S = 240
@@ -42,7 +34,7 @@ LAYOUTS = {"pp2-dp_shard2": {"pp": 2, "dp_shard": 2}, "pp2-tp2": {"pp": 2, "tp":
 
 
 def _run(tmp_path: Path, inner: dict, **cfg) -> tuple[list[dict], list[dict]]:
-    cfg = {"out": str(tmp_path), "steps": 2, "hang_after_s": TIMEOUT_S - 30, **inner, **cfg}
+    cfg = {"out": str(tmp_path), "steps": 2, "hang_after_s": TIMEOUT_S - 30, "optimizer": "sgd", **inner, **cfg}
     env = dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
                MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536",
@@ -61,6 +53,27 @@ def _run(tmp_path: Path, inner: dict, **cfg) -> tuple[list[dict], list[dict]]:
     weights = [torch.load(tmp_path / f"weights{r}.pt") if (tmp_path / f"weights{r}.pt").exists() else None
                for r in range(WORLD)]
     return results, weights
+
+
+def _single_process(steps: int, **shape) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The whole model in one process on the whole batches: ``model(**batch).loss``, backward, the workers' SGD
+    (parallel_pipeline_mesh_worker.make_optimizer: AdamW would turn the rounding of near-zero gradients, which
+    tensor parallelism sums in another order, into weight differences of up to its learning rate)."""
+    sys.path.insert(0, str(WORKER.parent))
+    import parallel_pipeline_mesh_worker as mesh_worker
+
+    w = _worker_module()
+    torch.set_num_threads(1)
+    model = w.build_llama(shape.get("vocab", w.VOCAB))
+    optimizer = mesh_worker.make_optimizer(model.parameters(), "sgd")
+    losses = []
+    for batch in w.make_batches(steps, **shape):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _assert_equal_to_one_process(results: list[dict], weights: list[dict], steps: int, **shape) -> None:
@@ -110,3 +123,43 @@ def test_the_estimate_is_each_ranks_real_peak(tmp_path: Path, name: str) -> None
                             layout=memguard.Layout(**LAYOUTS[name], pp_schedule="1F1B", pp_microbatches=2))
     print(f"{name}: estimate {list(est.rank_peak_bytes)}, real {real}")
     assert list(est.rank_peak_bytes) == pytest.approx(real, rel=1e-3), (list(est.rank_peak_bytes), real)
+
+
+# The OOM runs cap rank 3's address space (the last stage, whose logits and loss temporaries halve with the
+# micro-batch and dominate its step: test_parallel_pipeline.py's OOM shape and calibration) from the second step on.
+# Under dp_shard=2 each rank's share is 4 rows: 2 micro-batches of 2 rows, then 4 of 1; under tp=2 the 8 rows run as
+# 4 micro-batches of 2 rows, then 8 of 1.
+MICRO = {"pp2-dp_shard2": 2, "pp2-tp2": 4}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_an_oom_on_one_rank_is_recovered_on_every_rank_and_trains_as_one_process(tmp_path: Path, name: str) -> None:
+    n = MICRO[name]
+    results, weights = _run(tmp_path, LAYOUTS[name], schedule="1F1B", microbatches=n, steps=3,
+                            **{**OOM, "cap_rank": 3})
+    assert results[3]["capped"] and not any(r["capped"] for r in results[:3])
+    for r in results:
+        # the first step ran uncapped; the capped second one ran out of memory on rank 3 (in compute: its stage peer
+        # drained with it, the other stage learnt of it at the end of the schedule), and every rank ran it again at
+        # twice the micro-batches, and stayed there
+        assert r["error"] is None and r["microbatches"] == [n, 2 * n, 2 * n], r
+        (line,) = r["log"]
+        assert f"pipeline rank(s) [3] ran out of memory at {n} micro-batches of 2 row(s)" in line, line
+        assert f"running the same batch again as {2 * n} micro-batches of 1 row(s)" in line, line
+        assert ("this rank: " in line) == (r["rank"] == 3), line
+    print(name, results[3]["log"][0], [r["agreements"] for r in results])
+    assert "can't allocate memory" in results[3]["log"][0]
+    # every sample trained once: the losses and weights are one process's on the whole batches
+    _assert_equal_to_one_process(results, weights, 3, seq=OOM["seq"], vocab=OOM["vocab"])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_an_error_on_one_rank_is_raised_there_and_a_peer_failure_on_every_other(tmp_path: Path, name: str) -> None:
+    results, _ = _run(tmp_path, LAYOUTS[name], schedule="1F1B", microbatches=MICRO[name], raise_rank=3)
+    err = results[3]["error"]  # the model's error, as the stage raised it (a RuntimeError raised from it)
+    assert err["type"] == "RuntimeError" and err["cause"] == "ValueError: an error of the model's own", err
+    assert err["notes"] == [f"memguard: raised on pipeline stage 1, in the forward of micro-batch 0 (of {MICRO[name]} "
+                            "micro-batches); the other stages stopped with a PeerFailedError"], err
+    for r in results[:3]:  # rank 2 drained with it (its stage's agreement), ranks 0 and 1 at the end of the schedule
+        assert r["error"]["type"] == "PeerFailedError" and "pipeline rank 3 failed" in r["error"]["message"], r
+    assert all(r["log"] == [] and len(r["losses"]) == 1 for r in results)
