@@ -1,10 +1,13 @@
 """One training step of a pipeline stage (``torch.distributed.pipelining``), and its OOM recovery.
 
 :func:`memguard.integrations.parallel.apply` cuts a transformers decoder to this rank's stage with
-the estimate's own cut (:func:`memguard.estimator._pipeline.split_decoder`) and records a
-:class:`PipelineRun`; :meth:`PipelineRun.step` runs one optimizer step of the whole pipeline on one
-batch (every rank holds the replica's batch: the first stage reads ``input_ids``, the last
-``labels``), and returns the batch's loss on every rank.
+the estimate's own cut (:func:`memguard.estimator._pipeline.split_decoder`), lays the stage out
+over its data- and tensor-parallel ranks (FSDP2 and/or TP, as the estimate's
+:class:`~memguard.estimator._pipeline.ShardedPipelineTracer`) and records a :class:`PipelineRun`;
+:meth:`PipelineRun.step` runs one optimizer step of the whole pipeline on one batch (every rank
+holds its data-parallel replica's batch: the first stage reads ``input_ids``, the last ``labels``),
+and returns the global batch's loss on every rank. ``memguard.step`` dispatches a model cut to a
+stage here (:func:`pipeline_run_of`).
 
 The stage and its schedule are built as the estimate builds them
 (:func:`memguard.estimator._pipeline.make_schedule`: a ``PipelineStage`` over the ``pp`` group given
@@ -130,6 +133,7 @@ class _Drain:
     error: BaseException | None = None
     oom: bool = False
     peer: bool = False  # drained because a peer of this stage failed
+    outside: bool = False  # the error came from the schedule itself (a receive, a send), not the guarded compute
     zeros: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def zeros_like_meta(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -476,7 +480,7 @@ class PipelineRun:
             raise stopped.error from stopped
         except Exception as exc:  # noqa: BLE001 - outside the guarded compute: told to the peers, then raised
             if self._drain.error is None:
-                self._drain.error, self._drain.oom = exc, is_oom_error(exc)
+                self._drain.error, self._drain.oom, self._drain.outside = exc, is_oom_error(exc), True
         err = self._drain.error
         mine = torch.tensor([float(err is not None and self._drain.oom), float(err is not None and not self._drain.oom),
                              loss], dtype=torch.float64)
@@ -484,7 +488,7 @@ class PipelineRun:
         try:
             dist.all_gather(everyone, mine)  # every rank of the job, whatever its stage and coordinates
         except Exception as exc:
-            if err is not None:
+            if err is not None and not self._drain.outside:  # this rank's own error in compute
                 raise err from exc
             raise PeerFailedError(f"the connection to a peer was lost at the end of the pipeline schedule ({exc}); "
                                   "this rank stops too so that no rank waits forever", rank=-1) from exc
