@@ -6,7 +6,9 @@ test_parallel_pipeline_mesh.py).
 set. The JSON holds ``"pp"``, ``"dp_shard"``, ``"tp"``, ``"schedule"``, ``"microbatches"``, ``"steps"`` and
 ``"out"``, and optionally ``"seq"``, ``"vocab"``, ``"measure"``, ``"raise_rank"``, ``"cap_rank"``,
 ``"cap_factor"`` and ``"hang_after_s"``, as parallel_pipeline_worker.py takes them (whose model, batches and
-measurement this reuses).
+measurement this reuses), ``"optimizer"`` (:func:`make_optimizer`), and ``"inside_rank"``: from the second step on,
+that rank's tensor-parallel redistributions of partial tensors fail as an allocation does (an OOM inside a TP
+collective); the ranks then write their results and exit without a barrier.
 
 Each rank builds the same small Llama (seed 0), takes its data-parallel share of each global batch of
 ``parallel_pipeline_worker.ROWS`` rows (the rows of its ``dp_shard`` coordinate; the ranks of one stage that
@@ -22,6 +24,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import os
 import resource
 import sys
 from pathlib import Path
@@ -99,6 +102,13 @@ def main() -> None:
                 # the calibration of parallel_pipeline_worker.py: the first step's rise of the address space
                 resource.setrlimit(resource.RLIMIT_AS, (base.vm() + int(cfg["cap_factor"] * growth), hard))
                 capped = True
+            if k == 1 and cfg.get("inside_rank") == rank:
+                # from the second step on, DTensor.redistribute of a Partial tensor fails as the CPU allocator does,
+                # after memguard's agreement at that TP boundary passed (tests/guard/tp_worker.py)
+                sys.path.insert(0, str(Path(__file__).parents[1] / "guard"))
+                import tp_worker
+
+                tp_worker.inject_oom_in_redistribute()
             if k == 1 and cfg.get("raise_rank") == rank:
                 def fail(module, args):
                     raise ValueError("an error of the model's own")
@@ -117,6 +127,12 @@ def main() -> None:
               "mesh": list(mesh.shape), "stage_ranks": run.stage_ranks,
               "agreements": run.rank_group.agreements if run.rank_group is not None else 0,
               "rank_group_size": run.rank_group.world_size if run.rank_group is not None else 1}
+    if cfg.get("inside_rank") is not None and error is not None:
+        # the process groups are torn down (aborted here, or by the peer that stopped): no barrier; exit at once, as
+        # a job does after such an error
+        (Path(cfg["out"]) / f"result{rank}.json").write_text(json.dumps(result))
+        sys.stdout.flush()
+        os._exit(0)
     if error is None:
         from torch.distributed.tensor import DTensor
 

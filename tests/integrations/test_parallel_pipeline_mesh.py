@@ -166,3 +166,19 @@ def test_an_error_on_one_rank_is_raised_there_and_a_peer_failure_on_every_other(
     for r in results[:3]:  # rank 2 drained with it (its stage's agreement), ranks 0 and 1 at the end of the schedule
         assert r["error"]["type"] == "PeerFailedError" and "pipeline rank 3 failed" in r["error"]["message"], r
     assert all(r["log"] == [] and len(r["losses"]) == 1 for r in results)
+
+
+def test_an_oom_inside_a_tp_collective_stops_every_rank_without_a_hang(tmp_path: Path) -> None:
+    # Rank 3 fails where TP's all-reduce of its first RowwiseParallel output (layer 0's o_proj) would allocate, after
+    # the agreement at that boundary passed, while its stage peer (rank 2) goes into the collective: rank 3 records
+    # the error and tears its process groups down; rank 2's all-reduce fails and it raises the same error (read from
+    # the store); the first stage's ranks, waiting in a receive from the stopped stage, fail once those exit
+    results, _ = _run(tmp_path, LAYOUTS["pp2-tp2"], schedule="1F1B", microbatches=4, inside_rank=3)
+    r2, r3 = results[2]["error"], results[3]["error"]
+    assert r2["type"] == r3["type"] == "OOMRecoveryError" and r2["message"] == r3["message"], (r2, r3)
+    # the module as the stage names it (DecoderStage.model is the cut model)
+    where = "tensor parallelism's output redistribution of model.model.layers.0.self_attn.o_proj"
+    assert f"out of memory inside {where} on rank 1" in r3["message"], r3  # rank 1 of the stage's agreement group
+    for r in results[:2]:
+        assert r["error"]["type"] == "PeerFailedError", r
+    assert all(len(r["losses"]) == 1 for r in results)
