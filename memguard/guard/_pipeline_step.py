@@ -76,6 +76,18 @@ compute, and all of them drain at the same point:
    a receive from them, fail once those processes exit and raise a
    :class:`~memguard.errors.PeerFailedError`. The job must then be restarted with a smaller batch.
 
+Cost. Measured with ``tests/integrations/parallel_pipeline_mesh_worker.py``'s ``time_steps`` (medians of 9
+interleaved steps with and without the agreements, 4 gloo ranks on a shared, busy 2-core CPU host;
+``PYTHONPATH=. python -c "import pathlib, tempfile; from tests.integrations import
+test_parallel_pipeline_mesh as t; print(t._run(pathlib.Path(tempfile.mkdtemp()), t.LAYOUTS['pp2-tp2'],
+schedule='1F1B', microbatches=4, time_steps=9, seq=256, vocab=4096)[0])"``, and ``'pp2-dp_shard2'``
+with ``microbatches=2``) on the 4-block Llama of ``tests/integrations/parallel_pipeline_worker.py``:
+``Layout(pp=2, tp=2)``, 8 rows of 256 tokens in 4 micro-batches, 289 agreements per step on the
+first stage and 293 on the last, a step of 1.37 s against 0.85 s without them (about 1.8 ms per
+agreement); ``Layout(pp=2, dp_shard=2)``, 4 rows per rank in 2 micro-batches, 31 and 33 agreements,
+0.40 s against 0.30 s. A model this small computes little between agreements; the cost weighs less
+as the blocks grow.
+
 Known limitations:
     Only the stage's compute, the loss and the gradient reduction are guarded: an OOM while the
     schedule makes a receive buffer or the zeros it sends for a missing gradient, or in the

@@ -8,7 +8,8 @@ set. The JSON holds ``"pp"``, ``"dp_shard"``, ``"tp"``, ``"schedule"``, ``"micro
 ``"cap_factor"`` and ``"hang_after_s"``, as parallel_pipeline_worker.py takes them (whose model, batches and
 measurement this reuses), ``"optimizer"`` (:func:`make_optimizer`), and ``"inside_rank"``: from the second step on,
 that rank's tensor-parallel redistributions of partial tensors fail as an allocation does (an OOM inside a TP
-collective); the ranks then write their results and exit without a barrier.
+collective); the ranks then write their results and exit without a barrier; ``"time_steps"``: only
+:func:`time_steps`.
 
 Each rank builds the same small Llama (seed 0), takes its data-parallel share of each global batch of
 ``parallel_pipeline_worker.ROWS`` rows (the rows of its ``dp_shard`` coordinate; the ranks of one stage that
@@ -48,6 +49,31 @@ def make_optimizer(params, name: str):
     if name == "sgd":
         return torch.optim.SGD(params, lr=SGD_LR)
     return torch.optim.AdamW(params, lr=base.LR)
+
+
+def time_steps(model, optimizer, batch: dict, run, steps: int) -> dict:
+    """The stage agreements' cost: ``steps`` steps of ``memguard.step`` with them, interleaved with as many without
+    any (the run's rank group set aside: its hooks and wrappers then call straight through); the medians (the
+    machine is shared) and the agreements per step."""
+    import time
+
+    import memguard
+
+    rg = run.rank_group
+    memguard.step(model, optimizer, batch)  # warm-up
+    with_s, without_s, per_step = [], [], 0
+    for _ in range(steps):
+        start, t0 = rg.agreements, time.perf_counter()
+        memguard.step(model, optimizer, batch)
+        with_s.append(time.perf_counter() - t0)
+        per_step = rg.agreements - start
+        run.rank_group = None
+        t0 = time.perf_counter()
+        memguard.step(model, optimizer, batch)
+        without_s.append(time.perf_counter() - t0)
+        run.rank_group = rg
+    return {"step_s": sorted(with_s)[steps // 2], "step_without_agreements_s": sorted(without_s)[steps // 2],
+            "agreements_per_step": per_step}
 
 
 def main() -> None:
@@ -91,6 +117,12 @@ def main() -> None:
     coords = {"stage": run.rank, "dp_shard": shard, "tp": mesh.get_local_rank("tp")}
     if cfg.get("measure"):
         result = {"rank": rank, **coords, "real_peak_bytes": base._measure(model, optimizer, batches[0], run)}
+        dist.barrier()
+        dist.destroy_process_group()
+        (Path(cfg["out"]) / f"result{rank}.json").write_text(json.dumps(result))
+        return
+    if cfg.get("time_steps"):
+        result = {"rank": rank, **coords, **time_steps(model, optimizer, batches[0], run, cfg["time_steps"])}
         dist.barrier()
         dist.destroy_process_group()
         (Path(cfg["out"]) / f"result{rank}.json").write_text(json.dumps(result))
