@@ -85,7 +85,8 @@ with ``microbatches=2``) on the 4-block Llama of ``tests/integrations/parallel_p
 ``Layout(pp=2, tp=2)``, 8 rows of 256 tokens in 4 micro-batches, 289 agreements per step on the
 first stage and 293 on the last, a step of 1.37 s against 0.85 s without them (about 1.8 ms per
 agreement); ``Layout(pp=2, dp_shard=2)``, 4 rows per rank in 2 micro-batches, 31 and 33 agreements,
-0.40 s against 0.30 s. A model this small computes little between agreements; the cost weighs less
+0.40 s against 0.30 s in one run and 0.57 s against 0.52 s in another (the host's load varies). A
+model this small computes little between agreements; the cost weighs less
 as the blocks grow.
 
 Known limitations:
