@@ -454,9 +454,9 @@ def stage_rank_group(stage_module: nn.Module, ranks: list[int], agree_group: Any
     ``agree_group``, a gloo group over them that the caller made (``torch.distributed.new_group`` is a call
     every rank of the job makes with the same ranks, so the pipeline makes one per stage on every rank:
     :mod:`memguard.guard._pipeline_step`). The agreements run at FSDP2's collectives and TP's
-    boundaries as for a model without stages; HSDP inside a stage is covered too, since the group spans
-    every data-parallel rank of the stage (FSDP2's all-reduce over the replicas runs inside the
-    ``post_backward`` that is agreed before).
+    boundaries as for a model without stages. The group spans every data-parallel rank of the stage, so
+    HSDP inside a stage would be agreed on too (FSDP2's all-reduce over the replicas runs inside the
+    ``post_backward`` that is agreed before); that case is not tested on real ranks.
 
     Raises:
         memguard.ConfigError: the stage module has FSDP2 states but is not itself the FSDP2 root.
