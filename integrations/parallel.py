@@ -321,8 +321,8 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
     Raises:
         ConfigError: every problem at once: not a layout, no process group, a world size that is
             not the layout's product, a layout the estimate refuses (a model that is not a decoder it
-            can cut, DDP over tensor-parallel shards or over pipeline stages), mixed precision or
-            activation checkpointing under pipeline stages,
+            can cut, DDP over tensor-parallel shards or over pipeline stages), autocast precisions
+            under pipeline stages,
             heads or sharded features that tp does not divide, a plan that matches no module, a model
             already laid out.
     """
