@@ -23,19 +23,27 @@ code where the estimate has it, so that the real job is the one that was estimat
 
 Build the optimizer after ``apply`` (TP and FSDP2 replace the parameters with ``DTensor`` s).
 
-5. **Pipeline stages** (``pp > 1``, alone, as the estimate takes them): the mesh is
-   ``(pp, dp_replicate, dp_shard, tp)`` = ``(pp, 1, 1, 1)`` with dimensions :data:`PP_MESH_DIMS`
-   (torchtitan's order), and the model, a transformers decoder, is cut in place to this rank's stage
-   by the estimate's own cut (:func:`memguard.estimator._pipeline.split_decoder`: the blocks split
-   evenly, the embeddings on the first stage, the final norm, head and loss on the last). The
-   ``PipelineStage`` and its ``ScheduleGPipe`` / ``Schedule1F1B`` are built by the estimate's
-   :func:`memguard.estimator._pipeline.make_schedule` for the batch's micro-batch shape on the first
-   :func:`step`, and recorded in :class:`AppliedLayout` (``pipeline``: a
-   :class:`memguard.guard._pipeline_step.PipelineRun`). Train it with :func:`step`, which runs the
-   schedule, recovers from an OOM on any rank by halving the micro-batch on every rank, and steps
-   the optimizer; ``model(...)`` itself no longer runs the whole model. A plan's ``checkpoint_blocks``
-   (the blocks checkpointed over all stages) checkpoints the first ``ceil(checkpoint_blocks / pp)`` of
-   each stage's blocks, as the planner and the estimate count them per stage.
+5. **Pipeline stages** (``pp > 1``): the mesh is ``(pp, dp_replicate, dp_shard, tp)`` with dimensions
+   :data:`PP_MESH_DIMS` (torchtitan's order), and the model, a transformers decoder, is cut in place
+   to this rank's stage by the estimate's own cut (:func:`memguard.estimator._pipeline.split_decoder`:
+   the blocks split evenly, the embeddings on the first stage, the final norm, head and loss on the
+   last). Inside a stage the layout is the estimate's
+   (:class:`memguard.estimator._pipeline.ShardedPipelineTracer`, torchtitan's ``parallelize_llama``
+   on each stage's model chunk): tensor parallelism over ``mesh["tp"]`` with the resolved plan (2.),
+   then FSDP2 of the stage's blocks and of the stage module as root over the data-parallel
+   dimensions (3.); torch's pipelining then keeps the stage unsharded and its gradients unsynchronised
+   until the last micro-batch (``stage.py``, ``backward_maybe_with_nosync`` / ``perform_reduce_grad``).
+   The ``PipelineStage`` (over ``mesh["pp"]``'s group) and its ``ScheduleGPipe`` / ``Schedule1F1B``
+   are built by the estimate's :func:`memguard.estimator._pipeline.make_schedule` for the batch's
+   micro-batch shape on the first :func:`step`, and recorded in :class:`AppliedLayout`
+   (``pipeline``: a :class:`memguard.guard._pipeline_step.PipelineRun`). Train it with :func:`step`
+   (each rank passes its data-parallel share; the ranks of a stage that differ only in ``tp`` the
+   same rows), which runs the schedule, recovers from an OOM on any rank by halving the micro-batch
+   on every rank (a stage of several ranks drains as one: :mod:`memguard.guard._pipeline_step`), and
+   steps the optimizer; ``model(...)`` itself no longer runs the whole model.
+   A plan's ``checkpoint_blocks`` (the blocks checkpointed over all stages) checkpoints the first
+   ``ceil(checkpoint_blocks / pp)`` of each stage's blocks right after the cut, before TP and FSDP2, as
+   the planner and the estimate count them per stage (:func:`memguard.estimator._pipeline.checkpoint_stage`).
 
 :func:`memguard.step` runs every layout ``apply`` builds and recovers from an OOM on any rank: under
 tensor parallelism and FSDP2 x TP with agreements at every ``ParallelStyle`` boundary
@@ -44,11 +52,11 @@ with ``dp_shard``), and for a model cut into pipeline stages by dispatching to i
 :class:`~memguard.guard._pipeline_step.PipelineRun` (the same as :func:`step`).
 
 Known limitations:
-    Pipeline stages are not built together with data or tensor parallelism or mixed precision,
-    although the estimate takes FSDP2 and TP inside stages: a rank that drains its schedule after an
-    OOM would also have to join its data- and tensor-parallel peers' collectives, which the drain does
-    not do yet. DDP over tensor-parallel shards (``dp_replicate``
-    with ``tp`` but no ``dp_shard``) is refused, as the estimate refuses it.
+    Pipeline stages are not built with mixed precision. DDP over
+    tensor-parallel shards (``dp_replicate`` with ``tp`` but no ``dp_shard``), and DDP over pipeline
+    stages, are refused, as the estimate refuses them. HSDP inside pipeline stages (``pp`` with
+    ``dp_replicate`` and ``dp_shard``) is built as the estimate takes it but not tested on real ranks
+    here.
 """
 
 from __future__ import annotations
@@ -204,11 +212,6 @@ def _pipeline_problems(model: nn.Module, plan_or_layout: Any, layout: Layout, pr
     elif len(parts[1]) < layout.pp:
         problems.append(f"Layout(pp={layout.pp}) needs at least {layout.pp} blocks, the model has {len(parts[1])}: "
                         f"use pp <= {len(parts[1])}")
-    if layout.world_size != layout.pp:
-        problems.append(f"{layout.describe()}: apply() builds pipeline stages alone, not yet with FSDP2 or tensor "
-                        "parallelism inside them (memguard.estimate(..., layout=...) estimates those; a drained rank "
-                        "would have to join its data- and tensor-parallel peers' collectives): lay the stages out "
-                        "with torchtitan, or use Layout(pp=...) alone")
     precision = getattr(plan_or_layout, "precision", "32-true") or "32-true"
     if precision in _MIXED:
         problems.append(f"precision={precision!r} (autocast) is not built under Layout(pp=...) yet: use '32-true' or "
@@ -240,11 +243,13 @@ def _stage_checkpoint_blocks(plan_or_layout: Any, layout: Layout, num_blocks: in
     return per_stage
 
 
-def _apply_pipeline(model: nn.Module, layout: Layout, device_type: str,
-                    checkpoint_blocks: int = 0) -> tuple[nn.Module, Any, Any]:
+def _apply_pipeline(model: nn.Module, layout: Layout, device_type: str, plan: dict[str, Any] | None,
+                    zero_stage: int, checkpoint_blocks: int = 0) -> tuple[nn.Module, Any, Any]:
     """Cut ``model`` to this rank's stage (its first ``checkpoint_blocks`` blocks checkpointed, as the
-    estimate's :func:`~memguard.estimator._pipeline.checkpoint_stage`); the model, the ``(pp, 1, 1, 1)``
-    mesh and the :class:`~memguard.guard._pipeline_step.PipelineRun` (see the module docstring, 5.)."""
+    estimate's :func:`~memguard.estimator._pipeline.checkpoint_stage`) and lay the stage out over its data- and
+    tensor-parallel ranks; the model, the ``(pp, dp_replicate, dp_shard, tp)`` mesh and the
+    :class:`~memguard.guard._pipeline_step.PipelineRun` (see the module docstring, 5.)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from memguard.estimator._pipeline import checkpoint_stage, split_decoder
@@ -256,18 +261,42 @@ def _apply_pipeline(model: nn.Module, layout: Layout, device_type: str,
     stage_module = split_decoder(model, rank, layout.pp)
     if checkpoint_blocks:
         checkpoint_stage(stage_module, checkpoint_blocks)  # the estimate's own checkpointing, right after the cut
+    # torchtitan's order inside each stage (parallelize_llama, as the estimate's ShardedPipelineTracer lays a
+    # stage out): tensor parallelism over the stage's model, then FSDP2 of its blocks and of the stage as root
+    if plan is not None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh["tp"], plan)
+    if layout.dp_shard > 1:
+        from memguard.estimator._fsdp2 import FSDP2Layout, shard_model
+
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        blocks = list(getattr(model, model.base_model_prefix).layers)  # the stage's blocks (split_decoder kept them)
+        shard_model(stage_module, FSDP2Layout(world_size=layout.dp_shard, zero_stage=zero_stage), dp_mesh, blocks)
+    stage_ranks = [sorted(int(r) for r in mesh.mesh[s].flatten().tolist()) for s in range(layout.pp)]
+    rank_group = None
+    if len(stage_ranks[rank]) > 1:
+        from memguard.guard._tp import stage_rank_group
+
+        # the stage's agreements (memguard.guard._pipeline_step): a gloo group per stage, each made by every
+        # rank of the job (new_group's contract), in stage order
+        groups = [dist.new_group(ranks, backend="gloo") for ranks in stage_ranks]
+        rank_group = stage_rank_group(stage_module, stage_ranks[rank], groups[rank],
+                                      data_parallel_size=layout.dp_replicate * layout.dp_shard)
     device = next((p.device for p in model.parameters()), torch.device(device_type))
     run = PipelineRun(model, stage_module, rank=rank, stages=layout.pp, schedule=layout.pp_schedule,
                       microbatches=layout.pp_microbatches or layout.pp, device=device,
-                      group=mesh.get_group("pp"))
+                      group=mesh.get_group("pp"), stage_ranks=stage_ranks, rank_group=rank_group,
+                      data_parallel_size=layout.dp_replicate * layout.dp_shard)
     return model, mesh, run
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, torch.Tensor]) -> float:
     """One training step of a model :func:`apply` laid out in pipeline stages; the batch's loss, on every rank.
 
-    Every rank passes the same batch (a mapping with ``input_ids`` and ``labels``): the first stage
-    reads the ids, the last computes the model's loss on the labels. The schedule runs the
+    Every rank passes its data-parallel replica's batch (a mapping with ``input_ids`` and ``labels``;
+    the same on every rank without ``dp_shard``): the first stage reads the ids, the last computes the
+    model's loss on the labels; the loss returned is the global batch's. The schedule runs the
     micro-batches forward and backward, the optimizer steps and the gradients are set to None. On
     an out-of-memory error on any rank, every rank logs it and runs the same batch again with twice
     the micro-batches (:mod:`memguard.guard._pipeline_step`).
@@ -276,8 +305,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str,
         ConfigError: ``model`` was not laid out in pipeline stages by :func:`apply`, or the batch is not
             one the schedule can split.
         OOMRecoveryError: an OOM when the micro-batch cannot be halved further.
-        PeerFailedError: another pipeline rank failed with an error that is not an OOM (that rank
-            raises its own).
+        PeerFailedError: another rank failed with an error that is not an OOM (that rank raises its
+            own).
     """
     applied = layout_of(model)
     if applied is None or applied.pipeline is None:
@@ -319,8 +348,9 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
 
     Raises:
         ConfigError: every problem at once: not a layout, no process group, a world size that is
-            not the layout's product, a layout the estimate refuses (pipeline stages with other
-            dimensions, a model that is not a decoder it can cut, DDP over tensor-parallel shards),
+            not the layout's product, a layout the estimate refuses (a model that is not a decoder it
+            can cut, DDP over tensor-parallel shards or over pipeline stages), autocast precisions
+            under pipeline stages,
             heads or sharded features that tp does not divide, a plan that matches no module, a model
             already laid out.
     """
@@ -336,11 +366,14 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
             model.to(_TRUE[precision])  # *-true: the weights themselves are 16-bit
         stage_ckpt = _stage_checkpoint_blocks(plan_or_layout, layout, len(getattr(
             model, model.base_model_prefix).layers), [])  # checked by problems_of
-        out, mesh, run = _apply_pipeline(model, layout, _device_type(model, device), checkpoint_blocks=stage_ckpt)
+        zero_stage = (getattr(plan_or_layout, "zero_stage", 0) or 3) if layout.dp_shard > 1 else 0
+        out, mesh, run = _apply_pipeline(model, layout, _device_type(model, device), plan, zero_stage,
+                                         checkpoint_blocks=stage_ckpt)
         if batch is not None:
             run.build_for(batch)
-        _APPLIED[out] = AppliedLayout(layout=layout, mesh=mesh, tp_plan_source=None, zero_stage=0,
-                                      precision=precision, pipeline=run)
+        _APPLIED[out] = AppliedLayout(layout=dataclasses.replace(layout, tp_plan=plan), mesh=mesh,
+                                      tp_plan_source=source, zero_stage=zero_stage, precision=precision,
+                                      pipeline=run)
         return out
     mesh = init_device_mesh(_device_type(model, device), (layout.dp_replicate, layout.dp_shard, layout.tp),
                             mesh_dim_names=MESH_DIMS)

@@ -424,16 +424,50 @@ def tensor_parallel_rank_group(model: nn.Module, *, sync_last_only: bool = False
         raise ConfigError("the model has fully_shard-ed submodules but its root is not sharded (or this torch has no "
                           "FSDPState._reset_iter_state); call fully_shard on the root too (torch 2.13)")
     tp = max(_tp_size(p.device_mesh) for p in params)
+    return _installed_group(model, ranks, agree_group, root, states, sync_last_only=sync_last_only,
+                            data_parallel_size=max(1, len(ranks) // tp))
+
+
+def _installed_group(model: nn.Module, ranks: list[int], agree_group: Any, root: Any, states: list, *,
+                     sync_last_only: bool, data_parallel_size: int) -> TensorParallelRankGroup:
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
         store = _get_default_store()
     except Exception:  # no store: peers raise a PeerFailedError without the failing rank's details
         store = None
+    modules = tp_modules(model)
+    what = " x ".join(w for w, on in (("FSDP2", bool(states)), ("tensor parallelism", bool(modules))) if on)
     rg = TensorParallelRankGroup(group=agree_group, world_size=len(ranks), rank=dist.get_rank(agree_group),
                                  src=ranks[0], device=torch.device("cpu"), broadcast_buffers=False, root=root,
                                  states=states, model=model, sync_last_only=sync_last_only, store=store,
-                                 modules=tp_modules(model), data_parallel_size=max(1, len(ranks) // tp),
-                                 framework="FSDP2 x tensor parallelism" if states else "tensor parallelism")
+                                 modules=modules, data_parallel_size=data_parallel_size,
+                                 framework=what or "tensor parallelism")
     rg.install()
     return rg
+
+
+def stage_rank_group(stage_module: nn.Module, ranks: list[int], agree_group: Any, *,
+                     data_parallel_size: int) -> TensorParallelRankGroup:
+    """The installed :class:`TensorParallelRankGroup` of one pipeline stage laid out with tensor parallelism
+    and/or FSDP2 (the stage module its FSDP2 root), over ``ranks`` (the stage's ranks, global) and
+    ``agree_group``, a gloo group over them that the caller made (``torch.distributed.new_group`` is a call
+    every rank of the job makes with the same ranks, so the pipeline makes one per stage on every rank:
+    :mod:`memguard.guard._pipeline_step`). The agreements run at FSDP2's collectives and TP's
+    boundaries as for a model without stages. The group spans every data-parallel rank of the stage, so
+    HSDP inside a stage would be agreed on too (FSDP2's all-reduce over the replicas runs inside the
+    ``post_backward`` that is agreed before); that case is not tested on real ranks.
+
+    Raises:
+        memguard.ConfigError: the stage module has FSDP2 states but is not itself the FSDP2 root.
+    """
+    from memguard.errors import ConfigError
+
+    states = fsdp_states(stage_module)
+    root = _fsdp_state_of(stage_module) if states else None
+    if states and (root is None or not hasattr(root, "_reset_iter_state")):
+        raise ConfigError("the pipeline stage has fully_shard-ed blocks but the stage module is not sharded (or this "
+                          "torch has no FSDPState._reset_iter_state); call fully_shard on the stage module too "
+                          "(torch 2.13)")
+    return _installed_group(stage_module, sorted(int(r) for r in ranks), agree_group, root, states,
+                            sync_last_only=False, data_parallel_size=data_parallel_size)

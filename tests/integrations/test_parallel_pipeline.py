@@ -209,9 +209,9 @@ def test_apply_lists_what_pipeline_stages_cannot_be_built_for(one_rank) -> None:
     assert any("needs at least 8 blocks, the model has 4" in p for p in problems), problems
     assert any("precision='bf16-mixed'" in p for p in problems), problems
     assert any("needs 8 ranks, but the process group has 1" in p for p in problems), problems
-    with pytest.raises(ConfigError) as info:  # stages with FSDP2 inside: estimated, not built yet
+    with pytest.raises(ConfigError) as info:  # stages with FSDP2 inside are built: only the world size is wrong
         parallel.apply(w.build_llama(), memguard.Layout(pp=2, dp_shard=2, pp_microbatches=2))
-    assert any("builds pipeline stages alone" in p for p in info.value.problems), info.value.problems
+    assert len(info.value.problems) == 1 and "needs 4 ranks" in info.value.problems[0], info.value.problems
     with pytest.raises(ConfigError) as info:
         parallel.apply(torch.nn.Linear(4, 4), memguard.Layout(pp=2))
     assert any("does not build pipeline stages for Linear" in p for p in info.value.problems)
