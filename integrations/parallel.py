@@ -52,7 +52,8 @@ with ``dp_shard``), and for a model cut into pipeline stages by dispatching to i
 :class:`~memguard.guard._pipeline_step.PipelineRun` (the same as :func:`step`).
 
 Known limitations:
-    Pipeline stages are not built with mixed precision. DDP over
+    Pipeline stages are not built with autocast (mixed precision without ``dp_shard``; with it,
+    FSDP2's mixed-precision policy runs it, as the estimate traces it). DDP over
     tensor-parallel shards (``dp_replicate`` with ``tp`` but no ``dp_shard``), and DDP over pipeline
     stages, are refused, as the estimate refuses them. HSDP inside pipeline stages (``pp`` with
     ``dp_replicate`` and ``dp_shard``) is built as the estimate takes it but not tested on real ranks
@@ -213,9 +214,9 @@ def _pipeline_problems(model: nn.Module, plan_or_layout: Any, layout: Layout, pr
         problems.append(f"Layout(pp={layout.pp}) needs at least {layout.pp} blocks, the model has {len(parts[1])}: "
                         f"use pp <= {len(parts[1])}")
     precision = getattr(plan_or_layout, "precision", "32-true") or "32-true"
-    if precision in _MIXED:
-        problems.append(f"precision={precision!r} (autocast) is not built under Layout(pp=...) yet: use '32-true' or "
-                        "a '*-true' precision")
+    if precision in _MIXED and layout.dp_shard == 1:  # with dp_shard, FSDP2's mixed-precision policy (as estimated)
+        problems.append(f"precision={precision!r} (autocast) is not built under Layout(pp=...) without dp_shard yet: "
+                        "use '32-true' or a '*-true' precision, or dp_shard > 1 (FSDP2's mixed-precision policy)")
     if parts is not None and len(parts[1]) >= layout.pp:
         _stage_checkpoint_blocks(plan_or_layout, layout, len(parts[1]), problems)
 
@@ -244,7 +245,8 @@ def _stage_checkpoint_blocks(plan_or_layout: Any, layout: Layout, num_blocks: in
 
 
 def _apply_pipeline(model: nn.Module, layout: Layout, device_type: str, plan: dict[str, Any] | None,
-                    zero_stage: int, checkpoint_blocks: int = 0) -> tuple[nn.Module, Any, Any]:
+                    zero_stage: int, checkpoint_blocks: int = 0,
+                    mp_dtype: torch.dtype | None = None) -> tuple[nn.Module, Any, Any]:
     """Cut ``model`` to this rank's stage (its first ``checkpoint_blocks`` blocks checkpointed, as the
     estimate's :func:`~memguard.estimator._pipeline.checkpoint_stage`) and lay the stage out over its data- and
     tensor-parallel ranks; the model, the ``(pp, dp_replicate, dp_shard, tp)`` mesh and the
@@ -272,7 +274,8 @@ def _apply_pipeline(model: nn.Module, layout: Layout, device_type: str, plan: di
 
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         blocks = list(getattr(model, model.base_model_prefix).layers)  # the stage's blocks (split_decoder kept them)
-        shard_model(stage_module, FSDP2Layout(world_size=layout.dp_shard, zero_stage=zero_stage), dp_mesh, blocks)
+        shard_model(stage_module, FSDP2Layout(world_size=layout.dp_shard, zero_stage=zero_stage, mp_dtype=mp_dtype),
+                    dp_mesh, blocks)
     stage_ranks = [sorted(int(r) for r in mesh.mesh[s].flatten().tolist()) for s in range(layout.pp)]
     rank_group = None
     if len(stage_ranks[rank]) > 1:
@@ -368,7 +371,7 @@ def apply(model: nn.Module, plan_or_layout: Any, *, tp_plan: Mapping[str, Any] |
             model, model.base_model_prefix).layers), [])  # checked by problems_of
         zero_stage = (getattr(plan_or_layout, "zero_stage", 0) or 3) if layout.dp_shard > 1 else 0
         out, mesh, run = _apply_pipeline(model, layout, _device_type(model, device), plan, zero_stage,
-                                         checkpoint_blocks=stage_ckpt)
+                                         checkpoint_blocks=stage_ckpt, mp_dtype=_MIXED.get(precision))
         if batch is not None:
             run.build_for(batch)
         _APPLIED[out] = AppliedLayout(layout=dataclasses.replace(layout, tp_plan=plan), mesh=mesh,

@@ -45,7 +45,7 @@ loss). A rank's peak is then counted analytically for its stage:
 
 These are allocated bytes (no CUDA allocator model) plus the target's BLAS workspaces; the winner is
 verified with a real ``memguard.estimate(..., layout=...)`` where that estimates the layout (not DDP
-over pipeline stages or over tensor-parallel shards, no checkpointing under pipelining) and a full
+over pipeline stages or over tensor-parallel shards) and a full
 trace is predicted to take at most ``verify_budget_s`` (default :data:`VERIFY_BUDGET_S`). The
 prediction is the model's op count (counted on the probes) times :data:`SECONDS_PER_OP` and
 :func:`trace_seconds`' DTensor factor, not a clock reading, so the same request gets the same plan on
@@ -600,7 +600,7 @@ def report_lines(ranked: list[LayoutCandidate], winner: LayoutCandidate, usable:
                  traced: dict[int, int] | None = None, ratio: float = 1.0) -> list[str]:
     """One line per layout tried (its best configuration), and why it lost or won.
 
-    ``traced``: the full traces' peaks of the candidates verified (by ``id``); ``ratio``: the shortfall they
+    ``traced``: the verified peaks (full or short verification) of the candidates verified (by ``id``); ``ratio``: the shortfall they
     found in the layout model, with which the search sized the candidates after them."""
     traced = traced or {}
 
@@ -619,10 +619,10 @@ def report_lines(ranked: list[LayoutCandidate], winner: LayoutCandidate, usable:
         if same_layout(c.layout, winner.layout) and c is winner:
             why = f"chosen: {c.cost.describe()}"
         elif id(c) in traced and traced[id(c)] > usable:
-            why = (f"does not fit: predicted {format_bytes(c.predicted_bytes)}, but a full trace found "
+            why = (f"does not fit: predicted {format_bytes(c.predicted_bytes)}, but its verification found "
                    f"{format_bytes(traced[id(c)])} (of {format_bytes(usable)} usable)")
         elif c.fits and c.predicted_bytes * ratio > usable:
-            why = (f"does not fit once sized with the shortfall a full trace found ({format_bytes(c.predicted_bytes)} "
+            why = (f"does not fit once sized with the shortfall a verification found ({format_bytes(c.predicted_bytes)} "
                    f"x {ratio:.3g} = {format_bytes(int(c.predicted_bytes * ratio))})")
         elif c.fits:
             why = (f"fits ({format_bytes(c.predicted_bytes)}) but slower: {c.cost.total:.3g} s/step vs "
@@ -710,8 +710,8 @@ def verifiable(cand: LayoutCandidate) -> bool:
     """Whether ``memguard.estimate(..., layout=...)`` estimates the candidate's layout."""
     lay = cand.layout
     ddp_only = lay.dp_replicate > 1 and lay.dp_shard == 1
-    if lay.pp > 1:  # stages with FSDP2 and/or TP inside, no checkpointing, no DDP over stages
-        return cand.checkpoint_blocks == 0 and not ddp_only
+    if lay.pp > 1:  # stages with FSDP2 and/or TP inside (checkpointed or not), no DDP over stages
+        return not ddp_only
     return not (ddp_only and lay.tp > 1)
 
 
@@ -815,8 +815,8 @@ def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutPr
                f"memguard.estimate(model, batch, layout=plan.layout, ...) verifies it"
                + ("; on CUDA verify before trusting it: the layout model counts allocated bytes, not the caching "
                   "allocator's overhead, and on torchtitan's Llama 3.1 8B and 70B layouts full traces found it "
-                  "16-20% short (plan(..., verify_budget_s=math.inf) verifies within the search)"
-                  if space.device == "cuda" else ""))
+                  f"16-20% short (plan(..., verify_budget_s={math.ceil(cost_s)}) or more verifies it within the "
+                  "search)" if space.device == "cuda" else ""))
     else:
         why = ("estimate(layout=...) does not estimate this layout yet" if not verifiable(cand) else
                "not verified")
@@ -827,9 +827,9 @@ def _estimate(session: Any, space: Any, cand: LayoutCandidate, profile: LayoutPr
                       layout=lay)
         if space.device == "cuda" and space.spec is not None:
             kwargs["gpu"] = space.spec.name if space.spec.memory_bytes else None
+        kwargs.update(activation_checkpointing=cand.checkpoint_blocks)  # per stage under pp, as the estimate takes it
         if lay.pp == 1:
-            kwargs.update(activation_checkpointing=cand.checkpoint_blocks, grad_accum_steps=cand.grad_accum_steps,
-                          zero_stage=3 if lay.dp_shard > 1 else 0)
+            kwargs.update(grad_accum_steps=cand.grad_accum_steps, zero_stage=3 if lay.dp_shard > 1 else 0)
         try:
             if how == "short":
                 return _short_estimate(session, cand, points, rows, kwargs), "short"

@@ -102,7 +102,13 @@ def main() -> None:
     layout = memguard.Layout(pp=cfg["pp"], dp_shard=cfg.get("dp_shard", 1), tp=cfg.get("tp", 1),
                              pp_schedule=cfg["schedule"], pp_microbatches=cfg["microbatches"])
     vocab, seq = cfg.get("vocab", base.VOCAB), cfg.get("seq", base.SEQ)
-    model = parallel.apply(base.build_llama(vocab), layout)
+    target = layout
+    if cfg.get("checkpoint_blocks") or cfg.get("precision"):  # the fields of a plan apply() reads
+        import types
+
+        target = types.SimpleNamespace(layout=layout, checkpoint_blocks=cfg.get("checkpoint_blocks", 0),
+                                       precision=cfg.get("precision", "32-true"))
+    model = parallel.apply(base.build_llama(vocab), target)
     applied = parallel.layout_of(model)
     mesh, run = applied.mesh, applied.pipeline
     shard, shards = mesh.get_local_rank("dp_shard"), layout.dp_shard
@@ -155,6 +161,7 @@ def main() -> None:
                  "cause": None if exc.__cause__ is None else f"{type(exc.__cause__).__name__}: {exc.__cause__}"}
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     result = {"rank": rank, **coords, "losses": losses, "error": error, "first_step_growth": growth,
+              "checkpointed": sum(bool(getattr(b, "_memguard_checkpointed", False)) for b in model.model.layers),
               "microbatches": micro, "capped": capped, "log": records.messages,
               "mesh": list(mesh.shape), "stage_ranks": run.stage_ranks,
               "agreements": run.rank_group.agreements if run.rank_group is not None else 0,

@@ -272,7 +272,7 @@ def test_a_candidate_a_full_trace_rejects_is_reported_so(act_model, budgets, mon
     assert plan.layout != first.layout or plan.micro_batch_size != first.micro_batch_size
     # the rejected configuration is never reported as fitting; its layout's line is either it, rejected, or
     # another configuration of that layout that still fits
-    assert all("but a full trace found" in line and "does not fit" in line
+    assert all("but its verification found" in line and "does not fit" in line
                for line in plan.layout_report if line.startswith(first.describe())), plan.layout_report
     assert any(line.startswith(first.layout.describe()) for line in plan.layout_report), plan.layout_report
 
