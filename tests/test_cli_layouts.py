@@ -22,7 +22,7 @@ def test_gpus_per_node_plans_a_layout_as_the_api_does(capsys):
                         precision="32-true", activation_checkpointing=False)
     assert isinstance(api.layout, memguard.Layout)
     assert cli["layout"] == {k: getattr(api.layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp",
-                                                               "pp_schedule", "pp_microbatches")}
+                                                               "pp_schedule", "pp_microbatches", "pp_stages_per_rank")}
     assert cli["micro_batch_size"] == api.micro_batch_size and cli["layout_report"] == list(api.layout_report)
 
 
