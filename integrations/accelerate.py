@@ -105,7 +105,7 @@ from memguard.guard._distributed import rank_group_of
 from memguard.guard._evaluate import evaluate as memguard_evaluate
 from memguard.guard._fsdp1 import is_fsdp1_model
 from memguard.guard._fsdp2_frameworks import is_fsdp2
-from memguard.guard._options import Constraints, GuardOptions, option_problems, plan_problems, wrapper_problems
+from memguard.guard._options import Constraints, GuardOptions, clipping, option_problems, plan_problems, wrapper_problems
 from memguard.guard._window import DEFAULT_MAX_RETRIES
 from memguard.integrations import require
 from memguard.planner.api import Plan
@@ -410,10 +410,10 @@ def prepare(
             model with the batch and takes ``output.loss`` (as :func:`memguard.step`).
         max_retries: at most this many halvings within one optimizer step.
         max_grad_norm: clip the accumulated gradients' total norm to this once per optimizer step
-            (unscaled first through ``accelerator.unscale_gradients`` under ``fp16``); None does not
+            (unscaled first through ``accelerator.unscale_gradients`` under ``fp16``); None or 0 does not
             clip. The norm before clipping is ``status(model).grad_norm``.
         clip_grad_value: clip every gradient element to ``[-v, v]`` once per optimizer step (after
-            ``max_grad_norm``); None does not clip.
+            ``max_grad_norm``); None or 0 does not clip.
         verbose: show the plan summary on the first :func:`step` (``MEMGUARD_QUIET=1`` silences it too).
         **plan_options: options for :func:`memguard.plan` (``budget_bytes``, ``gpu``, ``headroom``,
             ``activation_checkpointing``, ``precision`` if it is the Accelerator's, ...).
@@ -621,7 +621,7 @@ def _prepare_deepspeed(accelerator: Any, first: Any, second: Any, model: nn.Modu
         problems.append(f"under DeepSpeed memguard does not plan in prepare (got {', '.join(asked)}): the plan is the "
                         "DeepSpeed config's; plan with memguard.plan(..., zero_stage=...) and build the Accelerator "
                         "with Accelerator(**accelerator_kwargs(plan)), then pass plan=plan")
-    if max_grad_norm is not None or clip_grad_value is not None:
+    if clipping(max_grad_norm) is not None or clipping(clip_grad_value) is not None:
         problems.append("under DeepSpeed the engine clips gradients in engine.step(): set gradient_clipping in the "
                         "DeepSpeed config (to_config(plan, gradient_clipping=...)) instead of max_grad_norm/"
                         "clip_grad_value")

@@ -98,6 +98,14 @@ class Constraints:
         return out
 
 
+def clipping(value: float | None) -> float | None:
+    """A clipping threshold as the guard applies it: 0 means no clipping, as nanoGPT's ``grad_clip=0.0``, the HF
+    Trainer's ``max_grad_norm=0`` (``Trainer._inner_training_loop`` clips only ``if args.max_grad_norm > 0``) and
+    Lightning's ``gradient_clip_val=0`` (``Precision.clip_gradients`` returns when ``clip_val <= 0``) mean it.
+    Unlike ``torch.nn.utils.clip_grad_norm_(max_norm=0)``, which scales every gradient to zero."""
+    return None if value is not None and value == 0 else value
+
+
 def _is_int(value: Any, least: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= least
 
@@ -221,8 +229,8 @@ def option_problems(constraints: Constraints, *, plan: Any = None, micro_batch_s
     if probe_up_after is not None and not _is_int(probe_up_after, 1):
         out.append(f"probe_up_after must be None or an int >= 1, got {probe_up_after!r}")
     for name, value in (("max_grad_norm", max_grad_norm), ("clip_grad_value", clip_grad_value)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-            out.append(f"{name} must be None or a positive number, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
+            out.append(f"{name} must be None, 0 (no clipping) or a positive number, got {value!r}")
     if not _is_int(batch_dim, 0):
         out.append(f"batch_dim must be an int >= 0 (the dim of each batch tensor that holds the samples), got "
                    f"{batch_dim!r}")
@@ -294,9 +302,9 @@ class GuardOptions:
         max_retries: at most this many halvings within one optimizer step.
         probe_up_after: double a reduced micro-batch again after this many clean steps (None: never).
         max_grad_norm: clip the accumulated gradients' total norm to this before each optimizer step
-            (None: no clipping).
+            (None or 0: no clipping; 0 is kept as None).
         clip_grad_value: clip each accumulated gradient element to ``[-v, v]`` before each optimizer
-            step, after any norm clipping (None: no clipping).
+            step, after any norm clipping (None or 0: no clipping).
         batch_dim: the dim of the batch's tensors that holds the samples (split and counted along it).
         verbose: show the plan summary when a plan is applied (``MEMGUARD_QUIET=1`` silences it too).
         global_batch_size: samples per optimizer step for planning (None: from the batch).
@@ -318,3 +326,5 @@ class GuardOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "plan_options", dict(self.plan_options or {}))  # the guard's own copy
+        object.__setattr__(self, "max_grad_norm", clipping(self.max_grad_norm))
+        object.__setattr__(self, "clip_grad_value", clipping(self.clip_grad_value))

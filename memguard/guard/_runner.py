@@ -123,9 +123,10 @@ def prepare(
             to the planned size); None (default) never probes.
         max_grad_norm: clip the total norm of the accumulated gradients to this once per optimizer
             step, after the last micro-batch (unscaled first under ``16-mixed``); the norm before
-            clipping is ``guard_status(model).grad_norm``. None: no clipping.
+            clipping is ``guard_status(model).grad_norm``. None or 0: no clipping (as the HF Trainer's
+            and nanoGPT's 0; ``torch.nn.utils.clip_grad_norm_(max_norm=0)`` would zero the gradients).
         clip_grad_value: clip every accumulated gradient element to ``[-v, v]`` once per optimizer
-            step (after ``max_grad_norm``, if both). None: no clipping.
+            step (after ``max_grad_norm``, if both). None or 0: no clipping.
         batch_dim: the dim of the batch's tensors that holds the samples: 0 (default), or e.g. 1 for
             sequence-first data (``[seq, batch, ...]``); batches are split and counted along it, and
             ``loss_fn`` gets micro-batches in the same layout. Every tensor of the batch with more

@@ -54,7 +54,7 @@ def test_a_sharding_front_end_declares_its_zero_stages() -> None:
 
 def test_option_problems_lists_every_problem() -> None:
     problems = option_problems(FIXED, plan=plan_of(precision="bf16-mixed", world=2, accum=4), micro_batch_size=0,
-                               global_batch_size=-1, loss_fn=3, max_retries=-1, probe_up_after=0, max_grad_norm=0,
+                               global_batch_size=-1, loss_fn=3, max_retries=-1, probe_up_after=0, max_grad_norm=-1,
                                plan_options={"world_size": 2})
     # two sources of the micro-batch, micro_batch_size, global_batch_size, loss_fn, max_retries, probe_up_after,
     # max_grad_norm, a taken option, and global_batch_size against the plan's 4 x 4 x 2 = 32

@@ -75,6 +75,26 @@ def test_clipping_applies_with_a_fixed_micro_batch_and_a_given_plan(source):
     assert status.grad_norm == pytest.approx(norms[-1], rel=1e-5) and norms[-1] > 0.05  # the norm before clipping
 
 
+def test_clipping_threshold_zero_means_no_clipping():
+    # nanoGPT's grad_clip=0.0 and the HF Trainer's max_grad_norm=0 mean "do not clip"; memguard reads 0 the same
+    # way (torch's clip_grad_norm_(max_norm=0) would instead scale every gradient to zero, and clip_grad_value_(0)
+    # would zero them: either makes the SGD step a no-op, which the reference below would expose).
+    batches = _batches()
+    ref = _net()
+    _reference(ref, batches)  # no clipping at all
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    net, opt = memguard.prepare(net, opt, micro_batch_size=8, max_grad_norm=0.0, clip_grad_value=0, verbose=False)
+    start = copy.deepcopy(net)
+    for b in batches:
+        memguard.step(net, opt, b, _loss)
+    _close(net, ref)
+    assert any(not torch.equal(p, q) for p, q in zip(net.parameters(), start.parameters()))  # it did train
+    assert guard_status(net).grad_norm is None  # no norm is taken when nothing clips
+    with pytest.raises(memguard.ConfigError, match=r"max_grad_norm must be None, 0 \(no clipping\) or a positive"):
+        memguard.prepare(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), max_grad_norm=-1.0)
+
+
 def test_clipping_under_16_mixed_unscales_first():
     batches = _batches(2)
     ref = _net()

@@ -224,7 +224,7 @@ def test_bad_arguments_are_listed_at_once() -> None:
     acc = accelerate.Accelerator(cpu=True)
     net = _net()
     with pytest.raises(ConfigError) as info:
-        prepare(acc, net, torch.optim.SGD(net.parameters(), lr=0.1), max_retries=-1, max_grad_norm=0, world_size=2)
+        prepare(acc, net, torch.optim.SGD(net.parameters(), lr=0.1), max_retries=-1, max_grad_norm=-0.5, world_size=2)
     text = str(info.value)
     assert "3 problems" in text and "max_retries" in text and "max_grad_norm" in text and "world_size" in text
     with pytest.raises(ConfigError, match="not prepared by memguard"):
