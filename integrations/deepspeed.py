@@ -3,8 +3,9 @@
 ``to_config(plan)`` writes a complete config for the plan; ``fill_auto(user_config, plan)``
 keeps a user's config and replaces its ``"auto"`` values with what the plan determines, the way
 the Hugging Face Trainer fills ``"auto"`` from its ``TrainingArguments``. Neither imports
-DeepSpeed: a config is plain JSON-ready data (validate it with
-``deepspeed.runtime.config.DeepSpeedConfig(config)``, which works without a GPU). ``step(engine,
+DeepSpeed: a config is plain JSON-ready data. ``validate_config(config, world_size=N)`` checks a finished
+config, with DeepSpeed's own ``deepspeed.runtime.config.DeepSpeedConfig`` where DeepSpeed is installed (it
+works without a GPU). ``step(engine,
 batch, loss_fn)`` runs one optimizer step of a ZeRO-0/1/2/3 engine with memguard's OOM recovery (below).
 
 What the plan determines, and what a config must therefore agree with:
@@ -90,10 +91,11 @@ import weakref
 from typing import Any, Mapping
 
 from memguard.errors import ConfigError
+from memguard.integrations._deepspeed_check import structure_problems, validate_config
 from memguard.planner.api import Plan
 from memguard.vocab import PRECISIONS
 
-__all__ = ["to_config", "fill_auto", "step", "evaluate", "micro_batch_size", "oom_retries", "AUTO"]
+__all__ = ["to_config", "fill_auto", "validate_config", "step", "evaluate", "micro_batch_size", "oom_retries", "AUTO"]
 
 logger = logging.getLogger("memguard")
 
@@ -323,9 +325,10 @@ def to_config(plan: Plan, **overrides: Any) -> dict[str, Any]:
 
     Raises:
         ConfigError: the plan has no DeepSpeed equivalent (``"16-true"``; ``"bf16-true"`` or
-            optimizer offload without ZeRO), or ``overrides`` contradict the plan (a different
-            micro-batch, accumulation, global batch, stage, offload or precision); every problem
-            is listed.
+            optimizer offload without ZeRO), ``overrides`` contradict the plan (a different
+            micro-batch, accumulation, global batch, stage, offload or precision), or the result is not
+            a config DeepSpeed could read (a section that is not a mapping, a ZeRO stage outside 0-3:
+            :func:`validate_config`'s structural check); every problem is listed.
 
     Known limitations:
         DeepSpeed's ``activation_checkpointing`` block only configures
@@ -367,6 +370,7 @@ def to_config(plan: Plan, **overrides: Any) -> dict[str, Any]:
 
     _deep_merge(cfg, overrides)
     conflicts, _ = _resolve(cfg, plan, source="override")
+    conflicts = conflicts or structure_problems(cfg, world_size=plan.world_size)  # the plan's word first
     if conflicts:
         raise ConfigError(conflicts)
     leftover = _autos(cfg)

@@ -303,8 +303,8 @@ def _model_options(parser: argparse.ArgumentParser, *, required: bool) -> None:
                    help="decoder tokens per sample for encoder-decoder --hf models (default: --seq-len)")
 
 
-def _micro_batch_option(parser: argparse.ArgumentParser, help_text: str) -> None:
-    parser.add_argument("--micro-batch-size", type=_positive_int, default=1, metavar="N", help=help_text)
+def _micro_batch_option(parser: argparse.ArgumentParser, help_text: str, default: int | None = 1) -> None:
+    parser.add_argument("--micro-batch-size", type=_positive_int, default=default, metavar="N", help=help_text)
 
 
 def _target_options(parser: argparse.ArgumentParser, *, budget_help: str) -> argparse._ArgumentGroup:
@@ -448,7 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt, epilog=_MODEL_HELP + "\n" + _EPILOG_MAIN,
     )
     _model_options(e, required=True)
-    _micro_batch_option(e, "the micro-batch to estimate (default 1)")
+    _micro_batch_option(e, "the micro-batch to estimate (default 1, or the --deepspeed-config's "
+                           "train_micro_batch_size_per_gpu)", default=None)
     g = _target_options(e, budget_help="say whether the estimate fits this much memory per rank, e.g. 40GiB "
                                        "(default with --gpu: the GPU's memory less its CUDA context)")
     g.add_argument("--headroom", type=_fraction, metavar="FRACTION",
@@ -463,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--grad-accum-steps", type=_positive_int, default=1, metavar="N",
                    help="> 1: gradients already exist when a micro-batch starts (default 1)")
     _keep_outputs_option(c)
+    c.add_argument("--deepspeed-config", metavar="FILE.json", type=_text("ds_config.json"), default=None,
+                   help="estimate under your own DeepSpeed config: its ZeRO stage, precision, batch triple, "
+                        "offload and buckets (the options above, where given, must agree with it)")
     _output_options(e, json_help="print Estimate.to_dict() as JSON on stdout, nothing else", plot=True)
     e.set_defaults(func=_cmd_estimate)
 
@@ -986,6 +990,24 @@ def _cmd_plan(args: argparse.Namespace, progress: _Progress) -> int:
     return EXIT_OK
 
 
+def _config_micro_batch(path: str | None, world_size: int) -> int:
+    """The micro-batch one rank runs under a DeepSpeed config: ``train_micro_batch_size_per_gpu``, or
+    ``train_batch_size / (gradient_accumulation_steps x world size)`` (DeepSpeed derives it so); 1 without one."""
+    if path is None:
+        return 1
+    from memguard.estimator._deepspeed_config import load_config
+
+    cfg = load_config(path)
+    micro, train, accum = (cfg.get(k) for k in ("train_micro_batch_size_per_gpu", "train_batch_size",
+                                                 "gradient_accumulation_steps"))
+    if isinstance(micro, int) and micro >= 1:
+        return micro
+    accum = accum if isinstance(accum, int) and accum >= 1 else 1
+    if isinstance(train, int) and train >= accum * world_size and train % (accum * world_size) == 0:
+        return train // (accum * world_size)
+    return 1
+
+
 def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
     import memguard
 
@@ -1002,6 +1024,8 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
             raise ConfigError([_gpu_sentence("--gpu", p) for p in bad])
     if args.cpu and args.device != "cpu":
         raise ConfigError(f"--cpu {args.cpu} only applies to --device cpu; drop it or add --device cpu")
+    if args.micro_batch_size is None:
+        args.micro_batch_size = _config_micro_batch(args.deepspeed_config, args.world_size)
     loaded = load_model(args, progress)
     progress.say(f"estimating {loaded.description}: tracing one step on fake tensors")
     progress.restart()
@@ -1012,6 +1036,7 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
         offload_optimizer=args.offload_optimizer, keep_outputs=args.keep_outputs, cpu=args.cpu,
         torch_version=args.torch_version, cuda_version=args.cuda_version, cudnn_version=args.cudnn_version,
         gradient_compression=args.gradient_compression, powersgd=args.powersgd_rank,
+        deepspeed_config=args.deepspeed_config,
     )
     progress.say(f"estimated in {progress.elapsed()}")
     budget = args.budget
@@ -1066,16 +1091,24 @@ def _set_dotted(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _has_deepspeed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
 def _cmd_deepspeed(args: argparse.Namespace, progress: _Progress) -> int:
     _check_output_path("--out", args.out)
     overrides = _set_dotted(args.ds_set)
     _check_request(args)
-    from memguard.integrations.deepspeed import to_config  # plain data: DeepSpeed itself is not imported
+    from memguard.integrations.deepspeed import to_config, validate_config  # DeepSpeed is imported to validate
     loaded = load_model(args, progress)
     plan, infeasible, _ = _plan_with_progress(args, loaded, progress)
     if infeasible is not None:
         return _report_infeasible(args, infeasible)
     config = to_config(plan, **overrides)
+    progress.say("validating the config" + (" with DeepSpeed's DeepSpeedConfig" if _has_deepspeed() else ""))
+    validate_config(config, world_size=plan.world_size)
     text = json.dumps(config, indent=2)
     if args.out:
         try:
