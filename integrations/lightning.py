@@ -169,7 +169,7 @@ from memguard.batch import batch_size
 from memguard.errors import ConfigError, MissingDependencyError
 from memguard.guard._core import Guard, GuardStatus
 from memguard.guard._distributed import RankGroup, rank_group_of
-from memguard.guard._options import Constraints, GuardOptions, option_problems, plan_problems
+from memguard.guard._options import Constraints, GuardOptions, given_options, option_problems, plan_problems
 from memguard.guard._window import DEFAULT_MAX_RETRIES
 from memguard.planner.api import Plan
 from memguard.vocab import PRECISIONS
@@ -549,9 +549,20 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         batch_arg_name: the attribute that sets the train dataloader's batch size, on the module,
             its datamodule or their ``hparams`` (as ``BatchSizeFinder``'s ``batch_arg_name``).
         max_retries: at most this many halvings within one optimizer step.
-        **plan_options: options for :func:`memguard.plan`: ``budget_bytes``, ``gpu``, ``headroom``,
-            ``activation_checkpointing``, ``cache``, ... (``precision`` may be given only if it is
-            the Trainer's; world size, device, optimizer and loss come from the Trainer).
+        budget_bytes: memory per rank to plan for (default: the GPU's memory less its CUDA context).
+        gpu: the GPU to plan for, a catalog name such as ``"A100-80GB"`` (default: the one in use).
+        headroom: share of the budget kept free (default 0.1).
+        precision: only the Trainer's own may be given (memguard does not change it).
+        activation_checkpointing: True or False fixes it (default: memguard chooses).
+        zero_stage: a ZeRO stage or a list of them, within what the Trainer's strategy runs (default: chosen).
+        offload_optimizer: optimizer state in host memory, under DeepSpeed (default False).
+        cache: reuse and store plans in memguard's plan cache (default False).
+        cpu: the CPU a CPU job runs on, e.g. ``"avx512_core_amx"`` (default: this one).
+        torch_version: the torch version of the GPU machine, e.g. ``"2.5.1"`` (default: this one's).
+        cuda_version: its CUDA version, e.g. ``"12.4"``.
+        cudnn_version: its cuDNN version, e.g. ``"9.10.2"``.
+        **plan_options: any other option of :func:`memguard.plan` (world size, device, optimizer and loss
+            come from the Trainer). Each named option above may be given here too; None means not given.
 
     Attributes:
         plan: the plan in force during ``fit`` (None before).
@@ -564,7 +575,17 @@ class MemguardCallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def __init__(self, global_batch_size: int | None = None, *, plan: Plan | None = None,
                  batch_arg_name: str = "batch_size", max_retries: int = DEFAULT_MAX_RETRIES,
+                 budget_bytes: int | None = None, gpu: str | None = None, headroom: float | None = None,
+                 precision: str | list[str] | None = None, activation_checkpointing: bool | None = None,
+                 zero_stage: int | list[int] | None = None, offload_optimizer: bool | None = None,
+                 cache: bool | None = None, cpu: str | None = None, torch_version: str | None = None,
+                 cuda_version: str | None = None, cudnn_version: str | None = None,
                  **plan_options: Any) -> None:
+        plan_options = given_options(
+            plan_options, budget_bytes=budget_bytes, gpu=gpu, headroom=headroom, precision=precision,
+            activation_checkpointing=activation_checkpointing, zero_stage=zero_stage,
+            offload_optimizer=offload_optimizer, cache=cache, cpu=cpu, torch_version=torch_version,
+            cuda_version=cuda_version, cudnn_version=cudnn_version)
         problems = option_problems(_constraints(), plan=plan, global_batch_size=global_batch_size,
                                    max_retries=max_retries, plan_options=plan_options)
         if not isinstance(batch_arg_name, str) or not batch_arg_name:

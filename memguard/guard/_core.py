@@ -65,7 +65,7 @@ from memguard.guard._distributed import RankGroup, plan_on_rank_zero
 from memguard.guard._options import Constraints, GuardOptions, call_planner, plan_problems
 from memguard.guard._plan_cache import ReducedPlans
 from memguard.guard._precision import PrecisionSetup, setup_precision
-from memguard.guard._shapes import Signature, is_compiled, mark_batch_dynamic, signature_of, uncompiled
+from memguard.guard._shapes import Signature, is_compiled, mark_batch_dynamic, uncompiled
 from memguard.guard._sizing import ShapeSizing
 from memguard.guard._summary import budget_source, plan_summary, precision_of_dtype, show
 from memguard.guard._window import MicroBatchWindow, agreed_optimizer_step
@@ -293,7 +293,7 @@ class Guard(ShapeSizing):
         gbs = self.options.global_batch_size or batch_size(batch) * accumulation * self.world_size
         plan = call_planner(module, batch, global_batch_size=gbs, optimizer=optimizer, loss_fn=loss_fn,
                             world_size=self.world_size, options=options)
-        self.shapes.reference = signature_of(batch)
+        self.shapes.set_reference(batch)
         self._context = {"optimizer": optimizer, "loss_fn": loss_fn, "options": options}
         # The plan cache also remembers what the guard learnt: a micro-batch reduced after an OOM is stored
         # under a key derived from the planner's plan, and used instead of it on the next run.

@@ -106,6 +106,16 @@ def clipping(value: float | None) -> float | None:
     return None if value is not None and value == 0 else value
 
 
+def given_options(plan_options: Mapping[str, Any], **named: Any) -> dict[str, Any]:
+    """A callback's planning options: its named, typed parameters that were given (not None), then ``**plan_options``.
+
+    The Lightning and Trainer callbacks name the common :func:`memguard.plan` options as parameters of their own
+    (typed and documented, so that LightningCLI and jsonargparse can see and check them); None there means "not
+    given" (the planner's default applies). The rest still come as ``**plan_options``.
+    """
+    return {**{k: v for k, v in named.items() if v is not None}, **plan_options}
+
+
 def _is_int(value: Any, least: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= least
 

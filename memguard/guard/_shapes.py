@@ -15,7 +15,12 @@ Bucketing (:func:`bucket`): a size up to 8 is kept exactly; a larger one is roun
 multiple of an eighth of the next power of two at or above it, i.e. four buckets per doubling
 (64, 80, 96, 112, 128, 160, ...). A batch is planned for the top of its bucket, so it never needs
 more memory than planned, at most 25% more positions than it has (65 -> 80 is the worst case,
-1.23x) are planned for, and a run whose lengths span 64 to 4096 plans at most 24 signatures.
+1.23x) are planned for, and a run whose lengths span 64 to 4096 plans at most 24 signatures (25 with
+the reference batch's own). Only the dims that differ from the reference batch's (the batch memguard
+planned on, else the first) are bucketed: a dim equal to the reference's is kept as it is, since the
+dims a model fixes (an RNN state's hidden size, channels, a feature width) are the same in every
+batch, and a probe batch padded past them (a hidden size of 200 planned as 224) is one the model
+rejects.
 Rounding up to a power of two would plan up to 2x the positions (4x the attention memory on the
 CPU target); exact shapes would plan once per distinct length.
 
@@ -147,19 +152,36 @@ def _tensor_paths(batch: Any, path: str = "") -> Iterable[tuple[str, torch.Tenso
             yield from _tensor_paths(v, f"{path}[{i}]")
 
 
-def signature_of(batch: Any, *, exact: bool = False) -> Signature:
+def signature_of(batch: Any, *, exact: bool = False, fixed: Signature | None = None) -> Signature:
     """The :class:`Signature` of ``batch``: each tensor leaf's dims after dim 0, bucketed by :func:`bucket`.
 
     0-dim tensors and non-tensor leaves go whole to every micro-batch and are left out. With
     ``exact`` (guarded evaluation's), every tensor leaf's dims after dim 0 as they are, with its dtype.
+    With ``fixed``, the reference batch's own dims (:func:`dims_of`), only the dims that differ from the
+    reference's are bucketed: a dim the model fixes (an LSTM state's hidden size, image channels) is the
+    same in every batch and is kept as it is, so a batch padded to its signature is still one the model
+    takes; the sequence lengths that vary are bucketed (see the module docstring).
     """
     if exact:
         leaves = list(_tensor_paths(batch))
         return Signature(tuple(tuple(int(d) for d in t.shape[1:]) for _, t in leaves), tuple(p for p, _ in leaves),
                          tuple(t.dtype for _, t in leaves))
     leaves = [(p, t) for p, t in _tensor_paths(batch) if t.dim() > 0]
-    return Signature(tuple(tuple(bucket(int(d)) for d in t.shape[1:]) for _, t in leaves),
-                     tuple(p for p, _ in leaves))
+    ref = fixed.dims if fixed is not None and len(fixed.dims) == len(leaves) else None
+
+    def dims(i: int, t: torch.Tensor) -> tuple[int, ...]:
+        own = ref[i] if ref is not None and len(ref[i]) == t.dim() - 1 else None
+        return tuple(int(d) if own is not None and int(d) == own[j] else bucket(int(d))
+                     for j, d in enumerate(t.shape[1:]))
+
+    return Signature(tuple(dims(i, t) for i, (_, t) in enumerate(leaves)), tuple(p for p, _ in leaves))
+
+
+def dims_of(batch: Any) -> Signature:
+    """The dims after dim 0 of ``batch``'s tensor leaves with a batch dim, as they are (no dtypes): the
+    reference that :func:`signature_of`'s ``fixed`` compares a later batch with."""
+    leaves = [(p, t) for p, t in _tensor_paths(batch) if t.dim() > 0]
+    return Signature(tuple(tuple(int(d) for d in t.shape[1:]) for _, t in leaves), tuple(p for p, _ in leaves))
 
 
 def pad_batch(batch: Any, sig: Signature) -> Any:

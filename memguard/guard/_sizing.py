@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from memguard.guard._distributed import RankGroup
-from memguard.guard._shapes import Signature, halvings, pad_batch, signature_of, size_bound, snap_to, uncompiled
+from memguard.guard._shapes import (Signature, dims_of, halvings, pad_batch, signature_of, size_bound, snap_to,
+                                    uncompiled)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -46,12 +47,21 @@ class ShapeSizes:
         given: the micro-batch each signature was given when first seen.
         clean: each signature's optimizer steps since its last OOM or probe.
         reference: the signature of the batch memguard planned on (kept when a plan is applied again).
+        fixed: that batch's dims as they are (:func:`memguard.guard._shapes.dims_of`): a later batch's dim
+            equal to its is not bucketed.
     """
 
     now: dict[Signature, int] = field(default_factory=dict)
     given: dict[Signature, int] = field(default_factory=dict)
     clean: dict[Signature, int] = field(default_factory=dict)
     reference: Signature | None = None
+    fixed: Signature | None = None
+
+    def set_reference(self, batch: Any) -> Signature:
+        """Make ``batch`` the reference (the batch planned on, or the first one); returns its signature."""
+        self.fixed = dims_of(batch)
+        self.reference = signature_of(batch, fixed=self.fixed)
+        return self.reference
 
     def forget_sizes(self) -> None:
         """Start again from the planned micro-batch (a plan was applied)."""
@@ -116,7 +126,9 @@ class ShapeSizing:
 
     def _agreed_signature(self, batch: Any) -> Signature:
         """The batch's signature; under DDP the element-wise largest of the ranks' (one small all-reduce)."""
-        sig = signature_of(batch)
+        if self.shapes.fixed is None:
+            self.shapes.fixed = dims_of(batch)  # the first batch's dims; a plan's batch sets them before
+        sig = signature_of(batch, fixed=self.shapes.fixed)
         rg = self.rank_group
         if rg is None or rg.world_size == 1:
             return sig
@@ -192,8 +204,9 @@ class ShapeSizing:
                              sizes=halvings(base) if self.compiled else None)
         except Exception as exc:  # noqa: BLE001 - planning a shape must never stop training
             if not self._warned_signature_planning:
-                logger.warning("could not plan the micro-batch of batch shape %s (%s); it starts from the planned "
-                               "micro-batch and is halved on an out-of-memory error", sig, exc)
+                logger.warning("could not plan the micro-batch of batch shape %s: memguard traced a probe batch padded "
+                               "to that shape from this batch's %s, and the trace failed (%s); it starts from the "
+                               "planned micro-batch and is halved on an out-of-memory error", sig, dims_of(batch), exc)
                 self._warned_signature_planning = True
             return None
         finally:

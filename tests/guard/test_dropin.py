@@ -178,7 +178,7 @@ def test_batch_dim_problems_are_config_errors():
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(memguard.ConfigError) as info:
-        memguard.prepare(net, opt, micro_batch_size=4, batch_dim=-1, clip_grad_value=0, verbose="no")
+        memguard.prepare(net, opt, micro_batch_size=4, batch_dim=-1, clip_grad_value=-0.5, verbose="no")
     text = str(info.value)
     assert "batch_dim must be an int >= 0" in text and "clip_grad_value must be" in text and "verbose" in text
     net, opt = memguard.prepare(net, opt, micro_batch_size=4, batch_dim=1, verbose=False)

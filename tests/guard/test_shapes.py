@@ -21,7 +21,7 @@ from torch import nn
 
 from memguard.guard import guard_status, prepare, step
 from memguard.guard._options import Constraints, plan_options_problems
-from memguard.guard._shapes import Signature, bucket, halvings, pad_batch, signature_of, size_bound, snap_to
+from memguard.guard._shapes import Signature, bucket, dims_of, halvings, pad_batch, signature_of, size_bound, snap_to
 
 
 # --------------------------------------------------------------------------------------------------
@@ -73,6 +73,60 @@ def test_an_exact_signature_keeps_the_dims_and_dtypes_that_evaluation_keys_by() 
     # one covers rule for both: an exact signature covers only one of the same dtypes
     assert sig.covers(shorter) and sig.scaled(8, shorter) == 16
     assert not sig.covers(signature_of({**batch, "input_ids": torch.zeros(4, 50)}, exact=True))
+
+
+def test_only_the_dims_that_differ_from_the_reference_are_bucketed() -> None:
+    # word_language_model carries an LSTM state h[layers, batch, hidden] in the batch (batch_dim=1 makes it
+    # [batch, layers, hidden] here): the hidden size 200 is the model's own and equals the reference's in every
+    # batch, so it stays 200 (bucket(200) = 224, which nn.LSTM rejects); the chunk length 35 -> 20 differs
+    first = {"data": torch.zeros(32, 35, dtype=torch.long), "h": torch.zeros(32, 2, 200)}
+    ref = dims_of(first)
+    assert ref.dims == ((35,), (2, 200))
+    assert signature_of(first, fixed=ref).dims == ((35,), (2, 200))  # the reference batch as it is
+    last = {"data": torch.zeros(32, 21, dtype=torch.long), "h": torch.zeros(32, 2, 200)}
+    sig = signature_of(last, fixed=ref)
+    assert sig.dims == ((24,), (2, 200))  # 21 -> 24 (next power 32, steps of 4); 200 kept
+    assert pad_batch(last, sig)["h"].shape == (32, 2, 200)
+    assert signature_of(last).dims == ((24,), (2, 224))  # without the reference every dim is bucketed
+    # another structure than the reference's: no dim can be matched, every one is bucketed
+    assert signature_of({"data": torch.zeros(4, 21, dtype=torch.long)}, fixed=ref).dims == ((24,),)
+
+
+class _LSTMLM(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rnn, self.out = nn.Embedding(50, 16), nn.LSTM(16, hidden, 2), nn.Linear(hidden, 50)
+
+    def forward(self, data, state):
+        output, state = self.rnn(self.emb(data), state)
+        return self.out(output), state
+
+
+def test_a_short_last_chunk_is_planned_with_the_models_own_hidden_size(caplog: pytest.LogCaptureFixture) -> None:
+    # the README's recipe for a carried RNN state (sequence-first, batch_dim=1); a longer chunk than the first is
+    # a new signature (a shorter one is planned too once an OOM has halved the first's micro-batch) that memguard
+    # plans with a probe batch padded to the top of its buckets: the hidden size 36 (bucket 40) must not be
+    # padded, or nn.LSTM raises "Expected hidden[0] size (2, 8, 36), got [2, 8, 40]"
+    hidden, batch = 36, 8
+    model = _LSTMLM(hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(m, mb):
+        output, _ = m(mb["data"], (mb["h"], mb["c"]))
+        return nn.functional.cross_entropy(output.reshape(-1, 50), mb["target"].reshape(-1))
+
+    prepare(model, opt, batch_dim=1, budget_bytes=64 << 20, device="cpu", precision="32-true", verbose=False)
+    state = {"h": torch.zeros(2, batch, hidden), "c": torch.zeros(2, batch, hidden)}
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        for seq in (21, 21, 35):
+            data = torch.randint(0, 50, (seq, batch))
+            step(model, opt, {"data": data, "target": data, **state}, loss_fn)
+    assert not [r for r in caplog.records if "could not plan" in r.getMessage()], caplog.text
+    status = guard_status(model)
+    assert status.signatures_planned == 1  # the 35-token chunk (bucket 40), planned from a probe trace
+    assert sorted(str(s) for s in status.planned_micro_batch_sizes) == [
+        "data[*,21] target[*,21] h[*,2,36] c[*,2,36]", "data[*,40] target[*,40] h[*,2,36] c[*,2,36]"]
 
 
 def test_constraints_pass_strategies_to_the_planner_only_when_set() -> None:
