@@ -73,12 +73,20 @@ class Case:
     seq: int = 64
     accum: int = 1  # the engine's own gradient_accumulation_steps
     offload: bool = False  # zero_optimization.offload_optimizer {"device": "cpu"}
+    buffer_mib: int = 0  # a registered fp32 buffer of this many MiB on the model (never partitioned)
+    autocast: bool = False  # torch_autocast {"enabled": true, "dtype": "bfloat16"} in place of fp16/bf16
 
     @property
     def name(self) -> str:
         name = f"{self.model}-z{self.zero_stage}-{self.buckets}"
-        if self.precision != "32-true":
+        if self.precision == "bf16-true":
+            name += "-bf16true"  # bf16_master_weights_and_grads + bf16_optimizer_states
+        elif self.precision != "32-true":
             name += "-" + self.precision.split("-")[0]
+        if self.autocast:
+            name += "-autocast"
+        if self.buffer_mib:
+            name += f"-buf{self.buffer_mib}"
         if self.world_size != 2:
             name += f"-w{self.world_size}"
         if self.accum != 1:
@@ -105,7 +113,15 @@ def all_cases() -> dict[str, Case]:
             cases.append(Case(model, stage, "default"))
     for stage in (1, 2, 3):
         cases.append(Case("llama", stage, "default", precision="bf16-mixed"))
+    cases += [Case(**kw) for kw in _PRECISION_KW]
     return {c.name: c for c in cases}
+
+
+#: The buffer, bf16-master and torch_autocast cases (``benchmarks/deepspeed_cpu_precision.py`` runs them).
+_PRECISION_KW = [dict(model="llama", zero_stage=stage, **extra) for extra in (
+    {"precision": "bf16-mixed", "buffer_mib": 16}, {"buffer_mib": 16}, {"precision": "bf16-true"},
+    {"autocast": True}) for stage in (1, 2, 3)]
+PRECISION_CASES = tuple(Case(**kw).name for kw in _PRECISION_KW)
 
 
 #: The default run (a few minutes): each stage at fp32 and bf16, the engine's own accumulation,
@@ -134,6 +150,16 @@ def build_model(name: str, device: str = "cpu"):
         return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
+def build_case_model(case: Case, device: str = "cpu"):
+    """:func:`build_model` with the case's extra buffer (zeros, fp32, ``buffer_mib`` MiB)."""
+    import torch
+
+    model = build_model(case.model, device)
+    if case.buffer_mib:
+        model.register_buffer("extra_buffer", torch.zeros(case.buffer_mib * _MIB // 4, device=device))
+    return model
+
+
 def make_batch(case: Case):
     import torch
 
@@ -156,8 +182,13 @@ def ds_config(case: Case) -> dict[str, Any]:
                 activation_checkpointing=False, zero_stage=case.zero_stage, budget_bytes=1 << 40, estimate=est,
                 hidden_size=HIDDEN if case.buckets == "plan" else None, offload_optimizer=case.offload)
     extra = {"zero_force_ds_cpu_optimizer": False} if case.offload else {}  # a torch AdamW under ZeRO-Offload
-    return to_config(plan, gradient_clipping=0.0, zero_allow_untested_optimizer=True,
-                     steps_per_print=1 << 30, wall_clock_breakdown=False, **extra)
+    config = to_config(plan, gradient_clipping=0.0, zero_allow_untested_optimizer=True,
+                       steps_per_print=1 << 30, wall_clock_breakdown=False, **extra)
+    if case.autocast:  # DeepSpeed's torch_autocast section alone (runtime/torch_autocast.py)
+        config.pop("fp16", None)
+        config.pop("bf16", None)
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    return config
 
 
 def estimate_case(case: Case, *, with_buckets: bool = True) -> dict[str, Any]:
@@ -166,7 +197,7 @@ def estimate_case(case: Case, *, with_buckets: bool = True) -> dict[str, Any]:
     the config, whose buckets are then not modelled)."""
     import memguard
 
-    model = build_model(case.model, "meta")
+    model = build_case_model(case, "meta")
     t0 = time.perf_counter()
     if with_buckets:
         kw: dict[str, Any] = {"deepspeed_config": ds_config(case), "world_size": case.world_size}
@@ -204,7 +235,7 @@ def _rank_worker(case: Case, steps: int, warmup: int) -> dict[str, Any]:
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     prof.start()  # before the model exists: every tensor of the rank is seen being allocated
     with record_function(_PREFIX + "setup"):
-        model = build_model(case.model)
+        model = build_case_model(case)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
