@@ -98,6 +98,8 @@ def _zero_factors(trace, target: Target, zero_config=None, zero_precision=None):
         param_numels=tuple(int(b // item) for b in param_sizes) if item else (),
         trainable_param_bytes=trace.trainable_param_bytes,
         buffers=buffers,
+        grads_at_start=any(trace.category[h] == "grads" and nbytes > 0
+                           for h, nbytes in trace.events[:trace.phase_starts.get("forward", 0)]),
     )
     setup = ZeroSetup(
         zero_stage=zero_stage,

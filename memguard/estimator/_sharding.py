@@ -28,6 +28,13 @@ per parameter (read from the trace: 8 for Adam):
   forward and released module by module in backward; those bytes follow the activations' shape
   (the ``activations`` factor; ``pricing.estimate_from_trace`` reports them as params). With the
   engine's config, parameters under ``stage3_param_persistence_threshold`` stay gathered all the time.
+* Buffers are never partitioned: every rank holds them whole, in the dtypes the engine leaves them
+  (the user's, unless ``data_types.buffer_dtype`` / ``keep_in_fp32_modules`` change them;
+  :mod:`memguard.estimator._deepspeed_precision`), at every stage.
+* With bf16 masters and optimizer states (``"bf16-true"``) the master partition is 2P and Adam's
+  state 4P; the step's gradient partition is the flat 16-bit copy itself (``.to`` of its own dtype).
+  Under ``torch_autocast`` the weights, gradients and masters are fp32 (b = 4) and the reduce
+  buckets are one per communication dtype.
 * Buckets (only with the engine's config, :class:`ZeroBuckets`): the reduce bucket,
   ``reduce_bucket_size`` elements of the weights' dtype allocated whole whatever the model's size
   (DeepSpeed's default 5e8 is a 2 GB fp32 buffer), twice with ``overlap_comm``; at stages 1-2 from
@@ -155,6 +162,7 @@ class TracedStates:
             follow them: gathered module by module in forward, released module by module in backward).
         param_numels: numel of every parameter tensor (ZeRO-3 persistence threshold).
         buffers: bytes of the model's buffers in the trace (inside ``params``).
+        grads_at_start: the traced step starts with gradients (a micro-batch after the first).
     """
 
     params: int
@@ -169,6 +177,7 @@ class TracedStates:
     param_numels: tuple[int, ...] = ()
     trainable_param_bytes: int = 0
     buffers: int = 0
+    grads_at_start: bool = False
 
 
 @dataclass(frozen=True)
@@ -285,6 +294,18 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
             copies = 2 if buckets.overlap_comm else 1  # DeepSpeedZeroConfig: overlap_comm defaults False below stage 3
             # one per communication dtype, each of the weights' dtype (setup_buckets: for bucket in ipg_buckets)
             bucket = int(buckets.reduce_bucket_size) * p_bytes * copies * len(comm)
+            if zero_stage == 2 and psi_t > buckets.reduce_bucket_size and not traced.grads_at_start \
+                    and not offload_optimizer:
+                # The worst rank is the last: its partition holds the model's last parameters, whose
+                # gradients backward makes first. The first full bucket is reduced (reduce_ipg_grads)
+                # while the activations are all still live, and copy_grads_in_partition then allocates
+                # the rank's whole partition at once (``if self.grads_in_partition is None: ...
+                # torch.empty(int(total_size), dtype=self.dtype)``). So bP is there from the start of
+                # backward to the step; the module's own gradients live only until their hook copies
+                # them into the bucket (``grad_reduc.data = new_grad_tensor.data.view_as(grad_reduc)``)
+                # or, one oversized gradient at a time, until the next hook reduces it.
+                bucket += int(p_bytes * part)
+                grads_b = 0.0
         # step() (stage_1_and_2.py), per group: free_grad_in_param_list(params_not_in_partition);
         # ``flat_grad_partition = self.flatten(self.averaged_gradients[i])`` (p_bytes * P, the partition's
         # grads copied); ``single_grad_partition = flat_grad_partition.to(fp32)`` (a second 4P copy in

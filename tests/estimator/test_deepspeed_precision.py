@@ -242,3 +242,29 @@ def test_real_engine_buffer_and_bf16_masters():
     real = max(p for r in ranks for p in steady(r))
     est = estimate_case(case)["peak_bytes"]
     assert abs(est - real) / real <= 0.03, (est, real)
+
+
+# ------------------------------------------------------------------- ZeRO-2: the last rank's partition
+
+
+def test_zero_2_partition_from_the_first_bucket_reduction():
+    from memguard.estimator._sharding import TracedStates, ZeroBuckets, ZeroSetup, model_state_factors
+
+    psi = 1_000_000
+
+    def factors(reduce_bucket_size, grads_at_start=False):
+        traced = TracedStates(params=4 * psi, grads=4 * psi, optimizer=8 * psi, num_params=psi, num_trainable=psi,
+                              largest_layer=psi // 10, grads_at_start=grads_at_start)
+        return model_state_factors(traced, ZeroSetup(zero_stage=2, world_size=N, sixteen_bit=False,
+                                                     buckets=ZeroBuckets(reduce_bucket_size=reduce_bucket_size)))
+
+    # more gradients than one bucket: the first reduction comes early in backward, and the last rank's
+    # copy_grads_in_partition allocates its whole partition (4 x Ψ/N bytes) then, beside the bucket
+    small = factors(65536)
+    assert small.bucket_in_backward == 65536 * 4 + 4 * psi // N
+    assert small.grads == 0.0  # the module's gradients are moved into the bucket by their hooks
+    # every gradient fits one bucket: it is reduced when backward ends, the partition copy grows as before
+    whole = factors(psi)
+    assert whole.bucket_in_backward == psi * 4 and whole.grads == pytest.approx(1 / N)
+    # under accumulation (gradients at the start) the partition exists already: unchanged
+    assert factors(65536, grads_at_start=True).bucket_in_backward == 65536 * 4
