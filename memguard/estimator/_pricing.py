@@ -58,6 +58,8 @@ def estimate_from_trace(trace, target: Target, *, micro_batch_size=0, checkpoint
         factors = _zero_factors(trace, target, zero_config, zero_precision)
         if factors.bucket_in_backward:
             trace = _allocate_at_phase(trace, ZERO_BUFFERS, "backward", factors.bucket_in_backward)
+        if factors.partition_at_first_reduce:
+            trace = _allocate_at_first_reduce(trace, factors)
         if factors.gathered_in_passes:
             trace = _allocate_at_phase(trace, ZERO_GATHERED, "forward", factors.gathered_in_passes)
             trace = _release_at_phase(trace, (ZERO_GATHERED,), "optimizer")
@@ -114,6 +116,38 @@ def _zero_factors(trace, target: Target, zero_config=None, zero_precision=None):
         buffer_bytes=buffer_bytes,
     )
     return model_state_factors(traced, setup)
+
+
+def _allocate_at_first_reduce(trace, factors):
+    """A copy of ``trace`` with ZeRO-2's partition block (:data:`ZERO_BUFFERS`) allocated right after
+    the backward gradient that overflows the reduce bucket: DeepSpeed's hook for it reduces the bucket
+    (reduce_independent_p_g_buckets_and_remove_grads: ``bucket.elements + param.numel() >
+    self.reduce_bucket_size``) and copy_grads_in_partition allocates the partition."""
+    import dataclasses
+
+    start = trace.phase_starts.get("backward")
+    end = trace.phase_starts.get("optimizer", len(trace.events))
+    if start is None:
+        return trace
+    item = trace.trainable_param_bytes / trace.num_trainable_params if trace.num_trainable_params else 4
+    elements, at, count = 0, None, 0
+    for i in range(start, end):
+        handle, nbytes = trace.events[i]
+        if nbytes > 0 and trace.category[handle] == "grads":
+            numel = int(nbytes // item)
+            if count and elements + numel > factors.first_reduce_elements:
+                at = i + 1
+                break
+            elements += numel
+            count += 1
+    if at is None:
+        return trace
+    handle = len(trace.sizes)
+    nbytes = factors.partition_at_first_reduce
+    return dataclasses.replace(
+        trace, events=trace.events[:at] + [(handle, nbytes)] + trace.events[at:],
+        sizes=trace.sizes + [nbytes], category=trace.category + [ZERO_BUFFERS],
+        phase_starts={k: v + (1 if v >= at else 0) for k, v in trace.phase_starts.items()})
 
 
 #: The category of the blocks put into a trace for DeepSpeed's own buffers (unscaled; reported as grads).

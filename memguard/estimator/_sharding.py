@@ -129,6 +129,10 @@ class ShardFactors:
     bucket_in_backward: int = 0
     # ZeRO-3: bytes of gathered parameters held from forward's start until the step (two largest layers)
     gathered_in_passes: int = 0
+    # ZeRO-2: bytes of the last rank's gradient partition, allocated at backward's first bucket
+    # reduction (when a gradient no longer fits the bucket of first_reduce_elements), gone by the step
+    partition_at_first_reduce: int = 0
+    first_reduce_elements: int = 0
 
     def as_dict(self) -> dict[str, float]:
         out = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -255,6 +259,7 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
     extra_grads = 0
     grads_at_end = 0
     bucket = 0
+    partition_early = 0
     gathered_in_passes = 0
     activations = 1.0
     if zero_stage < 3:
@@ -300,12 +305,17 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
                 # gradients backward makes first. The first full bucket is reduced (reduce_ipg_grads)
                 # while the activations are all still live, and copy_grads_in_partition then allocates
                 # the rank's whole partition at once (``if self.grads_in_partition is None: ...
-                # torch.empty(int(total_size), dtype=self.dtype)``). So bP is there from the start of
-                # backward to the step; the module's own gradients live only until their hook copies
+                # torch.empty(int(total_size), dtype=self.dtype)``). So bP is there from that
+                # reduction (the hook of the first gradient that overflows the bucket) to the step; the module's own gradients live only until their hook copies
                 # them into the bucket (``grad_reduc.data = new_grad_tensor.data.view_as(grad_reduc)``)
                 # or, one oversized gradient at a time, until the next hook reduces it.
-                bucket += int(p_bytes * part)
+                partition_early = int(p_bytes * part)
                 grads_b = 0.0
+                if largest_param_bytes > buckets.reduce_bucket_size * p_bytes:
+                    # an oversized gradient is not copied into the bucket but held until the next hook
+                    # reduces it (``self.extra_large_param_to_reduce[comm_dtype] = param``): one at a
+                    # time, at most the largest parameter's
+                    partition_early += int(largest_param_bytes)
         # step() (stage_1_and_2.py), per group: free_grad_in_param_list(params_not_in_partition);
         # ``flat_grad_partition = self.flatten(self.averaged_gradients[i])`` (p_bytes * P, the partition's
         # grads copied); ``single_grad_partition = flat_grad_partition.to(fp32)`` (a second 4P copy in
@@ -411,6 +421,8 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         release_grads_at_step=zero_stage in (1, 2) and not offload_optimizer,
         grads_at_end_of_backward=grads_at_end if not offload_optimizer else 0,
         bucket_in_backward=bucket,
+        partition_at_first_reduce=partition_early,
+        first_reduce_elements=int(buckets.reduce_bucket_size) if partition_early else 0,
         gathered_in_passes=gathered_in_passes,
     )
 

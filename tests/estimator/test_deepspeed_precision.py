@@ -252,19 +252,23 @@ def test_zero_2_partition_from_the_first_bucket_reduction():
 
     psi = 1_000_000
 
-    def factors(reduce_bucket_size, grads_at_start=False):
+    def factors(reduce_bucket_size, grads_at_start=False, largest=0):
         traced = TracedStates(params=4 * psi, grads=4 * psi, optimizer=8 * psi, num_params=psi, num_trainable=psi,
-                              largest_layer=psi // 10, grads_at_start=grads_at_start)
+                              largest_layer=psi // 10, grads_at_start=grads_at_start, largest_param_bytes=largest)
         return model_state_factors(traced, ZeroSetup(zero_stage=2, world_size=N, sixteen_bit=False,
                                                      buckets=ZeroBuckets(reduce_bucket_size=reduce_bucket_size)))
 
     # more gradients than one bucket: the first reduction comes early in backward, and the last rank's
     # copy_grads_in_partition allocates its whole partition (4 x Ψ/N bytes) then, beside the bucket
     small = factors(65536)
-    assert small.bucket_in_backward == 65536 * 4 + 4 * psi // N
+    assert small.bucket_in_backward == 65536 * 4
+    assert (small.partition_at_first_reduce, small.first_reduce_elements) == (4 * psi // N, 65536)
     assert small.grads == 0.0  # the module's gradients are moved into the bucket by their hooks
+    # a parameter larger than the bucket: its gradient waits for the next hook (extra_large_param_to_reduce)
+    assert factors(65536, largest=4 * 100_000).partition_at_first_reduce == 4 * psi // N + 4 * 100_000
+    assert factors(65536, largest=4 * 60_000).partition_at_first_reduce == 4 * psi // N  # it fits the bucket
     # every gradient fits one bucket: it is reduced when backward ends, the partition copy grows as before
     whole = factors(psi)
-    assert whole.bucket_in_backward == psi * 4 and whole.grads == pytest.approx(1 / N)
+    assert whole.partition_at_first_reduce == 0 and whole.grads == pytest.approx(1 / N)
     # under accumulation (gradients at the start) the partition exists already: unchanged
-    assert factors(65536, grads_at_start=True).bucket_in_backward == 65536 * 4
+    assert factors(65536, grads_at_start=True).partition_at_first_reduce == 0
