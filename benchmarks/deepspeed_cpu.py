@@ -449,6 +449,7 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"deepspeed {m.get('deepspeed')}, transformers {m.get('transformers')}; {meta['runs']} run(s) x "
         f"{meta['steps']} steady-state steps per case after {meta['warmup']} warm-up step(s); "
         f"cases done: {meta.get('cases_done', '?')}", "",
+        *([meta["note"], ""] if meta.get("note") else []),
         "Real peak: the worst rank's peak of live tensor bytes over the steady-state steps of all runs, "
         "replayed by address from the profiler's allocator events (profiling from before the model is "
         "built; see `_replay`). `plan` buckets: what `to_config` writes for hidden size 256 "
