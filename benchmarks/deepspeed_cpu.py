@@ -419,7 +419,8 @@ def measure(case: Case, *, runs: int, steps: int, warmup: int, timeout: float) -
 #: What the per-rank peaks show (the ``peak_sites`` of the ranks: live bytes at the peak by
 #: allocation site) for cases the estimate misses by more than 3%; printed under the table then.
 _ZERO2_LAST_RANK_GAS = ("the last rank peaks in the second micro-batch's backward with 15.3 MiB live from the "
-                        "AccumulateGrad site (where the gradient hooks' own allocations are recorded too). The first micro-batch's case is modelled (the last rank's grads_in_partition is "
+                        "AccumulateGrad site (where the gradient hooks' own allocations are recorded too). "
+                        "The first micro-batch's case is modelled (the last rank's grads_in_partition is "
                         "allocated at backward's first bucket reduction, model_state_factors); what the second "
                         "adds is not explained.")
 _KNOWN_GAPS = {

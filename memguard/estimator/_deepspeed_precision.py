@@ -114,7 +114,8 @@ def master_weights(bf16: dict, fp16: dict, *, bf16_on: bool, offload: bool, prob
     return 4, notes
 
 
-def autocast_setting(cfg: dict, *, fp16_on: bool, bf16_on: bool, device: str, problems: list[str]) -> torch.dtype | None:
+def autocast_setting(cfg: dict, *, fp16_on: bool, bf16_on: bool, device: str,
+                     problems: list[str]) -> torch.dtype | None:
     """The autocast dtype of the config's ``torch_autocast`` section (None: not enabled)."""
     block = cfg.get("torch_autocast")
     if not isinstance(block, dict) or block.get("enabled", False) is not True:

@@ -306,7 +306,8 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
                 # while the activations are all still live, and copy_grads_in_partition then allocates
                 # the rank's whole partition at once (``if self.grads_in_partition is None: ...
                 # torch.empty(int(total_size), dtype=self.dtype)``). So bP is there from that
-                # reduction (the hook of the first gradient that overflows the bucket) to the step; the module's own gradients live only until their hook copies
+                # reduction (the hook of the first gradient that overflows the bucket) to the step;
+                # the module's own gradients live only until their hook copies
                 # them into the bucket (``grad_reduc.data = new_grad_tensor.data.view_as(grad_reduc)``)
                 # or, one oversized gradient at a time, until the next hook reduces it.
                 partition_early = int(p_bytes * part)

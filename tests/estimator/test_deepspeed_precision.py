@@ -172,7 +172,8 @@ def test_torch_autocast_alone_is_fp32_weights_under_autocast():
     cfg = config(2, torch_autocast={"enabled": True, "dtype": "bfloat16"})
     ds = read_deepspeed_config(cfg, model=model, batch_size=4)
     # Linear's parameters communicate in bf16, LayerNorm's in their own fp32 (init_autocast_params)
-    assert (ds.precision, ds.zero_precision.autocast, ds.zero_precision.comm_dtype_bytes) == ("bf16-mixed", True, (2, 4))
+    zp = ds.zero_precision
+    assert (ds.precision, zp.autocast, zp.comm_dtype_bytes) == ("bf16-mixed", True, (2, 4))
     est = estimate(model, cfg)
     assert est.breakdown["params"] == 4 * psi  # the module keeps fp32 weights (no bf16 cast)
     assert any("torch_autocast" in n for n in est.notes)
