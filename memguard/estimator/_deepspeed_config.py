@@ -149,7 +149,8 @@ def read_deepspeed_config(config: Any, *, model: Any, batch_size: int | None, **
         batch_size: the example batch's dim 0 (the micro-batch).
         **given: ``memguard.estimate``'s keywords ``zero_stage``, ``precision``, ``world_size``,
             ``grad_accum_steps``, ``offload_optimizer`` and ``strategy``; one at its default is not
-            given.
+            given. ``device`` (not checked against the config) picks ``torch_autocast``'s default
+            dtype when the config names none.
 
     Returns:
         A :class:`DeepSpeedSettings`.
@@ -158,8 +159,10 @@ def read_deepspeed_config(config: Any, *, model: Any, batch_size: int | None, **
         ConfigError: every problem at once: an unreadable config, a stage outside 1-3, both fp16 and
             bf16 enabled, an inconsistent batch triple, a keyword that contradicts the config (the
             message names the keyword to drop), a micro-batch that is not the example batch's size,
-            an "auto" that needs a hidden size the model does not say, or a setting memguard does not
-            model (parameter offload, a gradient accumulation dtype other than the weights').
+            an "auto" that needs a hidden size the model does not say, a master-weight, autocast or
+            ``data_types`` setting DeepSpeed refuses (:mod:`memguard.estimator._deepspeed_precision`),
+            or a setting memguard does not model (parameter offload, a gradient accumulation dtype
+            other than the weights', ``torch_autocast`` together with fp16/bf16).
     """
     cfg = load_config(config)
     problems: list[str] = []
