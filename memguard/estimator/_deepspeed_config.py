@@ -10,8 +10,12 @@ models. Read as DeepSpeed 0.19.8 reads it:
   memguard models stages 1-3 under DeepSpeed.
 * ``fp16.enabled`` -> ``"16-mixed"``; ``bf16.enabled`` (or the older key ``bfloat16``) ->
   ``"bf16-mixed"``, or ``"bf16-true"`` with ``bf16_master_weights_and_grads`` and
-  ``bf16_optimizer_states`` (the mapping of ``memguard.integrations.deepspeed.to_config``); neither ->
-  ``"32-true"`` (``runtime/precision_config.py``: both are off by default).
+  ``bf16_optimizer_states`` (bf16 masters and optimizer states; the mapping of
+  ``memguard.integrations.deepspeed.to_config``); ``torch_autocast`` alone -> ``"bf16-mixed"`` or
+  ``"16-mixed"`` with fp32 weights under autocast; none -> ``"32-true"`` (``runtime/precision_config.py``:
+  all are off by default). What each allocates, the master-weight flags DeepSpeed refuses and the
+  buffers' dtypes (``data_types.buffer_dtype``, ``keep_in_fp32_modules``):
+  :mod:`memguard.estimator._deepspeed_precision`.
 * ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size``;
   given two of the three DeepSpeed derives the third (``runtime/config.py``,
   ``DeepSpeedConfig._set_batch_related_parameters``), and so does this function.
@@ -39,7 +43,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import torch
+
 from memguard.errors import ConfigError
+from memguard.estimator import _deepspeed_precision as dsp
 
 AUTO = "auto"
 
@@ -98,6 +105,8 @@ class DeepSpeedSettings:
         micro_batch_size: ``train_micro_batch_size_per_gpu`` (the example batch's dim 0 where "auto").
         config: the config with every "auto" it uses resolved; its ``zero_optimization`` block holds
             numbers only (what :class:`~memguard.estimator._sharding.ZeroBuckets` reads).
+        zero_precision: what the precision settings change on a rank
+            (:class:`~memguard.estimator._deepspeed_precision.ZeroPrecision`).
     """
 
     zero_stage: int
@@ -107,6 +116,7 @@ class DeepSpeedSettings:
     offload_optimizer: bool
     micro_batch_size: int
     config: dict[str, Any]
+    zero_precision: dsp.ZeroPrecision = dsp.ZeroPrecision()
 
 
 def load_config(config: Any) -> dict[str, Any]:
@@ -139,7 +149,8 @@ def read_deepspeed_config(config: Any, *, model: Any, batch_size: int | None, **
         batch_size: the example batch's dim 0 (the micro-batch).
         **given: ``memguard.estimate``'s keywords ``zero_stage``, ``precision``, ``world_size``,
             ``grad_accum_steps``, ``offload_optimizer`` and ``strategy``; one at its default is not
-            given.
+            given. ``device`` (not checked against the config) picks ``torch_autocast``'s default
+            dtype when the config names none.
 
     Returns:
         A :class:`DeepSpeedSettings`.
@@ -148,8 +159,10 @@ def read_deepspeed_config(config: Any, *, model: Any, batch_size: int | None, **
         ConfigError: every problem at once: an unreadable config, a stage outside 1-3, both fp16 and
             bf16 enabled, an inconsistent batch triple, a keyword that contradicts the config (the
             message names the keyword to drop), a micro-batch that is not the example batch's size,
-            an "auto" that needs a hidden size the model does not say, or a setting memguard does not
-            model (parameter offload, a gradient accumulation dtype other than the weights').
+            an "auto" that needs a hidden size the model does not say, a master-weight, autocast or
+            ``data_types`` setting DeepSpeed refuses (:mod:`memguard.estimator._deepspeed_precision`),
+            or a setting memguard does not model (parameter offload, a gradient accumulation dtype
+            other than the weights', ``torch_autocast`` together with fp16/bf16).
     """
     cfg = load_config(config)
     problems: list[str] = []
@@ -186,14 +199,15 @@ def read_deepspeed_config(config: Any, *, model: Any, batch_size: int | None, **
         clash("zero_stage", given.get("zero_stage"), "zero_optimization.stage", stage)
     zero["stage"] = stage
 
-    # --- precision
-    precision = _precision(cfg, given.get("precision", "32-true"), problems)
-    clash("precision", given.get("precision"), "fp16/bf16 blocks", precision)
-
     # --- offload
     offload_opt = zero.get("offload_optimizer") or {}
     device = offload_opt.get("device", "none") if isinstance(offload_opt, dict) else "none"
     offload = device in ("cpu", "nvme") or zero.get("cpu_offload") is True
+
+    # --- precision
+    precision, zero_precision = _precision(cfg, given.get("precision", "32-true"), model, offload,
+                                           str(given.get("device") or "cuda"), problems)
+    clash("precision", given.get("precision"), "fp16/bf16/torch_autocast blocks", precision)
     clash("offload_optimizer", given.get("offload_optimizer"), "zero_optimization.offload_optimizer.device",
           offload)
     offload_param = zero.get("offload_param") or {}
@@ -205,7 +219,7 @@ def read_deepspeed_config(config: Any, *, model: Any, batch_size: int | None, **
     # --- gradient accumulation dtype
     grad_accum_dtype = (cfg.get("data_types") or {}).get("grad_accum_dtype")
     if grad_accum_dtype is not None:
-        weights = 4 if precision == "32-true" else 2
+        weights = 4 if precision == "32-true" or zero_precision.autocast else 2
         if _DTYPES.get(str(grad_accum_dtype).lower()) != weights or (
                 precision != "32-true" and str(grad_accum_dtype).lower() in ("fp16", "float16", "half")
                 and precision.startswith("bf16")):
@@ -254,7 +268,8 @@ def read_deepspeed_config(config: Any, *, model: Any, batch_size: int | None, **
     if problems:
         raise ConfigError(problems)
     return DeepSpeedSettings(zero_stage=stage, precision=precision, world_size=world, grad_accum_steps=accum,
-                             offload_optimizer=offload, micro_batch_size=micro, config=cfg)
+                             offload_optimizer=offload, micro_batch_size=micro, config=cfg,
+                             zero_precision=zero_precision)
 
 
 def _enabled(block: Any, keyword_says: bool, name: str, problems: list[str]) -> bool:
@@ -269,21 +284,38 @@ def _enabled(block: Any, keyword_says: bool, name: str, problems: list[str]) -> 
     return value
 
 
-def _precision(cfg: dict[str, Any], keyword: str, problems: list[str]) -> str:
-    fp16 = _enabled(cfg.get("fp16"), keyword == "16-mixed", "fp16", problems)
+def _precision(cfg: dict[str, Any], keyword: str, model: Any, offload: bool, device: str,
+               problems: list[str]) -> tuple[str, dsp.ZeroPrecision]:
+    fp16_block = cfg.get("fp16")
+    fp16 = _enabled(fp16_block, keyword == "16-mixed", "fp16", problems)
     bf16_key = "bf16" if "bf16" in cfg else "bfloat16"  # runtime/constants.py: BFLOAT16 and BFLOAT16_OLD
     bf16_block = cfg.get(bf16_key)
     bf16 = _enabled(bf16_block, keyword.startswith("bf16"), bf16_key, problems)
     if fp16 and bf16:
         problems.append("the config enables both fp16 and bf16 (DeepSpeed refuses that): enable one")
-        return "32-true"
-    if fp16:
-        return "16-mixed"
-    if bf16:
-        if bf16_block.get("bf16_master_weights_and_grads") and bf16_block.get("bf16_optimizer_states"):
-            return "bf16-true"
-        return "bf16-mixed"
-    return "32-true"
+        return "32-true", dsp.ZeroPrecision()
+    data_types = cfg.get("data_types") or {}
+    model_dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
+    if data_types.get("param_dtype") is not None and dsp.dtype_of(data_types["param_dtype"]) != (
+            model_dtype or torch.float32):
+        # engine.py _assert_valid_mixed_precision_config
+        problems.append(f"data_types.param_dtype {data_types['param_dtype']!r} conflicts with the enabled precision "
+                        "(DeepSpeed asserts they match): drop param_dtype, or enable the matching fp16/bf16 block")
+    master, notes = dsp.master_weights(bf16_block if isinstance(bf16_block, dict) else {},
+                                       fp16_block if isinstance(fp16_block, dict) else {},
+                                       bf16_on=bf16, offload=offload, problems=problems)
+    buffers = dsp.buffer_bytes(model, data_types, model_dtype, problems) if model is not None else None
+    autocast = dsp.autocast_setting(cfg, fp16_on=fp16, bf16_on=bf16, device=device, problems=problems)
+    if autocast is not None:
+        comm = dsp.comm_dtype_bytes(model, cfg["torch_autocast"], autocast, problems) if model is not None else ()
+        notes.append("torch_autocast: fp32 weights, gradients and masters, forward under torch.autocast("
+                     f"{str(autocast).replace('torch.', '')}); one reduce bucket per communication dtype")
+        return ("bf16-mixed" if autocast == torch.bfloat16 else "16-mixed",
+                dsp.ZeroPrecision(autocast=True, comm_dtype_bytes=comm, notes=tuple(notes)))
+    precision = "16-mixed" if fp16 else "bf16-mixed" if bf16 else "32-true"
+    if bf16 and master == 2:
+        precision = "bf16-true"
+    return precision, dsp.ZeroPrecision(master_bytes=master, buffer_bytes=buffers, notes=tuple(notes))
 
 
 def _count(cfg: dict[str, Any], key: str, problems: list[str]) -> int | str | None:

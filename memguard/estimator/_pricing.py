@@ -19,7 +19,7 @@ from memguard.estimator._targets import Target, cudnn_text, stack_of, traced_pre
 from memguard.vocab import round_up
 
 def estimate_from_trace(trace, target: Target, *, micro_batch_size=0, checkpointed=0, limit_bytes=None,
-                        zero_config=None) -> tuple[Estimate, Timeline]:
+                        zero_config=None, zero_precision=None) -> tuple[Estimate, Timeline]:
     """Turn a trace into an :class:`Estimate` for one target (sharding, allocator, workspaces).
 
     Args:
@@ -43,6 +43,9 @@ def estimate_from_trace(trace, target: Target, *, micro_batch_size=0, checkpoint
     gives the bucket sizes the engine allocates and ZeRO-3's persistence threshold and reuse
     distance (DeepSpeed's defaults for absent keys); without it the buckets and persistent
     parameters are left out (see :func:`~memguard.estimator._sharding.model_state_factors`).
+    ``zero_precision`` (a :class:`~memguard.estimator._deepspeed_precision.ZeroPrecision`, from the
+    config): bf16 masters, ``torch_autocast``'s fp32 weights and buckets, the buffers' dtypes; None:
+    what ``target.precision`` means without a config (``"bf16-true"``: bf16 masters and states).
 
     Returns the estimate and the scaled :class:`~memguard.estimator._analysis.Timeline`.
     """
@@ -52,9 +55,11 @@ def estimate_from_trace(trace, target: Target, *, micro_batch_size=0, checkpoint
 
         factors = fsdp2_factors(target.offload_optimizer)
     else:
-        factors = _zero_factors(trace, target, zero_config)
+        factors = _zero_factors(trace, target, zero_config, zero_precision)
         if factors.bucket_in_backward:
             trace = _allocate_at_phase(trace, ZERO_BUFFERS, "backward", factors.bucket_in_backward)
+        if factors.partition_at_first_reduce:
+            trace = _allocate_at_first_reduce(trace, factors)
         if factors.gathered_in_passes:
             trace = _allocate_at_phase(trace, ZERO_GATHERED, "forward", factors.gathered_in_passes)
             trace = _release_at_phase(trace, (ZERO_GATHERED,), "optimizer")
@@ -65,13 +70,23 @@ def estimate_from_trace(trace, target: Target, *, micro_batch_size=0, checkpoint
                                   checkpointed=checkpointed, limit_bytes=limit_bytes)
 
 
-def _zero_factors(trace, target: Target, zero_config=None):
+def _zero_factors(trace, target: Target, zero_config=None, zero_precision=None):
+    from memguard.estimator._deepspeed_precision import ZeroPrecision
     from memguard.estimator._trace import OPTIMIZER_TEMPORARIES
 
     totals = _category_totals(trace)
-    param_sizes = [trace.sizes[h] for h, c in enumerate(trace.category) if c == "params"]
+    allocated = {h for h, nbytes in trace.events if nbytes > 0}
+    buffer_handles = {h for h in trace.buffer_handles if h in allocated}
+    buffers = sum(trace.sizes[h] for h in buffer_handles)
+    param_sizes = [trace.sizes[h] for h, c in enumerate(trace.category)
+                   if c == "params" and h not in buffer_handles]
     item = trace.trainable_param_bytes / trace.num_trainable_params if trace.num_trainable_params else 4
     precision, zero_stage = target.precision, target.zero_stage
+    zp = zero_precision or ZeroPrecision(master_bytes=2 if precision == "bf16-true" else 4)  # to_config's mapping
+    buffer_bytes = zp.buffer_bytes
+    if buffer_bytes is None and zero_stage >= 1:
+        # DeepSpeed casts parameters only: buffers keep the user's dtypes (engine.py _cast_module_mixed_precision)
+        buffer_bytes = trace.buffer_source_bytes if buffers else 0
     traced = TracedStates(
         params=totals.get("params", 0),
         grads=totals.get("grads", 0),
@@ -84,17 +99,55 @@ def _zero_factors(trace, target: Target, zero_config=None):
         activations=totals.get("activations", 0),
         param_numels=tuple(int(b // item) for b in param_sizes) if item else (),
         trainable_param_bytes=trace.trainable_param_bytes,
+        buffers=buffers,
+        grads_at_start=any(trace.category[h] == "grads" and nbytes > 0
+                           for h, nbytes in trace.events[:trace.phase_starts.get("forward", 0)]),
     )
     setup = ZeroSetup(
         zero_stage=zero_stage,
         world_size=target.world_size,
-        sixteen_bit=precision != "32-true",
+        sixteen_bit=precision != "32-true" and not zp.autocast,  # torch_autocast keeps fp32 weights
         offload_optimizer=target.offload_optimizer,
-        state_scale=2.0 if traced_precision(precision, zero_stage) != precision else 1.0,
+        state_scale=2.0 if traced_precision(precision, zero_stage) != precision and not zp.autocast else 1.0,
         buckets=None if zero_config is None else ZeroBuckets.from_config(zero_config),
         gloo=target.device == "cpu",  # torch.distributed's CPU backend
+        master_bytes=zp.master_bytes,
+        comm_dtype_bytes=zp.comm_dtype_bytes,
+        buffer_bytes=buffer_bytes,
     )
     return model_state_factors(traced, setup)
+
+
+def _allocate_at_first_reduce(trace, factors):
+    """A copy of ``trace`` with ZeRO-2's partition block (:data:`ZERO_BUFFERS`) allocated right after
+    the backward gradient that overflows the reduce bucket: DeepSpeed's hook for it reduces the bucket
+    (reduce_independent_p_g_buckets_and_remove_grads: ``bucket.elements + param.numel() >
+    self.reduce_bucket_size``) and copy_grads_in_partition allocates the partition."""
+    import dataclasses
+
+    start = trace.phase_starts.get("backward")
+    end = trace.phase_starts.get("optimizer", len(trace.events))
+    if start is None:
+        return trace
+    item = trace.trainable_param_bytes / trace.num_trainable_params if trace.num_trainable_params else 4
+    elements, at, count = 0, None, 0
+    for i in range(start, end):
+        handle, nbytes = trace.events[i]
+        if nbytes > 0 and trace.category[handle] == "grads":
+            numel = int(nbytes // item)
+            if count and elements + numel > factors.first_reduce_elements:
+                at = i + 1
+                break
+            elements += numel
+            count += 1
+    if at is None:
+        return trace
+    handle = len(trace.sizes)
+    nbytes = factors.partition_at_first_reduce
+    return dataclasses.replace(
+        trace, events=trace.events[:at] + [(handle, nbytes)] + trace.events[at:],
+        sizes=trace.sizes + [nbytes], category=trace.category + [ZERO_BUFFERS],
+        phase_starts={k: v + (1 if v >= at else 0) for k, v in trace.phase_starts.items()})
 
 
 #: The category of the blocks put into a trace for DeepSpeed's own buffers (unscaled; reported as grads).

@@ -28,6 +28,13 @@ per parameter (read from the trace: 8 for Adam):
   forward and released module by module in backward; those bytes follow the activations' shape
   (the ``activations`` factor; ``pricing.estimate_from_trace`` reports them as params). With the
   engine's config, parameters under ``stage3_param_persistence_threshold`` stay gathered all the time.
+* Buffers are never partitioned: every rank holds them whole, in the dtypes the engine leaves them
+  (the user's, unless ``data_types.buffer_dtype`` / ``keep_in_fp32_modules`` change them;
+  :mod:`memguard.estimator._deepspeed_precision`), at every stage.
+* With bf16 masters and optimizer states (``"bf16-true"``) the master partition is 2P and Adam's
+  state 4P; the step's gradient partition is the flat 16-bit copy itself (``.to`` of its own dtype).
+  Under ``torch_autocast`` the weights, gradients and masters are fp32 (b = 4) and the reduce
+  buckets are one per communication dtype.
 * Buckets (only with the engine's config, :class:`ZeroBuckets`): the reduce bucket,
   ``reduce_bucket_size`` elements of the weights' dtype allocated whole whatever the model's size
   (DeepSpeed's default 5e8 is a 2 GB fp32 buffer), twice with ``overlap_comm``; at stages 1-2 from
@@ -122,6 +129,10 @@ class ShardFactors:
     bucket_in_backward: int = 0
     # ZeRO-3: bytes of gathered parameters held from forward's start until the step (two largest layers)
     gathered_in_passes: int = 0
+    # ZeRO-2: bytes of the last rank's gradient partition, allocated at backward's first bucket
+    # reduction (when a gradient no longer fits the bucket of first_reduce_elements), gone by the step
+    partition_at_first_reduce: int = 0
+    first_reduce_elements: int = 0
 
     def as_dict(self) -> dict[str, float]:
         out = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -154,6 +165,8 @@ class TracedStates:
         activations: peak bytes of the trace's activations (ZeRO-3's gathered parameters
             follow them: gathered module by module in forward, released module by module in backward).
         param_numels: numel of every parameter tensor (ZeRO-3 persistence threshold).
+        buffers: bytes of the model's buffers in the trace (inside ``params``).
+        grads_at_start: the traced step starts with gradients (a micro-batch after the first).
     """
 
     params: int
@@ -167,6 +180,8 @@ class TracedStates:
     activations: int = 0
     param_numels: tuple[int, ...] = ()
     trainable_param_bytes: int = 0
+    buffers: int = 0
+    grads_at_start: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,6 +200,12 @@ class ZeroSetup:
             parameter retention takes DeepSpeed's default ``stage3_max_reuse_distance``.
         gloo: the ranks talk through gloo (the CPU target), whose all-gather into one tensor stages
             the whole output in a buffer of its own (see ``model_state_factors``).
+        master_bytes: bytes per element of the master partition (2: DeepSpeed's bf16 masters,
+            ``bf16_master_weights_and_grads`` with ``bf16_optimizer_states``).
+        comm_dtype_bytes: element bytes of each reduce bucket's communication dtype (``torch_autocast``
+            keeps one bucket per dtype); empty: one bucket of the weights' dtype.
+        buffer_bytes: the model's buffers on every rank (never partitioned), in the engine's dtypes;
+            None: as traced.
     """
 
     zero_stage: int
@@ -194,6 +215,9 @@ class ZeroSetup:
     state_scale: float = 1.0
     buckets: ZeroBuckets | None = None
     gloo: bool = False
+    master_bytes: int = 4
+    comm_dtype_bytes: tuple[int, ...] = ()
+    buffer_bytes: int | None = None
 
 
 def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
@@ -219,7 +243,13 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
     # when ``self.fp16_partitioned_groups_flat[i].device == self.device``, a torch.device compared with
     # the accelerator's device-name string (``get_accelerator().current_device_name()``, "cpu" or
     # "cuda:0"), which is False: the ``else`` branch, ``converted.clone().detach()``, runs.
-    master = 4
+    # 4 bytes; 2 with bf16 masters (base_optimizer.py _configure_master_weights: torch.bfloat16)
+    master = setup.master_bytes
+    # buffers are never partitioned: every rank holds them whole (engine.py _cast_module_mixed_precision,
+    # "Buffers are never ZeRO-partitioned"; ZeRO-3's partition_parameters converts nn.Parameters only)
+    buffers = traced.buffers if setup.buffer_bytes is None else setup.buffer_bytes
+    # the reduce buckets: one per communication dtype (torch_autocast), else one of the weights' dtype
+    comm = setup.comm_dtype_bytes or (2 if sixteen_bit else 4,)
     # Adam: 8 ("8_optimizer_states_32bit")
     states = state_scale * traced_optimizer / num_trainable if num_trainable else 0.0
     psi, psi_t = num_params, num_trainable
@@ -229,10 +259,11 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
     extra_grads = 0
     grads_at_end = 0
     bucket = 0
+    partition_early = 0
     gathered_in_passes = 0
     activations = 1.0
     if zero_stage < 3:
-        params_b = p_bytes * psi
+        params_b = p_bytes * psi + buffers
         if zero_stage == 1:
             # full gradients on every rank, plus the partition's own copy: stage_1_and_2.py,
             # reduce_ipg_grads ("zero stage 1 - partition only optimizer state"): with
@@ -266,7 +297,26 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
             # stage 1 the gradients of other ranks' parameters stay views into it until step()'s
             # free_grad_in_param_list): from the start of backward to the optimizer step
             copies = 2 if buckets.overlap_comm else 1  # DeepSpeedZeroConfig: overlap_comm defaults False below stage 3
-            bucket = int(buckets.reduce_bucket_size) * p_bytes * copies
+            # one per communication dtype, each of the weights' dtype (setup_buckets: for bucket in ipg_buckets)
+            bucket = int(buckets.reduce_bucket_size) * p_bytes * copies * len(comm)
+            if zero_stage == 2 and psi_t > buckets.reduce_bucket_size and not traced.grads_at_start \
+                    and not offload_optimizer:
+                # The worst rank is the last: its partition holds the model's last parameters, whose
+                # gradients backward makes first. The first full bucket is reduced (reduce_ipg_grads)
+                # while the activations are all still live, and copy_grads_in_partition then allocates
+                # the rank's whole partition at once (``if self.grads_in_partition is None: ...
+                # torch.empty(int(total_size), dtype=self.dtype)``). So bP is there from that
+                # reduction (the hook of the first gradient that overflows the bucket) to the step;
+                # the module's own gradients live only until their hook copies
+                # them into the bucket (``grad_reduc.data = new_grad_tensor.data.view_as(grad_reduc)``)
+                # or, one oversized gradient at a time, until the next hook reduces it.
+                partition_early = int(p_bytes * part)
+                grads_b = 0.0
+                if largest_param_bytes > buckets.reduce_bucket_size * p_bytes:
+                    # an oversized gradient is not copied into the bucket but held until the next hook
+                    # reduces it (``self.extra_large_param_to_reduce[comm_dtype] = param``): one at a
+                    # time, at most the largest parameter's
+                    partition_early += int(largest_param_bytes)
         # step() (stage_1_and_2.py), per group: free_grad_in_param_list(params_not_in_partition);
         # ``flat_grad_partition = self.flatten(self.averaged_gradients[i])`` (p_bytes * P, the partition's
         # grads copied); ``single_grad_partition = flat_grad_partition.to(fp32)`` (a second 4P copy in
@@ -276,7 +326,8 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         # optimizer runs (release_grads_at_step), and its step holds the fp32 gradient 4P beside its
         # own temporaries; the moment before, the partition's grads, the flat copy and (16-bit) the
         # fp32 copy coexist.
-        before_step = p_bytes * part + p_bytes * part + (4 * part if sixteen_bit else 0)
+        # (``.to`` of the master's own dtype returns the flat copy itself: fp32 training, bf16 masters)
+        before_step = p_bytes * part + p_bytes * part + (master * part if master != p_bytes else 0)
         if setup.gloo and n > 1:
             # after the torch optimizer (fp32 gradient and its temporaries gone), step() ends with
             # all_gather_dp_groups -> all_gather_into_tensor of the whole flat 16-bit buffer; gloo's
@@ -285,12 +336,12 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
             # measured 15.07 MiB ``c10d::_allgather_base_ > aten::empty`` on a 4-rank fp32 Llama of
             # 3.95M parameters, its step's peak there
             before_step = max(before_step, p_bytes * psi_t)
-        step_copy = 4 * part
+        step_copy = master * part
         grads_in_step = 0.0
     else:
         # the parameter partition: stage3.py, _create_fp16_partitions_with_defragmentation
         # (``self.lp_param_buffer``, the ds_tensor of every parameter, Ψ/N in the weights' dtype)
-        params_b = p_bytes * psi / n
+        params_b = p_bytes * psi / n + buffers
         # the gradient partition: stage3.py, _setup_for_real_optimizer: ``self.grad_partitions_flat_buffer =
         # torch.zeros(sum(p.partition_numel() ...), dtype=self.gradient_accumulation_dtype)``, allocated
         # once and kept; the per-module grads are reduced into it. The engine passes the weights' dtype
@@ -311,8 +362,8 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
             params_b += p_bytes * persistent
             if _contiguous(buckets):
                 # stage3.py, _setup_for_real_optimizer: ``bucket.buffer = torch.empty(self.reduce_bucket_size,
-                # dtype=dtype)``, kept for the engine's life
-                extra_grads += int(buckets.reduce_bucket_size) * p_bytes
+                # dtype=dtype)``, kept for the engine's life; one per communication dtype, each of its dtype
+                extra_grads += int(buckets.reduce_bucket_size) * sum(comm)
         # partitioned_param_coordinator.py, PartitionedParameterCoordinator.__params_to_release: a
         # module's parameters are kept gathered when they recur within stage3_max_reuse_distance
         # elements of the trace. Every forward module recurs in backward after at most 2Ψ
@@ -325,8 +376,8 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
             gathered = p_bytes * (psi - persistent) - gathered_in_passes
             if gathered > 0:
                 activations = 1.0 + gathered / traced_activations
-        # _prepare_fp32_grad_for_sub_group: ``self.flatten(self.averaged_gradients[i]).to(fp32)``
-        step_copy = 4 * part
+        # _prepare_fp32_grad_for_sub_group: ``self.flatten(self.averaged_gradients[i]).to(<master dtype>)``
+        step_copy = master * part
         grads_in_step = 0.0
     if offload_optimizer:
         host_part = 0.0  # optimizer state, fp32 grads and master params live in host memory
@@ -335,7 +386,7 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         if zero_stage == 3:
             grads_b = 0.0
             extra_grads -= int(p_bytes * part)  # the flat gradient partition is pinned host memory
-            params_b = p_bytes * psi / n  # stage3.py: largest_layer_memory + 2 * total_params / total_gpus
+            params_b = p_bytes * psi / n + buffers  # stage3.py: largest_layer_memory + 2 * total_params / total_gpus
 
     def ratio(target: float, traced: int) -> float:
         return target / traced if traced else 0.0
@@ -353,7 +404,7 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         per_byte = traced_temporaries / largest_param_bytes
         if per_byte > _MAX_TEMPORARIES_PER_BYTE and trainable_param_bytes:
             per_byte = traced_temporaries / trainable_param_bytes
-        need = per_byte * 4 * part + step_copy
+        need = per_byte * master * part + step_copy
         if zero_stage < 3:
             need = max(need, before_step)
         temporaries = max(0.0, need - grads_in_step) / traced_temporaries
@@ -371,6 +422,8 @@ def model_state_factors(traced: TracedStates, setup: ZeroSetup) -> ShardFactors:
         release_grads_at_step=zero_stage in (1, 2) and not offload_optimizer,
         grads_at_end_of_backward=grads_at_end if not offload_optimizer else 0,
         bucket_in_backward=bucket,
+        partition_at_first_reduce=partition_early,
+        first_reduce_elements=int(buckets.reduce_bucket_size) if partition_early else 0,
         gathered_in_passes=gathered_in_passes,
     )
 

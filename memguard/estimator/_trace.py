@@ -142,6 +142,10 @@ class Trace:
             replay (:class:`memguard.estimator._unmodelled.Unmodelled` entries, in call order).
         streams: handle -> stream id (1, 2, ...) of the storages allocated while a stream other
             than the default one was current (FSDP2's collective streams); absent: the default.
+        buffer_handles: the handles of the model's buffers (category ``params``; a buffer that shares
+            a parameter's storage is the parameter's and not listed).
+        buffer_source_bytes: the buffers' bytes in the dtypes of the user's model (before any cast
+            of a ``*-true`` precision): what an engine that leaves buffers alone holds (DeepSpeed).
     """
 
     events: list[tuple[int, int]] = field(default_factory=list)
@@ -157,6 +161,8 @@ class Trace:
     flops: int = 0
     unmodelled: list = field(default_factory=list)
     streams: dict[int, int] = field(default_factory=dict)
+    buffer_handles: list[int] = field(default_factory=list)
+    buffer_source_bytes: int = 0
 
     def phase_of(self, index: int) -> str:
         """The phase that event ``index`` belongs to."""
@@ -718,6 +724,9 @@ class StepTracer:
         trace.largest_layer_params = max(
             (sum(p.numel() for p in m.parameters(recurse=False)) for m in fmodel.modules()), default=0
         )
+        source = dict(self.model.named_buffers())  # a kept block's buffers keep their names in the copy
+        trace.buffer_source_bytes = sum(b.numel() * (source[n] if n in source else b).element_size()
+                                        for n, b in fmodel.named_buffers())
         originals = self.prepare_model(fmodel, originals, blocks)
         self.fmodel = fmodel
         self.params = list(fmodel.parameters())
@@ -786,10 +795,11 @@ class StepTracer:
         """Record the state that exists when the step starts: parameters and buffers, optimizer
         state, gradients (under accumulation) and the batch."""
         rec = self.recorder
-        for p in self.params:
-            rec.register(p, Category.PARAMS)
+        param_handles = {rec.register(p, Category.PARAMS) for p in self.params}
         for b in self.fmodel.buffers():
-            rec.register(b, Category.PARAMS)
+            handle = rec.register(b, Category.PARAMS)
+            if handle is not None and handle not in param_handles and handle not in self.trace.buffer_handles:
+                self.trace.buffer_handles.append(handle)
         if self.opt is not None:
             for t in _optimizer_state_tensors(self.opt):
                 rec.register(t, Category.OPTIMIZER)

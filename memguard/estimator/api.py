@@ -171,15 +171,16 @@ def estimate(
             grad_accum_steps=grad_accum_steps, offload_optimizer=offload_optimizer, keep_outputs=keep_outputs,
             train=train, strategy=strategy, cpu=cpu, torch_version=torch_version, cuda_version=cuda_version,
             cudnn_version=cudnn_version))
-    zero_config = None
+    zero_config = zero_precision = None
     if deepspeed_config is not None:
         from memguard.estimator._deepspeed_config import read_deepspeed_config
 
         ds = read_deepspeed_config(deepspeed_config, model=model, batch_size=first_dim(batch), zero_stage=zero_stage,
                                    precision=precision, world_size=world_size, grad_accum_steps=grad_accum_steps,
-                                   offload_optimizer=offload_optimizer, strategy=strategy)
+                                   offload_optimizer=offload_optimizer, strategy=strategy, device=device)
         zero_stage, precision, world_size, grad_accum_steps, offload_optimizer, zero_config = (
             ds.zero_stage, ds.precision, ds.world_size, ds.grad_accum_steps, ds.offload_optimizer, ds.config)
+        zero_precision = ds.zero_precision
     if train is False:
         if gradient_compression is not None or powersgd is not None:
             raise ConfigError("gradient_compression= is not modelled for an evaluation step (train=False): an "
@@ -236,7 +237,8 @@ def estimate(
         blocks = ALL_BLOCKS
     strategy = resolve_strategy(strategy, zero_stage)
     request = TraceRequest(
-        device=device, precision=traced_precision(precision, zero_stage, strategy),
+        device=device, precision=(precision if zero_precision is not None and zero_precision.autocast  # torch_autocast
+                                  else traced_precision(precision, zero_stage, strategy)),
         checkpoint_blocks=int(blocks or 0), grads_present=grad_accum_steps > 1, keep_outputs=keep_outputs,
         gpu=spec, cpu=cpu_target,
         fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer, device),
@@ -253,7 +255,11 @@ def estimate(
     target = Target(device=device, precision=precision, zero_stage=zero_stage, world_size=world_size, gpu=spec,
                     strategy=strategy, offload_optimizer=offload_optimizer)
     est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0), checkpointed=checkpointed,
-                                 zero_config=zero_config)
+                                 zero_config=zero_config, zero_precision=zero_precision)
+    if zero_precision is not None and zero_precision.notes:
+        import dataclasses
+
+        est = dataclasses.replace(est, notes=(*est.notes, *zero_precision.notes))
     if compression is not None:
         import dataclasses
 

@@ -312,6 +312,8 @@ def extend_trace(one: Any, two: Any, n: int, *, others: Sequence[Any] = ()) -> A
             num_trainable_params=lin(one.num_trainable_params, tr.num_trainable_params),
             trainable_param_bytes=lin(one.trainable_param_bytes, tr.trainable_param_bytes),
             num_blocks=n, num_ops=lin(one.num_ops, tr.num_ops), flops=lin(one.flops, tr.flops),
+            buffer_handles=[h + c * width for c in range(copies + 1) for h in tr.buffer_handles],
+            buffer_source_bytes=lin(one.buffer_source_bytes, tr.buffer_source_bytes),
         )
 
     return [extended(t) for t in (two, *others)] if others else extended(two)
