@@ -640,6 +640,7 @@ class StepTracer:
 
     * :meth:`make_recorder`: the :class:`Recorder` (or a subclass) the step is recorded with;
     * :meth:`prepare_model`: change the fake copy before the optimizer is built (shard it);
+    * :meth:`traced_root`: the module the step calls (a wrapper around the copy, as FSDP1's);
     * :meth:`build_optimizer`: the optimizer over the fake parameters, its lazy state created;
     * :meth:`start_state`: the gradients a micro-batch after the first starts with;
     * :meth:`recording`: the context the step is recorded under (the recorder, plus any hooks);
@@ -719,6 +720,7 @@ class StepTracer:
             (sum(p.numel() for p in m.parameters(recurse=False)) for m in fmodel.modules()), default=0
         )
         originals = self.prepare_model(fmodel, originals, blocks)
+        fmodel = self.traced_root(fmodel)
         self.fmodel = fmodel
         self.params = list(fmodel.parameters())
         self.trainable = [p for p in self.params if p.requires_grad]
@@ -762,6 +764,11 @@ class StepTracer:
             ``originals`` for the parameters ``fmodel`` holds now.
         """
         return originals
+
+    def traced_root(self, fmodel: nn.Module) -> nn.Module:
+        """The module the step calls, after :meth:`prepare_model`: ``fmodel`` itself, or a wrapper a
+        strategy put around it (FSDP1's ``FullyShardedDataParallel``)."""
+        return fmodel
 
     def build_optimizer(self, originals: dict[int, Any]) -> torch.optim.Optimizer:
         """The user's optimizer over ``self.params`` (see :func:`make_optimizer`), its lazily built
