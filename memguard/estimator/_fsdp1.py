@@ -157,7 +157,8 @@ def check_options(options: Any, problems: list[str]) -> None:
         return
     for key, value in options.items():
         if key not in _OPTION_KEYS:
-            problems.append(f"fsdp1_options[{key!r}] is not one of {', '.join(_OPTION_KEYS)}")
+            problems.append(f"fsdp1_options[{key!r}] is not an FSDP1 option memguard models: drop it (the ones it "
+                            f"reads: {', '.join(_OPTION_KEYS)})")
         elif key in ("use_orig_params", "limit_all_gathers", "forward_prefetch") and not isinstance(value, bool):
             problems.append(f"fsdp1_options[{key!r}]={value!r} must be True or False")
         elif key in ("param_dtype", "reduce_dtype", "buffer_dtype") and not (
