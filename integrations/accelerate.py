@@ -138,9 +138,11 @@ def _constraints(accelerator: Any = None, module: nn.Module | None = None, *, ac
         raf = getattr(accelerator.state.fsdp_plugin, "reshard_after_forward", True)
         if isinstance(raf, bool):  # FSDP2
             stages: tuple[int, ...] = (3,) if raf else (2, 1)
-        else:  # FSDP1: a ShardingStrategy (memguard plans FSDP1 with its FSDP2 model, as for Lightning's FSDPStrategy)
+            planned = "fsdp2"
+        else:  # FSDP1: a ShardingStrategy, estimated as FSDP1 itself (memguard.estimator._fsdp1)
             stages = {"FULL_SHARD": (3,), "SHARD_GRAD_OP": (2,)}.get(str(getattr(raf, "name", raf)).upper(), (3, 2))
-        extra = {"strategies": ("fsdp2",), "zero_stages": stages}
+            planned = "fsdp1"
+        extra = {"strategies": (planned,), "zero_stages": stages}
     return Constraints(
         source="the Accelerator", taken=_FROM_ACCELERATOR,
         precisions=allowed or None,

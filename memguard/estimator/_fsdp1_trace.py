@@ -111,7 +111,11 @@ class FSDP1Tracer(FSDP2Tracer):
         return _originals_of(self._wrapper, dict(self.model.named_parameters()))
 
     def traced_root(self, fmodel: nn.Module) -> nn.Module:
-        return self._wrapper if self._wrapper is not None else fmodel
+        """The FSDP1 root; the loss is computed inside its forward (:func:`_through_root`)."""
+        if self._wrapper is None:
+            return fmodel
+        self.loss_fn = _through_root(self.loss_fn, fmodel)
+        return self._wrapper
 
     def build_optimizer(self, originals: dict[int, Any]) -> torch.optim.Optimizer:
         """The optimizer (its state built as FSDP2's tracer builds it), then one unrecorded micro-batch
@@ -148,6 +152,28 @@ class FSDP1Recorder(ShardedRecorder):
             outputs = [t for group in args[0] for t in group]
             self.temporary(sum(t.numel() * t.element_size() for t in outputs), GATHERED)
         return out
+
+
+def _through_root(loss_fn: Any, inner: nn.Module) -> Any:
+    """A ``loss_fn(root, batch)`` that runs ``loss_fn(inner, batch)`` (or the default loss of
+    :func:`memguard.batch.compute_loss`) inside the FSDP1 root's forward, as Lightning runs ``training_step``
+    under ``FSDPStrategy`` (``lightning/pytorch/strategies/strategy.py``, ``_ForwardRedirection``: the wrapped
+    module's ``forward`` stands in for one call, restored before the step runs): the root's pre-forward
+    all-gathers its flat parameter and its post-forward registers the pre-backward hooks on the loss, whichever
+    method of the module computes it."""
+
+    def loss(root: nn.Module, batch: Any) -> Any:
+        def redirected(*_args: Any, **_kwargs: Any) -> Any:
+            del inner.forward  # the module's own forward again, for the loss's own calls of the module
+            return compute_loss(inner, batch, loss_fn)
+
+        inner.forward = redirected
+        try:
+            return root()
+        finally:
+            inner.__dict__.pop("forward", None)
+
+    return loss
 
 
 def _flat_params(root: nn.Module) -> list[Any]:
