@@ -136,6 +136,8 @@ def _constraints(accelerator: Any = None, module: nn.Module | None = None, *, ac
         if param_dtype in (torch.bfloat16, torch.float16):
             allowed = ("bf16-mixed",) if param_dtype == torch.bfloat16 else ("16-mixed",)
         raf = getattr(accelerator.state.fsdp_plugin, "reshard_after_forward", True)
+        if raf is None:  # an FSDP1 plugin not set up by a launcher keeps its ShardingStrategy in sharding_strategy
+            raf = getattr(accelerator.state.fsdp_plugin, "sharding_strategy", None)
         if isinstance(raf, bool):  # FSDP2
             stages: tuple[int, ...] = (3,) if raf else (2, 1)
             planned = "fsdp2"
