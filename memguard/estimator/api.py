@@ -175,6 +175,9 @@ def estimate(
     if layout is not None and (gradient_compression is not None or powersgd is not None):
         raise ConfigError("gradient_compression= is not modelled under a layout=: PowerSGD is estimated for plain "
                           "DDP (world_size=N, zero_stage=0); drop layout= or gradient_compression=")
+    if layout is not None and (strategy == "fsdp1" or fsdp1_options is not None):
+        raise ConfigError("strategy='fsdp1' cannot be combined with layout=: a layout's data-parallel shards are FSDP2; "
+                          "drop layout= (FSDP1 over world_size ranks) or use strategy='fsdp2'")
     if layout is not None:
         from memguard.estimator._layout import estimate_layout
 
