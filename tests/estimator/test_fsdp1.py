@@ -146,3 +146,29 @@ def test_mixed_precision_keeps_fp32_shards_and_computes_in_bf16(model):
 def test_fsdp1_estimate_leaves_no_process_group_behind(model):
     _fsdp1(model)
     assert not torch.distributed.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------
+# planning FSDP1
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plan_request_searches_fsdp1_at_its_two_sharding_levels():
+    from memguard.planner._request import PlanRequest
+
+    # FULL_SHARD (3) and SHARD_GRAD_OP (2); FSDP1 has no level 1 and NO_SHARD is DDP's job
+    space = PlanRequest(global_batch_size=8, world_size=2, device="cpu", budget_bytes=1 << 30, strategy="fsdp1").resolve()
+    assert space.shardings == (("fsdp1", 2), ("fsdp1", 3))
+    problems = PlanRequest(global_batch_size=8, world_size=2, device="cpu", budget_bytes=1 << 30, strategy="fsdp1",
+                           zero_stage=1).problems()
+    assert any("no sharding fits both" in p and "'fsdp1' 2-3" in p for p in problems), problems
+
+
+def test_plan_obeys_a_fixed_fsdp1_strategy(model):
+    p = memguard.plan(model, _batch(), global_batch_size=4, device="cpu", world_size=2, budget_bytes=1 << 34,
+                      strategy="fsdp1", zero_stage=3, precision="bf16-mixed", activation_checkpointing=False)
+    # ample memory: FSDP1 at the level asked for, sized on the same FSDP1 trace as the estimate
+    assert (p.strategy, p.zero_stage, p.micro_batch_size) == ("fsdp1", 3, 2)
+    assert any("FullyShardedDataParallel" in n and "FULL_SHARD" in n for n in p.notes), p.notes
+    assert p.estimate.peak_bytes == _fsdp1(model, precision="bf16-mixed").peak_bytes
+    assert "FSDP1" in p.explain()
