@@ -199,7 +199,7 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
         f"Machine: {m.get('cpu_model', '?')}, {m.get('cpu_count')} cores, torch {m.get('torch')}, "
         f"transformers {m.get('transformers')}; {meta['runs']} runs x {meta['steps']} profiled steps per case; "
-        f"cases done: {meta.get('cases_done', '?')}", "",
+        f"cases done: {meta.get('cases_done', '?')}; the host was shared with other work while the runs ran", "",
         "Real: the worst rank's peak of live tensor bytes over all runs (fresh processes each) and profiled "
         "steps, replayed by address from the profiler's allocator events (`benchmarks/fsdp2_cpu.py`, `_replay`), "
         "collectives settled; typical: the most common rank peak. Estimate: `memguard.estimate(..., "

@@ -38,7 +38,11 @@ Known limitations:
     ``CPUOffload`` and the hybrid strategies (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``) are not
     modelled (refused). ``forward_prefetch=True`` is traced as FSDP1 runs it (the next unit's
     all-gather issued in the pre-forward). Rank 0 is traced: with uneven sharding it holds the
-    largest shard.
+    largest shard. The units are the repeated blocks and the root: a job wrapping other modules
+    (another ``auto_wrap_policy``) is estimated as this one. No autocast is traced: on CUDA
+    Lightning's ``FSDPPrecision`` adds ``torch.autocast("cuda")`` around the ``MixedPrecision`` step
+    (``lightning/fabric/plugins/precision/fsdp.py``, ``forward_context``), whose fp32 ops (softmax,
+    norms, losses) then save fp32 outputs; not modelled, nor checked on a GPU.
 """
 
 from __future__ import annotations
