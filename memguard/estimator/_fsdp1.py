@@ -47,7 +47,7 @@ Known limitations:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -96,7 +96,6 @@ class FSDP1Layout:
     backward_prefetch: str | None = "BACKWARD_PRE"
     forward_prefetch: bool = False
     backend: str = "nccl"
-    offload: bool = field(default=False)  # FSDP2Layout's field, read by the shared recorder: never offloaded
 
     @property
     def zero_stage(self) -> int:

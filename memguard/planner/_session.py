@@ -147,11 +147,14 @@ class TraceSession:
             flops: count FLOPs too.
             spec: the CUDA target's GPU spec (kernel choices depend on it); None on the CPU.
             fsdp2: the :class:`~memguard.estimator._fsdp2.FSDP2Layout` of an FSDP2 target (its
-                offload setting does not change the trace), or None.
+                offload setting does not change the trace), an
+                :class:`~memguard.estimator._fsdp1.FSDP1Layout` of an FSDP1 target, or None.
         """
         spec = spec if self.device == "cuda" else None
         fsdp1 = None
-        if fsdp2 is not None and fsdp2.__class__.__name__ == "FSDP1Layout":  # an FSDP1 target (_layout)
+        from memguard.estimator._fsdp1 import FSDP1Layout
+
+        if isinstance(fsdp2, FSDP1Layout):  # an FSDP1 target (_layout)
             fsdp1, fsdp2 = fsdp2, None
         if fsdp2 is not None:
             import dataclasses
