@@ -1,10 +1,11 @@
-"""FSDP1 on CPU: memguard's estimate for an FSDP1 plan against real multi-rank gloo runs.
+"""FSDP1 on CPU: ``memguard.estimate(strategy="fsdp1")`` against real multi-rank gloo runs.
 
-memguard plans FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``: Lightning's
-``FSDPStrategy``, Accelerate's and the Trainer's ``fsdp_version=1``) with its FSDP2 model:
-``FULL_SHARD`` as ``memguard.estimate(strategy="fsdp2", zero_stage=3)`` and ``SHARD_GRAD_OP`` as
-``zero_stage=2`` (``integrations/lightning.py``, ``_sharding_of``; ``integrations/accelerate.py``,
-``_constraints``). This benchmark checks that stand-in against real FSDP1 runs.
+FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``: Lightning's ``FSDPStrategy``, Accelerate's
+and the Trainer's ``fsdp_version=1``) is estimated by tracing rank 0 of a real FSDP1 step over a fake
+process group (:mod:`memguard.estimator._fsdp1`): ``FULL_SHARD`` is ``zero_stage=3``, ``SHARD_GRAD_OP``
+``zero_stage=2``, ``use_orig_params`` and the ``MixedPrecision`` dtypes come from
+``fsdp1_options``. Each row also gives what the FSDP2 model (``strategy="fsdp2"`` at the same level),
+memguard's stand-in for FSDP1 before it, predicts.
 
 Each case wraps a small HF model (GPT-2 or Llama, built from a config, as
 :mod:`benchmarks.fsdp2_cpu` builds it) in ``FullyShardedDataParallel`` over ``world_size`` gloo ranks
@@ -92,13 +93,16 @@ def all_cases() -> dict[str, Case]:
     return out
 
 
-def estimate_case(case: Case) -> dict[str, Any]:
-    """memguard's estimate for an FSDP1 plan of ``case``: its FSDP2 model at the strategy's level."""
+def estimate_case(case: Case, *, strategy: str = "fsdp1") -> dict[str, Any]:
+    """memguard's estimate of ``case``: ``strategy="fsdp1"`` with the case's ``use_orig_params`` and the
+    ``MixedPrecision`` :func:`wrap` configures (the default of ``*-mixed`` under FSDP1: param, reduce and
+    buffer dtype bf16), or ``"fsdp2"`` (the FSDP2 model at the same level, the stand-in before)."""
     import memguard
 
     t0 = time.perf_counter()
+    kw = {"fsdp1_options": {"use_orig_params": case.use_orig_params}} if strategy == "fsdp1" else {}
     est = memguard.estimate(build_model(case.model, "meta"), make_batch(case), device="cpu", precision=case.precision,
-                            zero_stage=case.zero_stage, world_size=case.world_size, strategy="fsdp2")
+                            zero_stage=case.zero_stage, world_size=case.world_size, strategy=strategy, **kw)
     return {"peak_bytes": int(est.peak_bytes), "peak_phase": est.peak_phase, "breakdown": dict(est.breakdown),
             "phase_peaks": dict(est.phase_peaks), "seconds": round(time.perf_counter() - t0, 2)}
 
@@ -167,6 +171,7 @@ def measure(case: Case, *, runs: int, steps: int, timeout: float) -> dict[str, A
         row["error"] = errors[0]
         return row
     row["estimate"] = estimate_case(case)
+    row["fsdp2_estimate"] = estimate_case(case, strategy="fsdp2")
     return summarise(row)
 
 
@@ -181,6 +186,8 @@ def summarise(row: dict[str, Any]) -> dict[str, Any]:
                ranks_measured=len(ranks), ranks_unclosed=len(ranks) - len(clean) if clean is not ranks else 0,
                error_pct=round(100 * (est - worst) / worst, 2),
                typical_error_pct=round(100 * (est - typical) / typical, 2),
+               fsdp2_error_pct=(round(100 * (row["fsdp2_estimate"]["peak_bytes"] - worst) / worst, 2)
+                                if "fsdp2_estimate" in row else None),
                real_phase_peaks={k: max(r["phase_peaks"].get(k, 0) for r in clean) for k in clean[0]["phase_peaks"]})
     return row
 
@@ -188,26 +195,29 @@ def summarise(row: dict[str, Any]) -> dict[str, Any]:
 def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     m = meta["machine"]
     lines = [
-        "# FSDP1 on CPU: memguard's FSDP1 estimate (its FSDP2 model) vs. real gloo runs", "",
+        "# FSDP1 on CPU: memguard.estimate(strategy=\"fsdp1\") vs. real gloo runs", "",
         f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
         f"Machine: {m.get('cpu_model', '?')}, {m.get('cpu_count')} cores, torch {m.get('torch')}, "
         f"transformers {m.get('transformers')}; {meta['runs']} runs x {meta['steps']} profiled steps per case; "
-        f"cases done: {meta.get('cases_done', '?')}", "",
+        f"cases done: {meta.get('cases_done', '?')}; the host was shared with other work while the runs ran", "",
         "Real: the worst rank's peak of live tensor bytes over all runs (fresh processes each) and profiled "
         "steps, replayed by address from the profiler's allocator events (`benchmarks/fsdp2_cpu.py`, `_replay`), "
         "collectives settled; typical: the most common rank peak. Estimate: `memguard.estimate(..., "
-        "device=\"cpu\", strategy=\"fsdp2\", zero_stage=3 (FULL_SHARD) or 2 (SHARD_GRAD_OP))`, what memguard "
-        "plans an FSDP1 strategy with. `orig`/`flat`: `use_orig_params=True`/`False`. bf16: FSDP1 "
-        "`MixedPrecision(param_dtype, reduce_dtype, buffer_dtype = bf16)` (Lightning's `FSDPPrecision`).", "",
+        "device=\"cpu\", strategy=\"fsdp1\", zero_stage=3 (FULL_SHARD) or 2 (SHARD_GRAD_OP), "
+        "fsdp1_options={\"use_orig_params\": ...})` (rank 0 of a real FSDP1 step traced over a fake process "
+        "group). FSDP2 model: `strategy=\"fsdp2\"` at the same level, memguard's stand-in for FSDP1 before. "
+        "`orig`/`flat`: `use_orig_params=True`/`False`. bf16: FSDP1 "
+        "`MixedPrecision(param_dtype, reduce_dtype, buffer_dtype = bf16)` (Lightning's `FSDPPrecision`), what "
+        "`strategy=\"fsdp1\"` assumes for `bf16-mixed`.", "",
         "| case | strategy | rank-runs | real worst (MiB) | real typical (MiB) | estimate (MiB) | error vs worst "
         "| error vs typical | real peak phase | estimate's peak phase | forward: estimate - real (MiB) "
-        "| backward: estimate - real (MiB) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
+        "| backward: estimate - real (MiB) | FSDP2 model (MiB) | FSDP2 model vs worst |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error_pct" not in r:
             lines.append(f"| {r['case']} | {r.get('sharding_strategy', '')} | | error: {str(r.get('error', '?'))[:80]} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | | | |")
             continue
         real, est = r["real_phase_peaks"], r["estimate"]["phase_peaks"]
         gap = {k: f"{(est[k] - real[k]) / _MIB:+.2f}" if k in est and k in real else "" for k in ("forward", "backward")}
@@ -215,30 +225,42 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"| {r['case']} | {r['sharding_strategy']} | {r['ranks_measured']} | {r['real_peak_bytes'] / _MIB:.2f} | "
             f"{r['real_typical_peak_bytes'] / _MIB:.2f} | {r['estimate']['peak_bytes'] / _MIB:.2f} | "
             f"{r['error_pct']:+.2f}% | {r['typical_error_pct']:+.2f}% | {max(real, key=real.get)} | "
-            f"{r['estimate']['peak_phase']} | {gap['forward']} | {gap['backward']} |")
+            f"{r['estimate']['peak_phase']} | {gap['forward']} | {gap['backward']} | {_fsdp2_cells(r)} |")
     ok = [r for r in rows if "error_pct" in r]
     if ok:
         worst = max(ok, key=lambda r: abs(r["error_pct"]))
         lines += ["", f"Against the worst rank: mean |error| {sum(abs(r['error_pct']) for r in ok) / len(ok):.2f}%, "
                   f"worst {worst['error_pct']:+.2f}% ({worst['case']}); "
                   f"{sum(abs(r['error_pct']) <= 3 for r in ok)} of {len(ok)} cases within 3%."]
-        lines += ["", _FORWARD_GAP]
+        old = [r for r in ok if r.get("fsdp2_error_pct") is not None]
+        if old:
+            worst_old = max(old, key=lambda r: abs(r["fsdp2_error_pct"]))
+            lines += ["", f"The FSDP2 model on the same cases: mean |error| "
+                      f"{sum(abs(r['fsdp2_error_pct']) for r in old) / len(old):.2f}%, worst "
+                      f"{worst_old['fsdp2_error_pct']:+.2f}% ({worst_old['case']})."]
+        lines += ["", _MECHANISMS]
     return "\n".join(lines) + "\n"
 
 
-#: What the phase columns show, with what FSDP1's source (torch 2.13) suggests: printed under the table.
-_FORWARD_GAP = (
-    "The phase columns: where the FSDP2 model and FSDP1 differ. In the fp32 cases the estimate's forward peak "
-    "is above FSDP1's by about one transformer block's unsharded parameter bytes (GPT-2-shaped block: 789,760 "
-    "parameters, 3.01 MiB; Llama-shaped: 725,504, 2.77 MiB). A likely cause, read from the source and not "
-    "verified op by op: FSDP2 all-gathers a unit into a separate buffer and copies it out into per-parameter "
-    "unsharded tensors (`_fully_shard/_fsdp_collectives.py`, `foreach_all_gather`, "
-    "`foreach_all_gather_copy_out`), while FSDP1 all-gathers into the unit's padded unsharded flat parameter "
-    "itself, whose views are the parameters (`_flat_param.py`, `FlatParamHandle._all_gather_flat_param`: on "
-    "CPU `dist.all_gather` into `torch.chunk` views of it). Both keep the root unit unsharded from forward to "
-    "backward (`_runtime_utils.py`, `_post_forward_reshard`: `not state._is_root`). The bf16 cases differ "
-    "from the estimate's meaning too: Lightning's FSDP1 `MixedPrecision` reduces gradients in bf16, memguard's "
-    "FSDP2 bf16-mixed (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`) in fp32. Not modelled.")
+def _fsdp2_cells(row: dict[str, Any]) -> str:
+    old = row.get("fsdp2_estimate")
+    if old is None:
+        return " | "
+    return f"{old['peak_bytes'] / _MIB:.2f} | {row['fsdp2_error_pct']:+.2f}%"
+
+
+#: Why the FSDP2 model missed FSDP1 and what the FSDP1 trace holds (torch 2.13): printed under the table.
+_MECHANISMS = (
+    "Where the FSDP2 model and FSDP1 differ (both traced, so the difference is FSDP's own code): FSDP2 "
+    "all-gathers a unit into a separate buffer and copies it out into per-parameter unsharded tensors "
+    "(`_fully_shard/_fsdp_collectives.py`, `foreach_all_gather`, `foreach_all_gather_copy_out`), FSDP1 into "
+    "the unit's padded unsharded flat parameter, whose views are the parameters (`_flat_param.py`, "
+    "`FlatParamHandle._all_gather_flat_param`: on CPU `dist.all_gather` into `torch.chunk` views of it); "
+    "in backward FSDP1 prefetches the next unit from the current one's pre-backward hook "
+    "(`BackwardPrefetch.BACKWARD_PRE`, `_runtime_utils.py`, `_prefetch_handle`); under `MixedPrecision` it "
+    "keeps a 16-bit copy of the shard (`_use_low_precision_shard`) and reduces the gradients in bf16 "
+    "(`reduce_dtype`), where memguard's FSDP2 bf16-mixed (`MixedPrecisionPolicy(param_dtype=bf16, "
+    "reduce_dtype=fp32)`) reduces in fp32.")
 
 
 def _describe(row: dict[str, Any]) -> str:

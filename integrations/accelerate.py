@@ -136,11 +136,15 @@ def _constraints(accelerator: Any = None, module: nn.Module | None = None, *, ac
         if param_dtype in (torch.bfloat16, torch.float16):
             allowed = ("bf16-mixed",) if param_dtype == torch.bfloat16 else ("16-mixed",)
         raf = getattr(accelerator.state.fsdp_plugin, "reshard_after_forward", True)
+        if raf is None:  # an FSDP1 plugin not set up by a launcher keeps its ShardingStrategy in sharding_strategy
+            raf = getattr(accelerator.state.fsdp_plugin, "sharding_strategy", None)
         if isinstance(raf, bool):  # FSDP2
             stages: tuple[int, ...] = (3,) if raf else (2, 1)
-        else:  # FSDP1: a ShardingStrategy (memguard plans FSDP1 with its FSDP2 model, as for Lightning's FSDPStrategy)
+            planned = "fsdp2"
+        else:  # FSDP1: a ShardingStrategy, estimated as FSDP1 itself (memguard.estimator._fsdp1)
             stages = {"FULL_SHARD": (3,), "SHARD_GRAD_OP": (2,)}.get(str(getattr(raf, "name", raf)).upper(), (3, 2))
-        extra = {"strategies": ("fsdp2",), "zero_stages": stages}
+            planned = "fsdp1"
+        extra = {"strategies": (planned,), "zero_stages": stages}
     return Constraints(
         source="the Accelerator", taken=_FROM_ACCELERATOR,
         precisions=allowed or None,

@@ -141,8 +141,9 @@ Known limitations:
     with the same :class:`memguard.OOMRecoveryError`, and HSDP (a 2-D mesh) is refused; FSDP's
     ``HYBRID_SHARD``, ``cpu_offload`` and DeepSpeed's ``offload_param`` are refused, tensor
     parallelism is not modelled, and the module's layers must exist before ``configure_model``
-    (the plan is made from them). FSDP1 (``FSDPStrategy``) is planned with memguard's FSDP2
-    model.
+    (the plan is made from them). FSDP1 (``FSDPStrategy``) is planned with memguard's FSDP1
+    model (``strategy="fsdp1"``: each repeated block its own unit, ``use_orig_params=True``, the
+    precision's ``MixedPrecision``); another ``auto_wrap_policy`` is estimated as that one.
     The plan is made once per ``fit``. Validation and test steps run in micro-batches when a batch
     does not fit (:meth:`MemguardCallback.on_validation_start`); a ``self.log(..., batch_size=N)``
     given explicitly in them overrides the micro-batch weighting of epoch means. Under the strategies
@@ -187,7 +188,8 @@ class _Sharding:
     """How a Lightning strategy shards the training state, in memguard's terms.
 
     Attributes:
-        strategy: memguard's strategy name (``Plan.strategy``): ``"ddp"``, ``"fsdp2"`` or ``"deepspeed"``.
+        strategy: memguard's strategy name (``Plan.strategy``): ``"ddp"``, ``"fsdp2"``, ``"fsdp1"`` or
+            ``"deepspeed"``.
         zero_stages: the sharding levels the strategy runs (ZeRO stages; under FSDP, 3 = parameters
             resharded after forward, 2 = kept unsharded between forward and backward).
         offload_optimizer: the strategy keeps optimizer states in host memory.
@@ -338,8 +340,8 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
         return _Sharding(strategy="deepspeed", zero_stages=(int(stage),), offload_optimizer=offload, guarded=False,
                          arms_deepspeed=True, name=name)
     if isinstance(strategy, strategies.FSDPStrategy):
-        # FSDP1's sharding strategies (torch.distributed.fsdp.ShardingStrategy): FULL_SHARD frees each
-        # unit's parameters after its forward (ZeRO-3), SHARD_GRAD_OP keeps them until the backward (ZeRO-2).
+        # FSDP1's sharding strategies (torch.distributed.fsdp.ShardingStrategy), estimated as FSDP1 itself
+        # (memguard.estimator._fsdp1): FULL_SHARD is level 3, SHARD_GRAD_OP 2, NO_SHARD replication (DDP).
         kind = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
         stages = {"FULL_SHARD": (3,), "SHARD_GRAD_OP": (2,), "NO_SHARD": (0,)}
         if kind not in stages:
@@ -350,7 +352,7 @@ def _sharding_of(strategy: Any, pkg: ModuleType, problems: list[str]) -> _Shardi
             problems.append("FSDPStrategy(cpu_offload=True) keeps parameters and gradients in host memory, which "
                             "memguard does not plan for; drop cpu_offload or plan without the callback")
         stage = stages.get(kind, (3,))
-        return _Sharding(strategy="ddp" if stage == (0,) else "fsdp2", zero_stages=stage, guarded=False, name=name,
+        return _Sharding(strategy="ddp" if stage == (0,) else "fsdp1", zero_stages=stage, guarded=False, name=name,
                          arms_fsdp1=True)
     if isinstance(strategy, strategies.ModelParallelStrategy):
         mesh = getattr(strategy, "_device_mesh", None)
@@ -451,6 +453,8 @@ def strategy_for(plan: Plan, *, package: str | ModuleType | None = None, fsdp_ve
                                   is ``zero_stage == 3``); with ``fsdp_version=1``,
                                   ``FSDPStrategy(sharding_strategy="FULL_SHARD")`` for stage 3,
                                   ``"SHARD_GRAD_OP"`` for stages 2 and 1 (FSDP1 has no stage 1)
+    ``"fsdp1"``                   ``FSDPStrategy(sharding_strategy="FULL_SHARD")`` for stage 3,
+                                  ``"SHARD_GRAD_OP"`` for stage 2
     ``"deepspeed"``               ``DeepSpeedStrategy(config=...)`` from
                                   :func:`memguard.integrations.deepspeed.to_config`, without
                                   ``gradient_accumulation_steps`` and ``train_batch_size`` (Lightning
@@ -495,7 +499,7 @@ def strategy_for(plan: Plan, *, package: str | ModuleType | None = None, fsdp_ve
     planned = plan.strategy
     if planned == "ddp" and plan.zero_stage != 0:
         problems.append(f"a 'ddp' plan with zero_stage {plan.zero_stage} is inconsistent; plan again")
-    if planned not in ("ddp", "fsdp2", "deepspeed"):
+    if planned not in ("ddp", "fsdp2", "fsdp1", "deepspeed"):
         problems.append(f"the plan's strategy {planned!r} has no Lightning strategy here")
     config = None
     if planned == "deepspeed":
@@ -519,6 +523,8 @@ def strategy_for(plan: Plan, *, package: str | ModuleType | None = None, fsdp_ve
         return strategies.ModelParallelStrategy(**lightning_strategy_kwargs(plan))
     if planned == "ddp":
         return "auto" if plan.world_size == 1 else strategies.DDPStrategy()
+    if planned == "fsdp1":
+        return strategies.FSDPStrategy(sharding_strategy="FULL_SHARD" if plan.zero_stage == 3 else "SHARD_GRAD_OP")
     if planned == "fsdp2":
         if fsdp_version == 1:
             return strategies.FSDPStrategy(sharding_strategy="FULL_SHARD" if plan.zero_stage == 3 else "SHARD_GRAD_OP")

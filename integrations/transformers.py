@@ -265,7 +265,10 @@ def _constraints(args: Any = None, model: Any = None) -> Constraints:
     if fsdp is not None:
         zero_stages = (fsdp,)
         if "strategies" in {f.name for f in dataclasses.fields(Constraints)}:  # else refused by _trainer_problems
-            extra["strategies"] = ("fsdp2",)
+            # transformers 5.24 runs FSDP2 unless fsdp_config's version is 1 (training_args.py, _process_fsdp_args:
+            # ``int(self.fsdp_config.get("version", 2))``); FSDP1 is estimated as itself (memguard.estimator._fsdp1)
+            version = int((getattr(args, "fsdp_config", None) or {}).get("version", 2))
+            extra["strategies"] = ("fsdp1",) if version == 1 else ("fsdp2",)
     return Constraints(**common, **extra, zero_stages=zero_stages, offload_optimizer=offload,
                        precisions=(_precision_of(args, model),), world_size=int(args.world_size))
 

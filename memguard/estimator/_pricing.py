@@ -50,7 +50,7 @@ def estimate_from_trace(trace, target: Target, *, micro_batch_size=0, checkpoint
     Returns the estimate and the scaled :class:`~memguard.estimator._analysis.Timeline`.
     """
     target = target.resolved()
-    if target.strategy == "fsdp2":
+    if target.strategy in ("fsdp2", "fsdp1"):  # FSDP1 ran in the trace as FSDP2 does: one rank's already
         from memguard.estimator._fsdp2 import fsdp2_factors
 
         factors = fsdp2_factors(target.offload_optimizer)

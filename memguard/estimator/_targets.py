@@ -26,8 +26,8 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-#: The data-parallel strategies memguard estimates: DDP (no sharding), DeepSpeed ZeRO, FSDP2.
-STRATEGIES: tuple[str, ...] = ("ddp", "deepspeed", "fsdp2")
+#: The data-parallel strategies memguard estimates: DDP (no sharding), DeepSpeed ZeRO, FSDP2, FSDP1.
+STRATEGIES: tuple[str, ...] = ("ddp", "deepspeed", "fsdp2", "fsdp1")
 
 
 def check_strategy(*, strategy: Any, zero_stage: Any, offload_optimizer: Any = False, problems: list[str]) -> None:
@@ -35,7 +35,8 @@ def check_strategy(*, strategy: Any, zero_stage: Any, offload_optimizer: Any = F
 
     ``strategy=None`` is today's meaning (DDP, or DeepSpeed when ``zero_stage >= 1``); "ddp" means
     no sharding (``zero_stage=0``); "deepspeed" needs a ZeRO stage >= 1; "fsdp2" takes
-    ``zero_stage`` as its sharding level 1-3.
+    ``zero_stage`` as its sharding level 1-3; "fsdp1" takes 3, 2 or 0 (``FULL_SHARD``,
+    ``SHARD_GRAD_OP``, ``NO_SHARD``).
     """
     stage_ok = is_int(zero_stage) and 0 <= zero_stage <= 3
     if strategy is not None and strategy not in STRATEGIES:
@@ -60,6 +61,17 @@ def check_strategy(*, strategy: Any, zero_stage: Any, offload_optimizer: Any = F
 
         if not dist.is_available():
             problems.append("strategy='fsdp2' needs torch.distributed, which this torch build lacks")
+    elif strategy == "fsdp1":
+        if stage_ok and zero_stage == 1:
+            problems.append("strategy='fsdp1' takes zero_stage 3 (FULL_SHARD), 2 (SHARD_GRAD_OP) or 0 (NO_SHARD); "
+                            "FSDP1 has no level 1: use 2, or strategy='fsdp2'")
+        if offload_optimizer:
+            problems.append("strategy='fsdp1' with offload_optimizer=True (FSDP1's CPUOffload) is not modelled: drop "
+                            "offload_optimizer, or estimate strategy='fsdp2' (CPUOffloadPolicy)")
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            problems.append("strategy='fsdp1' needs torch.distributed, which this torch build lacks")
     elif offload_optimizer and stage_ok and zero_stage == 0:
         problems.append("offload_optimizer=True needs zero_stage >= 1 (ZeRO-Offload)")
 
@@ -317,7 +329,7 @@ def traced_precision(precision: str, zero_stage: int, strategy: str | None = Non
     and use no autocast, so ``*-mixed`` under ZeRO is traced as ``*-true``. Under FSDP2 the
     precision is traced as named: the mixed-precision policy is applied by FSDP2 itself in the trace
     (fp32 sharded weights, no autocast; see :func:`fsdp2_layout`)."""
-    if strategy == "fsdp2":
+    if strategy in ("fsdp2", "fsdp1"):  # FSDP1's MixedPrecision casts in the trace too (fsdp1_layout)
         return precision
     if zero_stage >= 1 and precision.endswith("-mixed"):
         return precision.replace("-mixed", "-true")

@@ -646,6 +646,7 @@ class StepTracer:
 
     * :meth:`make_recorder`: the :class:`Recorder` (or a subclass) the step is recorded with;
     * :meth:`prepare_model`: change the fake copy before the optimizer is built (shard it);
+    * :meth:`traced_root`: the module the step calls (a wrapper around the copy, as FSDP1's);
     * :meth:`build_optimizer`: the optimizer over the fake parameters, its lazy state created;
     * :meth:`start_state`: the gradients a micro-batch after the first starts with;
     * :meth:`recording`: the context the step is recorded under (the recorder, plus any hooks);
@@ -728,6 +729,7 @@ class StepTracer:
         trace.buffer_source_bytes = sum(b.numel() * (source[n] if n in source else b).element_size()
                                         for n, b in fmodel.named_buffers())
         originals = self.prepare_model(fmodel, originals, blocks)
+        fmodel = self.traced_root(fmodel)
         self.fmodel = fmodel
         self.params = list(fmodel.parameters())
         self.trainable = [p for p in self.params if p.requires_grad]
@@ -771,6 +773,11 @@ class StepTracer:
             ``originals`` for the parameters ``fmodel`` holds now.
         """
         return originals
+
+    def traced_root(self, fmodel: nn.Module) -> nn.Module:
+        """The module the step calls, after :meth:`prepare_model`: ``fmodel`` itself, or a wrapper a
+        strategy put around it (FSDP1's ``FullyShardedDataParallel``)."""
+        return fmodel
 
     def build_optimizer(self, originals: dict[int, Any]) -> torch.optim.Optimizer:
         """The user's optimizer over ``self.params`` (see :func:`make_optimizer`), its lazily built

@@ -34,6 +34,17 @@ def fsdp2_layout(strategy: str, precision: str, zero_stage: int, world_size: int
                        backend="gloo" if device == "cpu" else "nccl")
 
 
+def fsdp1_layout(strategy: str, precision: str, zero_stage: int, world_size: int, device: str, options=None):
+    """The :class:`~memguard.estimator._fsdp1.FSDP1Layout` of an FSDP1 target (``*-mixed`` and ``*-true``
+    16-bit precisions: ``MixedPrecision`` in that dtype), or None for other strategies."""
+    if strategy != "fsdp1":
+        return None
+    from memguard.estimator._fsdp1 import fsdp1_layout as layout_of
+
+    spec = precision_spec(precision)
+    return layout_of(spec.autocast_dtype or spec.param_dtype, zero_stage, world_size, device, options)
+
+
 @dataclass(frozen=True)
 class TraceRequest:
     """What :func:`run_trace` traces (arguments already validated): the target's device and kernel
@@ -65,6 +76,7 @@ class TraceRequest:
     gpu: Any = None
     cpu: Any = None
     fsdp2: Any = None
+    fsdp1: Any = None  # an FSDP1Layout (memguard.estimator._fsdp1): rank 0 of an FSDP1 job, as fsdp2
 
 
 #: The blocks every trace in this context keeps (:func:`keeping_blocks`), or None.
@@ -145,6 +157,12 @@ def run_trace(model, batch, request: TraceRequest, *, optimizer, loss_fn):
     Raises:
         ConfigError: the model, batch or loss cannot be traced.
     """
+    if request.fsdp1 is not None:
+        from memguard.estimator._fsdp1_trace import trace_fsdp1_step
+
+        # FSDP1's MixedPrecision casts; no autocast (Lightning's FSDPPrecision adds CUDA autocast: not modelled)
+        spec = dataclasses.replace(trace_spec(request), autocast_dtype=None, cuda_autocast=False)
+        return trace_fsdp1_step(model, batch, spec, request.fsdp1, optimizer=optimizer, loss_fn=loss_fn)
     fsdp2 = request.fsdp2
     if fsdp2 is not None:
         from memguard.estimator._fsdp2_trace import trace_fsdp2_step

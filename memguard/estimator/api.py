@@ -8,6 +8,7 @@ target (:mod:`memguard.estimator._pricing`); ``train=False`` hands over to
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -28,7 +29,7 @@ from memguard.estimator._targets import (
     traced_precision,
     unwrap_model,
 )
-from memguard.estimator._tracing import TraceRequest, fsdp2_layout, run_trace
+from memguard.estimator._tracing import TraceRequest, fsdp1_layout, fsdp2_layout, run_trace
 from memguard.vocab import ALL_BLOCKS, Device, Precision
 
 __all__ = ["estimate"]
@@ -59,6 +60,7 @@ def estimate(
     deepspeed_config: Any = None,
     gradient_compression: str | None = None,
     powersgd: Any = None,
+    fsdp1_options: Any = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state training step (or, with ``train=False``, evaluation step).
 
@@ -105,7 +107,12 @@ def estimate(
             (``fully_shard`` on each repeated block, then the root) over a fake process group of
             ``world_size`` ranks (:mod:`memguard.estimator._fsdp2`); there ``*-mixed`` precisions mean
             ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)`` with no autocast
-            (said in ``Estimate.notes``).
+            (said in ``Estimate.notes``). ``"fsdp1"`` traces rank 0 of a real FSDP1 step
+            (``FullyShardedDataParallel``, each repeated block its own unit; what Lightning's
+            ``FSDPStrategy`` and Accelerate's/the Trainer's FSDP plugin v1 run) the same way
+            (:mod:`memguard.estimator._fsdp1`): ``zero_stage`` 3 = ``FULL_SHARD``, 2 = ``SHARD_GRAD_OP``,
+            0 = ``NO_SHARD``; 16-bit precisions mean ``MixedPrecision`` with param, reduce and buffer
+            dtype 16-bit (as Lightning and Accelerate set it), no autocast.
         cpu: for ``device="cpu"``, the CPU whose kernel paths are modelled: None or ``"host"``
             (this process's CPU at the instruction-set level its oneDNN runs, ``ONEDNN_MAX_CPU_ISA``
             included), or a level such as ``"avx2"``, ``"avx512_core"``, ``"avx512_core_bf16"``,
@@ -137,6 +144,12 @@ def estimate(
             :class:`memguard.estimator._powersgd.PowerSGDOptions`; ``bucket_cap_mb`` too), or an
             int (``matrix_approximation_rank``); None = ``PowerSGDState``'s defaults (rank 1).
 
+        fsdp1_options: under ``strategy="fsdp1"``, FSDP1's own options as a dict: ``use_orig_params``
+            (default True, as Lightning's ``FSDPStrategy`` sets it), ``limit_all_gathers`` (True),
+            ``backward_prefetch`` (``"BACKWARD_PRE"``), ``forward_prefetch`` (False), and
+            ``mixed_precision`` (a ``torch.distributed.fsdp.MixedPrecision`` or a dict of its
+            ``param_dtype``/``reduce_dtype``/``buffer_dtype``) or those dtypes as keys of their own.
+
     Returns:
         An :class:`~memguard.Estimate`.
 
@@ -162,6 +175,9 @@ def estimate(
     if layout is not None and (gradient_compression is not None or powersgd is not None):
         raise ConfigError("gradient_compression= is not modelled under a layout=: PowerSGD is estimated for plain "
                           "DDP (world_size=N, zero_stage=0); drop layout= or gradient_compression=")
+    if layout is not None and (strategy == "fsdp1" or fsdp1_options is not None):
+        raise ConfigError("strategy='fsdp1' cannot be combined with layout=: a layout's data-parallel shards are FSDP2; "
+                          "drop layout= (FSDP1 over world_size ranks) or use strategy='fsdp2'")
     if layout is not None:
         from memguard.estimator._layout import estimate_layout
 
@@ -226,6 +242,11 @@ def estimate(
         problems.extend(e.problems)
     check_ddp(gradient_compression if compression is None else compression, world_size=world_size,
               zero_stage=zero_stage, strategy=strategy, problems=problems)
+    if fsdp1_options is not None and strategy != "fsdp1":
+        problems.append("fsdp1_options= is read under strategy='fsdp1' only: pass strategy='fsdp1' or drop it")
+    from memguard.estimator._fsdp1 import check_options
+
+    check_options(fsdp1_options, problems)
     spec = target_gpu(device, gpu, problems, torch_version=torch_version, cuda_version=cuda_version,
                       cudnn_version=cudnn_version)
     cpu_target = target_cpu(device, cpu, problems)
@@ -242,6 +263,7 @@ def estimate(
         checkpoint_blocks=int(blocks or 0), grads_present=grad_accum_steps > 1, keep_outputs=keep_outputs,
         gpu=spec, cpu=cpu_target,
         fsdp2=fsdp2_layout(strategy, precision, zero_stage, world_size, offload_optimizer, device),
+        fsdp1=fsdp1_layout(strategy, precision, zero_stage, world_size, device, fsdp1_options),
     )
     trace = run_trace(model, batch, request, optimizer=optimizer, loss_fn=loss_fn)
     if compression is not None:
@@ -261,7 +283,9 @@ def estimate(
 
         est = dataclasses.replace(est, notes=(*est.notes, *zero_precision.notes))
     if compression is not None:
-        import dataclasses
-
         est = dataclasses.replace(est, notes=(*est.notes, note(compression, compressed_buckets)))
+    if request.fsdp1 is not None:
+        from memguard.estimator._fsdp1 import notes_of
+
+        est = dataclasses.replace(est, notes=(*est.notes, *notes_of(request.fsdp1)))
     return est

@@ -153,8 +153,8 @@ def fitting_reasons(space: SearchSpace, cand: Candidate, num_blocks: int) -> dic
     strategies = [st for st, _ in space.shardings]
     if len(set(strategies)) > 1:
         reasons["strategy"] = f"{cand.strategy}: the fastest of {', '.join(dict.fromkeys(strategies))} that fits"
-    elif cand.strategy == "fsdp2":
-        reasons["strategy"] = "fsdp2: asked for"
+    elif cand.strategy in ("fsdp2", "fsdp1"):
+        reasons["strategy"] = f"{cand.strategy}: asked for"
     if cand.offload_optimizer:
         reasons["offload_optimizer"] = "optimizer state in host memory: nothing fits on the device otherwise"
     return reasons
@@ -162,6 +162,14 @@ def fitting_reasons(space: SearchSpace, cand: Candidate, num_blocks: int) -> dic
 
 def strategy_notes(cand: Candidate, block_class: str | None) -> tuple[str, ...]:
     """How to run a plan's sharding, one sentence each (``Plan.notes``); empty for DDP and DeepSpeed."""
+    if cand.strategy == "fsdp1":
+        blocks = f"{{{block_class}}}" if block_class else "{the repeated block class}"
+        what = "FULL_SHARD" if cand.zero_stage == 3 else "SHARD_GRAD_OP"
+        mp = (" and MixedPrecision(param_dtype, reduce_dtype, buffer_dtype) in the plan's 16-bit dtype"
+              if cand.precision != "32-true" else "")
+        return (f"FSDP1: FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({blocks}), "
+                f"sharding_strategy={what}, use_orig_params=True){mp} (Lightning's FSDPStrategy, Accelerate's FSDP "
+                "plugin v1), as estimated.",)
     if cand.strategy != "fsdp2":
         return ()
     from memguard.estimator._fsdp2 import describe_stage

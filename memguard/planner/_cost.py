@@ -87,9 +87,11 @@ def step_seconds(
         elem = 2 if precision != "32-true" else 4  # gradients travel in the training dtype
         ring = (world_size - 1) / world_size  # ring collectives send (N-1)/N of the data per rank
         bw = c.interconnect_gbps * 1e9
-        if strategy == "fsdp2":
+        if strategy in ("fsdp2", "fsdp1"):
             gathered = 4 if precision == "32-true" else 2  # the all-gather runs in param_dtype
-            reduced = 4 if precision.endswith("-mixed") else gathered  # reduce_dtype fp32 under the mixed policy
+            # reduce_dtype: fp32 under memguard's FSDP2 mixed policy; 16-bit under FSDP1's MixedPrecision as
+            # Lightning and Accelerate set it (memguard.estimator._fsdp1.fsdp1_layout)
+            reduced = 4 if precision.endswith("-mixed") and strategy == "fsdp2" else gathered
             gathers = 2 if zero_stage == 3 else 1
             reduces = grad_accum_steps if zero_stage >= 2 else 1
             comm = (grad_accum_steps * gathers * gathered + reduces * reduced) * c.num_params * ring / bw

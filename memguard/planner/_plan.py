@@ -91,8 +91,11 @@ class Plan:
             object.__setattr__(self, "layout", Layout(**dict(self.layout)))
         if not self.strategy:  # older dicts, or built by hand: the meaning zero_stage had before
             object.__setattr__(self, "strategy", "deepspeed" if self.zero_stage >= 1 else "ddp")
-        if self.strategy not in ("ddp", "deepspeed", "fsdp2"):
-            raise ConfigError(f"plan strategy {self.strategy!r} is not one of 'ddp', 'deepspeed', 'fsdp2'")
+        if self.strategy not in ("ddp", "deepspeed", "fsdp2", "fsdp1"):
+            raise ConfigError(f"plan strategy {self.strategy!r} is not one of 'ddp', 'deepspeed', 'fsdp2', 'fsdp1'")
+        if self.strategy == "fsdp1" and self.zero_stage not in (2, 3):
+            raise ConfigError(f"plan is inconsistent: strategy 'fsdp1' with zero_stage {self.zero_stage} (FSDP1 plans "
+                              "run 3 = FULL_SHARD or 2 = SHARD_GRAD_OP); build plans with memguard.plan()")
         if (self.strategy == "ddp") != (self.zero_stage == 0):
             raise ConfigError(
                 f"plan is inconsistent: strategy {self.strategy!r} with zero_stage {self.zero_stage} ('ddp' runs "
@@ -234,6 +237,8 @@ class Plan:
         return line
 
     def _strategy_line(self) -> str:
+        if self.strategy == "fsdp1":
+            return f"FSDP1 (FullyShardedDataParallel), {'FULL_SHARD' if self.zero_stage == 3 else 'SHARD_GRAD_OP'}"
         if self.strategy == "fsdp2":
             what = {3: "reshard_after_forward=True", 2: "reshard_after_forward=False",
                     1: "reshard_after_forward=False, gradient sync on the last micro-batch"}.get(self.zero_stage, "")

@@ -381,26 +381,27 @@ class PlanRequest:
         multi = _is_int(world) and world > 1
         strategies = _choices(say("strategy", self.strategy), self.strategy, ("ddp", "deepspeed"), STRATEGIES,
                               problems)
-        sharded = self.strategy is not None and any(s in ("deepspeed", "fsdp2") for s in strategies)
+        sharded = self.strategy is not None and any(s in ("deepspeed", "fsdp2", "fsdp1") for s in strategies)
         # ZeRO stages are worth considering on one device only with offload (ZeRO-Offload's use case,
         # arXiv 2101.06840: a single GPU training with the optimizer on the host), or when a sharding
         # strategy is asked for by name
         default_zeros = ZERO_STAGES if multi or sharded else ((1, 2) if offloads == (True,) else (0,))
         zeros = _choices(say("zero_stage", self.zero_stage), self.zero_stage, default_zeros, ZERO_STAGES, problems)
-        combos = tuple((s, z) for s in strategies for z in zeros
-                       if isinstance(z, int) and ((z == 0) == (s == "ddp")))
+        combos = tuple((s, z) for s in strategies for z in zeros  # FSDP1 has no level 1 (nor a planned NO_SHARD)
+                       if isinstance(z, int) and ((z == 0) == (s == "ddp")) and not (s == "fsdp1" and z == 1))
         if not problems and not combos:
             problems.append(
                 f"no sharding fits both {say('strategy', self.strategy)} and {say('zero_stage', self.zero_stage)}: "
-                "'ddp' runs zero_stage 0, 'deepspeed' 1-3 (ZeRO), 'fsdp2' 1-3 (its sharding level)")
+                "'ddp' runs zero_stage 0, 'deepspeed' 1-3 (ZeRO), 'fsdp2' 1-3 (its sharding level), 'fsdp1' 2-3 "
+                "(SHARD_GRAD_OP, FULL_SHARD)")
         elif offloads == (True,) and not any(z >= 1 for _, z in combos):
             problems.append(f"{say('offload_optimizer', True)} needs a ZeRO stage >= 1: pass "
                             f"{say('zero_stage', 1)}, 2 or 3")
-        if "fsdp2" in strategies:
+        for fsdp in ("fsdp2", "fsdp1"):
             import torch.distributed as dist
 
-            if not dist.is_available():
-                problems.append(f"{say('strategy', 'fsdp2')} needs torch.distributed, which this torch build lacks")
+            if fsdp in strategies and not dist.is_available():
+                problems.append(f"{say('strategy', fsdp)} needs torch.distributed, which this torch build lacks")
         return _Knobs(precisions, ckpts, offloads, zeros, combos)
 
     def _eval_knob_problems(self) -> list[str]:

@@ -22,7 +22,7 @@ from memguard.batch import first_dim, resize_batch
 from memguard.errors import ConfigError
 from memguard.estimator._pricing import estimate_from_trace
 from memguard.estimator._targets import Target, traced_precision, unwrap_model
-from memguard.estimator._tracing import TraceRequest, fsdp2_layout, run_trace
+from memguard.estimator._tracing import TraceRequest, fsdp1_layout, fsdp2_layout, run_trace
 from memguard.estimator._blocks import find_blocks
 from memguard.planner._cost import CPU_TFLOPS, CostInputs
 from memguard.planner._probe import (
@@ -147,23 +147,29 @@ class TraceSession:
             flops: count FLOPs too.
             spec: the CUDA target's GPU spec (kernel choices depend on it); None on the CPU.
             fsdp2: the :class:`~memguard.estimator._fsdp2.FSDP2Layout` of an FSDP2 target (its
-                offload setting does not change the trace), or None.
+                offload setting does not change the trace), an
+                :class:`~memguard.estimator._fsdp1.FSDP1Layout` of an FSDP1 target, or None.
         """
         spec = spec if self.device == "cuda" else None
+        fsdp1 = None
+        from memguard.estimator._fsdp1 import FSDP1Layout
+
+        if isinstance(fsdp2, FSDP1Layout):  # an FSDP1 target (_layout)
+            fsdp1, fsdp2 = fsdp2, None
         if fsdp2 is not None:
             import dataclasses
 
             # level 1 differs from level 2 only when gradients accumulate unsynchronised
             stage = 2 if fsdp2.zero_stage == 1 and not grads_present else fsdp2.zero_stage
             fsdp2 = dataclasses.replace(fsdp2, offload=False, zero_stage=stage)
-        key = (precision, ckpt, keep, m, grads_present, flops, getattr(spec, "name", None), fsdp2)
+        key = (precision, ckpt, keep, m, grads_present, flops, getattr(spec, "name", None), fsdp2, fsdp1)
         if key not in self._traces:
             start = time.perf_counter()
             batch = self.traced_batch if m is None else self.batch_of(m)
             request = TraceRequest(
                 device=self.device, precision=precision, checkpoint_blocks=ckpt, grads_present=grads_present,
                 keep_blocks=keep, count_flops=flops, keep_outputs=self.keep_outputs, gpu=spec,
-                cpu=self._cpu_target(), fsdp2=fsdp2,
+                cpu=self._cpu_target(), fsdp2=fsdp2, fsdp1=fsdp1,
             )
             self._traces[key] = run_trace(self.model, batch, request, optimizer=self.optimizer, loss_fn=self.loss_fn)
             log.debug("memguard traced %s", key)
@@ -193,7 +199,9 @@ class TraceSession:
         return [1, 2]
 
     def _layout(self, strategy: str, precision: str, zero_stage: int, world_size: int):
-        """The FSDP2 layout a trace needs (None for DDP and DeepSpeed, whose sharding is a re-scan)."""
+        """The FSDP2 or FSDP1 layout a trace needs (None for DDP and DeepSpeed, whose sharding is a re-scan)."""
+        if strategy == "fsdp1":
+            return fsdp1_layout(strategy, precision, zero_stage, world_size, self.device)
         return fsdp2_layout(strategy, precision, zero_stage, world_size, False, self.device)
 
     def _probe_trace(self, precision: str, zero_stage: int, ckpt_all: bool, j: int | None, spec: Any,

@@ -243,7 +243,8 @@ def main() -> None:
         # (FSDPStrategy: FULL_SHARD is level 3, SHARD_GRAD_OP 2)
         stage = (3 if cfg.get("strategy") == "model_parallel" else cfg["zero_stage"] if deepspeed_run
                  else (2 if cfg.get("sharding_strategy") == "SHARD_GRAD_OP" else 3) if fsdp1_run else 0)
-        planned_strategy = "deepspeed" if deepspeed_run else "fsdp2" if stage else "ddp"
+        planned_strategy = ("deepspeed" if deepspeed_run else "fsdp1" if fsdp1_run and stage else "fsdp2" if stage
+                            else "ddp")
         est = Estimate(peak_bytes=4 << 20, breakdown={"params": 1 << 20, "activations": 3 << 20}, context_bytes=0,
                        peak_phase="backward", allocated_peak_bytes=4 << 20, device="cpu", precision="32-true",
                        zero_stage=stage, world_size=cfg["world"], gpu=None, micro_batch_size=micro)

@@ -643,3 +643,13 @@ def test_fsdp1_without_use_orig_params_is_refused() -> None:
     model = _net()
     with pytest.raises(ConfigError, match="use_orig_params=True"):
         prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), plan=_plan(8, 1), loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("version, planned", [(1, ("fsdp1", (3,))), (2, ("fsdp2", (3,)))])
+def test_the_fsdp_plugin_version_is_the_strategy_planned(version, planned) -> None:
+    # FSDP1 (the plugin's FULL_SHARD default, a ShardingStrategy in reshard_after_forward) is planned with memguard's
+    # FSDP1 model, FSDP2 (reshard_after_forward=True) with its FSDP2 model: each estimated as the engine that runs
+    from memguard.integrations.accelerate import _constraints
+
+    c = _constraints(_fsdp_accelerator(version), _net(), fsdp2=True)
+    assert (c.strategies[0], c.zero_stages) == (planned[0], planned[1]) and len(c.strategies) == 1

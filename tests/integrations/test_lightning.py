@@ -322,10 +322,10 @@ def _plan(**kw):
 
 
 @pytest.mark.parametrize("make, expected", [
-    # FSDP1's FULL_SHARD frees parameters after each unit's forward: FSDP2 with reshard_after_forward (stage 3)
-    (lambda s: s.FSDPStrategy(), ("fsdp2", (3,), False, None)),
+    # FSDP1, estimated as FSDP1: FULL_SHARD frees parameters after each unit's forward (stage 3)
+    (lambda s: s.FSDPStrategy(), ("fsdp1", (3,), False, None)),
     # SHARD_GRAD_OP keeps them gathered until the backward: stage 2
-    (lambda s: s.FSDPStrategy(sharding_strategy="SHARD_GRAD_OP"), ("fsdp2", (2,), False, None)),
+    (lambda s: s.FSDPStrategy(sharding_strategy="SHARD_GRAD_OP"), ("fsdp1", (2,), False, None)),
     # the DeepSpeed config's own stage and optimizer offload
     (lambda s: s.DeepSpeedStrategy(stage=2, offload_optimizer=True), ("deepspeed", (2,), True, None)),
     (lambda s: s.DeepSpeedStrategy(stage=1), ("deepspeed", (1,), False, None)),
@@ -387,6 +387,8 @@ def test_strategy_for_fsdp2_plans(stage: int, fsdp1: str) -> None:
     assert (mp._data_parallel_size, mp._tensor_parallel_size) == (4, 1)  # FSDP2 over the plan's 4 ranks
     # FSDP1 has no stage 1 (gradients sharded only at the end); SHARD_GRAD_OP holds less than stage 1 plans
     assert strategy_for(plan, fsdp_version=1).sharding_strategy.name == fsdp1
+    if stage >= 2:  # an FSDP1 plan (strategy="fsdp1") runs under FSDPStrategy at its own sharding
+        assert strategy_for(_plan(strategy="fsdp1", zero_stage=stage, world_size=4)).sharding_strategy.name == fsdp1
 
 
 def test_strategy_for_a_tensor_parallel_layout_is_model_parallel_with_its_sizes() -> None:
