@@ -678,6 +678,12 @@ class CachingAllocatorModel:
             self._peak_reserved = self._reserved
             self._alloc_at_peak_reserved = self._allocated
 
+    def cached_free_blocks(self) -> list[tuple[int, bool, int]]:
+        """``(stream, is_small, bytes)`` of every cached free block now (mapped ones only), largest first."""
+        return sorted(((stream, small, size) for stream, pools in self._pools.items()
+                       for small, free_list in zip((True, False), pools) for size, _ in free_list),
+                      key=lambda b: -b[2])
+
     def side_stream_segments(self) -> list[tuple[int, int, bool]]:
         """``(stream, bytes, small)`` of every segment obtained for a stream other than the default."""
         return [seg for seg in self._segments if seg[0] != 0]

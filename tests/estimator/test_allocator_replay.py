@@ -351,3 +351,32 @@ def test_allocator_model_follows_the_config():
     assert type(allocator_model()) is CachingAllocatorModel
     assert type(allocator_model(config=EXPANDABLE)) is ExpandableSegmentsModel
     assert type(allocator_model(config=allocator_config("expandable_segments:False"))) is CachingAllocatorModel
+
+
+def test_estimate_replays_expandable_segments_when_the_environment_sets_them(monkeypatch):
+    # The public path: PYTORCH_CUDA_ALLOC_CONF is read at pricing time (allocator_config) and picks the
+    # model. Six Linear(2048, 2048) layers in fp32: 16 MiB weight gradients, 12 MiB activations
+    # (1536 x 2048 x 4 B), so with fixed segments no freed activation segment can hold a gradient and
+    # backward reserves new segments (the 3B Llama's pattern at 512 tokens, scaled down); with
+    # expandable segments freed neighbours merge and the reserved peak is lower.
+    import torch
+    from torch import nn
+
+    import memguard
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(6)])
+    batch = torch.ones(1536, 2048, device="meta")
+
+    def run():
+        return memguard.estimate(model, batch, loss_fn=lambda m, b: m(b).float().pow(2).mean(), gpu="A100-80GB",
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), torch_version="2.13")
+
+    fixed = run()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    grown = run()
+    assert any("expandable_segments:True read" in n for n in grown.notes)
+    assert grown.peak_bytes < fixed.peak_bytes
+    assert grown.peak_bytes >= grown.allocated_peak_bytes
