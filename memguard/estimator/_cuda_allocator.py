@@ -1,9 +1,10 @@
 """The rules of PyTorch's CUDA caching allocator, replayed block by block.
 
 The estimator traces a training step on fake CPU tensors and records storage allocations and
-frees in time order. :func:`simulate` replays those events through :class:`CachingAllocatorModel`,
-a re-implementation of the default behaviour of ``c10/cuda/CUDACachingAllocator.cpp``
-(``expandable_segments`` off), and reports what ``torch.cuda.max_memory_reserved()``
+frees in time order. :func:`memguard.estimator._cuda.simulate` replays those events through
+:class:`CachingAllocatorModel`, a re-implementation of the default behaviour of
+``c10/cuda/CUDACachingAllocator.cpp`` (``expandable_segments`` off; with it on,
+:mod:`memguard.estimator._cuda_expandable`), and reports what ``torch.cuda.max_memory_reserved()``
 and ``torch.cuda.max_memory_allocated()`` would say.
 
 The rules reproduced (constants from ``CUDACachingAllocator.cpp``):
@@ -27,17 +28,14 @@ The rules reproduced (constants from ``CUDACachingAllocator.cpp``):
   blocks (``free_block``, no ``record_stream`` events modelled). A trace with allocations on side
   streams (FSDP2's all-gather copy-in and reduce-scatter streams) is replayed for a steady-state
   step: the step after one identical step, whose side-stream segments are still cached
-  (:func:`simulate`);
+  (:func:`memguard.estimator._cuda.simulate`);
 * with a memory cap (``limit_bytes``, what ``torch.cuda.set_per_process_memory_fraction``
   sets), a ``cudaMalloc`` that would exceed the cap first releases every cached segment that
   is entirely free (``release_cached_blocks``) and retries once; if it still does not fit,
   the allocation is an out-of-memory error.
 
-Outside the allocator's tensor traffic, cuBLAS workspaces are allocated through the caching
-allocator (they count in ``memory_reserved``), while the CUDA context and library handles
-are not (they only show in ``nvidia-smi`` / ``torch.cuda.mem_get_info``):
-:func:`blas_workspace_allocations`, :func:`cublas_workspace_bytes` and
-:data:`DEFAULT_CONTEXT_BYTES` give those sizes.
+What lives outside the allocator's tensor traffic (cuBLAS workspaces, the CUDA context) is in
+:mod:`memguard.estimator._cuda`.
 """
 
 from __future__ import annotations
@@ -366,8 +364,8 @@ class CachingAllocatorModel:
 
     Known limitations:
         No ``record_stream`` (a block freed while another stream still uses it is reusable at
-        once), no CUDA graph pools; ``expandable_segments`` and
-        ``garbage_collection_threshold`` are not modelled. Under a cap with ``max_split_size_mb``
+        once), no CUDA graph pools; ``garbage_collection_threshold`` is not modelled
+        (``expandable_segments`` is :class:`~memguard.estimator._cuda_expandable.ExpandableSegmentsModel`). Under a cap with ``max_split_size_mb``
         the real allocator first frees just enough oversize cached blocks
         (``release_available_cached_blocks``); the model releases every free segment at once.
         Real ``cudaMalloc`` can also fail below the cap when other processes hold memory.

@@ -21,7 +21,8 @@ Free blocks of one segment are neighbours in one address range, so they merge wh
 (one ``cudaMalloc`` each) never could; what stays unusable is a free hole between live blocks that is
 smaller than the request, and the part of a page past the last live block.
 
-Known limitations: the address space is taken as unbounded (the real one is 1 1/8 of the GPU's memory,
+Known limitations: the large pool's page is ``kLargeBuffer`` as in the source read (whether torch
+2.13's ``large_segment_size_mb`` changes it was not checked); the address space is taken as unbounded (the real one is 1 1/8 of the GPU's memory,
 after which a second segment starts); under a cap, the retry follows ``release_cached_blocks`` (every
 free page unmapped), as without expandable segments; no IPC or peer mappings.
 """
