@@ -653,7 +653,8 @@ def test_max_split_size_keeps_small_requests_out_of_big_blocks():
 def test_allocator_config_notes_and_errors():
     assert allocator_config("") == allocator_config("expandable_segments:False")  # the defaults, no notes
     assert allocator_config("").notes == ()
-    assert "not modelled" in allocator_config("expandable_segments:True").notes[0]
+    expandable = allocator_config("expandable_segments:True")  # modelled now (_cuda_expandable), and said so
+    assert expandable.expandable_segments and "expandable_segments:True read" in expandable.notes[0]
     assert len(allocator_config("max_split_size_mb:128,garbage_collection_threshold:0.6").notes) == 2
     assert "replaces the caching allocator" in allocator_config("backend:cudaMallocAsync").notes[0]
     # values the real allocator rejects at start-up are errors, all listed
