@@ -63,7 +63,8 @@ from typing import Any, Callable
 import torch
 
 from memguard.errors import ConfigError
-from memguard.estimator._onednn_conv import ConvShape, bwd_weights_scratchpad_bytes
+from memguard.estimator._onednn_conv import (ConvShape, bwd_weights_blocked_weight_bytes, bwd_weights_kernel,
+                                             bwd_weights_scratchpad_bytes)
 from memguard.estimator._onednn_matmul import matmul_scratchpad_bytes
 
 #: oneDNN's x86-64 instruction-set levels that change a kernel path memguard models, lowest first
@@ -451,11 +452,17 @@ def _convolution_backward(target: CpuTarget, args: tuple, out: Any, replay: Repl
             replay.alloc("grad_out", _blocked_bytes(grad_out, block))
             if not first_layer:
                 replay.alloc("src", _blocked_bytes(x, block))
-        replay.alloc("grad_w", _weight_bytes(w, groups, block))
-        if x.dtype == torch.bfloat16:
-            conv = ConvShape(n=x.shape[0], ic=x.shape[1], oc=w.shape[0], ih=x.shape[2], iw=x.shape[3], kh=w.shape[2],
-                             kw=w.shape[3], stride=stride[0], pad=padding[0], dilation=dilation[0], groups=groups,
-                             channels_last=plain, bias=bool(mask[2]))
+        conv = ConvShape(n=x.shape[0], ic=x.shape[1], oc=w.shape[0], ih=x.shape[2], iw=x.shape[3], kh=w.shape[2],
+                         kw=w.shape[3], stride=stride[0], pad=padding[0], dilation=dilation[0], groups=groups,
+                         channels_last=plain, bias=bool(mask[2]))
+        bf16 = x.dtype == torch.bfloat16
+        if bf16 and depthwise and bwd_weights_kernel(conv) == "jit_bf16":
+            # a depthwise weight gradient that jit_bf16 computes (wider than 3, channels-last) is
+            # blocked as a grouped one, 16x16 channels a group (_onednn_conv)
+            replay.alloc("grad_w", bwd_weights_blocked_weight_bytes(conv, w.element_size()))
+        else:
+            replay.alloc("grad_w", _weight_bytes(w, groups, block))
+        if bf16:
             replay.alloc("scratchpad", bwd_weights_scratchpad_bytes(conv, threads=target.threads, isa=target.isa) or 0)
         replay.free("scratchpad", "src", "grad_out")
         replay.outputs(*(t for t in (grad_weight, grad_bias) if isinstance(t, torch.Tensor)))
