@@ -297,10 +297,11 @@ def _build_hf_resnet(device: str = "cpu"):
     import transformers
 
     _quiet_hf()
-    # transformers' ResNet (7x7 stem, max pool, bottleneck blocks with BatchNorm), shrunk: one block
-    # per stage, widths 64-512 (bottlenecks a quarter of that)
+    # transformers' ResNet (7x7 stem, max pool, basic blocks of two 3x3 convolutions with BatchNorm),
+    # shrunk: one block per stage, widths 32-256; the last stage's 3x3 kernels are wider than its
+    # 2x2 maps, which oneDNN's AVX2 kernel rejects for the weight gradient (im2col + GEMM instead)
     config = transformers.AutoConfig.for_model(
-        "resnet", embedding_size=32, depths=[1, 1, 1, 1], hidden_sizes=[64, 128, 256, 512], layer_type="bottleneck",
+        "resnet", embedding_size=32, depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 128, 256], layer_type="basic",
         num_labels=10)
     with _building_on(device):
         model = transformers.ResNetForImageClassification(config)
@@ -655,8 +656,8 @@ _ALL = [
             "transformers ConvNextForImageClassification (depths 1/1/2/1, widths 32-256), 8 x 64px, CPU bf16 "
             "autocast, AdamW", precision="bf16-mixed"),
     ZooCase("hf-resnet", "image-classification", _build_hf_resnet, _sgd_momentum,
-            "transformers ResNetForImageClassification (bottleneck, 1 block a stage, widths 64-512), 8 x 64px, "
-            "fp32, SGD momentum"),
+            "transformers ResNetForImageClassification (basic blocks, 1 a stage, widths 32-256), 8 x 64px, fp32, "
+            "SGD momentum"),
 ]
 
 #: Every case, by name.

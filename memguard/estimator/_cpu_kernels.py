@@ -65,6 +65,8 @@ import torch
 from memguard.errors import ConfigError
 from memguard.estimator._onednn_conv import (ConvShape, bwd_weights_blocked_weight_bytes, bwd_weights_kernel,
                                              bwd_weights_scratchpad_bytes)
+from memguard.estimator._onednn import book
+from memguard.estimator._onednn_gemm import fp32_bwd_weights_kernel, gemm_bwd_weights_scratchpad_bytes
 from memguard.estimator._onednn_matmul import matmul_scratchpad_bytes
 
 #: oneDNN's x86-64 instruction-set levels that change a kernel path memguard models, lowest first
@@ -447,26 +449,60 @@ def _convolution_backward(target: CpuTarget, args: tuple, out: Any, replay: Repl
             replay.free("copy")
         replay.free("grad_in")
     if mask[1]:
-        depthwise = groups > 1 and groups == x.shape[1]
-        if not plain and not depthwise:  # the depthwise weight-gradient kernel reads plain tensors
-            replay.alloc("grad_out", _blocked_bytes(grad_out, block))
-            if not first_layer:
-                replay.alloc("src", _blocked_bytes(x, block))
         conv = ConvShape(n=x.shape[0], ic=x.shape[1], oc=w.shape[0], ih=x.shape[2], iw=x.shape[3], kh=w.shape[2],
                          kw=w.shape[3], stride=stride[0], pad=padding[0], dilation=dilation[0], groups=groups,
                          channels_last=plain, bias=bool(mask[2]))
-        bf16 = x.dtype == torch.bfloat16
-        if bf16 and depthwise and bwd_weights_kernel(conv) == "jit_bf16":
-            # a depthwise weight gradient that jit_bf16 computes (wider than 3, channels-last) is
-            # blocked as a grouped one, 16x16 channels a group (_onednn_conv)
-            replay.alloc("grad_w", bwd_weights_blocked_weight_bytes(conv, w.element_size()))
-        else:
-            replay.alloc("grad_w", _weight_bytes(w, groups, block))
-        if bf16:
-            replay.alloc("scratchpad", bwd_weights_scratchpad_bytes(conv, threads=target.threads, isa=target.isa) or 0)
+        kernel = _bwd_weights_kernel(target, x.dtype, conv)
+        depthwise = groups > 1 and groups == x.shape[1]
+        # the depthwise and gemm weight-gradient kernels read plain tensors
+        if not plain and not depthwise and kernel != "gemm":
+            replay.alloc("grad_out", _blocked_bytes(grad_out, block))
+            if not first_layer:
+                replay.alloc("src", _blocked_bytes(x, block))
+        replay.alloc("grad_w", _grad_weight_bytes(target, kernel, conv, w, block))
+        if mask[2]:  # ideep computes the bias gradient into its own buffer too (measured: one per call)
+            replay.alloc("grad_b", w.shape[0] * w.element_size())
+        replay.alloc("scratchpad", _bwd_weights_scratchpad(target, kernel, conv, x.dtype))
         replay.free("scratchpad", "src", "grad_out")
         replay.outputs(*(t for t in (grad_weight, grad_bias) if isinstance(t, torch.Tensor)))
-        replay.free("grad_w")
+        replay.free("grad_w", "grad_b")
+
+
+def _bwd_weights_kernel(target: CpuTarget, dtype: torch.dtype, conv: ConvShape) -> str | None:
+    """oneDNN's weight-gradient kernel for ``conv`` (see _onednn_conv and _onednn_gemm), None where unknown."""
+    if dtype == torch.bfloat16:
+        return bwd_weights_kernel(conv)
+    if dtype == torch.float32:
+        return fp32_bwd_weights_kernel(conv, target.isa)
+    return None
+
+
+def _grad_weight_bytes(target: CpuTarget, kernel: str | None, conv: ConvShape, w: torch.Tensor, block: int) -> int:
+    """The weight gradient oneDNN computes into before PyTorch's reorder: plain for ``gemm``; a
+    depthwise one of a direct kernel (wider than 3, channels-last) blocked like a grouped one, a
+    full block of channels a group (16 for bf16 and on AVX-512, 8 for fp32 on AVX2; _onednn_conv)."""
+    depthwise = conv.groups > 1 and conv.groups == conv.ic == conv.oc
+    if kernel == "gemm":
+        return _nbytes(w)
+    if depthwise and kernel in ("jit_bf16", "jit"):
+        return bwd_weights_blocked_weight_bytes(conv, w.element_size(), 16 if kernel == "jit_bf16" else block)
+    return _weight_bytes(w, conv.groups, block)
+
+
+def _bwd_weights_scratchpad(target: CpuTarget, kernel: str | None, conv: ConvShape, dtype: torch.dtype) -> int:
+    """The weight-gradient primitive's scratchpad (PyTorch allocates it per call: user scratchpad mode)."""
+    if kernel == "gemm":
+        return gemm_bwd_weights_scratchpad_bytes(conv, itemsize=dtype.itemsize, threads=target.threads,
+                                                 isa=target.isa)
+    if dtype == torch.bfloat16:
+        return bwd_weights_scratchpad_bytes(conv, threads=target.threads, isa=target.isa) or 0
+    simd_w = 16 if target.isa.startswith("avx512") else 8
+    oc_g = conv.oc // conv.groups
+    if kernel == "jit" and conv.bias and oc_g % simd_w:
+        # key_conv_padded_bias: the fp32 direct kernels' bias gradient padded to the block
+        # (jit_avx2_conv_kernel_f32.cpp / jit_avx512_common_conv_kernel.cpp, bwd-weights init_scratchpad)
+        return book(conv.groups * _round_up(oc_g, simd_w) * 4)
+    return 0
 
 
 def _slow_backward(out: Any, x: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, stride,

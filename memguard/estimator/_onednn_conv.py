@@ -24,8 +24,8 @@ channels-last, strides 1-4, groups, depthwise) at ``avx512_core_bf16`` and ``avx
 Known limitations:
     The ``gemm:jit`` weight-gradient kernel (grouped NCHW convolutions whose channels per group are
     not a multiple of 16, depthwise kernels wider than 3 on NCHW, first-layer convolutions with
-    output channels not a multiple of 16) is not modelled (measured: 60-110 KB per thread at the
-    sizes tried); neither are the forward and input-gradient scratchpads of the brgemm kernels
+    output channels not a multiple of 16) is sized by :mod:`memguard.estimator._onednn_gemm`, not
+    here. Not modelled: dilated convolutions, the forward and input-gradient scratchpads of the brgemm kernels
     (channels-last and strided shapes on ``avx512_core_bf16``: a few KB to tens of KB), fp32
     scratchpads (a padded bias, and per-thread weight copies when the batch is split over threads)
     or cache-size dependent blocking of very wide images.
@@ -252,10 +252,11 @@ def _depthwise(n, channels, kh, kw, threads, channels_last, bias) -> int:
 
 
 def bwd_weights_kernel(conv: ConvShape) -> str | None:
-    """The bf16 weight-gradient kernel oneDNN picks for ``conv`` (``"jit_dw"``, ``"jit_bf16_1x1"``
-    or ``"jit_bf16"``, the names ONEDNN_VERBOSE prints), or None for one memguard does not model
-    (``gemm:jit``, dilated convolutions). The same at ``avx512_core`` and at the native bf16 levels
-    (the order of ``cpu/cpu_convolution_list.cpp``; measured at both)."""
+    """The bf16 weight-gradient kernel oneDNN picks for ``conv`` (``"jit_dw"``, ``"jit_bf16_1x1"``,
+    ``"jit_bf16"`` or ``"gemm"``, after the names ONEDNN_VERBOSE prints), or None for a dilated
+    convolution (not modelled). The same at ``avx512_core`` and at the native bf16 levels (the order
+    of ``cpu/cpu_convolution_list.cpp``; measured at both). ``gemm``'s scratchpad is sized by
+    :mod:`memguard.estimator._onednn_gemm`."""
     ic, oc, kh, kw, stride, pad = conv.ic, conv.oc, conv.kh, conv.kw, conv.stride, conv.pad
     groups, channels_last = conv.groups, conv.channels_last
     per_group_in, per_group_out = ic // groups, oc // groups
@@ -269,16 +270,17 @@ def bwd_weights_kernel(conv: ConvShape) -> str | None:
     if channels_last or (groups == 1 and (per_group_in >= 16 or oc % 16 == 0)) or (
             per_group_in % 16 == 0 and per_group_out % 16 == 0):
         return "jit_bf16"
-    return None
+    return "gemm"
 
 
-def bwd_weights_blocked_weight_bytes(conv: ConvShape, itemsize: int) -> int:
-    """Bytes of the weight gradient in the layout ``jit_bf16`` computes it in: ``gOIhw16i16o``
-    (``aBCde16c16b`` in ONEDNN_VERBOSE), each group's output and input channels padded to 16, so a
-    depthwise weight gradient takes 256 times its plain size (jit_avx512_core_bf16_conv_kernel.cpp,
-    bwd-weights ``init_conf``: ``wei_tag`` with groups; measured to the byte on channels-last 7x7
-    depthwise convolutions of 32 to 256 channels)."""
-    return conv.groups * rnd_up(conv.oc // conv.groups, 16) * rnd_up(conv.ic // conv.groups, 16) \
+def bwd_weights_blocked_weight_bytes(conv: ConvShape, itemsize: int, block: int = 16) -> int:
+    """Bytes of the weight gradient in the grouped layout the direct kernels compute it in:
+    ``gOIhw16i16o`` (``aBCde16c16b`` in ONEDNN_VERBOSE; ``gOIhw8i8o`` with ``block=8``, fp32 on
+    AVX2), each group's output and input channels padded to the block, so a depthwise weight
+    gradient takes ``block**2`` times its plain size (jit_avx512_core_bf16_conv_kernel.cpp,
+    jit_avx512_common_conv_kernel.cpp and jit_avx2_conv_kernel_f32.cpp, bwd-weights ``init_conf``:
+    ``wei_tag`` with groups; measured to the byte on channels-last 7x7 depthwise convolutions)."""
+    return conv.groups * rnd_up(conv.oc // conv.groups, block) * rnd_up(conv.ic // conv.groups, block) \
         * conv.kh * conv.kw * itemsize
 
 
@@ -293,4 +295,4 @@ def bwd_weights_scratchpad_bytes(conv: ConvShape, *, threads: int, isa: str) -> 
         return _one_by_one(conv, threads)
     if kernel == "jit_bf16":
         return _jit(conv, threads, native=isa != "avx512_core")
-    return None
+    return None  # gemm (see _onednn_gemm) or a dilated convolution
