@@ -464,8 +464,10 @@ def _convolution_backward(target: CpuTarget, args: tuple, out: Any, replay: Repl
             replay.alloc("grad_b", w.shape[0] * w.element_size())
         replay.alloc("scratchpad", _bwd_weights_scratchpad(target, kernel, conv, x.dtype))
         replay.free("scratchpad", "src", "grad_out")
+        if plain:  # Conv.cpp mkldnn_convolution_backward_weights: mkldnn_to_dense(grad_w).to(channels_last)
+            replay.alloc("grad_w_dense", _nbytes(w))
         replay.outputs(*(t for t in (grad_weight, grad_bias) if isinstance(t, torch.Tensor)))
-        replay.free("grad_w", "grad_b")
+        replay.free("grad_w", "grad_b", "grad_w_dense")
 
 
 def _bwd_weights_kernel(target: CpuTarget, dtype: torch.dtype, conv: ConvShape) -> str | None:
