@@ -30,7 +30,11 @@ Which path runs (torch 2.13, oneDNN 3.x):
   ``channels_last`` (``mkldnn_conv_use_channels_last``, ConvUtils.h) the activations are used in place
   and only the weights are reordered. The backward does the same for the input gradient (blocked
   output gradient, weights, blocked input gradient) and for the weight gradient (blocked source and
-  output gradient, blocked weight gradient).
+  output gradient, blocked weight gradient; under ``channels_last`` a dense copy of it is converted
+  once more, ``mkldnn_to_dense(...).to(memory_format)``). Which weight-gradient kernel runs decides
+  its layout and scratchpad: a depthwise weight gradient of a direct kernel is blocked like a grouped
+  one (:mod:`memguard.estimator._onednn_conv`), and the im2col + GEMM kernel (``gemm:jit``) books a
+  weight-reduction buffer four times the weights (:mod:`memguard.estimator._onednn_gemm`).
 * oneDNN's matmul scratchpad: on ``avx512_core``/``avx512_core_vnni`` (no native bf16 dot product)
   bf16 matmuls run ``gemm:jit`` with an fp32 accumulator as large as the destination
   (``gemm_bf16_matmul_t``, src/cpu/matmul/gemm_bf16_matmul.cpp, ``book_acc_scratchpad``); with a
@@ -44,8 +48,8 @@ BF16 host at its own level, at ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` and at ``ONEDN
 
 Known limitations:
     oneDNN's small internal buffers (bias reorders, the forward and input-gradient scratchpads of
-    the brgemm kernels, the weight-gradient scratchpad of kernels :mod:`memguard.estimator._onednn_conv`
-    does not model: tens of KiB to about 100 KiB per thread) are not replayed. 3-d convolutions, transposed convolutions and
+    the brgemm kernels, the fp32 depthwise kernels' accumulators, dilated convolutions' weight-gradient
+    scratchpads: tens of KiB per thread) are not replayed. 3-d convolutions, transposed convolutions and
     ``mkldnn``-layout tensors follow the same rules as 2-d ones only as far as the shapes carry over.
     The AMX and AVX-512-FP16 paths are modelled from the source, not measured (no such host was
     available); ``bf32``/``tf32`` fast-math matmuls and ``torch.jit``-frozen (prepacked) weights
