@@ -531,3 +531,27 @@ def _slow_backward(out: Any, x: torch.Tensor, w: torch.Tensor, grad_out: torch.T
         replay.free("columns")
     replay.outputs()
     replay.free("group_grads")
+
+
+# ------------------------------------------------------------------------------------ batch norm
+def _bn_contiguous(t: torch.Tensor) -> bool:
+    """``is_contiguous`` of aten/src/ATen/native/Normalization.cpp: contiguous in some memory format."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) or (
+        t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+@_rule(torch.ops.aten.native_batch_norm_backward.default)
+def _batch_norm_backward(target: CpuTarget, args: tuple, out: Any, replay: Replay) -> None:
+    """``batch_norm_backward_cpu_template`` (Normalization.cpp) allocates the input gradient with
+    ``empty_like(input, input.suggest_memory_format())`` and, on its contiguous path, allocates it
+    again (``suggest_memory_format_contig``) before the first is released: an input-sized transient."""
+    grad_out, x = args[0], args[1]
+    mask = list(args[9])
+    if not mask[0] or not isinstance(x, torch.Tensor):
+        return
+    if not (_bn_contiguous(x) and _bn_contiguous(grad_out)
+            and x.is_contiguous() == grad_out.is_contiguous()):  # the same suggested memory format
+        return
+    replay.alloc("first_grad_input", _nbytes(x))
+    replay.outputs()
+    replay.free("first_grad_input")
