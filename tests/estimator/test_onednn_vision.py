@@ -53,8 +53,8 @@ def test_weight_gradient_memory_equals_the_real_kernel(measured, name):
     the byte: the grouped 16x16 (8x8 for fp32 on AVX2) layout of a depthwise weight gradient,
     gemm:jit's scratchpad (a weight-reduction buffer four times the weights plus im2col), the padded
     bias, ideep's bias and dense weight-gradient buffers. The forward's bias scratchpad (an fp32 copy
-    of a bf16 bias, or a bias padded to the block: ``C * 4`` bytes + 128, measured 256-384 bytes
-    here, up to 640) is not replayed, so the forward peak may be below the real one by that much. Where oneDNN
+    of a bf16 bias, or a bias padded to the block: ``C * 4`` bytes + 128, measured 256-640 bytes
+    here) is not replayed, so the forward peak may be below the real one by that much. Where oneDNN
     does not take bf16 (AVX2: ATen's slow path, not what this file checks) the bf16 cases are skipped."""
     op, make, dtype = worker.OPS[name]
     target = CpuTarget(isa=measured["isa"], threads=1)
