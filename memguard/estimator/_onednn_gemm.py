@@ -16,10 +16,12 @@ Which fp32 kernel runs follows the order of ``src/cpu/cpu_convolution_list.cpp``
 
 Checked to the byte against real ``gemm:jit`` primitives (fp32 and bf16, NCHW and channels-last,
 depthwise 7x7, 3x3 and 5x5 kernels larger than the image, a 15-wide kernel) at ``avx2`` and
-``avx512_core_fp16`` with one thread (``tests/estimator/test_onednn_vision.py``).
+``avx512_core_fp16`` with one thread (``tests/estimator/test_onednn_vision.py``), and at ``avx2``
+with two threads (``outer_threading`` on: one reduction buffer and one im2col buffer a thread).
 
 Known limitations:
-    With several threads the ``outer_threading`` rule below is ported but not measured. The fp32
+    The memory-limit branches of ``outer_threading`` and of the im2col block are ported, not
+    measured (no shape tried reaches them). The fp32
     direct kernels' per-thread weight-reduction copies (when they split the batch over threads,
     ``nthr_mb > 1``) are not modelled; neither are 3-d convolutions.
 """
