@@ -274,6 +274,46 @@ def _build_vit(device: str = "cpu"):
     return model, batch, None
 
 
+def _build_hf_convnext(device: str = "cpu"):
+    import transformers
+
+    _quiet_hf()
+    # transformers' ConvNeXt (depthwise 7x7 convolutions, LayerNorm over channels through permutes,
+    # layer scale), shrunk: 4 stages of 1/1/2/1 blocks, widths 32-256
+    config = transformers.AutoConfig.for_model(
+        "convnext", depths=[1, 1, 2, 1], hidden_sizes=[32, 64, 128, 256], image_size=64, num_labels=10)
+    with _building_on(device):
+        model = transformers.ConvNextForImageClassification(config)
+    model.train()
+    g = seeded_generator()
+    batch = {
+        "pixel_values": torch.randn(8, 3, 64, 64, generator=g),
+        "labels": torch.randint(0, 10, (8,), generator=g),
+    }
+    return model, batch, None
+
+
+def _build_hf_resnet(device: str = "cpu"):
+    import transformers
+
+    _quiet_hf()
+    # transformers' ResNet (7x7 stem, max pool, basic blocks of two 3x3 convolutions with BatchNorm),
+    # shrunk: one block per stage, widths 32-256; the last stage's 3x3 kernels are wider than its
+    # 2x2 maps, which oneDNN's AVX2 kernel rejects for the weight gradient (im2col + GEMM instead)
+    config = transformers.AutoConfig.for_model(
+        "resnet", embedding_size=32, depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 128, 256], layer_type="basic",
+        num_labels=10)
+    with _building_on(device):
+        model = transformers.ResNetForImageClassification(config)
+    model.train()
+    g = seeded_generator()
+    batch = {
+        "pixel_values": torch.randn(8, 3, 64, 64, generator=g),
+        "labels": torch.randint(0, 10, (8,), generator=g),
+    }
+    return model, batch, None
+
+
 # --------------------------------------------------------------------------------------------
 # torch.nn models
 # --------------------------------------------------------------------------------------------
@@ -611,6 +651,13 @@ _ALL = [
             precision="bf16-true"),
     ZooCase("mlp-16-true", "regression", _build_mlp, _rmsprop, "GELU MLP as above in fp16",
             precision="16-true"),
+    # transformers' vision models on oneDNN's kernels (depthwise and bf16 convolutions, BatchNorm)
+    ZooCase("hf-convnext-bf16-mixed", "image-classification", _build_hf_convnext, _adamw,
+            "transformers ConvNextForImageClassification (depths 1/1/2/1, widths 32-256), 8 x 64px, CPU bf16 "
+            "autocast, AdamW", precision="bf16-mixed"),
+    ZooCase("hf-resnet", "image-classification", _build_hf_resnet, _sgd_momentum,
+            "transformers ResNetForImageClassification (basic blocks, 1 a stage, widths 32-256), 8 x 64px, fp32, "
+            "SGD momentum"),
 ]
 
 #: Every case, by name.

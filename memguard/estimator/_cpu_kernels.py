@@ -30,7 +30,11 @@ Which path runs (torch 2.13, oneDNN 3.x):
   ``channels_last`` (``mkldnn_conv_use_channels_last``, ConvUtils.h) the activations are used in place
   and only the weights are reordered. The backward does the same for the input gradient (blocked
   output gradient, weights, blocked input gradient) and for the weight gradient (blocked source and
-  output gradient, blocked weight gradient).
+  output gradient, blocked weight gradient; under ``channels_last`` a dense copy of it is converted
+  once more, ``mkldnn_to_dense(...).to(memory_format)``). Which weight-gradient kernel runs decides
+  its layout and scratchpad: a depthwise weight gradient of a direct kernel is blocked like a grouped
+  one (:mod:`memguard.estimator._onednn_conv`), and the im2col + GEMM kernel (``gemm:jit``) books a
+  weight-reduction buffer four times the weights (:mod:`memguard.estimator._onednn_gemm`).
 * oneDNN's matmul scratchpad: on ``avx512_core``/``avx512_core_vnni`` (no native bf16 dot product)
   bf16 matmuls run ``gemm:jit`` with an fp32 accumulator as large as the destination
   (``gemm_bf16_matmul_t``, src/cpu/matmul/gemm_bf16_matmul.cpp, ``book_acc_scratchpad``); with a
@@ -44,8 +48,8 @@ BF16 host at its own level, at ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` and at ``ONEDN
 
 Known limitations:
     oneDNN's small internal buffers (bias reorders, the forward and input-gradient scratchpads of
-    the brgemm kernels, the weight-gradient scratchpad of kernels :mod:`memguard.estimator._onednn_conv`
-    does not model: tens of KiB to about 100 KiB per thread) are not replayed. 3-d convolutions, transposed convolutions and
+    the brgemm kernels, the fp32 depthwise kernels' accumulators, dilated convolutions' weight-gradient
+    scratchpads: tens of KiB per thread) are not replayed. 3-d convolutions, transposed convolutions and
     ``mkldnn``-layout tensors follow the same rules as 2-d ones only as far as the shapes carry over.
     The AMX and AVX-512-FP16 paths are modelled from the source, not measured (no such host was
     available); ``bf32``/``tf32`` fast-math matmuls and ``torch.jit``-frozen (prepacked) weights
@@ -63,7 +67,10 @@ from typing import Any, Callable
 import torch
 
 from memguard.errors import ConfigError
-from memguard.estimator._onednn_conv import ConvShape, bwd_weights_scratchpad_bytes
+from memguard.estimator._onednn_conv import (ConvShape, bwd_weights_blocked_weight_bytes, bwd_weights_kernel,
+                                             bwd_weights_scratchpad_bytes)
+from memguard.estimator._onednn import book
+from memguard.estimator._onednn_gemm import fp32_bwd_weights_kernel, gemm_bwd_weights_scratchpad_bytes
 from memguard.estimator._onednn_matmul import matmul_scratchpad_bytes
 
 #: oneDNN's x86-64 instruction-set levels that change a kernel path memguard models, lowest first
@@ -446,20 +453,62 @@ def _convolution_backward(target: CpuTarget, args: tuple, out: Any, replay: Repl
             replay.free("copy")
         replay.free("grad_in")
     if mask[1]:
+        conv = ConvShape(n=x.shape[0], ic=x.shape[1], oc=w.shape[0], ih=x.shape[2], iw=x.shape[3], kh=w.shape[2],
+                         kw=w.shape[3], stride=stride[0], pad=padding[0], dilation=dilation[0], groups=groups,
+                         channels_last=plain, bias=bool(mask[2]))
+        kernel = _bwd_weights_kernel(target, x.dtype, conv)
         depthwise = groups > 1 and groups == x.shape[1]
-        if not plain and not depthwise:  # the depthwise weight-gradient kernel reads plain tensors
+        # the depthwise and gemm weight-gradient kernels read plain tensors
+        if not plain and not depthwise and kernel != "gemm":
             replay.alloc("grad_out", _blocked_bytes(grad_out, block))
             if not first_layer:
                 replay.alloc("src", _blocked_bytes(x, block))
-        replay.alloc("grad_w", _weight_bytes(w, groups, block))
-        if x.dtype == torch.bfloat16:
-            conv = ConvShape(n=x.shape[0], ic=x.shape[1], oc=w.shape[0], ih=x.shape[2], iw=x.shape[3], kh=w.shape[2],
-                             kw=w.shape[3], stride=stride[0], pad=padding[0], dilation=dilation[0], groups=groups,
-                             channels_last=plain, bias=bool(mask[2]))
-            replay.alloc("scratchpad", bwd_weights_scratchpad_bytes(conv, threads=target.threads, isa=target.isa) or 0)
+        replay.alloc("grad_w", _grad_weight_bytes(target, kernel, conv, w, block))
+        if mask[2]:  # ideep computes the bias gradient into its own buffer too (measured: one per call)
+            replay.alloc("grad_b", w.shape[0] * w.element_size())
+        replay.alloc("scratchpad", _bwd_weights_scratchpad(target, kernel, conv, x.dtype))
         replay.free("scratchpad", "src", "grad_out")
+        if plain:  # Conv.cpp mkldnn_convolution_backward_weights: mkldnn_to_dense(grad_w).to(channels_last)
+            replay.alloc("grad_w_dense", _nbytes(w))
         replay.outputs(*(t for t in (grad_weight, grad_bias) if isinstance(t, torch.Tensor)))
-        replay.free("grad_w")
+        replay.free("grad_w", "grad_b", "grad_w_dense")
+
+
+def _bwd_weights_kernel(target: CpuTarget, dtype: torch.dtype, conv: ConvShape) -> str | None:
+    """oneDNN's weight-gradient kernel for ``conv`` (see _onednn_conv and _onednn_gemm), None where unknown."""
+    if dtype == torch.bfloat16:
+        return bwd_weights_kernel(conv)
+    if dtype == torch.float32:
+        return fp32_bwd_weights_kernel(conv, target.isa)
+    return None
+
+
+def _grad_weight_bytes(target: CpuTarget, kernel: str | None, conv: ConvShape, w: torch.Tensor, block: int) -> int:
+    """The weight gradient oneDNN computes into before PyTorch's reorder: plain for ``gemm``; a
+    depthwise one of a direct kernel (wider than 3, channels-last) blocked like a grouped one, a
+    full block of channels a group (16 for bf16 and on AVX-512, 8 for fp32 on AVX2; _onednn_conv)."""
+    depthwise = conv.groups > 1 and conv.groups == conv.ic == conv.oc
+    if kernel == "gemm":
+        return _nbytes(w)
+    if depthwise and kernel in ("jit_bf16", "jit"):
+        return bwd_weights_blocked_weight_bytes(conv, w.element_size(), 16 if kernel == "jit_bf16" else block)
+    return _weight_bytes(w, conv.groups, block)
+
+
+def _bwd_weights_scratchpad(target: CpuTarget, kernel: str | None, conv: ConvShape, dtype: torch.dtype) -> int:
+    """The weight-gradient primitive's scratchpad (PyTorch allocates it per call: user scratchpad mode)."""
+    if kernel == "gemm":
+        return gemm_bwd_weights_scratchpad_bytes(conv, itemsize=dtype.itemsize, threads=target.threads,
+                                                 isa=target.isa)
+    if dtype == torch.bfloat16:
+        return bwd_weights_scratchpad_bytes(conv, threads=target.threads, isa=target.isa) or 0
+    simd_w = 16 if target.isa.startswith("avx512") else 8
+    oc_g = conv.oc // conv.groups
+    if kernel == "jit" and conv.bias and oc_g % simd_w:
+        # key_conv_padded_bias: the fp32 direct kernels' bias gradient padded to the block
+        # (jit_avx2_conv_kernel_f32.cpp / jit_avx512_common_conv_kernel.cpp, bwd-weights init_scratchpad)
+        return book(conv.groups * _round_up(oc_g, simd_w) * 4)
+    return 0
 
 
 def _slow_backward(out: Any, x: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, stride,
@@ -482,3 +531,27 @@ def _slow_backward(out: Any, x: torch.Tensor, w: torch.Tensor, grad_out: torch.T
         replay.free("columns")
     replay.outputs()
     replay.free("group_grads")
+
+
+# ------------------------------------------------------------------------------------ batch norm
+def _bn_contiguous(t: torch.Tensor) -> bool:
+    """``is_contiguous`` of aten/src/ATen/native/Normalization.cpp: contiguous in some memory format."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) or (
+        t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+@_rule(torch.ops.aten.native_batch_norm_backward.default)
+def _batch_norm_backward(target: CpuTarget, args: tuple, out: Any, replay: Replay) -> None:
+    """``batch_norm_backward_cpu_template`` (Normalization.cpp) allocates the input gradient with
+    ``empty_like(input, input.suggest_memory_format())`` and, on its contiguous path, allocates it
+    again (``suggest_memory_format_contig``) before the first is released: an input-sized transient."""
+    grad_out, x = args[0], args[1]
+    mask = list(args[9])
+    if not mask[0] or not isinstance(x, torch.Tensor):
+        return
+    if not (_bn_contiguous(x) and _bn_contiguous(grad_out)
+            and x.is_contiguous() == grad_out.is_contiguous()):  # the same suggested memory format
+        return
+    replay.alloc("first_grad_input", _nbytes(x))
+    replay.outputs()
+    replay.free("first_grad_input")

@@ -24,8 +24,8 @@ channels-last, strides 1-4, groups, depthwise) at ``avx512_core_bf16`` and ``avx
 Known limitations:
     The ``gemm:jit`` weight-gradient kernel (grouped NCHW convolutions whose channels per group are
     not a multiple of 16, depthwise kernels wider than 3 on NCHW, first-layer convolutions with
-    output channels not a multiple of 16) is not modelled (measured: 60-110 KB per thread at the
-    sizes tried); neither are the forward and input-gradient scratchpads of the brgemm kernels
+    output channels not a multiple of 16) is sized by :mod:`memguard.estimator._onednn_gemm`, not
+    here. Not modelled: dilated convolutions, the forward and input-gradient scratchpads of the brgemm kernels
     (channels-last and strided shapes on ``avx512_core_bf16``: a few KB to tens of KB), fp32
     scratchpads (a padded bias, and per-thread weight copies when the batch is split over threads)
     or cache-size dependent blocking of very wide images.
@@ -251,21 +251,48 @@ def _depthwise(n, channels, kh, kw, threads, channels_last, bias) -> int:
     return total + (book(channels * 4) if bias else 0)  # the bf16 bias conversion buffer
 
 
+def bwd_weights_kernel(conv: ConvShape) -> str | None:
+    """The bf16 weight-gradient kernel oneDNN picks for ``conv`` (``"jit_dw"``, ``"jit_bf16_1x1"``,
+    ``"jit_bf16"`` or ``"gemm"``, after the names ONEDNN_VERBOSE prints), or None for a dilated
+    convolution (not modelled). The same at ``avx512_core`` and at the native bf16 levels (the order
+    of ``cpu/cpu_convolution_list.cpp``; measured at both). ``gemm``'s scratchpad is sized by
+    :mod:`memguard.estimator._onednn_gemm`."""
+    ic, oc, kh, kw, stride, pad = conv.ic, conv.oc, conv.kh, conv.kw, conv.stride, conv.pad
+    groups, channels_last = conv.groups, conv.channels_last
+    per_group_in, per_group_out = ic // groups, oc // groups
+    depthwise = groups > 1 and per_group_in == 1 and per_group_out == 1
+    if conv.dilation != 1:
+        return None
+    if depthwise and kw <= 3 and stride <= kw:  # jit_uni_dw_conv_kernel_utils.cpp: kernels up to 3 wide
+        return "jit_dw"
+    if kh == 1 and kw == 1 and pad == 0 and groups == 1:
+        return "jit_bf16_1x1"
+    if channels_last or (groups == 1 and (per_group_in >= 16 or oc % 16 == 0)) or (
+            per_group_in % 16 == 0 and per_group_out % 16 == 0):
+        return "jit_bf16"
+    return "gemm"
+
+
+def bwd_weights_blocked_weight_bytes(conv: ConvShape, itemsize: int, block: int = 16) -> int:
+    """Bytes of the weight gradient in the grouped layout the direct kernels compute it in:
+    ``gOIhw16i16o`` (``aBCde16c16b`` in ONEDNN_VERBOSE; ``gOIhw8i8o`` with ``block=8``, fp32 on
+    AVX2), each group's output and input channels padded to the block, so a depthwise weight
+    gradient takes ``block**2`` times its plain size (jit_avx512_core_bf16_conv_kernel.cpp,
+    jit_avx512_common_conv_kernel.cpp and jit_avx2_conv_kernel_f32.cpp, bwd-weights ``init_conf``:
+    ``wei_tag`` with groups; measured to the byte on channels-last 7x7 depthwise convolutions)."""
+    return conv.groups * rnd_up(conv.oc // conv.groups, block) * rnd_up(conv.ic // conv.groups, block) \
+        * conv.kh * conv.kw * itemsize
+
+
 def bwd_weights_scratchpad_bytes(conv: ConvShape, *, threads: int, isa: str) -> int | None:
     """The scratchpad of one bf16 weight-gradient convolution in oneDNN, or None where the kernel
     oneDNN picks is not modelled (see Known limitations). ``threads`` is the intra-op thread count;
     ``isa`` is ``"avx512_core"`` or a level with a native bf16 dot product."""
-    ic, oc, kh, kw, stride, pad = conv.ic, conv.oc, conv.kh, conv.kw, conv.stride, conv.pad
-    dilation, groups, channels_last, bias = conv.dilation, conv.groups, conv.channels_last, conv.bias
-    per_group_in, per_group_out = ic // groups, oc // groups
-    depthwise = groups > 1 and per_group_in == 1 and per_group_out == 1
-    if dilation != 1:
-        return None
-    if depthwise and kw <= 3 and stride <= kw:
-        return _depthwise(conv.n, groups, kh, kw, threads, channels_last, bias)
-    if kh == 1 and kw == 1 and pad == 0 and groups == 1:
+    kernel = bwd_weights_kernel(conv)
+    if kernel == "jit_dw":
+        return _depthwise(conv.n, conv.groups, conv.kh, conv.kw, threads, conv.channels_last, conv.bias)
+    if kernel == "jit_bf16_1x1":
         return _one_by_one(conv, threads)
-    if channels_last or (groups == 1 and (per_group_in >= 16 or oc % 16 == 0)) or (
-            per_group_in % 16 == 0 and per_group_out % 16 == 0):
+    if kernel == "jit_bf16":
         return _jit(conv, threads, native=isa != "avx512_core")
-    return None
+    return None  # gemm (see _onednn_gemm) or a dilated convolution
