@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten
 
 from memguard.batch import LossFn, compute_loss, map_tensors, tensor_leaves
 from memguard.errors import ConfigError
+from memguard.estimator._dtypes import built_dtypes
 from memguard.estimator._cpu_kernels import CPU_RULES, CpuTarget, Replay
 from memguard.estimator._cuda_kernels import CUDA_OP_RULES, UNMODELLED_OPS, CudaTarget
 from memguard.estimator._fake_corrections import CORRECTIONS
@@ -142,6 +143,8 @@ class Trace:
             replay (:class:`memguard.estimator._unmodelled.Unmodelled` entries, in call order).
         streams: handle -> stream id (1, 2, ...) of the storages allocated while a stream other
             than the default one was current (FSDP2's collective streams); absent: the default.
+        param_dtypes: the user's floating parameters as built, before any cast
+            (:func:`memguard.estimator._dtypes.built_dtypes`).
     """
 
     events: list[tuple[int, int]] = field(default_factory=list)
@@ -157,6 +160,7 @@ class Trace:
     flops: int = 0
     unmodelled: list = field(default_factory=list)
     streams: dict[int, int] = field(default_factory=dict)
+    param_dtypes: tuple[tuple[str, int, int], ...] = ()
 
     def phase_of(self, index: int) -> str:
         """The phase that event ``index`` belongs to."""
@@ -713,6 +717,7 @@ class StepTracer:
         trace.num_params = sum(p.numel() for p in params)
         trace.num_trainable_params = sum(p.numel() for p in trainable)
         trace.trainable_param_bytes = sum(p.numel() * p.element_size() for p in trainable)
+        trace.param_dtypes = built_dtypes(self.model.parameters())  # before the precision's cast
         # DeepSpeed's largest layer (estimate_zero3_model_states_mem_needs_all_live): the most
         # parameters any single module holds itself
         trace.largest_layer_params = max(
