@@ -40,6 +40,7 @@ import dataclasses
 import gc
 import logging
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -53,7 +54,7 @@ from memguard.errors import ConfigError
 from memguard.estimator._dtypes import built_dtypes
 from memguard.estimator._cpu_kernels import CPU_RULES, CpuTarget, Replay
 from memguard.estimator._cuda_kernels import CUDA_OP_RULES, UNMODELLED_OPS, CudaTarget
-from memguard.estimator._fake_corrections import CORRECTIONS
+from memguard.estimator._fake_corrections import CORRECTIONS, unpacked_positions
 from memguard.estimator._result import Category
 
 PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
@@ -678,7 +679,7 @@ class StepTracer:
     def run(self) -> Trace:
         """Trace one step: training (forward, backward, optimizer step) or, with ``spec.train=False``,
         evaluation (one ``no_grad`` forward whose output is kept; see :func:`trace_step`)."""
-        with _preserved_rng():
+        with _preserved_rng(), self._own_positions():
             self.setup()
             with self.mode:
                 if self.spec.grads_present:
@@ -699,6 +700,14 @@ class StepTracer:
         if collector is not None:
             self.trace.unmodelled = list(collector.unmodelled)
         return self.trace
+
+    def _own_positions(self) -> contextlib.AbstractContextManager:
+        """transformers' packed-sequence check answered as on real tensors where the model makes its own
+        positions: the model called with the batch itself, which holds no ``position_ids``
+        (:func:`~memguard.estimator._fake_corrections.unpacked_positions`)."""
+        batch = self.batch
+        own = isinstance(batch, torch.Tensor) or (isinstance(batch, Mapping) and "position_ids" not in batch)
+        return unpacked_positions() if self.loss_fn is None and own else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> None:
