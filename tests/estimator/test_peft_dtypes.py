@@ -172,3 +172,20 @@ def test_notes_name_the_convention_for_each_precision_and_engine():
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert f"bfloat16 ({frozen:,} frozen)" in note and f"float32 ({trainable:,} trainable)" in note
+
+
+@pytest.mark.cpu_truth
+def test_no_cache_decoder_with_grouped_kv_heads(tmp_path):
+    # The HF Trainer runs the model with config.use_cache = TrainingArguments.use_cache (False). transformers then
+    # asks whether the positions it makes pack several sequences; a real run reads arange (one sequence) and skips
+    # the causal mask, so SDPA takes the 2 key/value heads as they are. The trace must do the same: the fake check
+    # used to answer "packed", adding a mask and repeat_kv copies of every layer's keys and values (+6% here).
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    batch = lm_batch(2, 256)
+    est = memguard.estimate(model, batch, device="cpu", precision="bf16-mixed")
+    assert_close(est.peak_bytes, real_peak(model, batch, lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
