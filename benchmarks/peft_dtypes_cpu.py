@@ -30,6 +30,7 @@ import contextlib
 import copy
 import json
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -45,8 +46,8 @@ from benchmarks.ground_truth import default_loss, measure_cpu_peak  # noqa: E402
 import memguard  # noqa: E402
 
 _MIB = 1 << 20
-_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-            "gpt2": ["c_attn", "c_proj", "c_fc"]}
+_LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_TARGETS = {"llama": _LLAMA, "llama-gqa": _LLAMA, "gpt2": ["c_attn", "c_proj", "c_fc"]}
 CASES = ("plain", "plain-bf16-adapters", "autocast", "lightning-bf16-true", "hf-trainer-bf16")
 
 
@@ -55,9 +56,10 @@ def build(name: str, *, autocast_adapter_dtype: bool = True):
     import peft
     import transformers
 
-    if name == "llama":
+    if name.startswith("llama"):  # llama-gqa: 2 key/value heads for 8 query heads
         cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=8, vocab_size=2048,
+                                       num_attention_heads=8, num_key_value_heads=2 if name == "llama-gqa" else 8,
+                                       vocab_size=2048,
                                        max_position_embeddings=256)
         ctor = transformers.LlamaForCausalLM
     else:
@@ -146,7 +148,11 @@ def write(rows: list[dict], out: Path, command: str, machine: str) -> None:
              f"Command: `{command}`  ", f"Date: {date}  ", f"Machine: {machine}", "",
              "Real: the steady-state (second) step's peak of live tensor bytes (torch.profiler memory events, "
              "`benchmarks/ground_truth.py`). Model: a bf16 base with r=16 LoRA adapters from "
-             "`peft.get_peft_model` (float32 adapters unless the case says otherwise), AdamW on the adapters.", "",
+             "`peft.get_peft_model` (float32 adapters unless the case says otherwise), AdamW on the adapters. "
+             "`estimate`: `memguard.estimate(model, batch, device=\"cpu\", precision=...)` of the model as the user "
+             "built it (for `hf-trainer-bf16`: after the Trainer set `config.use_cache = args.use_cache`, False). "
+             "`callback plan`: the `MemguardCallback`'s `plan.estimate`, made in `on_init_end`, before the Trainer "
+             "sets `use_cache` (trainer.py, step 11 of `__init__`), so it traces the model's own `use_cache=True`.", "",
              "| model | case | precision | adapters | real (MiB) | estimate (MiB) | error | peak phase (real/est) "
              "| callback plan (MiB) | error |",
              "|---|---|---|---|---:|---:|---:|---|---:|---:|"]
@@ -162,7 +168,7 @@ def write(rows: list[dict], out: Path, command: str, machine: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--models", nargs="+", default=["llama", "gpt2"], choices=sorted(_TARGETS))
+    parser.add_argument("--models", nargs="+", default=["llama", "llama-gqa", "gpt2"], choices=sorted(_TARGETS))
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
@@ -178,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(f"{m:6s} {c:20s} {row['precision']:10s} real {row['real_bytes'] / _MIB:9.3f} MiB  "
                   f"estimate {row['estimate_bytes'] / _MIB:9.3f} MiB  {100 * row['error']:+.2f}%", flush=True)
-    command = "python benchmarks/peft_dtypes_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write(rows, ns.out, command.strip(), ns.machine)
+    command = shlex.join(["python", "benchmarks/peft_dtypes_cpu.py", *(argv if argv is not None else sys.argv[1:])])
+    write(rows, ns.out, command, ns.machine)
 
 
 if __name__ == "__main__":
