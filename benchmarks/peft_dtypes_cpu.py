@@ -129,7 +129,8 @@ def run_case(model_name: str, case: str, batch_size: int, seq: int) -> dict:
             "real_phase": truth.peak_phase, "estimate_phase": est.peak_phase,
             "adapter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
                                       if p.requires_grad}),
-            "callback_plan_bytes": planned, "estimate_seconds": est_s, "note": next((n for n in est.notes if "parameters in" in n), "")}
+            "callback_plan_bytes": planned, "estimate_seconds": est_s,
+            "note": next((n for n in est.notes if "parameters in" in n), "")}
 
 
 def _planned(r: dict) -> str:

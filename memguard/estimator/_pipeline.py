@@ -12,8 +12,9 @@ the stage's parameters, gradients and optimizer state and the stage's p2p receiv
 (``stage.py``, ``_prepare_forward_infra`` / ``_prepare_backward_infra``, made on a warm-up step, as
 in a running job). The last stage's loss is the model's own (``loss_function``: transformers'
 ``ForCausalLMLoss``) on each micro-batch's logits; it keeps no outputs. Under the trace the
-stage's causal mask is made as on real tensors (:func:`unpacked_positions`) and every sent tensor
-lives as long as its send's work (:func:`held_sends`).
+stage's causal mask is made as on real tensors
+(:func:`~memguard.estimator._fake_corrections.unpacked_positions`) and every sent tensor lives as
+long as its send's work (:func:`held_sends`).
 
 Under the multi-stage schedules (``Interleaved1F1B``, ``ZBVZeroBubble``) the copy is cut into ``pp *
 pp_stages_per_rank`` virtual stages, rank ``r`` keeps the ones torch's layout gives it
@@ -32,8 +33,8 @@ Known limitations:
     pipeline stages alone and with FSDP2 or TP inside, and 2 ranks of 2 virtual stages each under
     ``Interleaved1F1B`` and ``ZBVZeroBubble``) every rank's estimate equals that rank's real peak of
     live tensor bytes in every step the replay saw whole; two things the fake run does differently from
-    a real one are undone for that (:func:`unpacked_positions`: the stage's causal mask;
-    :func:`held_sends`: send works keep what they send).
+    a real one are undone for that (``unpacked_positions`` of :mod:`memguard.estimator._fake_corrections`:
+    the stage's causal mask; :func:`held_sends`: send works keep what they send).
     Every rank holds the replica's batch (the first stage reads its ``input_ids``, the last
     its ``labels``). The trace's ``forward`` phase holds the whole schedule, backward included.
 """
