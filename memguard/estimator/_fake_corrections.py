@@ -17,12 +17,17 @@ size. Found by comparing the trace with a real CPU step under ``torch.profiler``
   return the 0-dim result as a view of it (measured on torch 2.13: ``F.mse_loss(a, b)`` of two
   64x128 fp32 tensors has a 32768-byte storage; ``l1_loss`` and ``cross_entropy`` do not), so the
   whole buffer lives as long as the loss does. The meta kernels return a 4-byte scalar.
+
+:func:`unpacked_positions` answers transformers' packed-sequence check on fake positions as the real
+run answers it for positions the model makes itself (no decoder cache: ``use_cache=False``, as the
+HF Trainer runs, or a pipeline stage).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -85,3 +90,40 @@ CORRECTIONS: dict[Any, Callable[[tuple, Any], Any]] = {
     torch.ops.aten.binary_cross_entropy.default: _reduction_arg(3),
     torch.ops.aten.soft_margin_loss.default: _reduction_arg(2),
 }
+
+
+@contextlib.contextmanager
+def unpacked_positions() -> Iterator[None]:
+    """The causal mask of a transformers decoder as a real run makes it, for positions the model makes.
+
+    Called with no decoder cache (``use_cache=False``: the HF Trainer's ``TrainingArguments.use_cache``
+    default, a pipeline stage) and no ``position_ids``, transformers makes ``arange(seq)`` positions
+    and asks whether they pack several sequences (``masking_utils.py``, ``_preprocess_mask_arguments``
+    -> ``find_packed_sequence_indices``, 5.x). On real tensors the answer is read from the data
+    (``arange``: one sequence, ``None``), so ``create_causal_mask`` may skip the mask
+    (``_ignore_causal_mask_sdpa``) and SDPA takes the grouped key/value heads as they are
+    (``sdpa_attention.py``, ``use_gqa_in_sdpa``: no mask). On fake tensors the data cannot be read
+    (``is_tracing``), so the positions count as packed, a ``(seq, seq)`` mask is made and ``repeat_kv``
+    copies every layer's keys and values to all query heads, kept for backward: the trace held those
+    copies where the real step does not. Here a fake call answers what the real one does for the
+    positions the model makes (only for those: given packed ``position_ids`` would be read as one
+    sequence)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers: no decoder to cut
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import is_fake
+
+    def find(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if is_fake(position_ids) else original(position_ids)
+
+    masking_utils.find_packed_sequence_indices = find
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original

@@ -12,8 +12,9 @@ the stage's parameters, gradients and optimizer state and the stage's p2p receiv
 (``stage.py``, ``_prepare_forward_infra`` / ``_prepare_backward_infra``, made on a warm-up step, as
 in a running job). The last stage's loss is the model's own (``loss_function``: transformers'
 ``ForCausalLMLoss``) on each micro-batch's logits; it keeps no outputs. Under the trace the
-stage's causal mask is made as on real tensors (:func:`unpacked_positions`) and every sent tensor
-lives as long as its send's work (:func:`held_sends`).
+stage's causal mask is made as on real tensors
+(:func:`~memguard.estimator._fake_corrections.unpacked_positions`) and every sent tensor lives as
+long as its send's work (:func:`held_sends`).
 
 Under the multi-stage schedules (``Interleaved1F1B``, ``ZBVZeroBubble``) the copy is cut into ``pp *
 pp_stages_per_rank`` virtual stages, rank ``r`` keeps the ones torch's layout gives it
@@ -32,8 +33,8 @@ Known limitations:
     pipeline stages alone and with FSDP2 or TP inside, and 2 ranks of 2 virtual stages each under
     ``Interleaved1F1B`` and ``ZBVZeroBubble``) every rank's estimate equals that rank's real peak of
     live tensor bytes in every step the replay saw whole; two things the fake run does differently from
-    a real one are undone for that (:func:`unpacked_positions`: the stage's causal mask;
-    :func:`held_sends`: send works keep what they send).
+    a real one are undone for that (``unpacked_positions`` of :mod:`memguard.estimator._fake_corrections`:
+    the stage's causal mask; :func:`held_sends`: send works keep what they send).
     Every rank holds the replica's batch (the first stage reads its ``input_ids``, the last
     its ``labels``). The trace's ``forward`` phase holds the whole schedule, backward included.
 """
@@ -48,6 +49,7 @@ import torch
 from torch import nn
 
 from memguard.errors import ConfigError
+from memguard.estimator._fake_corrections import unpacked_positions
 from memguard.estimator._result import Category
 from memguard.estimator._trace import ScalarStub, StepTracer, Trace, TraceSpec, quiet_fake_tensor_log
 
@@ -311,41 +313,6 @@ def causal_lm_loss(model: nn.Module) -> Any:
         return model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
     return loss
-
-
-@contextlib.contextmanager
-def unpacked_positions() -> Iterator[None]:
-    """The stage's causal mask as a real run makes it.
-
-    A stage calls the base model with ``use_cache=False`` and no ``position_ids``, so transformers
-    makes ``arange(seq)`` positions and, with no cache, asks whether they pack several sequences
-    (``masking_utils.py``, ``_preprocess_mask_arguments`` -> ``find_packed_sequence_indices``, 5.x).
-    On real tensors the answer is read from the data (``arange``: one sequence, ``None``), so
-    ``create_causal_mask`` may skip the mask (``_ignore_causal_mask_sdpa``) and SDPA takes the
-    grouped key/value heads as they are (``sdpa_attention.py``, ``use_gqa_in_sdpa``: no mask). On
-    fake tensors the data cannot be read (``is_tracing``), so the positions count as packed, a
-    ``(seq, seq)`` mask is made and ``repeat_kv`` copies every layer's keys and values to all
-    query heads, kept for backward: the trace held those copies where the real step does not.
-    Here a fake call answers what the real one does for the positions the stage makes."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # no transformers: no decoder to cut
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    from torch._subclasses.fake_tensor import is_fake
-
-    def find(position_ids: torch.Tensor) -> torch.Tensor | None:
-        return None if is_fake(position_ids) else original(position_ids)
-
-    masking_utils.find_packed_sequence_indices = find
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
 
 
 class _HeldWorks(list):

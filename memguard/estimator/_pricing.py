@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from memguard.estimator._analysis import Timeline, scaled_events, scan
 from memguard.estimator._cuda import ROUND_LARGE
+from memguard.estimator._dtypes import dtype_note
 from memguard.estimator._result import Category, Estimate
 from memguard.estimator._sharding import TracedStates, ZeroBuckets, ZeroSetup, model_state_factors
 from memguard.estimator._targets import Target, cudnn_text, stack_of, traced_precision
@@ -243,6 +244,9 @@ def _estimate_from_factors(trace, factors, target: Target, *, micro_batch_size, 
         from memguard.estimator._fsdp2 import FSDP2_NOTE, describe_stage
 
         notes = notes + (FSDP2_NOTE.format(stage=zero_stage, what=describe_stage(zero_stage), world=world_size),)
+    dtypes = dtype_note(getattr(trace, "param_dtypes", ()), precision, strategy, zero_stage)
+    if dtypes is not None:  # parameters of several dtypes (PEFT's float32 adapters on a 16-bit base)
+        notes = notes + (dtypes,)
     model_state = sum(breakdown.get(c, 0) for c in ("params", "grads", "optimizer"))
     est = Estimate(
         peak_bytes=int(peak),

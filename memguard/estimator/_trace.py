@@ -40,6 +40,7 @@ import dataclasses
 import gc
 import logging
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -50,9 +51,10 @@ from torch.utils._pytree import tree_flatten
 
 from memguard.batch import LossFn, compute_loss, map_tensors, tensor_leaves
 from memguard.errors import ConfigError
+from memguard.estimator._dtypes import built_dtypes
 from memguard.estimator._cpu_kernels import CPU_RULES, CpuTarget, Replay
 from memguard.estimator._cuda_kernels import CUDA_OP_RULES, UNMODELLED_OPS, CudaTarget
-from memguard.estimator._fake_corrections import CORRECTIONS
+from memguard.estimator._fake_corrections import CORRECTIONS, unpacked_positions
 from memguard.estimator._result import Category
 
 PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
@@ -146,6 +148,8 @@ class Trace:
             a parameter's storage is the parameter's and not listed).
         buffer_source_bytes: the buffers' bytes in the dtypes of the user's model (before any cast
             of a ``*-true`` precision): what an engine that leaves buffers alone holds (DeepSpeed).
+        param_dtypes: the user's floating parameters as built, before any cast
+            (:func:`memguard.estimator._dtypes.built_dtypes`).
     """
 
     events: list[tuple[int, int]] = field(default_factory=list)
@@ -163,6 +167,7 @@ class Trace:
     streams: dict[int, int] = field(default_factory=dict)
     buffer_handles: list[int] = field(default_factory=list)
     buffer_source_bytes: int = 0
+    param_dtypes: tuple[tuple[str, int, int], ...] = ()
 
     def phase_of(self, index: int) -> str:
         """The phase that event ``index`` belongs to."""
@@ -681,7 +686,7 @@ class StepTracer:
     def run(self) -> Trace:
         """Trace one step: training (forward, backward, optimizer step) or, with ``spec.train=False``,
         evaluation (one ``no_grad`` forward whose output is kept; see :func:`trace_step`)."""
-        with _preserved_rng():
+        with _preserved_rng(), self._own_positions():
             self.setup()
             with self.mode:
                 if self.spec.grads_present:
@@ -703,6 +708,14 @@ class StepTracer:
             self.trace.unmodelled = list(collector.unmodelled)
         return self.trace
 
+    def _own_positions(self) -> contextlib.AbstractContextManager:
+        """transformers' packed-sequence check answered as on real tensors where the model makes its own
+        positions: the model called with the batch itself, which holds no ``position_ids``
+        (:func:`~memguard.estimator._fake_corrections.unpacked_positions`)."""
+        batch = self.batch
+        own = isinstance(batch, torch.Tensor) or (isinstance(batch, Mapping) and "position_ids" not in batch)
+        return unpacked_positions() if self.loss_fn is None and own else contextlib.nullcontext()
+
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Build the fake copy (:meth:`prepare_model` may change it), the fake batch, the optimizer
@@ -720,6 +733,7 @@ class StepTracer:
         trace.num_params = sum(p.numel() for p in params)
         trace.num_trainable_params = sum(p.numel() for p in trainable)
         trace.trainable_param_bytes = sum(p.numel() * p.element_size() for p in trainable)
+        trace.param_dtypes = built_dtypes(self.model.parameters())  # before the precision's cast
         # DeepSpeed's largest layer (estimate_zero3_model_states_mem_needs_all_live): the most
         # parameters any single module holds itself
         trace.largest_layer_params = max(
