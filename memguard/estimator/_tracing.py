@@ -145,6 +145,9 @@ def run_trace(model, batch, request: TraceRequest, *, optimizer, loss_fn):
     Raises:
         ConfigError: the model, batch or loss cannot be traced.
     """
+    from memguard.estimator._nf4 import twin_4bit_layers
+
+    model = twin_4bit_layers(model)  # bitsandbytes' 4-bit layers are traced as their twins
     fsdp2 = request.fsdp2
     if fsdp2 is not None:
         from memguard.estimator._fsdp2_trace import trace_fsdp2_step
