@@ -236,8 +236,10 @@ def qlora_model(model: nn.Module, *, rank: int = LORA_RANK, alpha: int = LORA_AL
       every fp16/bf16 parameter that is not ``Params4bit``);
     * the adapted layers run peft's 4-bit LoRA forward (:class:`_LoraOver`).
 
-    ``prepare_model_for_kbit_training`` also turns gradient checkpointing on: estimate with
-    ``activation_checkpointing=True`` (``memguard.plan(..., finetune="qlora")`` does).
+    ``prepare`` also turns checkpointing on as ``prepare_model_for_kbit_training`` does on a
+    transformers model (:func:`_kbit_checkpointing`: every decoder layer, inside the model's own
+    forward); on another model it cannot, so estimate that with ``activation_checkpointing=True``
+    (``memguard.plan(..., finetune="qlora")`` does).
 
     Raises:
         ConfigError: the model has no linear layer to adapt, or a storage dtype that cannot hold a layer.
@@ -268,7 +270,32 @@ def qlora_model(model: nn.Module, *, rank: int = LORA_RANK, alpha: int = LORA_AL
         except ValueError as exc:
             raise ConfigError(f"{name}: {exc}; use bnb_4bit_quant_storage=torch.uint8 or a 16-bit dtype") from exc
         setattr(parent, leaf, _LoraOver(layer, fan_in, fan_out, rank, alpha) if name in names else layer)
+    if prepare:
+        _kbit_checkpointing(twin)
     return twin
+
+
+def _kbit_checkpointing(model: nn.Module) -> bool:
+    """What prepare_model_for_kbit_training (peft/utils/other.py) turns on in a transformers model:
+    ``enable_input_require_grads()`` (its ``gradient_checkpointing_kwargs`` default, ``{}``, has no
+    ``use_reentrant``) and ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={})``: every
+    decoder layer checkpointed with torch's default ``use_reentrant``. False when ``model`` has no such
+    methods (not a transformers model)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
+    if callable(enable):
+        enable(activation_checkpointing_kwargs={})
+    elif callable(getattr(model, "gradient_checkpointing_enable", None)):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={})
+    else:
+        return False
+    model.enable_input_require_grads()
+    return True
+
+
+def checkpointed_inside(model: nn.Module) -> bool:
+    """True when a transformers model checkpoints its layers itself (``gradient_checkpointing`` set on
+    a submodule: modeling_utils.PreTrainedModel.is_activation_checkpointing)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 class _LoraOver(nn.Module):

@@ -173,8 +173,8 @@ def test_qlora_step_peak_within_3_percent(checkpoint):
     est_real = memguard.estimate(model, batch, device="cpu", precision="32-true")
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **LLAMA))
-    est_twin = memguard.estimate(_twins.qlora_model(meta), batch, device="cpu", precision="32-true",
-                                 activation_checkpointing=True)
+    # the twin checkpoints every layer inside the model, as prepare_model_for_kbit_training does
+    est_twin = memguard.estimate(_twins.qlora_model(meta), batch, device="cpu", precision="32-true")
     real = _real_peak(model, batch)
     assert abs(est_real.peak_bytes / real - 1) <= TOLERANCE, (est_real.peak_bytes, real)
     assert abs(est_twin.peak_bytes / real - 1) <= TOLERANCE, (est_twin.peak_bytes, real)
@@ -192,3 +192,38 @@ def test_qlora_step_peak_without_prepare_within_3_percent(checkpoint):
     real = _real_peak(model, batch)
     assert abs(est.peak_bytes / real - 1) <= TOLERANCE, (est.peak_bytes, real)
     assert abs(twin.peak_bytes / real - 1) <= TOLERANCE, (twin.peak_bytes, real)
+
+
+# ------------------------------------------------------------------------------ planning
+def _meta_llama(**sizes):
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model("llama", **{**LLAMA, **sizes}))
+
+
+def test_plan_finetune_qlora_plans_the_prepared_4bit_twin():
+    model = _meta_llama(hidden_size=64, intermediate_size=176, vocab_size=256)
+    batch = lm_batch(2, 32)
+    batch = {k: v % 256 for k, v in batch.items()}
+    plan = memguard.plan(model, batch, global_batch_size=2, device="cpu", budget_bytes=1 << 30,
+                         precision="bf16-mixed", finetune="qlora")
+    # prepare_model_for_kbit_training checkpoints every layer inside the model: the plan adds none
+    assert plan.checkpoint_blocks == 0
+    assert "QLoRA r=8" in plan.reasons["finetune"] and "checkpointed inside" in plan.reasons["finetune"]
+    # the plan's estimate is the twin's, which the CPU-real test above checks against bitsandbytes
+    est = memguard.estimate(_twins.qlora_model(model), batch, device="cpu", precision="bf16-mixed")
+    assert plan.estimate.peak_bytes == est.peak_bytes
+
+
+def test_cli_finetune_qlora(capsys):
+    import json
+
+    from memguard.cli import main
+
+    args = ["plan", "--hf", "llama", "--hf-config", "hidden_size=64", "intermediate_size=176", "num_hidden_layers=2",
+            "num_attention_heads=4", "num_key_value_heads=4", "vocab_size=256", "--seq-len", "32",
+            "--global-batch-size", "2", "--device", "cpu", "--budget", "1GiB", "--precision", "bf16-mixed",
+            "--finetune", "qlora", "--json", "-q"]
+    assert main(args) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert "QLoRA" in got["reasons"]["finetune"] and got["checkpoint_blocks"] == 0

@@ -209,8 +209,16 @@ def test_finetune_variant_modes():
     assert hasattr(lora.model, "peft_config") and lora.model is not model
     assert lora.request.precision == "bf16-mixed"  # adapters in fp32 under autocast: the LoRA recipe
     assert "r=8" in lora.reason and "q_proj" in lora.reason
-    with pytest.raises(ConfigError, match="finetune='qlora'"):
-        ft.finetune_variant(model, request, "qlora")
+    # QLoRA: 4-bit linear layers, the rest fp32, every block checkpointed (prepare_model_for_kbit_training)
+    qlora = ft.finetune_variant(model, request, "qlora")
+    assert any(isinstance(m, twins.NF4Linear) for m in qlora.model.modules())
+    assert {p.dtype for p in qlora.model.parameters() if p.is_floating_point()} == {torch.float32}
+    # transformers' checkpointing is on inside the twin, so the plan adds none
+    assert qlora.request.activation_checkpointing is False and qlora.request.precision == "bf16-mixed"
+    assert qlora.model.model.layers[0].gradient_checkpointing is True
+    assert "QLoRA r=8" in qlora.reason and "4-bit NF4" in qlora.reason
+    with pytest.raises(ConfigError, match="finetune='qqlora'"):
+        ft.finetune_variant(model, request, "qqlora")
     # a user's optimizer instance is rebuilt over the adapters only
     inst = torch.optim.SGD(tiny_llama("cpu").parameters(), lr=0.5, momentum=0.9)
     lora2 = ft.finetune_variant(model, PlanRequest(global_batch_size=4, device="cpu", budget_bytes=10**9,
