@@ -158,6 +158,25 @@ def test_fsdp2_shards_the_packed_weights_as_it_shards_bitsandbytes(checkpoint):
     assert real_rank == twin_rank and real_rank[0] * 2 == whole
 
 
+def test_a_meta_model_with_bitsandbytes_layers_is_estimated_as_its_twin():
+    # transformers' replace_with_bnb_linear on a meta model (what from_pretrained does before it
+    # loads and quantises): unquantised Linear4bit layers, no memory; the estimate is the twin's
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    config = transformers.AutoConfig.for_model("llama", **LLAMA)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        plain = transformers.AutoModelForCausalLM.from_config(config)
+    model = replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=quant)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=8, target_modules=TARGETS))
+    batch = lm_batch()
+    got = memguard.estimate(model, batch, device="cpu", precision="32-true")
+    want = memguard.estimate(_twins.qlora_model(plain, prepare=False), batch, device="cpu", precision="32-true")
+    assert got.peak_bytes == want.peak_bytes and got.breakdown == want.breakdown
+
+
 # ------------------------------------------------------------------------------ the step
 def _real_peak(model, batch) -> int:
     model.train()
