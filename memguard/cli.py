@@ -427,9 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--strategy", type=_strategy_list, action="extend", metavar="S[,S...]",
                    help="the sharding strategy: ddp, deepspeed or fsdp2, or a comma list to choose among (default: "
                         "DDP, or DeepSpeed ZeRO for stages >= 1); under fsdp2 --zero-stage is FSDP2's sharding level")
-    w.add_argument("--finetune", choices=("full", "lora"),
+    w.add_argument("--finetune", choices=("full", "lora", "qlora"),
                    help="full: when nothing fits, list measured LoRA, QLoRA, 8-bit AdamW, bf16 and offload "
-                        "alternatives; lora: plan a LoRA twin of the model (needs peft)")
+                        "alternatives; lora: plan a LoRA twin of the model (needs peft); qlora: plan a QLoRA twin "
+                        "(4-bit NF4 base with double quantisation, fp32 embeddings/norms/head and checkpointing "
+                        "as peft's prepare_model_for_kbit_training leaves them, LoRA adapters)")
     w.add_argument("--eval", action="store_true",
                    help="plan an evaluation step (no_grad forward, outputs kept) instead of a training step: "
                         "--global-batch-size is the evaluation batch over all ranks")

@@ -157,6 +157,9 @@ def run_trace(model, batch, request: TraceRequest, *, optimizer, loss_fn):
     Raises:
         ConfigError: the model, batch or loss cannot be traced.
     """
+    from memguard.estimator._nf4 import twin_4bit_layers
+
+    model = twin_4bit_layers(model)  # bitsandbytes' 4-bit layers are traced as their twins
     if request.fsdp1 is not None:
         from memguard.estimator._fsdp1_trace import trace_fsdp1_step
 

@@ -1,14 +1,17 @@
 """Model surgery for estimation: stand-ins that hold the bytes of LoRA, QLoRA, NF4 and 8-bit AdamW.
 
 These build *other models and optimizers* whose memory memguard can trace on fake tensors, without
-the libraries they stand in for being traced (or, for bitsandbytes, installed):
+the libraries they stand in for being traced (or, for bitsandbytes, installed; a model with real
+bitsandbytes 4-bit layers is traced through the same twin, :func:`memguard.estimator._nf4.twin_4bit_layers`):
 
 * :func:`lora_model`: a LoRA twin (Hu et al. 2021, arXiv 2106.09685) of a model on ``meta``, built
   with ``peft``, adapting every linear layer of the repeated blocks (:func:`lora_target_modules`;
   the QLoRA paper, Dettmers et al. 2023, arXiv 2305.14314, section 4, found adapters on every linear
   layer of the blocks necessary to match full fine-tuning).
-* :func:`qlora_model`: LoRA over 4-bit NormalFloat base weights (same paper); :class:`NF4Linear`
-  holds the bytes of bitsandbytes' ``Linear4bit`` and dequantises the same way.
+* :func:`qlora_model`: LoRA over 4-bit NormalFloat base weights (same paper), as transformers'
+  ``BitsAndBytesConfig`` and ``peft.prepare_model_for_kbit_training`` build it;
+  :class:`~memguard.estimator._nf4.NF4Linear` holds the bytes of bitsandbytes' ``Linear4bit``
+  (packed codes in a frozen parameter, statistics in buffers) and allocates what it allocates.
 * :class:`AdamW8bitStandIn`: an optimizer whose state has the bytes of bitsandbytes' ``AdamW8bit``
   (Dettmers et al. 2021, arXiv 2110.02861).
 
@@ -29,6 +32,7 @@ from torch import nn
 from memguard.errors import ConfigError, MissingDependencyError
 from memguard.estimator._targets import unwrap_model
 from memguard.estimator._blocks import find_blocks
+from memguard.estimator._nf4 import NF4_BLOCK, NF4_DOUBLE_QUANT_BLOCK, NF4Linear, nf4_weight_bytes  # noqa: F401
 
 # peft's LoraConfig defaults (peft/tuners/lora/config.py, peft 0.21: r=8, lora_alpha=8,
 # lora_dropout=0.0); the rank changes the adapters' bytes only, a fraction of a percent of the base.
@@ -46,11 +50,6 @@ BNB_STATE_BLOCK = 2048
 # unified memory (F.get_paged, cudaMallocManaged) instead of PyTorch's caching allocator.
 BNB_PAGED_MIN_NUMEL = 100_000
 
-# NF4 storage (QLoRA, arXiv 2305.14314 section 3; bitsandbytes Linear4bit / quantize_4bit): two
-# 4-bit codes per byte, one absmax per block of 64 weights; double quantisation stores those absmax
-# as uint8 with one fp32 scale per block of 256 absmax values (the paper's c2 = 256; 0.127 bit/param).
-NF4_BLOCK = 64
-NF4_DOUBLE_QUANT_BLOCK = 256
 
 
 # ------------------------------------------------------------------------------ 8-bit optimizer
@@ -211,139 +210,98 @@ def lora_model(model: nn.Module, *, rank: int = LORA_RANK, alpha: int = LORA_ALP
 
 
 # ----------------------------------------------------------------------------------------- QLoRA
-def nf4_weight_bytes(numel: int, *, double_quant: bool = True) -> int:
-    """Bytes of one weight of ``numel`` elements in NF4 (QLoRA, arXiv 2305.14314, section 3).
-
-    Packed codes ``ceil(numel / 2)`` bytes; absmax per block of 64: fp32 (4 bytes), or with double
-    quantisation uint8 plus one fp32 per 256 absmax values.
-    """
-    blocks = math.ceil(numel / NF4_BLOCK)
-    absmax = blocks + 4 * math.ceil(blocks / NF4_DOUBLE_QUANT_BLOCK) if double_quant else 4 * blocks
-    return math.ceil(numel / 2) + absmax
-
-
-class _DequantMatmul(torch.autograd.Function):
-    """``linear(x, dequantise(W))`` that keeps the input and the packed weight for backward, as
-    bitsandbytes' ``MatMul4Bit`` does (bitsandbytes/autograd/_functions.py: forward ``linear(A,
-    dequantize_4bit(B))``, ``ctx.tensors = (A, B)``; backward dequantises again for ``grad_A =
-    grad_output @ W``). The dequantised weight is a temporary of the compute dtype in both passes."""
-
-    @staticmethod
-    def forward(ctx, x, packed, absmax, absmax2, shape, dtype):
-        ctx.save_for_backward(x, packed, absmax, absmax2)
-        ctx.shape, ctx.wdtype = shape, dtype
-        w = _nf4_dequantize(packed, absmax, absmax2, shape, x.dtype)
-        return torch.nn.functional.linear(x, w)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        _, packed, absmax, absmax2 = ctx.saved_tensors
-        w = _nf4_dequantize(packed, absmax, absmax2, ctx.shape, grad_out.dtype)
-        return grad_out @ w, None, None, None, None, None
-
-
-# The 16 NF4 levels: quantiles of N(0, 1) normalised to [-1, 1] (QLoRA appendix E; bitsandbytes
-# functional.get_4bit_type("nf4")).
-_NF4_LEVELS = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0,
-)
-
-
-def _nf4_dequantize(packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor, shape, dtype):
-    """The weight of ``shape`` from NF4 codes. On fake/meta tensors (tracing) only the result is
-    allocated, as bitsandbytes' fused kernel (``dequantize_4bit``) allocates only its output."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    if is_fake(packed) or packed.device.type == "meta":
-        return packed.new_empty(shape, dtype=dtype)
-    numel = math.prod(shape)
-    codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).reshape(-1)[:numel].long()
-    levels = torch.tensor(_NF4_LEVELS, dtype=torch.float32, device=packed.device)
-    scale = (absmax.float() * absmax2.repeat_interleave(NF4_DOUBLE_QUANT_BLOCK)[: absmax.numel()])
-    values = levels[codes] * scale.repeat_interleave(NF4_BLOCK)[:numel]
-    return values.reshape(shape).to(dtype)
-
-
-class NF4Linear(nn.Module):
-    """A frozen linear layer with 4-bit NormalFloat weights: the bytes of bitsandbytes' ``Linear4bit``
-    (``quant_type="nf4"``, ``compress_statistics=True``), traceable on fake tensors.
-
-    bitsandbytes is not a dependency of memguard (and was not installed where this was written, so
-    tracing its ``Linear4bit`` could not be tried). Its recent releases register fake kernels for the
-    4-bit ops (bitsandbytes/_ops.py: ``register_fake`` for ``dequantize_4bit``, ``gemm_4bit``), so
-    the real layer may trace where it is installed, but its weights are quantised when moved to a
-    device (``Params4bit``), which a ``meta`` model never is. memguard therefore models the layer:
-    ``packed`` (uint8, two codes per byte), ``absmax`` (uint8, one per 64 weights) and ``absmax2``
-    (fp32, one per 256 absmax values) are buffers, and the forward dequantises into a temporary of the
-    input's dtype, as bitsandbytes' ``MatMul4Bit`` does. Built from an ``nn.Linear`` on ``meta`` by
-    :func:`qlora_model`.
-
-    Known limitations:
-        The absmax values are stored as plain scales (a uint8 code times its block's fp32 scale),
-        not through bitsandbytes' 256-entry dynamic map with an offset; the bytes are the same.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, *, compute_dtype: torch.dtype,
-                 device: Any = "meta"):
-        super().__init__()
-        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
-        n = in_features * out_features
-        blocks = math.ceil(n / NF4_BLOCK)
-        self.register_buffer("packed", torch.zeros(math.ceil(n / 2), dtype=torch.uint8, device=device))
-        self.register_buffer("absmax", torch.zeros(blocks, dtype=torch.uint8, device=device))
-        self.register_buffer("absmax2", torch.zeros(math.ceil(blocks / NF4_DOUBLE_QUANT_BLOCK),
-                                                    dtype=torch.float32, device=device))
-        # Linear4bit keeps the bias as an ordinary (16-bit) parameter
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device),
-                                 requires_grad=False) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _DequantMatmul.apply(x, self.packed, self.absmax, self.absmax2,
-                                   (self.out_features, self.in_features), self.compute_dtype)
-        return out + self.bias if self.bias is not None else out
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    get_out = getattr(model, "get_output_embeddings", None)
+    return get_out() if callable(get_out) else None
 
 
 def qlora_model(model: nn.Module, *, rank: int = LORA_RANK, alpha: int = LORA_ALPHA,
-                compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A QLoRA twin of ``model`` on ``meta``: :class:`NF4Linear` base layers with fp32 LoRA adapters.
+                compute_dtype: torch.dtype = torch.bfloat16, base_dtype: torch.dtype | None = None,
+                quant_storage: torch.dtype = torch.uint8, double_quant: bool = True,
+                prepare: bool = True) -> nn.Module:
+    """A QLoRA twin of ``model`` on ``meta``: 4-bit NF4 base layers (:class:`NF4Linear`) with fp32 LoRA adapters.
 
-    The targeted linear layers (:func:`lora_target_modules`) become :class:`NF4Linear`; the rest of
-    the base (embeddings, norms, output layer) is held in ``compute_dtype``, as ``from_pretrained(...,
-    quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-    bnb_4bit_use_double_quant=True))`` leaves it. Adapters are plain ``nn.Linear`` pairs (LoRA's
-    ``B @ A`` path, ``lora_A`` then ``lora_B``, peft/tuners/lora/layer.py) in fp32.
+    What ``AutoModelForCausalLM.from_pretrained(..., dtype=base_dtype, quantization_config=
+    BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=
+    double_quant, bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=quant_storage))``,
+    then (``prepare``) ``peft.prepare_model_for_kbit_training`` and ``get_peft_model`` with
+    ``LoraConfig(r=rank, target_modules=lora_target_modules(model))`` build:
+
+    * every ``nn.Linear`` but the output layer becomes 4-bit (transformers' bitsandbytes
+      integration, ``replace_with_bnb_linear``, skips the modules of ``get_keys_to_not_convert``:
+      the output embeddings); its packed codes are a frozen parameter of ``quant_storage``, which
+      FSDP and ZeRO-3 shard, its statistics buffers, which they do not (:mod:`memguard.estimator._nf4`);
+    * the other weights (embeddings, norms, the output layer) stay in ``base_dtype`` (default
+      ``compute_dtype``), or with ``prepare`` are upcast to fp32 (prepare_model_for_kbit_training:
+      every fp16/bf16 parameter that is not ``Params4bit``);
+    * the adapted layers run peft's 4-bit LoRA forward (:class:`_LoraOver`).
+
+    ``prepare`` also turns checkpointing on as ``prepare_model_for_kbit_training`` does on a
+    transformers model (:func:`_kbit_checkpointing`: every decoder layer, inside the model's own
+    forward); on another model it cannot, so estimate that with ``activation_checkpointing=True``
+    (``memguard.plan(..., finetune="qlora")`` does).
 
     Raises:
-        ConfigError: the model has no linear layer to adapt.
+        ConfigError: the model has no linear layer to adapt, or a storage dtype that cannot hold a layer.
     """
+    from memguard.estimator._nf4 import NF4Linear
+
     model = unwrap_model(model)
     twin = _meta_twin(model)
-    names = _target_names(twin)
+    names = set(_target_names(twin))
     if not names:
         raise ConfigError(f"{type(model).__name__} has no nn.Linear layer for QLoRA to adapt")
+    head = _output_layer(twin)
+    kept = torch.float32 if prepare else (base_dtype or compute_dtype)
     for p in twin.parameters():
         p.requires_grad_(False)
         if p.is_floating_point():
-            p.data = p.data.to(compute_dtype)
-    for name in names:
+            p.data = p.data.to(kept)
+    quantised = [n for n, m in twin.named_modules() if n and _is_linear(m) and m is not head]
+    for name in quantised:
         parent_name, _, leaf = name.rpartition(".")
         parent = twin.get_submodule(parent_name) if parent_name else twin
         old = getattr(parent, leaf)
-        if isinstance(old, nn.Linear):
-            fan_in, fan_out = old.in_features, old.out_features
-        else:  # transformers Conv1D: weight (in, out)
-            fan_in, fan_out = old.weight.shape
-        setattr(parent, leaf, _LoraOver(NF4Linear(fan_in, fan_out, old.bias is not None,
-                                                  compute_dtype=compute_dtype), fan_in, fan_out, rank, alpha))
+        fan_in, fan_out = (old.in_features, old.out_features) if isinstance(old, nn.Linear) else old.weight.shape
+        try:
+            layer = NF4Linear(fan_in, fan_out, old.bias is not None, compute_dtype=compute_dtype,
+                              weight_dtype=base_dtype or compute_dtype, quant_storage=quant_storage,
+                              double_quant=double_quant)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}; use bnb_4bit_quant_storage=torch.uint8 or a 16-bit dtype") from exc
+        setattr(parent, leaf, _LoraOver(layer, fan_in, fan_out, rank, alpha) if name in names else layer)
+    if prepare:
+        _kbit_checkpointing(twin)
     return twin
 
 
+def _kbit_checkpointing(model: nn.Module) -> bool:
+    """What prepare_model_for_kbit_training (peft/utils/other.py) turns on in a transformers model:
+    ``enable_input_require_grads()`` (its ``gradient_checkpointing_kwargs`` default, ``{}``, has no
+    ``use_reentrant``) and ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={})``: every
+    decoder layer checkpointed with torch's default ``use_reentrant``. False when ``model`` has no such
+    methods (not a transformers model)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
+    if callable(enable):
+        enable(activation_checkpointing_kwargs={})
+    elif callable(getattr(model, "gradient_checkpointing_enable", None)):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={})
+    else:
+        return False
+    model.enable_input_require_grads()
+    return True
+
+
+def checkpointed_inside(model: nn.Module) -> bool:
+    """True when a transformers model checkpoints its layers itself (``gradient_checkpointing`` set on
+    a submodule: modeling_utils.PreTrainedModel.is_activation_checkpointing)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 class _LoraOver(nn.Module):
-    """``base(x) + B(A(x)) * alpha / r`` with fp32 adapters, as peft's ``lora.Linear`` computes it
-    (peft/tuners/lora/layer.py: the input is cast to the adapter's dtype, the result back)."""
+    """peft's LoRA over a 4-bit layer (peft/tuners/lora/bnb.py, ``Linear4bit.forward``): ``result =
+    base_layer(x).clone()`` (the defensive clone), then outside autocast the input cast to the
+    adapters' dtype (fp32) and the adapter output back to the result's, ``result + B(A(x)) * alpha / r``."""
 
     def __init__(self, base: nn.Module, fan_in: int, fan_out: int, rank: int, alpha: int):
         super().__init__()
@@ -353,6 +311,8 @@ class _LoraOver(nn.Module):
         self.scaling = alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
-        lora = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling
-        return out + lora.to(out.dtype)
+        result = self.base_layer(x).clone()
+        if torch.is_autocast_enabled():
+            return result + self.lora_B(self.lora_A(x)) * self.scaling
+        out = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling
+        return result + out.to(result.dtype)

@@ -294,6 +294,10 @@ def _planning_problems(options: Mapping[str, Any], c: Constraints) -> list[str]:
     if options.get("finetune") == "lora":
         out.append(f"finetune='lora' plans a LoRA twin of the model, which {c.source} cannot apply to the model "
                    "it was given: wrap the model with peft.get_peft_model first and pass that model")
+    if options.get("finetune") == "qlora":
+        out.append(f"finetune='qlora' plans a 4-bit QLoRA twin of the model, which {c.source} cannot apply to the "
+                   "model it was given: load it with BitsAndBytesConfig(load_in_4bit=True), prepare it with "
+                   "peft.prepare_model_for_kbit_training and get_peft_model, and pass that model")
     wanted = options.get("precision")
     if wanted is not None and c.precisions is not None and c.precisions[0] not in _as_tuple(wanted):
         fix = f"{c.fix_precision} or drop the option" if c.fix_precision else "drop the option"

@@ -12,8 +12,11 @@ usual answer for fine-tuning a large model on one GPU is not "more GPUs" but one
   plus ``gate/up/down_proj`` for Llama-style models and ``c_attn``/``c_proj``/``c_fc`` for GPT-2:
   the QLoRA paper (Dettmers et al. 2023, arXiv 2305.14314, section 4) found adapters on every
   linear layer of the blocks necessary to match full fine-tuning.
-* **QLoRA**: LoRA on 4-bit NormalFloat base weights (same paper). bitsandbytes' ``Linear4bit`` is
-  not used (see :class:`memguard.estimator._twins.NF4Linear`): a stand-in holds the same bytes and dequantises the same way.
+* **QLoRA**: LoRA on 4-bit NormalFloat base weights (same paper), as transformers'
+  ``BitsAndBytesConfig`` and ``peft.prepare_model_for_kbit_training`` leave the model: a stand-in
+  for bitsandbytes' ``Linear4bit`` (:class:`memguard.estimator._nf4.NF4Linear`) holds its bytes
+  where it holds them and allocates what it allocates; :func:`finetune_variant` plans it for
+  ``memguard.plan(..., finetune="qlora")``.
 * **An 8-bit optimizer** (Dettmers et al. 2021, arXiv 2110.02861): bitsandbytes' ``AdamW8bit``
   keeps both Adam moments in 8 bits with one fp32 scale per block.
   :class:`memguard.estimator._twins.AdamW8bitStandIn`
@@ -42,12 +45,14 @@ import torch
 from torch import nn
 
 from memguard.errors import ConfigError, InfeasiblePlanError, MissingDependencyError
+from memguard.estimator._nf4 import has_4bit_layers
 from memguard.estimator._targets import unwrap_model
 from memguard.estimator._twins import (
     LORA_RANK,
     AdamW8bitStandIn,
     _is_peft,
     _target_names,
+    checkpointed_inside,
     lora_model,
     lora_target_modules,
     qlora_model,
@@ -179,7 +184,11 @@ def _adapted_names(model: nn.Module) -> tuple[str, ...]:
 def finetune_variant(model: nn.Module, request: Any, finetune: str | None = None) -> FinetuneVariant:
     """What ``memguard.plan(model, batch, finetune=...)`` plans.
 
-    ``None`` and ``"full"``: the model and request as given. ``"lora"``: a ``meta`` LoRA twin of
+    ``None`` and ``"full"``: the model and request as given. ``"qlora"``: a ``meta`` QLoRA twin
+    (:func:`qlora_model`: 4-bit NF4 base, fp32 non-quantised weights, LoRA adapters), planned as
+    ``"lora"`` is and, unless the request says otherwise, with every block checkpointed (what
+    ``peft.prepare_model_for_kbit_training`` turns on). A model with bitsandbytes 4-bit layers
+    is planned as given. ``"lora"``: a ``meta`` LoRA twin of
     the model (:func:`lora_model`, base weights in bf16, or fp16 on GPUs without bf16), a request
     whose optimizer acts on the adapters only and whose precision, unless the user chose one, is the
     16-bit mixed precision the GPU supports (adapters in fp32 under autocast: the usual LoRA recipe).
@@ -199,14 +208,28 @@ def finetune_variant(model: nn.Module, request: Any, finetune: str | None = None
     problems = finetune_problems(finetune)
     if problems:
         raise ConfigError(problems)
-    if finetune != "lora" or _is_peft(unwrap_model(model)):
+    plain = unwrap_model(model)
+    if finetune not in ("lora", "qlora") or _is_peft(plain) or has_4bit_layers(plain):
         return FinetuneVariant(model, request, "")
     spec = request.resolve().spec
     base_dtype = torch.float16 if spec is not None and not spec.bf16 else torch.bfloat16
-    variant = lora_model(model, base_dtype=base_dtype)
     changes: dict[str, Any] = {"optimizer": _trainable_factory(request.optimizer)}
     if request.precision is None:
         changes["precision"] = _mixed16(spec)
+    if finetune == "qlora":
+        variant = qlora_model(model, compute_dtype=base_dtype, prepare=True)
+        inside = checkpointed_inside(variant)
+        if request.activation_checkpointing is None:
+            # prepare_model_for_kbit_training checkpoints every layer inside a transformers model;
+            # another model's blocks are checkpointed by the plan
+            changes["activation_checkpointing"] = not inside
+        reason = _lora_reason(variant, None, "QLoRA").replace(
+            "base weights frozen in their dtype", f"linear base weights frozen in 4-bit NF4 (double-quantised, "
+            f"{str(base_dtype).replace('torch.', '')} compute), the rest in fp32"
+            + (" and every layer checkpointed inside the model" if inside else "")
+            + " as peft.prepare_model_for_kbit_training leaves it")
+        return FinetuneVariant(variant, dataclasses.replace(request, **changes), reason)
+    variant = lora_model(model, base_dtype=base_dtype)
     new_request = dataclasses.replace(request, **changes)
     return FinetuneVariant(variant, new_request, _lora_reason(variant, base_dtype))
 
@@ -283,18 +306,17 @@ def alternatives(model: nn.Module, batch: Any, request: Any, *, plan_with: PlanW
             peak, plan = _measure(plan_with, variant.model, batch, _plain_request(variant.request))
             out.append(Alternative("lora", change, peak, plan is not None, variant.reason, plan))
     if want("qlora") and not peft_model and _target_names(model):
-        variant_model = qlora_model(model, compute_dtype=base16)
-        req = _plain_request(request, optimizer=_trainable_factory(request.optimizer), precision=precision)
-        peak, plan = _measure(plan_with, variant_model, batch, req)
+        variant = finetune_variant(model, _plain_request(request, precision=precision), "qlora")
+        peak, plan = _measure(plan_with, variant.model, batch, _plain_request(variant.request))
         out.append(Alternative(
             "qlora",
             f"QLoRA: load the base in 4-bit NF4 (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
             f"bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.{dname})) with the same LoRA adapters",
             peak, plan is not None,
-            "base weights modelled at NF4's bytes (0.5 byte/weight + absmax per 64, double-quantised; "
-            "arXiv 2305.14314), dequantised per layer in forward and backward as bitsandbytes does; "
-            "bitsandbytes itself is not traced; peft's prepare_model_for_kbit_training would also upcast "
-            "the non-quantised weights (embeddings, norms, output layer) to fp32, not counted here", plan))
+            "base weights at NF4's bytes (0.5 byte/weight + absmax per 64, double-quantised; arXiv "
+            "2305.14314), dequantised per layer in forward and backward as bitsandbytes' MatMul4Bit does; "
+            "embeddings, norms and output layer in fp32 and every block checkpointed, as "
+            "peft.prepare_model_for_kbit_training leaves them", plan))
     opt = request.optimizer
     adam_like = opt is None or isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)) or opt in (
         torch.optim.AdamW, torch.optim.Adam)

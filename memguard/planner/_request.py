@@ -41,8 +41,8 @@ DEFAULT_HEADROOM = 0.10
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 #: ``memguard.plan(..., finetune=...)``: None (the model as given), "full" (the model as given, and
 #: when nothing fits the measured alternatives of :mod:`memguard.planner._finetune`), "lora" (plan
-#: the LoRA variant).
-FINETUNE_CHOICES: tuple[str | None, ...] = (None, "full", "lora")
+#: the LoRA variant), "qlora" (plan the QLoRA variant: a 4-bit NF4 base).
+FINETUNE_CHOICES: tuple[str | None, ...] = (None, "full", "lora", "qlora")
 # /proc/meminfo reports kB, meaning KiB (proc(5), "/proc/meminfo").
 _MEMINFO_UNIT = KiB
 
@@ -78,7 +78,8 @@ class PlanRequest:
         train: True plans a training step; False an evaluation step
             (:func:`memguard.planner._eval_sizing.size_eval`).
         finetune: None (the model as given), ``"full"`` (the same, and measured fine-tuning
-            alternatives when nothing fits) or ``"lora"`` (plan a LoRA twin of the model); see
+            alternatives when nothing fits), ``"lora"`` (plan a LoRA twin of the model) or ``"qlora"``
+            (a QLoRA twin: 4-bit NF4 base, prepare_model_for_kbit_training, LoRA adapters); see
             :mod:`memguard.planner._finetune`.
         strategy: None = today's choice (DDP, or DeepSpeed ZeRO at ``zero_stage >= 1``); one of
             ``"ddp"``, ``"deepspeed"``, ``"fsdp2"`` fixes it; a sequence restricts the search to
@@ -504,7 +505,8 @@ def finetune_problems(value: Any, *, label: str = "finetune") -> list[str]:
     if value in FINETUNE_CHOICES:
         return []
     return [f"{label}={value!r} must be None (the model as given), 'full' (full fine-tuning; when nothing "
-            "fits, memguard measures LoRA, 8-bit optimizer, bf16-true and offload alternatives) or 'lora'"]
+            "fits, memguard measures LoRA, QLoRA, 8-bit optimizer, bf16-true and offload alternatives), 'lora' or "
+            "'qlora'"]
 
 
 def _job_problems(say: _Say, *, world: Any, device: Any, headroom: Any, budget: Any,

@@ -131,7 +131,11 @@ def plan(
         finetune: None plans the model as given; ``"full"`` too, and when nothing fits the error
             lists measured LoRA, QLoRA, 8-bit AdamW, bf16-true and CPU-offload alternatives
             (``.alternatives``; :func:`alternatives`); ``"lora"`` plans a LoRA twin of
-            the model (peft adapters on every linear layer of the repeated blocks, base in bf16).
+            the model (peft adapters on every linear layer of the repeated blocks, base in bf16);
+            ``"qlora"`` a QLoRA twin (the base in 4-bit NF4 as ``BitsAndBytesConfig(load_in_4bit=True,
+            bnb_4bit_use_double_quant=True)`` loads it, prepared by ``prepare_model_for_kbit_training``:
+            the other weights in fp32, every block checkpointed). A model loaded with bitsandbytes' 4-bit
+            layers is planned as given (its layers are traced as :class:`memguard.estimator._nf4.NF4Linear`).
         strategy: None = DDP, or DeepSpeed ZeRO at stages >= 1 (as before strategies existed);
             ``"ddp"``, ``"deepspeed"`` or ``"fsdp2"`` fixes it; a sequence lets memguard choose among
             them (``Plan.strategy`` says which). Under ``"fsdp2"`` ``zero_stage`` is FSDP2's sharding
@@ -214,9 +218,9 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, session:
     if problems:
         raise ConfigError(problems)
     variant = None
-    if request.finetune == "lora":
+    if request.finetune in ("lora", "qlora"):
         variant = finetune.finetune_variant(model, request)
-        if variant.model is not model:  # traces of the user's model do not apply to its LoRA twin
+        if variant.model is not model:  # traces of the user's model do not apply to its (Q)LoRA twin
             model, request, session = variant.model, variant.request, None
     space = request.resolve()
     if session is None:
@@ -248,7 +252,7 @@ def plan_request(model: nn.Module, batch: Any, request: PlanRequest, *, session:
         if request.finetune is None:
             raise InfeasiblePlanError(exc.reason, closest=exc.closest, suggestions=exc.suggestions + [
                 "fine-tuning? finetune='full' measures LoRA, QLoRA, 8-bit AdamW, bf16-true and CPU-offload "
-                "alternatives; finetune='lora' plans LoRA directly"]) from None
+                "alternatives; finetune='lora' or 'qlora' plans LoRA or QLoRA directly"]) from None
         raise
     if variant is not None and variant.reason:
         result = result.replace(reasons={**result.reasons, "finetune": variant.reason})

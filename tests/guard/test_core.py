@@ -141,4 +141,6 @@ def test_planning_options_that_would_plan_another_step_or_model_are_refused() ->
     problems = option_problems(Constraints(), plan_options={"train": False, "finetune": "lora", "budget_bytes": 1 << 30})
     assert any("memguard.evaluate" in p for p in problems)
     assert any("peft.get_peft_model" in p for p in problems)
+    qlora = option_problems(Constraints(), plan_options={"finetune": "qlora", "budget_bytes": 1 << 30})
+    assert any("BitsAndBytesConfig" in p for p in qlora)
     assert option_problems(Constraints(), plan_options={"finetune": "full", "budget_bytes": 1 << 30}) == []

@@ -14,6 +14,7 @@ from torch import nn
 import memguard
 from memguard import ConfigError
 from memguard.estimator import _twins as twins
+from memguard.estimator._nf4 import NF4_LEVELS as _NF4_LEVELS, nf4_constant_bytes
 from memguard.planner import _finetune as ft
 from memguard.planner.api import alternatives
 from memguard.planner._request import PlanRequest, finetune_problems
@@ -158,15 +159,25 @@ def test_nf4_bytes_and_layer_buffers():
     # without double quantisation: fp32 absmax per 64 (QLoRA's 0.5 bit/param overhead)
     assert twins.nf4_weight_bytes(n, double_quant=False) == n // 2 + 4 * (n // 64)
     layer = twins.NF4Linear(4096, 4096, False, compute_dtype=torch.bfloat16)
-    assert sum(b.numel() * b.element_size() for b in layer.buffers()) == twins.nf4_weight_bytes(n)
+    # the packed codes are a frozen uint8 parameter (Params4bit), the statistics buffers; the fp32
+    # constants (16-entry code, 256-entry map, offset) come on top of nf4_weight_bytes
+    assert [(p.dtype, p.requires_grad, p.numel()) for p in layer.parameters()] == [(torch.uint8, False, n // 2)]
+    state = sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
+    assert state == twins.nf4_weight_bytes(n) + 4 * (16 + 256 + 1)
 
 
 def test_nf4_dequantize_real_values():
-    # byte 0xF0 holds codes 15 (level +1.0) and 0 (level -1.0); absmax code 2 x block scale 0.5 = 1.0
-    packed = torch.full((32,), 0xF0, dtype=torch.uint8)  # 64 weights, one block
-    absmax = torch.tensor([2], dtype=torch.uint8)
-    absmax2 = torch.tensor([0.5])
-    w = twins._nf4_dequantize(packed, absmax, absmax2, (8, 8), torch.float32)
+    # byte 0xF0 holds codes 15 (level +1.0) and 0 (level -1.0); block scale = map[2] (0.25) x 2.0 + offset 0.5
+    layer = twins.NF4Linear(8, 8, False, compute_dtype=torch.float32).to_empty(device="cpu")
+    with torch.no_grad():
+        layer.weight.fill_(0xF0)
+        layer.code.copy_(torch.tensor(_NF4_LEVELS))
+        layer.absmax.fill_(2)
+        layer.code2.zero_()
+        layer.code2[2] = 0.25
+        layer.absmax2.fill_(2.0)
+        layer.offset.fill_(0.5)
+    w = layer.dequantize(layer.scales(), torch.float32)
     assert torch.equal(w.reshape(-1), torch.tensor([1.0, -1.0] * 32))
 
 
@@ -175,11 +186,14 @@ def test_qlora_twin_needs_less_than_lora():
     batch = lm_batch()
     kw = dict(device="cpu", precision="bf16-mixed")
     lora = memguard.estimate(twins.lora_model(model), batch, **kw)
-    qlora = memguard.estimate(twins.qlora_model(model), batch, **kw)
-    # the adapted linear weights go from 2 bytes to ~0.52 bytes each; everything else is equal
+    # prepare=False: the other weights stay bf16, as in the LoRA twin
+    qlora = memguard.estimate(twins.qlora_model(model, prepare=False), batch, **kw)
+    # the adapted linear weights go from 2 bytes to ~0.52 bytes each (plus each layer's fp32
+    # QuantState constants); everything else is equal
     linear = sum(m.weight.numel() for n, m in model.named_modules()
                  if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LLAMA_TARGETS)
-    saved = 2 * linear - sum(twins.nf4_weight_bytes(m.weight.numel()) for n, m in model.named_modules()
+    saved = 2 * linear - sum(twins.nf4_weight_bytes(m.weight.numel()) + nf4_constant_bytes()
+                             for n, m in model.named_modules()
                              if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LLAMA_TARGETS)
     assert lora.breakdown["params"] - qlora.breakdown["params"] == saved
     assert qlora.peak_bytes < lora.peak_bytes
@@ -195,8 +209,16 @@ def test_finetune_variant_modes():
     assert hasattr(lora.model, "peft_config") and lora.model is not model
     assert lora.request.precision == "bf16-mixed"  # adapters in fp32 under autocast: the LoRA recipe
     assert "r=8" in lora.reason and "q_proj" in lora.reason
-    with pytest.raises(ConfigError, match="finetune='qlora'"):
-        ft.finetune_variant(model, request, "qlora")
+    # QLoRA: 4-bit linear layers, the rest fp32, every block checkpointed (prepare_model_for_kbit_training)
+    qlora = ft.finetune_variant(model, request, "qlora")
+    assert any(isinstance(m, twins.NF4Linear) for m in qlora.model.modules())
+    assert {p.dtype for p in qlora.model.parameters() if p.is_floating_point()} == {torch.float32}
+    # transformers' checkpointing is on inside the twin, so the plan adds none
+    assert qlora.request.activation_checkpointing is False and qlora.request.precision == "bf16-mixed"
+    assert qlora.model.model.layers[0].gradient_checkpointing is True
+    assert "QLoRA r=8" in qlora.reason and "4-bit NF4" in qlora.reason
+    with pytest.raises(ConfigError, match="finetune='qqlora'"):
+        ft.finetune_variant(model, request, "qqlora")
     # a user's optimizer instance is rebuilt over the adapters only
     inst = torch.optim.SGD(tiny_llama("cpu").parameters(), lr=0.5, momentum=0.9)
     lora2 = ft.finetune_variant(model, PlanRequest(global_batch_size=4, device="cpu", budget_bytes=10**9,
