@@ -313,6 +313,9 @@ def render_markdown(results: list[dict[str, Any]], summary: dict[str, Any], slop
         lines += [f"| {s['group']} | {s['from']} -> {s['to']} | {_gib(s['published_per_sample'])} | "
                   f"{_gib(s['predicted_per_sample'])} |" for s in slope_rows]
     lines += ["", "## Mechanisms (issue 33)", ""] + [f"{k}. {v}" for k, v in MECHANISMS.items()]
+    if meta.get("excluded"):
+        lines += ["", "## Published figures left out (not comparable like with like)", ""]
+        lines += [f"- {x['what']}: {x['why']}." for x in meta["excluded"]]
     lines += ["", "## Sources", ""]
     for key, src in sources.items():
         lines.append(f"- **{key}**: {src['title']} <{src['url']}>. Measured: {src['measured_as_published']}. "
@@ -342,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sources, rows = load_rows(Path(args.data))
+    excluded = json.loads(Path(args.data).read_text()).get("excluded", [])
     wanted = [x.strip() for x in args.rows.split(",") if x.strip()] if args.rows else (
         list(QUICK) if args.quick else None)
     if wanted is not None:
@@ -370,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + " ".join(shlex.quote(a) for a in (["benchmarks/external_finetune.py"] + list(
             sys.argv[1:] if argv is None else argv))),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "git_commit": _git_commit(), "machine": machine_description(gpu=False),
+        "git_commit": _git_commit(), "machine": machine_description(gpu=False), "excluded": excluded,
     }
     if args.analysis:
         meta["analysis"] = Path(args.analysis).read_text()
