@@ -154,7 +154,8 @@ def build_model(setup: dict[str, Any]) -> nn.Module:
 
 
 def make_batch(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """``{input_ids, labels}`` of the row's shape: the model's own (shifted) loss, as the Trainer and train.py call it."""
+    """``{input_ids, labels}`` of the row's shape: the model's own (shifted) loss, as the Trainer and
+    Answer.AI's train.py call it."""
     if spec["kind"] != "lm_labels":
         raise ValueError(f"unknown batch kind {spec['kind']!r}")
     ids = torch.randint(0, int(spec["vocab_size"]), (int(spec["batch_size"]), int(spec["seq_len"])))
@@ -197,6 +198,9 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
     if setup.get("strategy"):
         kwargs.update(strategy=setup["strategy"], world_size=int(setup["world_size"]),
                       zero_stage=int(setup.get("zero_stage", 0)))
+    if setup.get("deepspeed_config"):
+        # the engine's own config, as the front-end builds it: its buckets are then counted
+        kwargs["deepspeed_config"] = setup["deepspeed_config"]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     t0 = time.perf_counter()
     est = memguard.estimate(model, batch, **kwargs)
@@ -304,7 +308,8 @@ def render_markdown(results: list[dict[str, Any]], summary: dict[str, Any], slop
         lines += ["", f"Rows: {summary['rows']} (failed: {summary['failed']}). Median |error| "
                   f"{100 * summary['median_abs_error']:.1f}% (goal <= {GOAL_MEDIAN:.0%}); worst under-prediction "
                   f"{100 * summary['worst_under_prediction']:+.1f}% ({summary['worst_under_prediction_row']}; goal >= "
-                  f"{GOAL_UNDER:.0%}); max |error| {100 * summary['max_abs_error']:.1f}% ({summary['max_abs_error_row']}).",
+                  f"{GOAL_UNDER:.0%}); max |error| {100 * summary['max_abs_error']:.1f}% "
+                  f"({summary['max_abs_error_row']}).",
                   "", "Median error by method and strategy: " + "; ".join(
                       f"{k} {100 * v:+.1f}%" for k, v in summary["median_error_by_group"].items()) + "."]
     if slope_rows:
