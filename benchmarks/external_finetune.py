@@ -162,6 +162,24 @@ def make_batch(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def nf4_replicated_bytes(model: nn.Module, setup: dict[str, Any]) -> int:
+    """Bytes of 4-bit weights per rank that the engine shards and the estimate keeps whole (mechanism 4).
+
+    FSDP-QLoRA and ZeRO-3 shard bitsandbytes' ``Params4bit`` (an ``nn.Parameter`` of
+    ``bnb_4bit_quant_storage`` dtype) over the ranks; the NF4 stand-in holds them as buffers, which
+    neither FSDP2 nor memguard's ZeRO shards: the excess is ``(1 - 1/world_size)`` of the packed
+    bytes. Zero for one GPU and DDP (no engine shards them there).
+    """
+    from memguard.estimator._twins import NF4Linear
+
+    world = int(setup.get("world_size", 1))
+    if setup.get("strategy") not in ("fsdp2", "deepspeed") or world < 2:
+        return 0
+    packed = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, NF4Linear)
+                 for b in m.buffers())
+    return packed - packed // world
+
+
 def mechanisms(setup: dict[str, Any]) -> list[int]:
     """The :data:`MECHANISMS` a row's setup exercises (from the setup alone, not from its error)."""
     ft = (setup.get("finetune") or {}).get("method", "full")
@@ -202,6 +220,7 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
         # the engine's own config, as the front-end builds it: its buckets are then counted
         kwargs["deepspeed_config"] = setup["deepspeed_config"]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    nf4_excess = nf4_replicated_bytes(model, setup)
     t0 = time.perf_counter()
     est = memguard.estimate(model, batch, **kwargs)
     seconds = time.perf_counter() - t0
@@ -225,6 +244,8 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
         "estimate": {"peak_bytes": est.peak_bytes, "allocated_peak_bytes": est.allocated_peak_bytes,
                      "context_bytes": est.context_bytes, "peak_phase": est.peak_phase,
                      "breakdown": dict(est.breakdown), "num_params": est.num_params},
+        "nf4_replicated_bytes": nf4_excess,
+        "error_nf4_sharded": (predicted - nf4_excess - published) / published,
         "trainable_params": trainable, "mechanisms": mechanisms(setup), "slope_group": row.get("slope_group"),
         "confidence": row["confidence"], "estimate_seconds": round(seconds, 1),
     }
@@ -246,6 +267,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
          "mean_error": statistics.fmean(r["error"] for r in ok),
          "max_abs_error": abs(worst["error"]), "max_abs_error_row": worst["id"],
          "worst_under_prediction": under["error"], "worst_under_prediction_row": under["id"]}
+    # what the set would read if the 4-bit weights were sharded as the engines shard them (mechanism 4)
+    s["median_abs_error_nf4_sharded"] = statistics.median(abs(r["error_nf4_sharded"]) for r in ok)
+    s["worst_under_prediction_nf4_sharded"] = min(r["error_nf4_sharded"] for r in ok)
     s["goals"] = {f"median_abs_error<={GOAL_MEDIAN:.0%}": s["median_abs_error"] <= GOAL_MEDIAN,
                   f"no_under_prediction_beyond_{GOAL_UNDER:.0%}": s["worst_under_prediction"] >= GOAL_UNDER}
     by_method: dict[str, list[float]] = {}
@@ -290,26 +314,33 @@ def render_markdown(results: list[dict[str, Any]], summary: dict[str, Any], slop
         "(NVML) vs `peak_bytes + context_bytes`. GiB = 2^30 bytes. Error = (predicted - published) / published. "
         "FSDP1 runs are estimated as `fsdp2` and FSDP1 NO_SHARD as `ddp` (memguard has no FSDP1 model); QLoRA "
         "bases are memguard's NF4 stand-in. Mechanisms: the numbers of the list below that the row's setup "
-        "exercises.", "",
+        "exercises. 'NF4 excess': the 4-bit weight bytes per rank that FSDP/ZeRO-3 shard and the estimate "
+        "keeps whole (mechanism 4), and the error without them.", "",
         "| row | GPU | ranks | method | measured | precision | batch x seq | published GiB | predicted GiB | error "
-        "| mechanisms | s |",
-        "|---|---|---|---|---|---|---|---:|---:|---:|---|---:|",
+        "| NF4 excess GiB (error without) | mechanisms | s |",
+        "|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
         if "error" not in r:
-            lines.append(f"| {r['id']} | {r.get('gpu', '')} | | | | | | | | failed: {r['failure'][:90]} | | |")
+            lines.append(f"| {r['id']} | {r.get('gpu', '')} | | | | | | | | failed: {r['failure'][:90]} | | | |")
             continue
         ranks = f"{r['strategy']} x {r['world_size']}" if r["strategy"] else "1"
+        nf4 = (f"{_gib(r['nf4_replicated_bytes'])} ({100 * r['error_nf4_sharded']:+.1f}%)"
+               if r["nf4_replicated_bytes"] else "-")
         lines.append(
             f"| {r['id']} | {r['gpu']} | {ranks} | {r['method']} | {r['measured']} | {r['precision']} | "
             f"{r['batch_size']} x {r['seq_len']} | {_gib(r['published_bytes'])} | {_gib(r['predicted_bytes'])} | "
-            f"{100 * r['error']:+.1f}% | {', '.join(map(str, r['mechanisms'])) or '-'} | {r['estimate_seconds']} |")
+            f"{100 * r['error']:+.1f}% | {nf4} | {', '.join(map(str, r['mechanisms'])) or '-'} | "
+            f"{r['estimate_seconds']} |")
     if summary.get("rows"):
         lines += ["", f"Rows: {summary['rows']} (failed: {summary['failed']}). Median |error| "
                   f"{100 * summary['median_abs_error']:.1f}% (goal <= {GOAL_MEDIAN:.0%}); worst under-prediction "
                   f"{100 * summary['worst_under_prediction']:+.1f}% ({summary['worst_under_prediction_row']}; goal >= "
                   f"{GOAL_UNDER:.0%}); max |error| {100 * summary['max_abs_error']:.1f}% "
                   f"({summary['max_abs_error_row']}).",
+                  "", f"With the 4-bit weights sharded as the engines shard them (the NF4 excess removed): median "
+                  f"|error| {100 * summary['median_abs_error_nf4_sharded']:.1f}%, worst under-prediction "
+                  f"{100 * summary['worst_under_prediction_nf4_sharded']:+.1f}%.",
                   "", "Median error by method and strategy: " + "; ".join(
                       f"{k} {100 * v:+.1f}%" for k, v in summary["median_error_by_group"].items()) + "."]
     if slope_rows:

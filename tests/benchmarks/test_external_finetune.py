@@ -24,7 +24,7 @@ CUDA_DATA = REPO / "benchmarks" / "data" / "external_cuda.json"
 
 sys.path.insert(0, str(REPO))
 from benchmarks.external_cuda import load_rows, published_bytes  # noqa: E402
-from memguard.estimator._twins import NF4Linear  # noqa: E402
+from memguard.estimator._twins import NF4Linear, nf4_weight_bytes  # noqa: E402
 from benchmarks.external_finetune import (  # noqa: E402
     QLoRALinear, build_model, estimate_row, mechanisms, summarize,
 )
@@ -121,5 +121,10 @@ def test_one_shrunk_row_end_to_end(rows):
     # the reserved-peak row is compared with peak_bytes, which holds at least the allocated peak
     assert res["predicted_bytes"] == res["estimate"]["peak_bytes"] >= res["estimate"]["allocated_peak_bytes"]
     assert res["mechanisms"] == [4, 6]
+    # FSDP shards the 4-bit weights over 2 ranks; the stand-in keeps them whole: the excess is the half
+    # of the NF4 bytes (packed codes, absmax, double-quant scales) of all 7 linears of each of the 2 layers
+    shapes = [(256, 256)] * 4 + [(256, 512)] * 3
+    total = 2 * sum(nf4_weight_bytes(i * o) for i, o in shapes)
+    assert res["nf4_replicated_bytes"] == total - total // 2
     s = summarize([res])
     assert s["rows"] == 1 and s["worst_under_prediction"] == res["error"]
