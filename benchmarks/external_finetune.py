@@ -163,12 +163,13 @@ def make_batch(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def nf4_replicated_bytes(model: nn.Module, setup: dict[str, Any]) -> int:
-    """Bytes of 4-bit weights per rank that the engine shards and the estimate keeps whole (mechanism 4).
+    """Bytes of 4-bit weights per rank the estimate holds beyond the engine's shard (mechanisms 1 and 4).
 
     FSDP-QLoRA and ZeRO-3 shard bitsandbytes' ``Params4bit`` (an ``nn.Parameter`` of
-    ``bnb_4bit_quant_storage`` dtype) over the ranks; the NF4 stand-in holds them as buffers, which
-    neither FSDP2 nor memguard's ZeRO shards: the excess is ``(1 - 1/world_size)`` of the packed
-    bytes. Zero for one GPU and DDP (no engine shards them there).
+    ``bnb_4bit_quant_storage`` dtype) over the ranks, so a rank holds ``1/world_size`` of them. The
+    NF4 stand-in holds them as buffers: FSDP2 keeps buffers whole on every rank (an excess of
+    ``(1 - 1/world_size)`` of the bytes), memguard's ZeRO drops buffers altogether (a deficit of
+    the rank's shard, returned negative). Zero for one GPU and DDP (no engine shards them there).
     """
     from memguard.estimator._twins import NF4Linear
 
@@ -177,7 +178,8 @@ def nf4_replicated_bytes(model: nn.Module, setup: dict[str, Any]) -> int:
         return 0
     packed = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, NF4Linear)
                  for b in m.buffers())
-    return packed - packed // world
+    shard = -(-packed // world)
+    return packed - shard if setup["strategy"] == "fsdp2" else -shard
 
 
 def mechanisms(setup: dict[str, Any]) -> list[int]:
@@ -267,7 +269,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
          "mean_error": statistics.fmean(r["error"] for r in ok),
          "max_abs_error": abs(worst["error"]), "max_abs_error_row": worst["id"],
          "worst_under_prediction": under["error"], "worst_under_prediction_row": under["id"]}
-    # what the set would read if the 4-bit weights were sharded as the engines shard them (mechanism 4)
+    # what the set would read if the 4-bit weights were held as the engines hold them (mechanisms 1, 4)
     s["median_abs_error_nf4_sharded"] = statistics.median(abs(r["error_nf4_sharded"]) for r in ok)
     s["worst_under_prediction_nf4_sharded"] = min(r["error_nf4_sharded"] for r in ok)
     s["goals"] = {f"median_abs_error<={GOAL_MEDIAN:.0%}": s["median_abs_error"] <= GOAL_MEDIAN,
@@ -314,8 +316,9 @@ def render_markdown(results: list[dict[str, Any]], summary: dict[str, Any], slop
         "(NVML) vs `peak_bytes + context_bytes`. GiB = 2^30 bytes. Error = (predicted - published) / published. "
         "FSDP1 runs are estimated as `fsdp2` and FSDP1 NO_SHARD as `ddp` (memguard has no FSDP1 model); QLoRA "
         "bases are memguard's NF4 stand-in. Mechanisms: the numbers of the list below that the row's setup "
-        "exercises. 'NF4 excess': the 4-bit weight bytes per rank that FSDP/ZeRO-3 shard and the estimate "
-        "keeps whole (mechanism 4), and the error without them.", "",
+        "exercises. 'NF4 excess': the 4-bit weight bytes per rank the estimate holds beyond the engine's "
+        "shard (FSDP2 keeps the stand-in's buffers whole: positive; memguard's ZeRO drops buffers: negative; "
+        "mechanisms 1 and 4), and the error with the engine's shard instead.", "",
         "| row | GPU | ranks | method | measured | precision | batch x seq | published GiB | predicted GiB | error "
         "| NF4 excess GiB (error without) | mechanisms | s |",
         "|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---:|",
@@ -325,7 +328,7 @@ def render_markdown(results: list[dict[str, Any]], summary: dict[str, Any], slop
             lines.append(f"| {r['id']} | {r.get('gpu', '')} | | | | | | | | failed: {r['failure'][:90]} | | | |")
             continue
         ranks = f"{r['strategy']} x {r['world_size']}" if r["strategy"] else "1"
-        nf4 = (f"{_gib(r['nf4_replicated_bytes'])} ({100 * r['error_nf4_sharded']:+.1f}%)"
+        nf4 = (f"{r['nf4_replicated_bytes'] / 2**30:+.2f} ({100 * r['error_nf4_sharded']:+.1f}%)"
                if r["nf4_replicated_bytes"] else "-")
         lines.append(
             f"| {r['id']} | {r['gpu']} | {ranks} | {r['method']} | {r['measured']} | {r['precision']} | "
@@ -378,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=str(DATA), help="the data file")
     parser.add_argument("--out", default=str(Path("benchmarks") / "results"), help="folder for the .json/.md")
     parser.add_argument("--analysis", help="a Markdown file whose text is appended to the report")
+    parser.add_argument("--merge", action="store_true",
+                        help="re-run only --rows and merge them into the results already in --out")
     args = parser.parse_args(argv)
 
     sources, rows = load_rows(Path(args.data))
@@ -404,17 +409,26 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{res['id']:<44} FAILED {res['failure']}", flush=True)
 
+    command = "python " + " ".join(shlex.quote(a) for a in (["benchmarks/external_finetune.py"] + list(
+        sys.argv[1:] if argv is None else argv)))
+    out = Path(args.out)
+    if args.merge and (out / "external_finetune.json").exists():
+        # the earlier run's rows, those re-run now replaced, in the data file's order
+        before = json.loads((out / "external_finetune.json").read_text())
+        fresh = {r["id"]: r for r in results}
+        order = [r["id"] for r in load_rows(Path(args.data))[1]]
+        merged = {r["id"]: r for r in before["rows"]} | fresh
+        results = [merged[i] for i in order if i in merged]
+        command = before["command"] + "; then " + command
     summary = summarize(results)
     slope_rows = slopes(results)
     meta = {
-        "command": "python " + " ".join(shlex.quote(a) for a in (["benchmarks/external_finetune.py"] + list(
-            sys.argv[1:] if argv is None else argv))),
+        "command": command,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "git_commit": _git_commit(), "machine": machine_description(gpu=False), "excluded": excluded,
     }
     if args.analysis:
         meta["analysis"] = Path(args.analysis).read_text()
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "external_finetune.json").write_text(json.dumps(
         {**{k: v for k, v in meta.items() if k != "analysis"}, "summary": summary, "slopes": slope_rows,

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.external_cuda import load_rows, published_bytes  # noqa: E402
 from memguard.estimator._twins import NF4Linear, nf4_weight_bytes  # noqa: E402
 from benchmarks.external_finetune import (  # noqa: E402
-    QLoRALinear, build_model, estimate_row, mechanisms, summarize,
+    QLoRALinear, build_model, estimate_row, mechanisms, nf4_replicated_bytes, summarize,
 )
 
 MEASURED = {"allocated_peak", "reserved_peak", "nvidia_smi_total"}
@@ -125,6 +125,10 @@ def test_one_shrunk_row_end_to_end(rows):
     # of the NF4 bytes (packed codes, absmax, double-quant scales) of all 7 linears of each of the 2 layers
     shapes = [(256, 256)] * 4 + [(256, 512)] * 3
     total = 2 * sum(nf4_weight_bytes(i * o) for i, o in shapes)
-    assert res["nf4_replicated_bytes"] == total - total // 2
+    assert res["nf4_replicated_bytes"] == total - -(-total // 2)
+    # memguard's ZeRO drops buffers: under ZeRO-3 on 2 ranks the estimate lacks the rank's shard
+    ds = dict(row["setup"], strategy="deepspeed")
+    assert nf4_replicated_bytes(build_model(row["setup"]), ds) == -(-(-total // 2))
+    assert nf4_replicated_bytes(build_model(row["setup"]), dict(row["setup"], strategy="ddp")) == 0
     s = summarize([res])
     assert s["rows"] == 1 and s["worst_under_prediction"] == res["error"]
