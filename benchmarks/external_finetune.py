@@ -189,7 +189,7 @@ def mechanisms(setup: dict[str, Any]) -> list[int]:
     out = set()
     if strategy == "deepspeed":
         out |= {1, 3}
-    if strategy == "fsdp2" and "FSDP1" in setup.get("strategy_note", ""):
+    if "FSDP1" in setup.get("strategy_note", ""):  # FSDP1 estimated as FSDP2, or its NO_SHARD as DDP
         out.add(6)
     if ft == "qlora":
         out.add(4)
