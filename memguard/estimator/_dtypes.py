@@ -28,7 +28,6 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["built_dtypes", "dtype_note"]
 
 
 def built_dtypes(params: Iterable[torch.Tensor]) -> tuple[tuple[str, int, int], ...]:

@@ -106,7 +106,9 @@ def _assert_equal_to_one_process(results: list[dict], weights: list[dict], steps
             assert full not in seen, full
             seen.add(full)
             diff = float((value - reference[full]).abs().max())
-            assert diff <= 1e-5, (stage, full, diff)
+            # 2e-5: on an Intel AVX-512 BF16/FP16 host the stages' kernels sum in another order than the single
+            # process (measured 1.04e-5 on model.layers.3.self_attn.o_proj.weight; within 1e-5 on AMD EPYC)
+            assert diff <= 2e-5, (stage, full, diff)
     assert seen == set(reference), set(reference) ^ seen  # the stages hold every weight exactly once
 
 
