@@ -130,25 +130,6 @@ _HIPBLAS_GFX94 = 128 * _MiB
 _HIPBLASLT_DEFAULT = 76 * _MiB
 
 
-def parse_torch_version(torch_version: str | None) -> tuple[int, int]:
-    """``(major, minor)`` of a torch version string such as ``"2.5.1+cu124"``; None = the installed torch.
-
-    Raises:
-        ConfigError: not a version string.
-    """
-    if torch_version is None:
-        import torch
-
-        torch_version = torch.__version__
-    m = re.match(r"\s*(\d+)\.(\d+)", str(torch_version))
-    if m is None:
-        raise ConfigError(
-            f"torch_version {torch_version!r} is not a version like '2.5.1'; pass "
-            "torch.__version__ of the training machine, or None for the installed torch"
-        )
-    return int(m.group(1)), int(m.group(2))
-
-
 def _parse_workspace_config(config: str) -> int:
     # CublasHandlePool.cpp parseChosenWorkspaceSize: sum of SIZE KiB x COUNT over ":SIZE:COUNT".
     pairs = re.findall(r":([0-9]+):([0-9]+)", config)
