@@ -279,8 +279,6 @@ def estimate(
     est, _ = estimate_from_trace(trace, target, micro_batch_size=int(micro or 0), checkpointed=checkpointed,
                                  zero_config=zero_config, zero_precision=zero_precision)
     if zero_precision is not None and zero_precision.notes:
-        import dataclasses
-
         est = dataclasses.replace(est, notes=(*est.notes, *zero_precision.notes))
     if compression is not None:
         est = dataclasses.replace(est, notes=(*est.notes, note(compression, compressed_buckets)))
