@@ -163,23 +163,25 @@ def make_batch(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def nf4_replicated_bytes(model: nn.Module, setup: dict[str, Any]) -> int:
-    """Bytes of 4-bit weights per rank the estimate holds beyond the engine's shard (mechanisms 1 and 4).
+    """Bytes of 4-bit codes per rank the estimate holds beyond the engine's shard (mechanisms 1 and 4).
 
     FSDP-QLoRA and ZeRO-3 shard bitsandbytes' ``Params4bit`` (an ``nn.Parameter`` of
-    ``bnb_4bit_quant_storage`` dtype) over the ranks, so a rank holds ``1/world_size`` of them. The
-    NF4 stand-in holds them as buffers: FSDP2 keeps buffers whole on every rank (an excess of
-    ``(1 - 1/world_size)`` of the bytes), memguard's ZeRO drops buffers altogether (a deficit of
-    the rank's shard, returned negative). Zero for one GPU and DDP (no engine shards them there).
+    ``bnb_4bit_quant_storage`` dtype) over the ranks, so a rank holds ``1/world_size`` of the codes; the
+    quantisation state (absmax, double-quant scales) is whole on every rank. memguard's NF4 twin
+    (:class:`memguard.estimator._nf4.NF4Linear`) holds the codes as its ``weight`` parameter of the
+    storage dtype and the state as buffers, which FSDP2 and memguard's ZeRO keep whole, so it is sharded
+    as the engines shard it: 0. Codes held as a buffer would be whole on every rank: the excess is then
+    ``(1 - 1/world_size)`` of them. Zero for one GPU and DDP (no engine shards them there).
     """
     from memguard.estimator._twins import NF4Linear
 
     world = int(setup.get("world_size", 1))
     if setup.get("strategy") not in ("fsdp2", "deepspeed") or world < 2:
         return 0
-    packed = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, NF4Linear)
-                 for b in m.buffers())
-    shard = -(-packed // world)
-    return packed - shard if setup["strategy"] == "fsdp2" else -shard
+    codes = [m.weight for m in model.modules()
+             if isinstance(m, NF4Linear) and not isinstance(m.weight, nn.Parameter)]
+    packed = sum(t.numel() * t.element_size() for t in codes)
+    return packed - -(-packed // world)
 
 
 def mechanisms(setup: dict[str, Any]) -> list[int]:

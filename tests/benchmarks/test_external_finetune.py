@@ -24,7 +24,7 @@ CUDA_DATA = REPO / "benchmarks" / "data" / "external_cuda.json"
 
 sys.path.insert(0, str(REPO))
 from benchmarks.external_cuda import load_rows, published_bytes  # noqa: E402
-from memguard.estimator._twins import NF4Linear, nf4_weight_bytes  # noqa: E402
+from memguard.estimator._twins import NF4Linear  # noqa: E402
 from benchmarks.external_finetune import (  # noqa: E402
     QLoRALinear, build_model, estimate_row, mechanisms, nf4_replicated_bytes, summarize,
 )
@@ -121,14 +121,18 @@ def test_one_shrunk_row_end_to_end(rows):
     # the reserved-peak row is compared with peak_bytes, which holds at least the allocated peak
     assert res["predicted_bytes"] == res["estimate"]["peak_bytes"] >= res["estimate"]["allocated_peak_bytes"]
     assert res["mechanisms"] == [4, 6]
-    # FSDP shards the 4-bit weights over 2 ranks; the stand-in keeps them whole: the excess is the half
-    # of the NF4 bytes (packed codes, absmax, double-quant scales) of all 7 linears of each of the 2 layers
-    shapes = [(256, 256)] * 4 + [(256, 512)] * 3
-    total = 2 * sum(nf4_weight_bytes(i * o) for i, o in shapes)
-    assert res["nf4_replicated_bytes"] == total - -(-total // 2)
-    # memguard's ZeRO drops buffers: under ZeRO-3 on 2 ranks the estimate lacks the rank's shard
-    ds = dict(row["setup"], strategy="deepspeed")
-    assert nf4_replicated_bytes(build_model(row["setup"]), ds) == -(-(-total // 2))
-    assert nf4_replicated_bytes(build_model(row["setup"]), dict(row["setup"], strategy="ddp")) == 0
+    # FSDP shards the 4-bit codes over 2 ranks, and so does the estimate: the twin holds them as a parameter
+    model = build_model(row["setup"])
+    twins = [m for m in model.modules() if isinstance(m, NF4Linear)]
+    assert len(twins) == 2 * 7 and all(isinstance(m.weight, nn.Parameter) for m in twins)
+    assert res["nf4_replicated_bytes"] == 0
+    for strategy in ("deepspeed", "ddp"):
+        assert nf4_replicated_bytes(model, dict(row["setup"], strategy=strategy)) == 0
+    # codes held as a buffer would be whole on each of the 2 ranks: half of them is the excess
+    twin = twins[0]
+    codes = twin.weight
+    del twin.weight
+    twin.register_buffer("weight", codes.detach())
+    assert nf4_replicated_bytes(model, row["setup"]) == codes.numel() * codes.element_size() // 2
     s = summarize([res])
     assert s["rows"] == 1 and s["worst_under_prediction"] == res["error"]
