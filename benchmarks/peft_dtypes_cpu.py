@@ -102,7 +102,7 @@ def run_case(model_name: str, case: str, batch_size: int, seq: int) -> dict:
         t0 = time.perf_counter()
         if case == "hf-trainer-bf16":  # estimated after the Trainer set config.use_cache = args.use_cache (False)
             trainer, args, plan = _trainer(model, out, ids)
-            planned = plan.estimate.peak_bytes  # the callback plans in on_init_end, before that
+            planned = plan.estimate.peak_bytes  # planned in on_init_end, with args.use_cache as the Trainer sets it
         est = memguard.estimate(model, batch, device="cpu", precision=precision)  # the model as the user built it
         est_s = time.perf_counter() - t0
         if case == "autocast":
@@ -152,8 +152,9 @@ def write(rows: list[dict], out: Path, command: str, machine: str) -> None:
              "`peft.get_peft_model` (float32 adapters unless the case says otherwise), AdamW on the adapters. "
              "`estimate`: `memguard.estimate(model, batch, device=\"cpu\", precision=...)` of the model as the user "
              "built it (for `hf-trainer-bf16`: after the Trainer set `config.use_cache = args.use_cache`, False). "
-             "`callback plan`: the `MemguardCallback`'s `plan.estimate`, made in `on_init_end`, before the Trainer "
-             "sets `use_cache` (trainer.py, step 11 of `__init__`), so it traces the model's own `use_cache=True`.", "",
+             "`callback plan`: the `MemguardCallback`'s `plan.estimate`, made in `on_init_end` with "
+             "`config.use_cache` set to `args.use_cache`, as the Trainer sets it right after (trainer.py, step 11 "
+             "of `__init__`).", "",
              "| model | case | precision | adapters | real (MiB) | estimate (MiB) | error | peak phase (real/est) "
              "| callback plan (MiB) | error |",
              "|---|---|---|---|---:|---:|---:|---|---:|---:|"]

@@ -672,8 +672,22 @@ class MemguardCallback(_tf.TrainerCallback):
         def optimizer(params: Any) -> Any:
             return cls(params, **kwargs)
 
-        return guard.make_plan(batch, optimizer, None, accumulation=int(args.gradient_accumulation_steps),
-                               device=args.device.type)
+        # The Trainer sets config.use_cache = args.use_cache (False by default) right after the callbacks'
+        # on_init_end (trainer.py, __init__ step 11 "Finalize"), so the steps it runs have no decoder cache; plan
+        # that step, not the model's own use_cache (True for GPT-2 and Llama, which traces a cache the step never
+        # builds). The Trainer's own assignment follows, so the value is only restored for a Trainer without it.
+        config = getattr(trainer.model, "config", None)
+        use_cache = getattr(args, "use_cache", None)
+        if config is None or use_cache is None or not hasattr(config, "use_cache"):
+            return guard.make_plan(batch, optimizer, None, accumulation=int(args.gradient_accumulation_steps),
+                                   device=args.device.type)
+        before = config.use_cache
+        config.use_cache = use_cache
+        try:
+            return guard.make_plan(batch, optimizer, None, accumulation=int(args.gradient_accumulation_steps),
+                                   device=args.device.type)
+        finally:
+            config.use_cache = before
 
     def _apply(self, trainer: Any, plan: Plan) -> None:
         """The plan's per-device batch, accumulation and checkpointing, in a copy of the Trainer's arguments."""

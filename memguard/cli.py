@@ -142,7 +142,7 @@ def _stage_list(text: str) -> list[int]:
     return [int(s) for s in _comma_choices(text, ("0", "1", "2", "3"), "a ZeRO stage")]
 
 
-STRATEGIES = ("ddp", "deepspeed", "fsdp2")  # memguard.plan's strategy= values
+STRATEGIES = ("ddp", "deepspeed", "fsdp2", "fsdp1")  # memguard.plan's strategy= values
 
 
 def _strategy_list(text: str) -> list[str]:
@@ -425,8 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     _knob_options(p)
     w = p.add_argument_group("what is planned")
     w.add_argument("--strategy", type=_strategy_list, action="extend", metavar="S[,S...]",
-                   help="the sharding strategy: ddp, deepspeed or fsdp2, or a comma list to choose among (default: "
-                        "DDP, or DeepSpeed ZeRO for stages >= 1); under fsdp2 --zero-stage is FSDP2's sharding level")
+                   help="the sharding strategy: ddp, deepspeed, fsdp2 or fsdp1 (FlatParameter FSDP, what Accelerate, the HF "
+                        "Trainer and Lightning's FSDPStrategy run), or a comma list to choose among (default: DDP, or "
+                        "DeepSpeed ZeRO for stages >= 1); under fsdp2 and fsdp1 --zero-stage is the sharding level "
+                        "(fsdp1: 2 SHARD_GRAD_OP, 3 FULL_SHARD)")
     w.add_argument("--finetune", choices=("full", "lora", "qlora"),
                    help="full: when nothing fits, list measured LoRA, QLoRA, 8-bit AdamW, bf16 and offload "
                         "alternatives; lora: plan a LoRA twin of the model (needs peft); qlora: plan a QLoRA twin "

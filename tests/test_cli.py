@@ -648,6 +648,13 @@ def test_strategy_finetune_and_eval_flags_plan_what_the_api_plans(capsys):
     assert cli["micro_batch_size"] == api.micro_batch_size and cli["estimate"]["peak_bytes"] == api.estimate.peak_bytes
     assert main([*base, "--world-size", "2", "--strategy", "fsdp2"]) == 0
     assert json.loads(capsys.readouterr().out)["strategy"] == "fsdp2"
+    # FSDP1 (what Accelerate, the HF Trainer and Lightning's FSDPStrategy run) is planned as memguard.plan plans it
+    assert main([*base, "--world-size", "2", "--strategy", "fsdp1", "--zero-stage", "3"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    api = memguard.plan(model, batch, global_batch_size=8, gpu="A100-40GB", world_size=2, strategy="fsdp1",
+                        zero_stage=3)
+    assert cli["strategy"] == "fsdp1" and cli["zero_stage"] == 3
+    assert cli["micro_batch_size"] == api.micro_batch_size and cli["estimate"]["peak_bytes"] == api.estimate.peak_bytes
     with pytest.raises(SystemExit) as bad:
         main([*base, "--strategy", "zero"])
     assert bad.value.code == 2 and "is not a strategy" in capsys.readouterr().err

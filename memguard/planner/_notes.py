@@ -23,8 +23,9 @@ and names its source. The rules:
   where the batch shape varies from step to step, or where the predicted peak is within 5% of the
   usable budget: expandable segments let the caching allocator grow one segment instead of
   splitting fixed ones (PyTorch docs, "CUDA semantics: Optimizing memory usage with
-  PYTORCH_CUDA_ALLOC_CONF"). memguard models the default allocator; expandable segments can only
-  lower the reserved peak.
+  PYTORCH_CUDA_ALLOC_CONF"). memguard models both: the fixed segments by default, expandable
+  segments when ``PYTORCH_CUDA_ALLOC_CONF`` says so where it plans
+  (``memguard.estimator._cuda_expandable``), so setting it there shows what it saves.
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ def operational_notes(run: RunSettings) -> tuple[str, ...]:
                    f"of the usable {format_bytes(usable_bytes)}")
             notes.append(
                 f"{why}: run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so the caching allocator grows "
-                f"segments instead of fragmenting fixed ones ({_ALLOC_DOC}); memguard models the default "
-                "allocator, which this only improves on")
+                f"segments instead of fragmenting fixed ones ({_ALLOC_DOC}); this plan modelled the allocator "
+                "configuration it was made under: set the variable where you plan, too, to see the saving")
     return tuple(notes)
 
 

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+import memguard
 from memguard import ConfigError, Estimate, Plan
 from memguard.integrations.deepspeed import to_config
 
@@ -285,6 +286,27 @@ def test_callback_plans_applies_and_trains_like_the_plain_trainer(tmp_path):
     plain.train()
     for (name, a), b in zip(trainer.model.state_dict().items(), plain.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_callback_plans_the_step_without_the_decoder_cache_the_trainer_turns_off(tmp_path):
+    # The Trainer sets config.use_cache = args.use_cache (False) right after the callbacks' on_init_end; GPT-2's
+    # config says True, and a trace with it builds the key/value cache the Trainer's steps never build.
+    model = tiny_gpt2()
+    assert model.config.use_cache is True
+    callback = MemguardCallback(budget_bytes=1 << 30, activation_checkpointing=False)
+    trainer = transformers.Trainer(model=model, args=trainer_args(tmp_path, per_device_train_batch_size=4,
+                                                                  gradient_accumulation_steps=1),
+                                   train_dataset=Tokens(32), callbacks=[callback])
+    plan = callback.plan
+    assert plan.micro_batch_size == 4 and plan.grad_accum_steps == 1, plan.explain()
+    assert trainer.model.config.use_cache is False  # the Trainer's own setting, after the plan
+    batch = {k: torch.stack([Tokens(32)[i][k] for i in range(4)]) for k in Tokens(32)[0]}
+    with_cache = memguard.estimate(tiny_gpt2(), batch, device="cpu", activation_checkpointing=False)
+    no_cache = tiny_gpt2()
+    no_cache.config.use_cache = False
+    without = memguard.estimate(no_cache, batch, device="cpu", activation_checkpointing=False)
+    assert with_cache.peak_bytes > without.peak_bytes  # the cache is what the plan must leave out
+    assert plan.estimate.peak_bytes == without.peak_bytes, (plan.estimate.peak_bytes, without.peak_bytes)
 
 
 def test_callback_constrains_the_plan_to_the_arguments_precision(tmp_path):
