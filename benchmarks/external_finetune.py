@@ -14,9 +14,8 @@ estimated with ``memguard.estimate(device="cuda", gpu=...)`` and compared like w
 ``external_cuda.py``: allocated peak with ``allocated_peak_bytes``, reserved peak with
 ``peak_bytes``, a device total with ``peak_bytes + context_bytes``.
 
-Each row lists the mechanisms of the estimate that its setup exercises (``MECHANISMS``: what
-memguard does not yet model as the engine runs it), so that a miss can be traced and the file
-re-run after they are fixed.
+Each row lists the mechanisms of issue 33 that its setup exercises (``MECHANISMS``, with
+``UNMODELLED`` the ones memguard does not model yet), so that a miss can be traced to one.
 
 Usage::
 
@@ -56,17 +55,19 @@ GOAL_MEDIAN, GOAL_UNDER = 0.03, -0.06
 QUICK = ("aai-llama2-7b-qlora-fsdp-b1-s512",)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-#: What memguard does not yet model as the engine runs it (issue 33's items), keyed by the number
-#: the issue gives it; :func:`mechanisms` says which of them a row's setup exercises.
+#: The engine mechanisms of issue 33 that a row can exercise, keyed by the number the issue gives
+#: them; :func:`mechanisms` says which of them a row's setup exercises.
 MECHANISMS = {
-    1: "ZeRO drops module buffers (buffers stay whole on every rank)",
+    1: "ZeRO keeps module buffers whole on every rank",
     3: "ZeRO-3 transient memory at scale (live gathered parameters, buckets, fp32 gradient partition)",
-    4: "QLoRA not first-class: the NF4 stand-in keeps packed weights in buffers, replicated on every "
-       "rank where FSDP/ZeRO-3 shard bnb's Params4bit; no dequantisation temporaries/prepare_model_for_kbit_training",
+    4: "QLoRA: 4-bit codes in a parameter of bnb_4bit_quant_storage dtype, sharded as FSDP/ZeRO-3 shard "
+       "bitsandbytes' Params4bit; the quantisation state whole on every rank",
     5: "PEFT adapter dtypes (fp32 adapters on a 16-bit base, per front-end)",
-    6: "FSDP1 estimated as FSDP2 (FlatParameter, limit_all_gathers, unsharded caching)",
+    6: "FSDP1 (FlatParameter, use_orig_params, limit_all_gathers)",
     7: "reserved memory: the caching allocator's replay (segments, fragmentation)",
 }
+#: The mechanisms above that the estimate does not model yet (the rest it models from the engines' source).
+UNMODELLED = frozenset({3})
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,7 +129,8 @@ def apply_qlora(model: nn.Module, spec: dict[str, Any]) -> None:
             continue
         parent_name, _, leaf = name.rpartition(".")
         parent = decoder.get_submodule(parent_name) if parent_name else decoder
-        nf4 = NF4Linear(module.in_features, module.out_features, module.bias is not None, compute_dtype=compute)
+        nf4 = NF4Linear(module.in_features, module.out_features, module.bias is not None, compute_dtype=compute,
+                        quant_storage=storage)
         if leaf in spec["targets"]:
             nf4 = QLoRALinear(nf4, int(spec["r"]), float(spec["alpha"]), float(spec["dropout"]), adapter_dtype)
         setattr(parent, leaf, nf4)
@@ -176,7 +178,7 @@ def nf4_replicated_bytes(model: nn.Module, setup: dict[str, Any]) -> int:
     from memguard.estimator._twins import NF4Linear
 
     world = int(setup.get("world_size", 1))
-    if setup.get("strategy") not in ("fsdp2", "deepspeed") or world < 2:
+    if setup.get("strategy") not in ("fsdp2", "fsdp1", "deepspeed") or world < 2 or not setup.get("zero_stage"):
         return 0
     codes = [m.weight for m in model.modules()
              if isinstance(m, NF4Linear) and not isinstance(m.weight, nn.Parameter)]
@@ -220,6 +222,8 @@ def estimate_row(row: dict[str, Any]) -> dict[str, Any]:
     if setup.get("strategy"):
         kwargs.update(strategy=setup["strategy"], world_size=int(setup["world_size"]),
                       zero_stage=int(setup.get("zero_stage", 0)))
+    if setup.get("fsdp1_options"):
+        kwargs["fsdp1_options"] = dict(setup["fsdp1_options"])  # FSDP1's own options, as the row's script set them
     if setup.get("deepspeed_config"):
         # the engine's own config, as the front-end builds it: its buckets are then counted
         kwargs["deepspeed_config"] = setup["deepspeed_config"]
@@ -300,6 +304,10 @@ def slopes(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _mechanism_list(numbers: list[int]) -> str:
+    return ", ".join(f"{k}*" if k in UNMODELLED else str(k) for k in numbers) or "-"
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -316,11 +324,12 @@ def render_markdown(results: list[dict[str, Any]], summary: dict[str, Any], slop
         "with other work, which changes only the seconds column.", "",
         "Like with like: allocated peak vs `allocated_peak_bytes`, reserved peak vs `peak_bytes`, a device total "
         "(NVML) vs `peak_bytes + context_bytes`. GiB = 2^30 bytes. Error = (predicted - published) / published. "
-        "FSDP1 runs are estimated as `fsdp2` and FSDP1 NO_SHARD as `ddp` (memguard has no FSDP1 model); QLoRA "
-        "bases are memguard's NF4 stand-in. Mechanisms: the numbers of the list below that the row's setup "
-        "exercises. 'NF4 excess': the 4-bit weight bytes per rank the estimate holds beyond the engine's "
-        "shard (FSDP2 keeps the stand-in's buffers whole: positive; memguard's ZeRO drops buffers: negative; "
-        "mechanisms 1 and 4), and the error with the engine's shard instead.", "",
+        "FSDP1 runs are estimated as `strategy=\"fsdp1\"` with the row's `fsdp1_options` (NO_SHARD as zero_stage "
+        "0); QLoRA bases are memguard's NF4 twin (`memguard.estimator._nf4.NF4Linear`, the codes a parameter of "
+        "the row's storage dtype). Mechanisms: the numbers of the list below that the row's setup exercises "
+        "(* not modelled yet). 'NF4 excess': the 4-bit weight bytes per rank the estimate holds beyond the "
+        "engine's shard (0 where the twin's codes are sharded as the engine shards Params4bit), and the error "
+        "with the engine's shard instead.", "",
         "| row | GPU | ranks | method | measured | precision | batch x seq | published GiB | predicted GiB | error "
         "| NF4 excess GiB (error without) | mechanisms | s |",
         "|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---:|",
@@ -335,7 +344,7 @@ def render_markdown(results: list[dict[str, Any]], summary: dict[str, Any], slop
         lines.append(
             f"| {r['id']} | {r['gpu']} | {ranks} | {r['method']} | {r['measured']} | {r['precision']} | "
             f"{r['batch_size']} x {r['seq_len']} | {_gib(r['published_bytes'])} | {_gib(r['predicted_bytes'])} | "
-            f"{100 * r['error']:+.1f}% | {nf4} | {', '.join(map(str, r['mechanisms'])) or '-'} | "
+            f"{100 * r['error']:+.1f}% | {nf4} | {_mechanism_list(r['mechanisms'])} | "
             f"{r['estimate_seconds']} |")
     if summary.get("rows"):
         lines += ["", f"Rows: {summary['rows']} (failed: {summary['failed']}). Median |error| "
@@ -353,7 +362,8 @@ def render_markdown(results: list[dict[str, Any]], summary: dict[str, Any], slop
                   "| group | from -> to | published GiB/sample | predicted GiB/sample |", "|---|---|---:|---:|"]
         lines += [f"| {s['group']} | {s['from']} -> {s['to']} | {_gib(s['published_per_sample'])} | "
                   f"{_gib(s['predicted_per_sample'])} |" for s in slope_rows]
-    lines += ["", "## Mechanisms (issue 33)", ""] + [f"{k}. {v}" for k, v in MECHANISMS.items()]
+    lines += ["", "## Mechanisms (issue 33; * not modelled yet)", ""] + [
+        f"{k}. {v}{' *' if k in UNMODELLED else ''}" for k, v in MECHANISMS.items()]
     if meta.get("excluded"):
         lines += ["", "## Published figures left out (not comparable like with like)", ""]
         lines += [f"- {x['what']}: {x['why']}." for x in meta["excluded"]]

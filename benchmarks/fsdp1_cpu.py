@@ -16,8 +16,11 @@ rest, with ``use_orig_params`` True or False, ``FULL_SHARD`` or ``SHARD_GRAD_OP`
 the ``MixedPrecision`` Lightning's ``FSDPPrecision("bf16-mixed")`` configures (``param_dtype``,
 ``reduce_dtype`` and ``buffer_dtype`` bf16: ``lightning/fabric/plugins/precision/fsdp.py``,
 ``mixed_precision_config``; its ``autocast("cuda")`` does nothing on CPU). The optimizer is
-``torch.optim.AdamW`` over the wrapped model's parameters (the flat parameters without
-``use_orig_params``). Measurement as in :mod:`benchmarks.fsdp2_cpu`: one warm-up step, then
+``torch.optim.AdamW`` over the wrapped model's trainable parameters (the flat parameters without
+``use_orig_params``). The ``-lora`` cases add peft's LoRA adapters (:data:`LORA`) to a frozen Llama and
+wrap it with peft's own ``fsdp_auto_wrap_policy`` (every adapter leaf a unit as well as every block), as
+the HF Trainer and Accelerate shard a PEFT model; the estimate wraps it so by itself
+(``memguard.estimator._fsdp1.wraps_trainable_leaves``). Measurement as in :mod:`benchmarks.fsdp2_cpu`: one warm-up step, then
 ``--steps`` steps under ``torch.profiler`` (``profile_memory=True``), live bytes replayed by address
 (``_replay``), every collective settled; a case's real peak is the worst rank's over ``--runs``
 runs (fresh processes each).
@@ -65,12 +68,13 @@ class Case:
     use_orig_params: bool
     batch: int = 2
     seq: int = 64
+    lora: bool = False  # peft LoRA adapters on a frozen base, wrapped by peft's fsdp_auto_wrap_policy
 
     @property
     def name(self) -> str:
         p = "fp32" if self.precision == "32-true" else "bf16"
         return (f"{self.model}-w{self.world_size}-{p}-{'full' if self.zero_stage == 3 else 'gradop'}-"
-                + ("orig" if self.use_orig_params else "flat"))
+                + ("orig" if self.use_orig_params else "flat") + ("-lora" if self.lora else ""))
 
     @property
     def sharding_strategy(self) -> str:
@@ -90,7 +94,30 @@ def all_cases() -> dict[str, Case]:
         for precision in ("32-true", "bf16-mixed"):
             c = Case(model, 4, precision, 3, True)
             out[c.name] = c
+    # LoRA on Llama (q/k/v/o), as the HF Trainer shards a PEFT model: flat and original parameters, fp32 only:
+    # without autocast peft casts an adapter's input to lora_A.weight's dtype (peft/tuners/lora/layer.py,
+    # Linear.forward: _cast_input_dtype), which outside the adapter's own unit is the fp32 original, and FSDP1's
+    # MixedPrecision then runs lora_A in bf16 on an fp32 input (a dtype error); on a GPU Accelerate's autocast
+    # hides this, and memguard's FSDP1 trace has no autocast (memguard.estimator._fsdp1)
+    for stage, orig in ((3, False), (3, True), (2, False)):
+        c = Case("llama", 2, "32-true", stage, orig, lora=True)
+        out[c.name] = c
     return out
+
+
+#: The LoRA cases' adapters (peft.LoraConfig): rank 8 on the attention projections of every block.
+LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def case_model(case: Case, device: str = "cpu") -> Any:
+    """The case's model: :func:`benchmarks.fsdp2_cpu.build_model`'s, with peft's LoRA adapters (the base frozen)
+    for a LoRA case."""
+    model = build_model(case.model, device)
+    if case.lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(**LORA, task_type="CAUSAL_LM"))
+    return model
 
 
 def estimate_case(case: Case, *, strategy: str = "fsdp1") -> dict[str, Any]:
@@ -101,7 +128,7 @@ def estimate_case(case: Case, *, strategy: str = "fsdp1") -> dict[str, Any]:
 
     t0 = time.perf_counter()
     kw = {"fsdp1_options": {"use_orig_params": case.use_orig_params}} if strategy == "fsdp1" else {}
-    est = memguard.estimate(build_model(case.model, "meta"), make_batch(case), device="cpu", precision=case.precision,
+    est = memguard.estimate(case_model(case, "meta"), make_batch(case), device="cpu", precision=case.precision,
                             zero_stage=case.zero_stage, world_size=case.world_size, strategy=strategy, **kw)
     return {"peak_bytes": int(est.peak_bytes), "peak_phase": est.peak_phase, "breakdown": dict(est.breakdown),
             "phase_peaks": dict(est.phase_peaks), "seconds": round(time.perf_counter() - t0, 2)}
@@ -113,17 +140,24 @@ def estimate_case(case: Case, *, strategy: str = "fsdp1") -> dict[str, Any]:
 
 
 def wrap(model: Any, case: Case) -> Any:
-    """``model`` wrapped in FSDP1 as the case says, each repeated block its own unit, the root the rest."""
+    """``model`` wrapped in FSDP1 as the case says, each repeated block its own unit, the root the rest; a LoRA
+    case with peft's own ``fsdp_auto_wrap_policy`` (each adapter leaf a unit too), as the HF Trainer wraps it
+    (transformers/distributed/fsdp.py, ``update_fsdp_plugin_peft``)."""
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from memguard.estimator._blocks import find_container
 
-    blocks = {type(b) for b in find_container(model).children()}
+    if case.lora:
+        from peft.utils.other import fsdp_auto_wrap_policy
+
+        policy = fsdp_auto_wrap_policy(model)
+    else:
+        policy = ModuleWrapPolicy({type(b) for b in find_container(model).children()})
     bf16 = torch.bfloat16
     mp = MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16) if case.precision == "bf16-mixed" else None
-    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(blocks), mixed_precision=mp,
+    return FullyShardedDataParallel(model, auto_wrap_policy=policy, mixed_precision=mp,
                                     sharding_strategy=getattr(ShardingStrategy, case.sharding_strategy),
                                     use_orig_params=case.use_orig_params, device_id=torch.device("cpu"))
 
@@ -136,9 +170,10 @@ def _rank_worker(case: Case, steps: int) -> dict[str, Any]:
     settle_collectives(pause_s=0.02)  # as benchmarks/fsdp2_cpu.py: gloo's thread lets go first
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = wrap(build_model(case.model), case)
+    model = wrap(case_model(case), case)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # the trainable parameters, as the HF Trainer's create_optimizer takes them (a frozen flat parameter has none)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     batch = make_batch(case)
     losses: list[float] = []
 

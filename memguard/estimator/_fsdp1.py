@@ -138,9 +138,36 @@ def fsdp1_layout(precision_dtype: torch.dtype | None, zero_stage: int, world_siz
                        backend="gloo" if device == "cpu" else "nccl", **kw)
 
 
-def notes_of(layout: FSDP1Layout) -> tuple[str, ...]:
+ADAPTER_UNITS_NOTE = ("FSDP1 units: each trainable leaf module (a LoRA adapter's lora_A/lora_B) its own unit as well as "
+                      "each block, as peft's fsdp_auto_wrap_policy wraps them (the HF Trainer and Accelerate set it "
+                      "for a PEFT model; FSDP1 refuses a unit of frozen and trainable parameters without "
+                      "use_orig_params)")
+
+
+def notes_of(layout: FSDP1Layout, model: nn.Module | None = None) -> tuple[str, ...]:
     """What an FSDP1 estimate assumed (``Estimate.notes``)."""
-    return (layout.note(),) + (() if layout.limit_all_gathers else (LIMITER_NOTE,))
+    adapters = (ADAPTER_UNITS_NOTE,) if model is not None and wraps_trainable_leaves(model, layout) else ()
+    return (layout.note(),) + adapters + (() if layout.limit_all_gathers else (LIMITER_NOTE,))
+
+
+def _trainable_leaf(module: nn.Module) -> bool:
+    """peft's ``lambda_policy_fn`` (peft/utils/other.py, ``fsdp_auto_wrap_policy``): a module without
+    children whose ``weight`` requires grad."""
+    weight = getattr(module, "weight", None)
+    return next(module.children(), None) is None and weight is not None and bool(weight.requires_grad)
+
+
+def wraps_trainable_leaves(model: nn.Module, layout: FSDP1Layout) -> bool:
+    """Whether :func:`wrap_model` gives each trainable leaf module its own unit, as peft's
+    ``fsdp_auto_wrap_policy`` does: for a PEFT model (transformers/distributed/fsdp.py,
+    ``update_fsdp_plugin_peft``, sets it as the Accelerate plugin's policy for every PEFT model the HF
+    Trainer shards; Answer.AI's FSDP-QLoRA ``train.py`` builds the same policy), and for any model of
+    frozen and trainable parameters under ``use_orig_params=False``, which FSDP1 cannot wrap otherwise
+    (``_init_utils.py``: a unit's flat parameter needs one ``requires_grad``)."""
+    flags = {p.requires_grad for p in model.parameters()}
+    if flags != {True, False}:
+        return False
+    return hasattr(model, "peft_config") or not layout.use_orig_params
 
 
 def _mp_dtypes(value: Any) -> dict[str, Any]:
@@ -176,7 +203,8 @@ def wrap_model(model: nn.Module, layout: FSDP1Layout, blocks: list[nn.Module] | 
                device: torch.device | None = None) -> nn.Module:
     """``model`` wrapped in ``FullyShardedDataParallel`` with each repeated block (``blocks``, default:
     the children of :func:`~memguard.estimator._blocks.find_container`) its own unit (``ModuleWrapPolicy``
-    of their classes), the root the rest, as the layout says.
+    of their classes), the root the rest, as the layout says; where :func:`wraps_trainable_leaves`, each
+    trainable leaf module (a LoRA adapter) is a unit of its own too, as peft's policy makes it.
 
     Raises:
         ConfigError: FSDP1 refuses the model.
@@ -190,6 +218,18 @@ def wrap_model(model: nn.Module, layout: FSDP1Layout, blocks: list[nn.Module] | 
         container = find_container(model)
         blocks = list(container.children()) if container is not None else []
     policy = ModuleWrapPolicy({type(b) for b in blocks}) if blocks else None
+    if wraps_trainable_leaves(model, layout):
+        # peft's fsdp_auto_wrap_policy: _or_policy of its lambda policy (trainable leaves) and a
+        # transformer_auto_wrap_policy of the block classes
+        import functools
+
+        from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
+
+        policies = [functools.partial(lambda_auto_wrap_policy, lambda_fn=_trainable_leaf)]
+        if blocks:
+            policies.append(functools.partial(transformer_auto_wrap_policy,
+                                              transformer_layer_cls={type(b) for b in blocks}))
+        policy = functools.partial(_or_policy, policies=policies)
     prefetch = getattr(BackwardPrefetch, layout.backward_prefetch) if layout.backward_prefetch else None
     try:
         return FullyShardedDataParallel(

@@ -136,7 +136,11 @@ class FSDP1Tracer(FSDP2Tracer):
     def register(self) -> None:
         StepTracer.register(self)
         for flat in _flat_params(self.fmodel):
-            self.recorder.register(flat, Category.PARAMS)  # the sharded flat parameter (FlatParamHandle.shard)
+            # the sharded flat parameter (FlatParamHandle.shard keeps it as flat_param._local_shard): a unit
+            # whose flat parameter is unsharded here (.data the padded unsharded one, e.g. a frozen unit of a
+            # LoRA model under use_orig_params=False) still holds its shard, which .data does not reach
+            self.recorder.register(getattr(flat, "_local_shard", flat), Category.PARAMS)
+            self.recorder.register(flat, Category.PARAMS)
             if flat.grad is not None:
                 self.recorder.register(flat.grad, Category.GRADS)
 

@@ -285,5 +285,5 @@ def estimate(
     if request.fsdp1 is not None:
         from memguard.estimator._fsdp1 import notes_of
 
-        est = dataclasses.replace(est, notes=(*est.notes, *notes_of(request.fsdp1)))
+        est = dataclasses.replace(est, notes=(*est.notes, *notes_of(request.fsdp1, unwrap_model(model))))
     return est

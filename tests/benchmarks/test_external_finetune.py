@@ -46,7 +46,8 @@ def test_at_least_15_rows_covering_methods_and_strategies(rows):
     assert len({r["id"] for r in rs}) == len(rs), "row ids must be unique"
     methods = {r["setup"]["finetune"]["method"] for r in rs}
     assert {"lora", "qlora"} <= methods
-    assert {"fsdp2", "deepspeed"} <= {r["setup"].get("strategy") for r in rs}
+    # the FSDP rows ran FSDP1 (Answer.AI's train.py, Accelerate's plugin v1) and are estimated as FSDP1
+    assert {"fsdp1", "deepspeed"} <= {r["setup"].get("strategy") for r in rs}
     # sources external_cuda.json already uses are excluded
     used = set(json.loads(CUDA_DATA.read_text())["sources"])
     assert not used & set(sources)

@@ -97,6 +97,34 @@ def test_rank_holds_padded_flat_shards_and_their_adam_state(model, world):
     assert any("FULL_SHARD" in n and "use_orig_params=False" in n for n in est.notes), est.notes
 
 
+def test_a_lora_model_gets_peft_units_and_every_frozen_shard_is_counted():
+    # peft's fsdp_auto_wrap_policy (the HF Trainer's for a PEFT model) makes each adapter leaf a unit of its own;
+    # without it FSDP1 refuses a block of frozen and trainable parameters under use_orig_params=False
+    peft = pytest.importorskip("peft")
+    from memguard.estimator._fsdp1 import ADAPTER_UNITS_NOTE, FSDP1Layout, wraps_trainable_leaves
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    with torch.device("meta"):
+        lora = peft.get_peft_model(transformers.LlamaForCausalLM(cfg),
+                                   peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    flat = FSDP1Layout(world_size=2, use_orig_params=False)
+    assert wraps_trainable_leaves(lora, flat) and wraps_trainable_leaves(lora, FSDP1Layout(world_size=2))
+    with torch.device("meta"):
+        plain = transformers.LlamaForCausalLM(cfg)
+    assert not wraps_trainable_leaves(plain, flat)  # nothing frozen: one unit per block
+    by_mode = {orig: memguard.estimate(lora, _batch(), device="cpu", strategy="fsdp1", world_size=2, zero_stage=3,
+                                       fsdp1_options={"use_orig_params": orig}) for orig in (True, False)}
+    for est in by_mode.values():
+        assert ADAPTER_UNITS_NOTE in est.notes, est.notes
+    # each unit's shard is held whichever view its flat parameter shows when the step starts: the two modes
+    # hold the same bytes at the peak (benchmarks/results/fsdp1_cpu.md, the -lora cases: real runs agree)
+    assert by_mode[True].peak_bytes == by_mode[False].peak_bytes
+    # a plain model is wrapped per block, with no note
+    est = memguard.estimate(plain, _batch(), device="cpu", strategy="fsdp1", world_size=2, zero_stage=3)
+    assert ADAPTER_UNITS_NOTE not in est.notes
+
+
 def test_original_parameters_add_only_their_own_step_counters(model):
     # with use_orig_params the optimizer steps each original parameter's view into the shard: the same moments
     # (the views cover the shard's unpadded elements; padding is at the end of the last rank's chunk), and one
