@@ -287,10 +287,16 @@ def _apply_pipeline(model: nn.Module, layout: Layout, device_type: str, plan: di
         rank_group = stage_rank_group(stage_module, stage_ranks[rank], groups[rank],
                                       data_parallel_size=layout.dp_replicate * layout.dp_shard)
     device = next((p.device for p in model.parameters()), torch.device(device_type))
+    # under FSDP2's mixed precision the stage computes in param_dtype and returns that dtype: the policy casts
+    # the stage's floating-point inputs to it and its outputs only to an output_dtype, which shard_model leaves
+    # None (torch/distributed/fsdp/_fully_shard/_fsdp_state.py, FSDPState._cast_forward_inputs /
+    # _cast_output_dtype); the hidden states between stages, and their gradients, are then 16-bit while the
+    # sharded parameters stay fp32 (PipelineRun._dtype says why the receive buffers must match)
+    activation_dtype = mp_dtype if layout.dp_shard > 1 else None
     run = PipelineRun(model, stage_module, rank=rank, stages=layout.pp, schedule=layout.pp_schedule,
                       microbatches=layout.pp_microbatches or layout.pp, device=device,
                       group=mesh.get_group("pp"), stage_ranks=stage_ranks, rank_group=rank_group,
-                      data_parallel_size=layout.dp_replicate * layout.dp_shard)
+                      data_parallel_size=layout.dp_replicate * layout.dp_shard, activation_dtype=activation_dtype)
     return model, mesh, run
 
 

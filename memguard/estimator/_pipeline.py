@@ -667,5 +667,13 @@ class ShardedPipelineTracer(PipelineTracer, TPTracer):
     def fsdp_root(self, fmodel: nn.Module) -> nn.Module:
         return self.stage_module
 
+    def _dtype(self) -> torch.dtype:
+        """Under FSDP2's mixed precision the stages hand on hidden states in the policy's ``param_dtype``
+        (no ``output_dtype``: :func:`~memguard.estimator._fsdp2.shard_model`), and their receive buffers are
+        made in it, as :meth:`memguard.guard._pipeline_step.PipelineRun._dtype` makes them."""
+        if self.fsdp and self.layout.mp_dtype is not None:
+            return self.layout.mp_dtype
+        return super()._dtype()
+
     def pp_group(self) -> Any:
         return self.mesh["pp"].get_group()

@@ -209,17 +209,20 @@ class PipelineRun:
         rank_group: this stage's :class:`~memguard.guard._tp.TensorParallelRankGroup` (None with one rank per
             stage).
         data_parallel_size: the data-parallel ranks inside a stage (``dp_replicate x dp_shard``).
+        activation_dtype: the dtype of the hidden states the stages hand on (and of their gradients), which
+            sizes the stage's receive buffers; None: the parameters' dtype.
     """
 
     def __init__(self, model: nn.Module, stage_module: nn.Module, *, rank: int, stages: int, schedule: str,
                  microbatches: int, device: torch.device, group: Any = None,
                  stage_ranks: list[list[int]] | None = None, rank_group: Any = None,
-                 data_parallel_size: int = 1) -> None:
+                 data_parallel_size: int = 1, activation_dtype: torch.dtype | None = None) -> None:
         self.model, self.stage_module = model, stage_module
         self.rank, self.stages, self.schedule_name, self.microbatches = rank, stages, schedule, microbatches
         self.device, self.group = torch.device(device), group
         self.stage_ranks = stage_ranks if stage_ranks is not None else [[r] for r in range(stages)]
         self.rank_group, self.data_parallel_size = rank_group, data_parallel_size
+        self.activation_dtype = activation_dtype
         self.world_size = sum(len(r) for r in self.stage_ranks)
         cfg = model.config
         self.hidden_size, self.vocab_size = int(cfg.hidden_size), int(cfg.vocab_size)
@@ -242,6 +245,15 @@ class PipelineRun:
         return self.rank == self.stages - 1
 
     def _dtype(self) -> torch.dtype:
+        """The dtype of what the stage sends and receives. It must be the dtype the stage computes in: a
+        ``PipelineStage`` given its shapes makes its receive buffers from them (``stage.py``,
+        ``_setup_forward_recv_info`` / ``_create_grad_recv_info``; ``_utils.py``, ``_make_tensor_from_meta``:
+        ``torch.empty_strided``, uninitialised) and sends whatever the stage returned (``get_fwd_send_ops``),
+        without comparing the two unless ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``_runtime_validate``); gloo then
+        receives a bf16 message of half the bytes into an fp32 buffer without an error, which leaves half of it
+        as it was allocated."""
+        if self.activation_dtype is not None:
+            return self.activation_dtype
         for p in self.model.parameters():
             if p.is_floating_point():
                 return p.dtype

@@ -6,7 +6,9 @@ test_parallel_pipeline_mesh.py).
 set. The JSON holds ``"pp"``, ``"dp_shard"``, ``"tp"``, ``"schedule"``, ``"microbatches"``, ``"steps"`` and
 ``"out"``, and optionally ``"seq"``, ``"vocab"``, ``"measure"``, ``"raise_rank"``, ``"cap_rank"``,
 ``"cap_factor"`` and ``"hang_after_s"``, as parallel_pipeline_worker.py takes them (whose model, batches and
-measurement this reuses), ``"optimizer"`` (:func:`make_optimizer`), and ``"inside_rank"``: from the second step on,
+measurement this reuses), ``"optimizer"`` (:func:`make_optimizer`), ``"fill_uninitialized"``: fill every tensor
+torch allocates uninitialised with NaN (a read of memory nothing wrote then shows in the losses on every run), and
+``"inside_rank"``: from the second step on,
 that rank's tensor-parallel redistributions of partial tensors fail as an allocation does (an OOM inside a TP
 collective); the ranks then write their results and exit without a barrier; ``"time_steps"``: only
 :func:`time_steps`.
@@ -87,6 +89,11 @@ def main() -> None:
     if cfg.get("hang_after_s"):  # a hung rank prints where it waits, then exits (the test then fails)
         faulthandler.dump_traceback_later(cfg["hang_after_s"], exit=True)
     torch.set_num_threads(1)
+    if cfg.get("fill_uninitialized"):
+        # torch.empty and the like fill floating-point memory with NaN only under deterministic algorithms
+        # (torch/utils/deterministic.py, fill_uninitialized_memory)
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
     if cfg.get("measure"):
         # every collective (torch.distributed's and DTensor's functional ones) completes and gloo's worker thread
         # lets go of its tensors before the caller goes on, as the layout benchmark measures a rank
